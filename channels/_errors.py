@@ -1,0 +1,50 @@
+"""The project's exception hierarchy.
+
+It lives in ``channels`` because that is the lowest layer: every other package may
+import it, and ``asyncflow`` re-exports it.
+"""
+
+from __future__ import annotations
+
+
+class AsyncflowError(Exception):
+    """Base class of every error asyncflow raises on purpose."""
+
+
+class ConfigError(AsyncflowError, ValueError):
+    """A user-supplied configuration or argument is invalid (the message names it)."""
+
+
+class SchemaError(AsyncflowError, ValueError):
+    """Rows do not match the fields, dtypes or shapes they were declared with."""
+
+
+class MissingFieldError(SchemaError, KeyError):
+    """A method reads a field that its input does not carry."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TransportError(AsyncflowError):
+    """Moving rows between workers failed."""
+
+
+class ChannelError(AsyncflowError):
+    """Base class of channel errors."""
+
+
+class ClosedResourceError(ChannelError):
+    """This end of the channel was closed by its owner and can no longer be used."""
+
+
+class BrokenResourceError(ChannelError):
+    """The other side of the channel is gone (every receiver closed)."""
+
+
+class EndOfStream(ChannelError):
+    """Every sender closed and every buffered item was received."""
+
+
+class WouldBlock(ChannelError):
+    """A ``*_nowait`` operation could not complete without waiting."""

@@ -1,0 +1,331 @@
+"""Transfer protocols: how a group call's input rows map onto the callee's ranks
+(``distribute``) and how the ranks' outputs become one result (``collect``).
+
+Protocols are objects, declared per worker method with ``register``. The built-in
+ones cover the usual RLHF patterns; subclass :class:`TransferProtocol` for others.
+All decisions use metadata only: the driver never sees a row.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from channels._errors import ConfigError, SchemaError
+from channels._layout import Layout
+from channels._schema import BatchMeta, ColumnGroup, FieldSpec, RowRuns, Segment, runs_from_indices
+
+Assignment = RowRuns | None
+"""Rows one rank receives (None: the rank runs without input rows)."""
+
+
+class RankResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one rank reports after a call: where its output rows are, or a small value."""
+
+    rank: int
+    worker: int
+    key: str | None = None
+    """Shard key of the output rows (None: the method returned no rows)."""
+    num_rows: int = 0
+    fields: tuple[FieldSpec, ...] = ()
+    row_lengths: tuple[int, ...] | None = None
+    """Per-row token counts, when the method declares ``row_lengths``."""
+    value: Any = None
+    """A small non-row result (e.g. a metrics dict)."""
+
+
+class Collected(msgspec.Struct, frozen=True, kw_only=True):
+    """A collected batch plus the per-row lengths that balanced splits use."""
+
+    meta: BatchMeta
+    row_lengths: tuple[int, ...] | None = None
+
+
+class TransferProtocol(abc.ABC):
+    """How rows travel into and out of a group call."""
+
+    @abc.abstractmethod
+    def distribute(self, meta: BatchMeta, layout: Layout, row_lengths: Sequence[int] | None) -> list[Assignment]:
+        """Rows each rank of ``layout`` receives, one entry per rank."""
+
+    @abc.abstractmethod
+    def collect(self, results: Sequence[RankResult], layout: Layout, assignments: Sequence[Assignment] | None) -> Any:
+        """One result from every rank's result (``results[r]`` is rank ``r``'s);
+        ``assignments`` is what :meth:`distribute` gave the first data argument."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _batch_from(results: Sequence[RankResult], assignments: Sequence[Assignment] | None) -> Collected:
+    """Concatenate the output shards of ``results``; rows go back to input order when
+    every result answers exactly the rows it was given."""
+    shards = [r for r in results if r.key is not None and r.num_rows > 0]
+    fields = _common_fields(results)
+    mapped = assignments is not None and all(
+        assignments[r.rank] is not None and sum(b - a for a, b in assignments[r.rank] or ()) == r.num_rows
+        for r in results
+    )
+    segments: list[Segment] = []
+    lengths: dict[int, int] = {}
+    if mapped:
+        assert assignments is not None
+        for r in shards:
+            offset = 0
+            for start, stop in assignments[r.rank] or ():
+                segments.append(Segment(worker=r.worker, key=r.key or "", offset=offset, start=start, stop=stop))
+                if r.row_lengths is not None:
+                    lengths.update(zip(range(start, stop), r.row_lengths[offset : offset + stop - start], strict=True))
+                offset += stop - start
+        segments.sort(key=lambda s: s.start)
+        num_rows = sum(r.num_rows for r in results)
+    else:
+        num_rows = 0
+        for r in shards:
+            segments.append(Segment(worker=r.worker, key=r.key or "", offset=0, start=num_rows, stop=num_rows + r.num_rows))
+            if r.row_lengths is not None:
+                lengths.update(zip(range(num_rows, num_rows + r.num_rows), r.row_lengths, strict=True))
+            num_rows += r.num_rows
+    groups = (ColumnGroup(fields=fields, segments=tuple(segments)),) if fields else ()
+    row_lengths = tuple(lengths[i] for i in range(num_rows)) if len(lengths) == num_rows and num_rows else None
+    return Collected(meta=BatchMeta(num_rows=num_rows, groups=groups), row_lengths=row_lengths)
+
+
+def _common_fields(results: Sequence[RankResult]) -> tuple[FieldSpec, ...]:
+    with_rows = [r for r in results if r.key is not None]
+    if not with_rows:
+        return ()
+    first = with_rows[0]
+    for r in with_rows[1:]:
+        if r.fields != first.fields:
+            mine = {f.name: f for f in first.fields}
+            for f in r.fields:
+                other = mine.get(f.name)
+                if other != f:
+                    raise SchemaError(
+                        f"ranks {first.rank} and {r.rank} returned different schemas for field "
+                        f"{f.name!r}: {other} vs {f}; pad rows to a fixed per-row shape"
+                    )
+            raise SchemaError(
+                f"ranks {first.rank} and {r.rank} returned different fields: "
+                f"{[f.name for f in first.fields]} vs {[f.name for f in r.fields]}"
+            )
+    return first.fields
+
+
+class _Replicated(TransferProtocol):
+    """Split rows over replicas; every rank of a replica gets the replica's rows and
+    the replica's output rank reports them."""
+
+    def __init__(self, *, balance: Literal["rows", "tokens"] = "rows", group_size: int = 1) -> None:
+        if balance not in ("rows", "tokens"):
+            raise ConfigError(f"balance must be 'rows' or 'tokens', got {balance!r}")
+        if group_size < 1:
+            raise ConfigError(f"group_size must be >= 1, got {group_size}")
+        self.balance = balance
+        self.group_size = group_size
+
+    @abc.abstractmethod
+    def replicas(self, layout: Layout) -> list[tuple[int, bool]]:
+        """For each rank: (replica index, whether it is its replica's output rank)."""
+
+    def distribute(self, meta: BatchMeta, layout: Layout, row_lengths: Sequence[int] | None) -> list[Assignment]:
+        reps = self.replicas(layout)
+        n_rep = max(i for i, _ in reps) + 1
+        per_replica = split_rows(
+            meta.num_rows, n_rep, group_size=self.group_size,
+            weights=_weights(self.balance, row_lengths, meta.num_rows),
+        )
+        return [per_replica[i] for i, _ in reps]
+
+    def collect(self, results: Sequence[RankResult], layout: Layout, assignments: Sequence[Assignment] | None) -> Collected:
+        outputs = [results[r] for r, (_, out) in enumerate(self.replicas(layout)) if out]
+        return _batch_from(outputs, assignments)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(balance={self.balance!r}, group_size={self.group_size})"
+
+
+def _weights(balance: str, row_lengths: Sequence[int] | None, n: int) -> Sequence[int] | None:
+    if balance == "rows":
+        return None
+    if row_lengths is None or len(row_lengths) != n:
+        raise ConfigError(
+            "balance='tokens' needs per-row lengths: declare row_lengths=FIELD on the method "
+            "that produced the rows"
+        )
+    return row_lengths
+
+
+def split_rows(n: int, parts: int, *, group_size: int = 1, weights: Sequence[int] | None = None) -> list[RowRuns]:
+    """Split rows ``0..n-1`` into ``parts`` selections.
+
+    Groups of ``group_size`` consecutive rows stay together. Without ``weights`` the
+    split is contiguous and even (order kept); with them, groups go to parts by
+    longest-processing-time-first under an equal-count constraint, so the parts'
+    summed weights are balanced. Within a part rows keep their order.
+
+    Raises:
+        ConfigError: ``n`` is not a multiple of ``group_size``.
+    """
+    if n % group_size:
+        raise ConfigError(f"{n} rows cannot be split into whole groups of {group_size}")
+    groups = n // group_size
+    if weights is None:
+        base, extra = divmod(groups, parts)
+        out, g = [], 0
+        for p in range(parts):
+            k = base + (p < extra)
+            out.append(((g * group_size, (g + k) * group_size),) if k else ())
+            g += k
+        return out
+    gw = [sum(weights[g * group_size : (g + 1) * group_size]) for g in range(groups)]
+    cap = [groups // parts + (p < groups % parts) for p in range(parts)]
+    load, members = [0] * parts, [[] for _ in range(parts)]
+    for g in sorted(range(groups), key=lambda g: (-gw[g], g)):
+        p = min((p for p in range(parts) if len(members[p]) < cap[p]), key=lambda p: (load[p], p))
+        members[p].append(g)
+        load[p] += gw[g]
+    return [
+        runs_from_indices(i for g in sorted(m) for i in range(g * group_size, (g + 1) * group_size))
+        for m in members
+    ]
+
+
+class DP(_Replicated):
+    """Data parallel: rows split over the ``d`` data-parallel groups, replicated
+    within each group's tensor/pipeline ranks; collected from each group's output
+    rank (last pipeline stage, tensor rank 0).
+
+    Args:
+        balance: ``"rows"`` (contiguous, order kept) or ``"tokens"`` (balance the
+            producers' declared row lengths).
+        group_size: keep runs of this many consecutive rows (e.g. GRPO's samples of
+            one prompt) on one rank.
+    """
+
+    def replicas(self, layout: Layout) -> list[tuple[int, bool]]:
+        out = []
+        for r in range(layout.world):
+            c = layout.coords(r)
+            out.append((c.dp, c.tp == 0 and c.pp == layout.p - 1))
+        return out
+
+
+class AllToAll(_Replicated):
+    """Every rank gets its own share of the rows and reports its own output."""
+
+    def replicas(self, layout: Layout) -> list[tuple[int, bool]]:
+        return [(r, True) for r in range(layout.world)]
+
+
+class MicroDP(_Replicated):
+    """The hybrid engine's generation layout: each training TP group of ``t`` ranks
+    holds ``dg = t / tg`` generation replicas whose TP groups take ranks at stride
+    ``dg``; rows split over all ``d * dg`` generation replicas.
+
+    Args:
+        tg: generation tensor-parallel size (must divide the training ``t``).
+    """
+
+    def __init__(self, *, tg: int, balance: Literal["rows", "tokens"] = "rows", group_size: int = 1) -> None:
+        super().__init__(balance=balance, group_size=group_size)
+        if tg < 1:
+            raise ConfigError(f"MicroDP.tg must be >= 1, got {tg}")
+        self.tg = tg
+
+    def replicas(self, layout: Layout) -> list[tuple[int, bool]]:
+        if layout.t % self.tg:
+            raise ConfigError(f"MicroDP.tg={self.tg} must divide the training tensor size t={layout.t}")
+        dg = layout.t // self.tg
+        out = []
+        for r in range(layout.world):
+            c = layout.coords(r)
+            out.append((c.dp * dg + c.tp % dg, c.tp < dg and c.pp == layout.p - 1))
+        return out
+
+    def __repr__(self) -> str:
+        return f"MicroDP(tg={self.tg}, balance={self.balance!r}, group_size={self.group_size})"
+
+
+class OneToAll(TransferProtocol):
+    """Every rank gets every row. Rows returned by all ranks are concatenated in rank
+    order; values come back as a list in rank order."""
+
+    def distribute(self, meta: BatchMeta, layout: Layout, row_lengths: Sequence[int] | None) -> list[Assignment]:
+        whole: RowRuns = ((0, meta.num_rows),) if meta.num_rows else ()
+        return [whole] * layout.world
+
+    def collect(self, results: Sequence[RankResult], layout: Layout, assignments: Sequence[Assignment] | None) -> Any:
+        if any(r.key is not None for r in results):
+            return _batch_from(results, None)
+        return [r.value for r in results]
+
+
+class RankZero(TransferProtocol):
+    """Rank 0 gets every row; the other ranks run without rows (e.g. to join a
+    collective). Rank 0's output is the result."""
+
+    def distribute(self, meta: BatchMeta, layout: Layout, row_lengths: Sequence[int] | None) -> list[Assignment]:
+        whole: RowRuns = ((0, meta.num_rows),) if meta.num_rows else ()
+        return [whole] + [None] * (layout.world - 1)
+
+    def collect(self, results: Sequence[RankResult], layout: Layout, assignments: Sequence[Assignment] | None) -> Any:
+        r0 = results[0]
+        if r0.key is not None:
+            return _batch_from([r0], assignments)
+        return r0.value
+
+
+Reducer = Literal["mean", "sum", "max", "min"]
+
+
+class Metrics(TransferProtocol):
+    """Rows distributed as ``over`` does; each output rank returns a small dict of
+    numbers and the dicts are reduced key by key (mean unless ``reduce`` says
+    otherwise for that key).
+
+    Args:
+        over: the protocol that distributes the rows (default ``DP()``).
+        reduce: per-key reducer overrides, e.g. ``{"tokens": "sum"}``.
+    """
+
+    def __init__(self, *, over: _Replicated | None = None, reduce: Mapping[str, Reducer] | None = None) -> None:
+        self.over = over if over is not None else DP()
+        self.reduce = dict(reduce or {})
+        for k, how in self.reduce.items():
+            if how not in ("mean", "sum", "max", "min"):
+                raise ConfigError(f"Metrics.reduce[{k!r}] must be mean, sum, max or min, got {how!r}")
+
+    def distribute(self, meta: BatchMeta, layout: Layout, row_lengths: Sequence[int] | None) -> list[Assignment]:
+        return self.over.distribute(meta, layout, row_lengths)
+
+    def collect(self, results: Sequence[RankResult], layout: Layout, assignments: Sequence[Assignment] | None) -> dict[str, float]:
+        dicts = [results[r].value for r, (_, out) in enumerate(self.over.replicas(layout)) if out]
+        return reduce_metrics(dicts, self.reduce)
+
+    def __repr__(self) -> str:
+        return f"Metrics(over={self.over!r}, reduce={self.reduce})"
+
+
+def reduce_metrics(dicts: Sequence[Any], reduce: Mapping[str, Reducer] | None = None) -> dict[str, float]:
+    """Reduce metric dicts key by key (mean by default).
+
+    Raises:
+        SchemaError: an entry is not a dict of numbers.
+    """
+    reduce = reduce or {}
+    values: dict[str, list[float]] = {}
+    for d in dicts:
+        if not isinstance(d, Mapping):
+            raise SchemaError(f"a Metrics method must return a dict of numbers, got {type(d).__name__}")
+        for k, v in d.items():
+            try:
+                values.setdefault(k, []).append(float(v))
+            except (TypeError, ValueError):
+                raise SchemaError(f"metric {k!r} is not a number: {v!r}") from None
+    ops = {"mean": lambda xs: sum(xs) / len(xs), "sum": sum, "max": max, "min": min}
+    return {k: float(ops[reduce.get(k, "mean")](xs)) for k, xs in values.items()}
