@@ -130,7 +130,7 @@ async def _run(session: Session, pool: PoolState, call: Call) -> Any:
                       out_key=f"c{call.call_id}", data_args=tuple(data_args))
         transforms = {n: [(t.fn, t.kwargs) for t in r.transforms] for n, r in inputs.items() if r.transforms}
         refs.append(actor.execute.remote(msgspec.msgpack.encode(cs), call.kwargs, transforms, *pieces))
-    results = await _await_ranks(pool, call, refs)
+    results = await _await_ranks(session, pool, call, refs)
     first = next(iter(assignments.values()), None)
     out = spec.protocol.collect(results, call.layout, first)
     return _finish(session, call, results, out)
@@ -164,7 +164,7 @@ def _checked(call: Call, name: str, fields: Sequence[str], have: set[str]) -> tu
     return tuple(dict.fromkeys(fields))
 
 
-async def _await_ranks(pool: PoolState, call: Call, refs: Sequence[Any]) -> list[RankResult]:
+async def _await_ranks(session: Session, pool: PoolState, call: Call, refs: Sequence[Any]) -> list[RankResult]:
     tasks = [asyncio.ensure_future(ref) for ref in refs]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     failed = [i for i, t in enumerate(tasks) if t.done() and t.exception() is not None]
@@ -178,11 +178,17 @@ async def _await_ranks(pool: PoolState, call: Call, refs: Sequence[Any]) -> list
             pool.broken = err
     if isinstance(err, WorkerDiedError):
         pool.broken = err
-    for t in tasks:  # retrieve the others' exceptions so none is logged as lost
-        if t.done() and not t.cancelled():
-            t.exception()
+    def discard(task: asyncio.Future[RankResult]) -> None:
+        # The call failed: rows other ranks produced for it are never named by a
+        # future. (Reading the exception also keeps asyncio from logging it.)
+        if not task.cancelled() and task.exception() is None and task.result().key is not None:
+            session.release_now({(task.result().worker, task.result().key)})
+
+    for t in tasks:
+        if t.done():
+            discard(t)
         else:
-            t.add_done_callback(lambda f: f.cancelled() or f.exception())
+            t.add_done_callback(discard)
     raise err
 
 
@@ -200,7 +206,7 @@ def remote_error(exc: BaseException, *, call: Call, pool: str, rank: int) -> Bas
             return WorkerDiedError(cause=f"a worker it pulled rows from died: {cause}",
                                    remote_traceback=str(exc), **where)
         text = f"{type(cause).__name__}: {cause}" if cause is not None else exc.__class__.__name__
-        return RemoteStageError(cause=text, remote_traceback=exc.traceback_str, **where)
+        return RemoteStageError(cause=text, remote_traceback=getattr(exc, "traceback_str", None) or str(exc), **where)
     if isinstance(exc, ray.exceptions.RayError):
         return RemoteStageError(cause=f"{type(exc).__name__}: {exc}", remote_traceback="", **where)
     return exc

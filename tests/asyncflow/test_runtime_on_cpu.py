@@ -1,0 +1,252 @@
+"""The runtime on real Ray workers and real gloo groups (CPU).
+
+One session serves the module: a producer pool of 4 ranks and consumer pools of 2
+and 3 ranks, with more roles sharing those pools.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+
+import pytest
+import ray
+import torch
+from ray.util.state import list_objects
+
+import asyncflow as af
+from asyncflow import Layout, ResourcePool, RoleSpec
+from support import Collective, Consumer, Faulty, Producer, Sleeper, expected_x
+
+P4 = ResourcePool(name="p4", devices=4)
+C2 = ResourcePool(name="c2", devices=2)
+C3 = ResourcePool(name="c3", devices=3)
+
+
+@pytest.fixture(scope="module")
+def env(loop_thread):
+    # The dashboard serves ray.util.state, which the object-store check reads.
+    ray.init(num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=True, log_to_driver=False)
+    session = af.Session()
+    roles = loop_thread.run(_start(session))
+    yield loop_thread, session, roles
+    loop_thread.run(session.close())
+    ray.shutdown()
+
+
+async def _start(session: af.Session) -> af.Roles:
+    await session.__aenter__()
+    return await session.spawn({
+        "producer": RoleSpec(cls=Producer, pool=P4),
+        "consumer2": RoleSpec(cls=Consumer, pool=C2),
+        "consumer3": RoleSpec(cls=Consumer, pool=C3),
+        "sleeper2": RoleSpec(cls=Sleeper, pool=C2),
+        "sleeper2b": RoleSpec(cls=Sleeper, pool=C2),
+        "sleeper3": RoleSpec(cls=Sleeper, pool=C3),
+        "faulty": RoleSpec(cls=Faulty, pool=C3),
+        "tp": RoleSpec(cls=Collective, pool=P4, layout=Layout(t=2, d=2)),
+    })
+
+
+def _received(stats, pool):
+    return [s.bytes_received for p, _, s in stats if p == pool]
+
+
+def test_transport_is_rdt_over_gloo(env) -> None:
+    _, session, _ = env
+    assert session.transport == "gloo"
+
+
+@pytest.mark.parametrize("consumer,ranks", [("consumer2", 2), ("consumer3", 3)])
+def test_reshard_4_to_n_keeps_order_values_and_moves_only_needed_bytes(env, consumer, ranks) -> None:
+    lt, session, roles = env
+    n, width = 22, 16
+
+    async def main():
+        before = await session.store_stats()
+        src = await session.put({"idx": torch.arange(n)}, pool=P4)
+        made = roles.producer.produce(src, width=width)
+        meta = await made
+        assert len({s.worker for s in meta.groups[0].segments}) == 4  # rows live on 4 producer ranks
+        echoed = getattr(roles, consumer).echo(made)
+        out = await echoed.fetch()
+        after = await session.store_stats()
+        return before, out, after
+
+    before, out, after = lt.run(main())
+    assert torch.equal(out["idx"], torch.arange(n))
+    assert torch.equal(out["x"].double(), expected_x(torch.arange(n), width))
+    # Each consumer rank pulled exactly its rows of the two columns it reads.
+    pool = consumer.replace("consumer", "c")
+    moved = [a - b for a, b in zip(_received(after, pool), _received(before, pool), strict=True)]
+    rows = [r.stop - r.start for r in [range(*x[0]) for x in af.AllToAll().distribute(
+        af.BatchMeta(num_rows=n), Layout(d=ranks), None)]]
+    row_bytes = 8 + 4 * width  # idx int64 + x float32[width]
+    assert moved == [k * row_bytes for k in rows]
+    assert torch.equal(out["rank"], torch.repeat_interleave(torch.arange(ranks), torch.tensor(rows)))
+
+
+def test_token_balanced_split_keeps_groups_and_returns_rows_in_order(env) -> None:
+    lt, session, roles = env
+
+    async def main():
+        src = await session.put({"idx": torch.arange(24)}, pool=P4)
+        return await roles.consumer3.echo_balanced(roles.producer.produce(src, width=8)).fetch()
+
+    out = lt.run(main())
+    assert torch.equal(out["idx"], torch.arange(24))
+    ranks = out["rank"].view(12, 2)
+    assert torch.equal(ranks[:, 0], ranks[:, 1])  # pairs stay on one rank
+    assert set(out["rank"].tolist()) == {0, 1, 2}
+
+
+def test_metrics_merge_and_map(env) -> None:
+    lt, session, roles = env
+
+    @af.transform(reads=("x",), writes=("adv",))
+    def centre(batch, *, scale):
+        return {"adv": (batch["x"] - batch["x"].mean()) * scale}
+
+    async def main():
+        src = await session.put({"idx": torch.arange(10)}, pool=P4)
+        made = roles.producer.produce(src, width=4)
+        total = await roles.consumer2.total(made)
+        extra = roles.consumer3.echo(made)
+        merged = af.merge(made, extra)  # columns of both, rows aligned
+        adv = await roles.consumer2.needs_adv(merged.map(centre, scale=2.0)).fetch()
+        return total, await merged.fetch(), adv
+
+    total, merged, adv = lt.run(main())
+    assert total["sum"] == pytest.approx(float(expected_x(torch.arange(10), 4).sum()) / 2)  # mean of 2 ranks
+    assert set(merged) == {"idx", "x", "mask", "rank"}
+    assert adv["adv"].shape == (10, 4)
+
+
+def test_missing_field_fails_at_call_time_naming_it(env) -> None:
+    lt, session, roles = env
+
+    async def main():
+        src = await session.put({"idx": torch.arange(4)}, pool=P4)
+        made = roles.producer.produce(src, width=4)
+        with pytest.raises(af.MissingFieldError, match="'adv'") as info:
+            roles.consumer2.needs_adv(made)  # raises before anything runs
+        return str(info.value)
+
+    msg = lt.run(main())
+    assert "consumer2.needs_adv" in msg and "producer.produce" in msg
+
+
+def test_bad_arguments_fail_at_call_time(env) -> None:
+    _, _, roles = env
+    with pytest.raises(TypeError, match="width"):
+        roles.producer.produce(None, widht=3)
+    with pytest.raises(AttributeError, match="has no registered method"):
+        roles.producer.nope()
+
+
+def test_roles_on_different_pools_overlap_and_on_one_pool_never(env) -> None:
+    lt, _, roles = env
+
+    async def main():
+        a = roles.sleeper2.work(1.5)   # pool c2
+        b = roles.sleeper3.work(1.5)   # pool c3: runs beside a
+        c = roles.sleeper2b.work(0.5)  # pool c2 again: queued behind a
+        return await af.gather(a, b, c)
+
+    a, b, c = lt.run(main())
+    a0, a1 = min(x["start"] for x in a), max(x["end"] for x in a)
+    b0, b1 = min(x["start"] for x in b), max(x["end"] for x in b)
+    c0 = min(x["start"] for x in c)
+    assert max(a0, b0) < min(a1, b1), "different pools did not overlap"
+    assert c0 >= a1, "two roles on one pool ran at the same time"
+    assert {x["pid"] for x in a} == {x["pid"] for x in c}  # same processes host both roles
+
+
+def test_role_mesh_groups_are_real_process_groups(env) -> None:
+    lt, _, roles = env
+    sums = lt.run(_await(roles.tp.dp_sum()))
+    # Layout(t=2, d=2): dp groups are ranks {0, 2} and {1, 3}.
+    assert sums == [4.0, 6.0, 4.0, 6.0]
+
+
+async def _await(fut):
+    return await fut
+
+
+def test_raising_method_names_role_method_rank_and_cancels_dependents(env) -> None:
+    lt, session, roles = env
+
+    async def main():
+        src = await session.put({"idx": torch.arange(9)}, pool=P4)
+        made = roles.producer.produce(src, width=4)
+        bad = roles.faulty.boom(made, on_rank=1)
+        dependent = roles.consumer2.total(bad)  # another pool, reads what boom writes
+        with pytest.raises(af.RemoteStageError) as info:
+            await bad
+        with pytest.raises(af.RemoteStageError) as dep_info:
+            await dependent
+        after = await roles.consumer3.echo(made)  # the pool is still usable
+        return info.value, dep_info.value, after
+
+    err, dep_err, after = lt.run(main())
+    assert (err.role, err.method, err.rank) == ("faulty", "boom", 1)
+    assert "bad row block on rank 1" in str(err) and "ValueError" in err.remote_traceback
+    assert dep_err is err
+    assert after.num_rows == 9
+
+
+def _object_store_bytes() -> int:
+    return sum(o.object_size or 0 for o in list_objects(limit=10_000, raise_on_missing_output=False))
+
+
+def _settled_object_store_bytes(lt, session, limit: int | None = None) -> int:
+    """Object-store bytes once our frees went through and Ray's RDT monitor thread
+    (which holds each transfer's send/receive refs and polls them about once a
+    second) let go; waits at most 20 s for the count to reach ``limit``."""
+    deadline = time.monotonic() + 20
+    while True:
+        gc.collect()
+        lt.run(session.drain())
+        now = _object_store_bytes()
+        if limit is None or now <= limit or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def test_200_iterations_leave_stores_empty_and_object_store_at_baseline(env) -> None:
+    lt, session, roles = env
+
+    async def iterate(k):
+        for _ in range(k):
+            src = await session.put({"idx": torch.arange(12)}, pool=P4)
+            made = roles.producer.produce(src, width=64)
+            await roles.consumer3.echo(made)
+            del src, made
+
+    lt.run(iterate(1))
+    time.sleep(2)
+    baseline = _settled_object_store_bytes(lt, session)
+    lt.run(iterate(200))
+    assert _settled_object_store_bytes(lt, session, limit=baseline) <= baseline
+    stats = lt.run(session.store_stats())
+    assert [s.shards for _, _, s in stats] == [0] * len(stats)
+
+
+def test_driver_rss_grows_less_than_a_tenth_of_a_256mb_payload(env) -> None:
+    lt, session, roles = env
+    width = 1024
+    n = 256 * 2**20 // (4 * width)
+
+    async def main():
+        src = await session.put({"idx": torch.arange(n)}, pool=P4)
+        made = roles.producer.produce(src, width=width)
+        await made
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        total = await roles.consumer3.total(made)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        return total, grown
+
+    total, grown_kb = lt.run(main())
+    assert total["rows"] == pytest.approx(n / 3)
+    assert grown_kb * 1024 < 0.10 * 256 * 2**20
