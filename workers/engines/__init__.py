@@ -1,0 +1,110 @@
+"""PyTorch-native training engine: losses, advantage estimators, FSDP2/TP training, checkpoints.
+
+- :class:`TrainingEngine` trains one role's model (causal LM or value model) with AdamW,
+  token-balanced or fixed-size micro-batching and a parallel layout over a
+  ``("pp", "dp", "tp")`` DeviceMesh (FSDP2 over ``dp``, DTensor TP over ``tp``).
+- Objectives (:class:`PolicyLoss`, :class:`ValueLoss`, :class:`NLLLoss`) are pluggable;
+  the pure functions beneath them (PPO/GRPO losses, KL estimators, masked ops) and the
+  advantage estimators (GAE, GRPO, ReMax) are usable on their own.
+"""
+
+from __future__ import annotations
+
+from workers.engines._advantages import (
+    fold_kl_into_rewards,
+    gae_advantages,
+    grpo_advantages,
+    remax_advantages,
+    scores_to_token_rewards,
+)
+from workers.engines._batch import (
+    SEQUENCE_FIELDS,
+    FixedSizeMicroBatches,
+    MicroBatchPlanner,
+    SequenceInputs,
+    TokenBalancedMicroBatches,
+    WholeBatch,
+    build_inputs,
+)
+from workers.engines._engine import TrainingConfig, TrainingEngine
+from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
+from workers.engines._losses import (
+    KLEstimator,
+    LossAggregation,
+    PolicyLossTerms,
+    ValueLossTerms,
+    clipped_value_loss,
+    entropy_from_logits,
+    grpo_loss,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    ppo_policy_loss,
+)
+from workers.engines._objectives import (
+    EngineConfigError,
+    LossFn,
+    LossTerms,
+    ModelOutputs,
+    NLLLoss,
+    PolicyLoss,
+    ValueLoss,
+)
+from workers.engines._parallel import (
+    MESH_DIM_NAMES,
+    Parallelism,
+    TensorParallelPlan,
+    clip_grad_norm,
+)
+
+__all__ = [
+    "MESH_DIM_NAMES",
+    "SEQUENCE_FIELDS",
+    "CausalLMHead",
+    "EngineConfigError",
+    "FixedSizeMicroBatches",
+    "KLEstimator",
+    "LossAggregation",
+    "LossFn",
+    "LossTerms",
+    "MicroBatchPlanner",
+    "ModelHead",
+    "ModelOutputs",
+    "NLLLoss",
+    "Parallelism",
+    "PolicyLoss",
+    "PolicyLossTerms",
+    "SequenceInputs",
+    "TensorParallelPlan",
+    "TokenBalancedMicroBatches",
+    "TrainingConfig",
+    "TrainingEngine",
+    "ValueHead",
+    "ValueLoss",
+    "ValueLossTerms",
+    "WholeBatch",
+    "build_inputs",
+    "clip_grad_norm",
+    "clipped_value_loss",
+    "entropy_from_logits",
+    "fold_kl_into_rewards",
+    "gae_advantages",
+    "grpo_advantages",
+    "grpo_loss",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "remax_advantages",
+    "scores_to_token_rewards",
+]

@@ -1,0 +1,123 @@
+"""Model heads: how a model's forward becomes per-response-token outputs.
+
+A causal LM yields log-probs (and entropy) of the response tokens; a value model
+yields one value per response position. The engine is the same for both roles; the
+head is the strategy that differs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from workers.engines._batch import SequenceInputs
+from workers.engines._losses import entropy_from_logits, logprobs_from_logits
+from workers.engines._objectives import EngineConfigError, ModelOutputs
+
+
+class ModelHead(Protocol):
+    """Runs the model on some rows and extracts the outputs over their response tokens."""
+
+    def __call__(
+        self, model: nn.Module, inputs: SequenceInputs, *, entropy_grad: bool
+    ) -> ModelOutputs:
+        """Outputs ``[b, R']`` over ``inputs``' response columns.
+
+        Args:
+            model: the (possibly parallelised) model.
+            inputs: the trimmed sequence inputs.
+            entropy_grad: keep the entropy's autograd graph (an entropy bonus needs it).
+
+        Returns:
+            The outputs this head produces.
+        """
+        ...
+
+
+def _accepted_kwargs(model: nn.Module) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CausalLMHead:
+    """Log-probs and entropy of the response tokens from a causal LM's logits.
+
+    The log-prob of response token j comes from the logits at position ``P' + j - 1``.
+    Models that accept ``logits_to_keep`` (Hugging Face) compute only the ``R' + 1``
+    last positions' logits.
+    """
+
+    temperature: float = 1.0
+    """Divides the logits; 1.0 matches the rollout engines' raw log-probs."""
+    with_entropy: bool = True
+    """Also compute the entropy (without a graph unless the loss needs it)."""
+    chunk_size: int | None = 1024
+    """Token rows per chunk of the log-softmax computation (bounds the float32 copy)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise EngineConfigError(
+                f"CausalLMHead.temperature must be > 0 (1.0 = raw log-probs), got {self.temperature}"
+            )
+
+    def __call__(
+        self, model: nn.Module, inputs: SequenceInputs, *, entropy_grad: bool
+    ) -> ModelOutputs:
+        """See :meth:`ModelHead.__call__`."""
+        width = inputs.response_width
+        accepted = _accepted_kwargs(model)
+        extra: dict[str, object] = {}
+        if "logits_to_keep" in accepted:
+            extra["logits_to_keep"] = width + 1
+        if "use_cache" in accepted:
+            extra["use_cache"] = False
+        out = model(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            **extra,
+        )
+        logits = out.logits if hasattr(out, "logits") else out
+        logits = logits[:, -(width + 1) : -1]
+        logprobs = logprobs_from_logits(
+            logits, inputs.response_ids, temperature=self.temperature, chunk_size=self.chunk_size
+        )
+        entropy = None
+        if self.with_entropy:
+            source = logits if entropy_grad else logits.detach()
+            entropy = entropy_from_logits(
+                source, temperature=self.temperature, chunk_size=self.chunk_size
+            )
+        return ModelOutputs(logprobs=logprobs, entropy=entropy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueHead:
+    """Values of the response positions from a value model returning ``[b, T]``.
+
+    The value of response token j is read at position ``P' + j - 1`` (the state in
+    which token j was chosen), as verl's critic does.
+    """
+
+    def __call__(
+        self, model: nn.Module, inputs: SequenceInputs, *, entropy_grad: bool
+    ) -> ModelOutputs:
+        """See :meth:`ModelHead.__call__`."""
+        out = model(
+            inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+        )
+        if not isinstance(out, Tensor) or out.shape != inputs.input_ids.shape:
+            shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise EngineConfigError(
+                f"ValueHead needs a model returning values [B, T] = "
+                f"{tuple(inputs.input_ids.shape)}, got {shape}; use a value model or CausalLMHead"
+            )
+        start = inputs.prompt_width - 1
+        values = out[:, start : start + inputs.response_width]
+        return ModelOutputs(values=values.to(torch.float32))

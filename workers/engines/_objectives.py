@@ -1,0 +1,232 @@
+"""Pluggable training objectives: what the engine minimises, separate from how it runs.
+
+An objective is a callable ``loss(outputs, batch) -> LossTerms``: it reads the model
+outputs of one micro-batch (log-probs, entropy or values over the response tokens)
+and the batch tensors of the same rows, and returns *per-token* loss terms. The
+engine owns the reduction (a :class:`LossAggregation` over the global batch), which
+keeps gradient accumulation and data parallelism exact whatever the objective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor
+
+from workers.engines._losses import KLEstimator, clipped_value_loss, ppo_policy_loss
+
+
+class EngineConfigError(ValueError):
+    """A training-engine setting or input is invalid; the message names the field and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelOutputs:
+    """What a model head computed for a micro-batch, over its response tokens (``[b, R]``)."""
+
+    logprobs: Tensor | None = None
+    """Log-probs of the response tokens (causal LM heads)."""
+    entropy: Tensor | None = None
+    """Entropy of the next-token distribution at each response position (causal LM heads)."""
+    values: Tensor | None = None
+    """Value predictions for the response positions (value heads)."""
+
+    def require(self, name: str) -> Tensor:
+        """Return the output ``name``, or fail saying which head produces it.
+
+        Args:
+            name: ``"logprobs"``, ``"entropy"`` or ``"values"``.
+
+        Returns:
+            The tensor.
+
+        Raises:
+            EngineConfigError: if the engine's head did not produce it.
+        """
+        value = getattr(self, name)
+        if value is None:
+            head = "ValueHead" if name == "values" else "CausalLMHead"
+            raise EngineConfigError(
+                f"the loss needs model output {name!r}, which this engine's head does not "
+                f"produce; build the engine with head={head}()"
+            )
+        return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossTerms:
+    """Per-token results of an objective on one micro-batch."""
+
+    per_token: Tensor
+    """``[b, R]`` loss terms; the engine aggregates them over the global batch."""
+    metrics: Mapping[str, Tensor] = field(default_factory=dict)
+    """``[b, R]`` per-token statistics, reported as their token mean over the global batch."""
+
+
+class LossFn(Protocol):
+    """A training objective (see the module docstring)."""
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        """Batch fields the objective reads, checked before any compute."""
+        ...
+
+    @property
+    def uses_entropy(self) -> bool:
+        """Whether the loss differentiates through the entropy (so it needs its graph)."""
+        ...
+
+    def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
+        """Per-token loss terms for one micro-batch (``batch`` holds the same rows)."""
+        ...
+
+
+def _check_non_negative(owner: str, name: str, value: float | None) -> None:
+    if value is not None and value < 0:
+        raise EngineConfigError(f"{owner}.{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLoss:
+    """PPO clipped policy loss with optional dual clip, entropy bonus and KL loss term.
+
+    GRPO is this loss with ``kl_coef > 0`` (k3), group-normalised advantages
+    (:func:`grpo_advantages`) and the ``seq-mean-token-mean`` aggregation.
+    Reads ``old_logprobs``, ``advantages`` (``[B, R]`` or ``[B]``) and, with a KL term,
+    ``ref_logprobs``.
+    """
+
+    clip_ratio_low: float = 0.2
+    """Lower ratio clip epsilon."""
+    clip_ratio_high: float | None = None
+    """Upper ratio clip epsilon; None uses ``clip_ratio_low``."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    kl_coef: float = 0.0
+    """Weight of the KL(pi || ref) loss term; 0 disables it (and the need for ref_logprobs)."""
+    kl_estimator: KLEstimator = KLEstimator.K3
+    """Estimator of the KL loss term."""
+
+    def __post_init__(self) -> None:
+        for name in ("clip_ratio_low", "clip_ratio_high", "entropy_coef", "kl_coef"):
+            _check_non_negative("PolicyLoss", name, getattr(self, name))
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise EngineConfigError(
+                f"PolicyLoss.dual_clip must be > 1 (typically 3.0) or None, got {self.dual_clip}"
+            )
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        """Batch fields read: old_logprobs, advantages (and ref_logprobs with a KL term)."""
+        ref = ("ref_logprobs",) if self.kl_coef else ()
+        return ("old_logprobs", "advantages", *ref)
+
+    @property
+    def uses_entropy(self) -> bool:
+        """True when the entropy bonus is on."""
+        return self.entropy_coef != 0.0
+
+    def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
+        """Per-token PPO loss; metrics: clip_fraction, approx_kl, entropy, kl, dual_clip_fraction.
+
+        Args:
+            outputs: the micro-batch's model outputs (needs ``logprobs``).
+            batch: the micro-batch's tensors.
+
+        Returns:
+            The per-token terms.
+        """
+        logprobs = outputs.require("logprobs")
+        terms = ppo_policy_loss(
+            logprobs,
+            batch["old_logprobs"],
+            batch["advantages"],
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            dual_clip=self.dual_clip,
+        )
+        per_token = terms.loss
+        metrics: dict[str, Tensor] = {"clip_fraction": terms.clipped, "approx_kl": terms.approx_kl}
+        if self.dual_clip is not None:
+            metrics["dual_clip_fraction"] = terms.dual_clipped
+        if outputs.entropy is not None:
+            metrics["entropy"] = outputs.entropy.detach()
+        if self.entropy_coef:
+            per_token = per_token - self.entropy_coef * outputs.require("entropy")
+        if self.kl_coef:
+            kl = self.kl_estimator.estimate(logprobs, batch["ref_logprobs"])
+            per_token = per_token + self.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        return LossTerms(per_token=per_token, metrics=metrics)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValueLoss:
+    """Clipped value regression for critics; reads ``old_values`` and ``returns``."""
+
+    clip_range: float | None = 0.2
+    """How far predictions may move from old_values before the clipped error applies; None
+    disables clipping."""
+    coef: float = 1.0
+    """Multiplies the loss."""
+
+    def __post_init__(self) -> None:
+        _check_non_negative("ValueLoss", "clip_range", self.clip_range)
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        """Batch fields read: old_values, returns."""
+        return ("old_values", "returns")
+
+    @property
+    def uses_entropy(self) -> bool:
+        """Always False."""
+        return False
+
+    def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
+        """Per-token clipped value loss; metrics: value_clip_fraction, values.
+
+        Args:
+            outputs: the micro-batch's model outputs (needs ``values``).
+            batch: the micro-batch's tensors.
+
+        Returns:
+            The per-token terms.
+        """
+        values = outputs.require("values")
+        terms = clipped_value_loss(
+            values, batch["old_values"], batch["returns"], clip_range=self.clip_range
+        )
+        metrics = {"value_clip_fraction": terms.clipped, "values": values.detach()}
+        return LossTerms(per_token=self.coef * terms.loss, metrics=metrics)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NLLLoss:
+    """Negative log-likelihood of the response tokens (supervised fine-tuning)."""
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        """No fields beyond the sequence itself."""
+        return ()
+
+    @property
+    def uses_entropy(self) -> bool:
+        """Always False."""
+        return False
+
+    def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
+        """Per-token ``-log p``; no metrics.
+
+        Args:
+            outputs: the micro-batch's model outputs (needs ``logprobs``).
+            batch: unused.
+
+        Returns:
+            The per-token terms.
+        """
+        return LossTerms(per_token=-outputs.require("logprobs"))

