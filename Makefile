@@ -25,6 +25,8 @@ run: $(STAMP)
 	$(PY) -m bench.transfer --json bench-transfer.json
 
 test: $(STAMP)
+	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
+	$(PY) -m mypy asyncflow channels workers hybrid_engine
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

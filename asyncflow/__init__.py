@@ -5,6 +5,10 @@ data futures, and (re-exported) the data-plane and worker building blocks a user
 needs to write roles.
 """
 
+from asyncflow._errors import PoolBrokenError, RemoteStageError, SessionClosedError, WorkerDiedError
+from asyncflow._future import DataFuture, gather, merge, transform
+from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
+from asyncflow._session import RoleGroup, Roles, Session
 from channels import (
     DP,
     AllToAll,
@@ -23,11 +27,6 @@ from channels import (
     TransportError,
 )
 from workers import Role, WorkerContext, register
-
-from asyncflow._errors import PoolBrokenError, RemoteStageError, SessionClosedError, WorkerDiedError
-from asyncflow._future import DataFuture, gather, merge, transform
-from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
-from asyncflow._session import RoleGroup, Roles, Session
 
 __all__ = [
     "CPU_SLOT", "DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError",

@@ -140,7 +140,7 @@ class DataFuture(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         result = yield from self._resolve().__await__()
-        return result.meta if isinstance(result, Resolved) else result
+        return result.meta if isinstance(result, Resolved) else result  # type: ignore[return-value]
 
     async def fetch(self) -> Any:
         """Bring the rows to the driver as a :class:`~channels.Batch` (transforms
@@ -217,7 +217,7 @@ async def gather(*awaitables: Awaitable[Any]) -> tuple[Any, ...]:
     if not tasks:
         return ()
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in tasks:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]

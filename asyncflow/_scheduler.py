@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import ray
 
+from asyncflow._errors import PoolBrokenError, RemoteStageError, WorkerDiedError
+from asyncflow._future import DataFuture, Lease, Resolved
 from channels import (
     Collected,
     Layout,
@@ -29,9 +31,6 @@ from channels import (
     plan_pull,
 )
 from workers import CallSpec, DataArg, Endpoint
-
-from asyncflow._errors import PoolBrokenError, RemoteStageError, WorkerDiedError
-from asyncflow._future import DataFuture, Lease, Resolved
 
 if TYPE_CHECKING:
     from asyncflow._session import Session
@@ -117,7 +116,8 @@ async def _run(session: Session, pool: PoolState, call: Call) -> Any:
     }
     refs = []
     for rank, actor in enumerate(pool.actors):
-        data_args, pieces = [], []
+        data_args: list[DataArg] = []
+        pieces: list[Any] = []
         for name, r in inputs.items():
             runs = assignments[name][rank]
             if runs is None:
@@ -166,7 +166,7 @@ def _checked(call: Call, name: str, fields: Sequence[str], have: set[str]) -> tu
 
 async def _await_ranks(session: Session, pool: PoolState, call: Call, refs: Sequence[Any]) -> list[RankResult]:
     tasks = [asyncio.ensure_future(ref) for ref in refs]
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     failed = [i for i, t in enumerate(tasks) if t.done() and t.exception() is not None]
     if not failed:
         return [t.result() for t in tasks]
@@ -194,7 +194,7 @@ async def _await_ranks(session: Session, pool: PoolState, call: Call, refs: Sequ
 
 def remote_error(exc: BaseException, *, call: Call, pool: str, rank: int) -> BaseException:
     """A Ray failure as one error naming role, method and rank."""
-    where = {"role": call.role, "method": call.endpoint.spec.name, "rank": rank, "pool": pool}
+    where: dict[str, Any] = {"role": call.role, "method": call.endpoint.spec.name, "rank": rank, "pool": pool}
     if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.ActorUnavailableError):
         return WorkerDiedError(cause=f"the worker process died ({type(exc).__name__})",
                                remote_traceback=str(exc), **where)

@@ -16,13 +16,17 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from asyncflow._errors import SessionClosedError
+from asyncflow._future import DataFuture, Lease, Resolved
+from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
+from asyncflow._scheduler import Call, PoolState, check_call_fields, next_call_id, pool_loop
 from channels import (
     AllToAll,
     Batch,
@@ -37,11 +41,6 @@ from channels import (
     split_rows,
 )
 from workers import CONCURRENCY_GROUPS, Endpoint, WorkerProcess, check_role_class, endpoints
-
-from asyncflow._errors import SessionClosedError
-from asyncflow._future import DataFuture, Lease, Resolved
-from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
-from asyncflow._scheduler import Call, PoolState, check_call_fields, next_call_id, pool_loop
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +236,8 @@ class Session:
         _check_resources(pools, device)
         world = sum(p.devices for p in pools)
         threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else max(1, (os.cpu_count() or 1) // 2)
-        cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(WorkerProcess)
+        cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
+            WorkerProcess)
         index = 0
         for pool in pools:
             pg = placement_group([pool.bundle(device)] * pool.devices, strategy=pool.strategy)
@@ -375,7 +375,7 @@ class Session:
             except RuntimeError:  # loop closed
                 pass
 
-    def release_now(self, shards: set[tuple[int, str | None]]) -> None:
+    def release_now(self, shards: Iterable[tuple[int, str | None]]) -> None:
         """Free shards no future will ever name."""
         for w, k in shards:
             if k is not None:
@@ -400,7 +400,7 @@ class Session:
         """``(pool, rank, stats)`` of every worker's shard store, after pending
         frees went through."""
         await self.drain()
-        out = []
+        out: list[tuple[str, int, StoreStats]] = []
         for pool in self._pools.values():
             stats = await asyncio.gather(*(a.stats.remote() for a in pool.actors))
             out.extend((pool.name, rank, s) for rank, s in enumerate(stats))

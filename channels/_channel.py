@@ -268,7 +268,7 @@ class ReceiveChannel(Generic[T]):
         self.close()
 
 
-class open_channel(tuple[SendChannel[T], ReceiveChannel[T]]):  # noqa: N801 (reads as a function)
+class open_channel(tuple[SendChannel[T], ReceiveChannel[T]]):
     """Open a channel: ``send, receive = open_channel[Item](capacity)``.
 
     Args:

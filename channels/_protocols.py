@@ -9,7 +9,7 @@ All decisions use metadata only: the driver never sees a row.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -176,7 +176,8 @@ def split_rows(n: int, parts: int, *, group_size: int = 1, weights: Sequence[int
     groups = n // group_size
     if weights is None:
         base, extra = divmod(groups, parts)
-        out, g = [], 0
+        out: list[RowRuns] = []
+        g = 0
         for p in range(parts):
             k = base + (p < extra)
             out.append(((g * group_size, (g + k) * group_size),) if k else ())
@@ -184,7 +185,8 @@ def split_rows(n: int, parts: int, *, group_size: int = 1, weights: Sequence[int
         return out
     gw = [sum(weights[g * group_size : (g + 1) * group_size]) for g in range(groups)]
     cap = [groups // parts + (p < groups % parts) for p in range(parts)]
-    load, members = [0] * parts, [[] for _ in range(parts)]
+    load = [0] * parts
+    members: list[list[int]] = [[] for _ in range(parts)]
     for g in sorted(range(groups), key=lambda g: (-gw[g], g)):
         p = min((p for p in range(parts) if len(members[p]) < cap[p]), key=lambda p: (load[p], p))
         members[p].append(g)
@@ -327,5 +329,6 @@ def reduce_metrics(dicts: Sequence[Any], reduce: Mapping[str, Reducer] | None = 
                 values.setdefault(k, []).append(float(v))
             except (TypeError, ValueError):
                 raise SchemaError(f"metric {k!r} is not a number: {v!r}") from None
-    ops = {"mean": lambda xs: sum(xs) / len(xs), "sum": sum, "max": max, "min": min}
+    ops: dict[str, Callable[[list[float]], float]] = {
+        "mean": lambda xs: sum(xs) / len(xs), "sum": sum, "max": max, "min": min}
     return {k: float(ops[reduce.get(k, "mean")](xs)) for k, xs in values.items()}

@@ -108,8 +108,8 @@ class WorkerProcess:
             if name == self.pool:
                 self._pool_groups[name] = group
         for pool, layout in meshes:
-            ranks = torch.tensor(list(ranks_of[pool])).view(layout.p, layout.d, layout.t)
-            mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", "dp", "tp"))
+            grid = torch.tensor(list(ranks_of[pool])).view(layout.p, layout.d, layout.t)
+            mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
             if pool == self.pool:
                 self._meshes[(pool, layout)] = mesh
 

@@ -29,7 +29,7 @@ def test_killed_worker_surfaces_quickly_naming_role_and_rank() -> None:
             with pytest.raises(af.WorkerDiedError) as info:
                 await asyncio.wait_for(busy, timeout=30)
             elapsed = time.monotonic() - killed_at
-            with pytest.raises(af.PoolBrokenError, match="slow.work"):
+            with pytest.raises(af.PoolBrokenError, match=r"slow\.work"):
                 await asyncio.wait_for(roles.slow.pid(), timeout=10)
             still = await asyncio.wait_for(roles.other.pid(), timeout=30)  # other pools go on
             return info.value, elapsed, still

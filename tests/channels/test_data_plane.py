@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -37,7 +39,7 @@ def _sharded(n: int, cuts: list[int], width: int = 3) -> tuple[BatchMeta, dict[t
     full = torch.arange(n * width, dtype=torch.float32).view(n, width)
     bounds = [0, *sorted(set(cuts)), n]
     segs, stores = [], {}
-    for w, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for w, (a, b) in enumerate(itertools.pairwise(bounds)):
         if a == b:
             continue
         segs.append(Segment(worker=w, key="k", offset=0, start=a, stop=b))
@@ -165,7 +167,7 @@ def test_store_counts_and_frees() -> None:
 def test_batch_validation() -> None:
     with pytest.raises(SchemaError, match="rows"):
         Batch({"a": torch.zeros(2), "b": torch.zeros(3)})
-    with pytest.raises(SchemaError, match="torch.Tensor"):
+    with pytest.raises(SchemaError, match=r"torch\.Tensor"):
         Batch({"a": [1, 2]})  # type: ignore[dict-item]
-    with pytest.raises(MissingFieldError, match="'z'"):
+    with pytest.raises(MissingFieldError, match=r"'z'"):
         Batch({"a": torch.zeros(2)})["z"]
