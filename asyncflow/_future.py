@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from channels import Batch, BatchMeta, ConfigError, merge_meta
+from channels import Batch, BatchMeta, ConfigError, MissingFieldError, merge_meta
 
 if TYPE_CHECKING:
     from asyncflow._session import Session
@@ -153,6 +153,16 @@ class DataFuture(Generic[T]):
             batch = batch.update(t.fn(batch, **t.kwargs))
         return batch
 
+    def rename(self, **mapping: str) -> DataFuture[BatchMeta]:
+        """A future of the same rows with columns renamed, ``old=new`` (metadata only;
+        no row moves). Useful to merge two results that name a column alike."""
+        if self._fields is not None:
+            missing = [k for k in mapping if k not in self._fields]
+            if missing:
+                raise MissingFieldError(f"{self._label} has no field {missing[0]!r} to rename; "
+                                        f"it has {sorted(self._fields)}")
+        return _rename(self, mapping)
+
     def map(self, fn: Callable[..., Mapping[str, torch.Tensor]], /, **kwargs: Any) -> DataFuture[BatchMeta]:
         """A future of the same rows plus the columns ``fn(batch, **kwargs)``
         returns. ``fn`` runs on the ranks that consume the rows, never on the
@@ -174,6 +184,22 @@ class DataFuture(Generic[T]):
 
         name = getattr(fn, "__name__", "fn")
         return DataFuture(label=f"{self._label}.map({name})", fields=fields, session=self._session, derive=derive)
+
+
+def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[BatchMeta]:
+    fields = None if parent.fields is None else frozenset(mapping.get(f, f) for f in parent.fields)
+
+    async def derive() -> Resolved:
+        base = await parent._resolve()
+        if not isinstance(base, Resolved):
+            raise ConfigError(f"{parent.label} returned a value, not rows; it cannot be renamed")
+        if base.transforms:
+            raise ConfigError(f"rename {parent.label} before mapping it: transforms see the new names")
+        return Resolved(meta=base.meta.rename(mapping), row_lengths=base.row_lengths, leases=base.leases)
+
+    args = ", ".join(f"{k}={v!r}" for k, v in mapping.items())
+    return DataFuture(label=f"{parent.label}.rename({args})", fields=fields, session=parent._session,
+                      derive=derive)
 
 
 def merge(*futures: DataFuture[Any]) -> DataFuture[BatchMeta]:

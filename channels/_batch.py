@@ -25,14 +25,16 @@ class Batch(Mapping[str, torch.Tensor]):
 
     Args:
         columns: name -> tensor with at least one dimension.
+        group_size: rows come in consecutive groups of this size (e.g. the samples
+            of one prompt) that data-parallel splits keep together.
 
     Raises:
         SchemaError: a value is not a tensor, is 0-d, or the row counts differ.
     """
 
-    __slots__ = ("_columns", "_num_rows")
+    __slots__ = ("_columns", "_num_rows", "group_size")
 
-    def __init__(self, columns: Mapping[str, torch.Tensor] | None = None, /) -> None:
+    def __init__(self, columns: Mapping[str, torch.Tensor] | None = None, /, *, group_size: int = 1) -> None:
         cols = dict(columns or {})
         rows: int | None = None
         for name, t in cols.items():
@@ -48,6 +50,9 @@ class Batch(Mapping[str, torch.Tensor]):
                 )
         self._columns = cols
         self._num_rows = rows or 0
+        if group_size < 1 or self._num_rows % group_size:
+            raise SchemaError(f"{self._num_rows} rows do not form whole groups of {group_size}")
+        self.group_size = group_size
 
     @classmethod
     def empty(cls, fields: Iterable[FieldSpec]) -> Batch:
@@ -91,15 +96,15 @@ class Batch(Mapping[str, torch.Tensor]):
 
     def select(self, names: Iterable[str]) -> Batch:
         """Only columns ``names`` (raises :class:`MissingFieldError` for an unknown one)."""
-        return Batch({n: self[n] for n in names})
+        return Batch({n: self[n] for n in names}, group_size=self.group_size)
 
     def slice(self, start: int, stop: int) -> Batch:
         """Rows ``[start, stop)`` of every column (views, no copy)."""
         return Batch({k: v[start:stop] for k, v in self._columns.items()})
 
     def update(self, columns: Mapping[str, torch.Tensor]) -> Batch:
-        """A new batch with ``columns`` added or replaced."""
-        return Batch({**self._columns, **columns})
+        """A new batch with ``columns`` added or replaced (same groups)."""
+        return Batch({**self._columns, **columns}, group_size=self.group_size)
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         """A plain dict of the columns."""

@@ -9,6 +9,7 @@ All decisions use metadata only: the driver never sees a row.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -35,6 +36,8 @@ class RankResult(msgspec.Struct, frozen=True, kw_only=True):
     """Per-row token counts, when the method declares ``row_lengths``."""
     value: Any = None
     """A small non-row result (e.g. a metrics dict)."""
+    group_size: int = 1
+    """Consecutive rows that belong together (see ``BatchMeta.group_size``)."""
 
 
 class Collected(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,7 +94,11 @@ def _batch_from(results: Sequence[RankResult], assignments: Sequence[Assignment]
             num_rows += r.num_rows
     groups = (ColumnGroup(fields=fields, segments=tuple(segments)),) if fields else ()
     row_lengths = tuple(lengths[i] for i in range(num_rows)) if len(lengths) == num_rows and num_rows else None
-    return Collected(meta=BatchMeta(num_rows=num_rows, groups=groups), row_lengths=row_lengths)
+    sizes = {r.group_size for r in shards} or {1}
+    if len(sizes) != 1:
+        raise SchemaError(f"ranks returned rows with different group sizes {sorted(sizes)}")
+    meta = BatchMeta(num_rows=num_rows, groups=groups, group_size=sizes.pop())
+    return Collected(meta=meta, row_lengths=row_lengths)
 
 
 def _common_fields(results: Sequence[RankResult]) -> tuple[FieldSpec, ...]:
@@ -136,7 +143,7 @@ class _Replicated(TransferProtocol):
         reps = self.replicas(layout)
         n_rep = max(i for i, _ in reps) + 1
         per_replica = split_rows(
-            meta.num_rows, n_rep, group_size=self.group_size,
+            meta.num_rows, n_rep, group_size=math.lcm(self.group_size, meta.group_size),
             weights=_weights(self.balance, row_lengths, meta.num_rows),
         )
         return [per_replica[i] for i, _ in reps]

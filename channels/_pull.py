@@ -42,6 +42,8 @@ class GroupPlan(msgspec.Struct, **_WIRE):
 
     fields: tuple[FieldSpec, ...]
     pieces: tuple[int, ...]
+    stored: tuple[str, ...] | None = None
+    """Shard-side names of ``fields`` when they differ (a renamed batch)."""
 
 
 class PullPlan(msgspec.Struct, **_WIRE):
@@ -50,6 +52,8 @@ class PullPlan(msgspec.Struct, **_WIRE):
     num_rows: int
     groups: tuple[GroupPlan, ...]
     pieces: tuple[Piece, ...]
+    group_size: int = 1
+    """Group size of the assembled rows (the source's, when the runs keep groups whole)."""
 
     def nbytes(self) -> int:
         """Payload bytes the plan moves."""
@@ -93,11 +97,15 @@ def plan_pull(meta: BatchMeta, runs: RowRuns, fields: Iterable[str] | None = Non
     groups: list[GroupPlan] = []
     pieces: list[Piece] = []
     for g in chosen.groups:
-        names = tuple(f.name for f in g.fields)
+        names = g.stored_names()
         mine = _group_pieces(g, runs, names)
-        groups.append(GroupPlan(fields=g.fields, pieces=tuple(range(len(pieces), len(pieces) + len(mine)))))
+        groups.append(GroupPlan(fields=g.fields, pieces=tuple(range(len(pieces), len(pieces) + len(mine))),
+                                stored=g.stored))
         pieces.extend(mine)
-    return PullPlan(num_rows=runs_length(runs), groups=tuple(groups), pieces=tuple(pieces))
+    gs = meta.group_size
+    whole = all(start % gs == 0 and stop % gs == 0 for start, stop in runs)
+    return PullPlan(num_rows=runs_length(runs), groups=tuple(groups), pieces=tuple(pieces),
+                    group_size=gs if whole else 1)
 
 
 def assemble(plan: PullPlan, fetched: Sequence[Mapping[str, torch.Tensor]]) -> Batch:
@@ -111,11 +119,12 @@ def assemble(plan: PullPlan, fetched: Sequence[Mapping[str, torch.Tensor]]) -> B
         raise TransportError(f"expected {len(plan.pieces)} pieces, got {len(fetched)}")
     columns: dict[str, torch.Tensor] = {}
     for g in plan.groups:
-        for spec in g.fields:
+        stored = g.stored if g.stored is not None else tuple(f.name for f in g.fields)
+        for spec, source in zip(g.fields, stored, strict=True):
             parts = []
             for i in g.pieces:
                 piece, got = plan.pieces[i], fetched[i]
-                t = got.get(spec.name)
+                t = got.get(source)
                 if t is None or t.shape[0] != piece.rows:
                     raise TransportError(
                         f"piece {i} from worker {piece.worker} shard {piece.key!r} lacks rows of {spec.name!r}"
@@ -127,4 +136,4 @@ def assemble(plan: PullPlan, fetched: Sequence[Mapping[str, torch.Tensor]]) -> B
                 columns[spec.name] = parts[0]
             else:
                 columns[spec.name] = torch.cat(parts)
-    return Batch(columns)
+    return Batch(columns, group_size=plan.group_size)

@@ -11,7 +11,8 @@ batch is a tuple of :class:`ColumnGroup` s that share the row count.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -65,6 +66,13 @@ class ColumnGroup(msgspec.Struct, **_WIRE):
     fields: tuple[FieldSpec, ...]
     segments: tuple[Segment, ...]
     """Sorted by ``start``; together they cover ``[0, num_rows)`` exactly once."""
+    stored: tuple[str, ...] | None = None
+    """Names of the columns in the shards, parallel to ``fields``, when they were
+    renamed (None: the same as the field names)."""
+
+    def stored_names(self) -> tuple[str, ...]:
+        """The shard-side name of each field."""
+        return self.stored if self.stored is not None else tuple(f.name for f in self.fields)
 
 
 class BatchMeta(msgspec.Struct, **_WIRE):
@@ -72,6 +80,9 @@ class BatchMeta(msgspec.Struct, **_WIRE):
 
     num_rows: int
     groups: tuple[ColumnGroup, ...] = ()
+    group_size: int = 1
+    """Rows come in runs of this many consecutive rows (e.g. the samples of one
+    prompt) that data-parallel splits keep on one rank."""
 
     @property
     def fields(self) -> tuple[FieldSpec, ...]:
@@ -105,10 +116,32 @@ class BatchMeta(msgspec.Struct, **_WIRE):
             self.field(n)
         groups = []
         for g in self.groups:
-            kept = tuple(f for f in g.fields if f.name in wanted)
-            if kept:
-                groups.append(ColumnGroup(fields=kept, segments=g.segments))
-        return BatchMeta(num_rows=self.num_rows, groups=tuple(groups))
+            pairs = [(f, s) for f, s in zip(g.fields, g.stored_names(), strict=True) if f.name in wanted]
+            if pairs:
+                fields = tuple(f for f, _ in pairs)
+                stored = tuple(s for _, s in pairs)
+                groups.append(ColumnGroup(fields=fields, segments=g.segments,
+                                          stored=None if stored == tuple(f.name for f in fields) else stored))
+        return BatchMeta(num_rows=self.num_rows, groups=tuple(groups), group_size=self.group_size)
+
+    def rename(self, mapping: Mapping[str, str]) -> BatchMeta:
+        """The same batch with columns renamed (metadata only: the shards keep their
+        names and pulls map them).
+
+        Raises:
+            MissingFieldError: a renamed column does not exist.
+            SchemaError: a new name collides with another column.
+        """
+        for old in mapping:
+            self.field(old)
+        names = [mapping.get(n, n) for n in self.field_names]
+        if len(set(names)) != len(names):
+            raise SchemaError(f"renaming {dict(mapping)} gives duplicate columns {names}")
+        groups = []
+        for g in self.groups:
+            fields = tuple(msgspec.structs.replace(f, name=mapping.get(f.name, f.name)) for f in g.fields)
+            groups.append(ColumnGroup(fields=fields, segments=g.segments, stored=g.stored_names()))
+        return BatchMeta(num_rows=self.num_rows, groups=tuple(groups), group_size=self.group_size)
 
     def shard_keys(self) -> set[tuple[int, str]]:
         """Every ``(worker, key)`` this batch's rows live in."""
@@ -136,12 +169,13 @@ def merge_meta(metas: Sequence[BatchMeta]) -> BatchMeta:
     seen: set[str] = set()
     groups: list[ColumnGroup] = []
     for m in metas:
-        for g in m.groups:
-            kept = tuple(f for f in g.fields if f.name not in seen)
-            seen.update(f.name for f in kept)
-            if kept:
-                groups.append(ColumnGroup(fields=kept, segments=g.segments))
-    return BatchMeta(num_rows=metas[0].num_rows, groups=tuple(groups))
+        fresh = [n for n in m.field_names if n not in seen]
+        seen.update(fresh)
+        groups.extend(m.select(fresh).groups if fresh else ())
+    group_size = math.lcm(*(m.group_size for m in metas))
+    if metas[0].num_rows % group_size:
+        raise SchemaError(f"merged batches have incompatible group sizes {[m.group_size for m in metas]}")
+    return BatchMeta(num_rows=metas[0].num_rows, groups=tuple(groups), group_size=group_size)
 
 
 def runs_length(runs: RowRuns) -> int:

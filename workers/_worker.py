@@ -193,14 +193,14 @@ class WorkerProcess:
                     f"no {missing} (it returned {list(rows)})"
                 )
         if self.device.type != "cpu":
-            rows = Batch({k: v.detach().cpu() for k, v in rows.items()})
+            rows = Batch({k: v.detach().cpu() for k, v in rows.items()}, group_size=rows.group_size)
         lengths = None
         if endpoint.spec.row_lengths is not None:
             col = rows[endpoint.spec.row_lengths]
             lengths = tuple(int(x) for x in col.reshape(col.shape[0], -1).sum(dim=1).tolist())
         self.store.put(spec.out_key, rows)
         return RankResult(rank=self.rank, worker=self.index, key=spec.out_key, num_rows=rows.num_rows,
-                          fields=rows.field_specs(), row_lengths=lengths)
+                          fields=rows.field_specs(), row_lengths=lengths, group_size=rows.group_size)
 
     # ----- data plane (io group: served while compute runs) -----
 

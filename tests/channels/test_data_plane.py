@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -171,3 +172,26 @@ def test_batch_validation() -> None:
         Batch({"a": [1, 2]})  # type: ignore[dict-item]
     with pytest.raises(MissingFieldError, match=r"'z'"):
         Batch({"a": torch.zeros(2)})["z"]
+
+
+def test_rename_is_metadata_only_and_pulls_stored_columns() -> None:
+    meta, stores, full = _sharded(6, [3])
+    renamed = meta.rename({"x": "baseline"})
+    assert renamed.field_names == ("baseline", "i")
+    plan = plan_pull(renamed, ((1, 5),), ["baseline"])
+    assert plan.pieces[0].fields == ("x",)  # the shard still calls it x
+    assert torch.equal(assemble(plan, _fetch(plan, stores))["baseline"], full[1:5])
+    with pytest.raises(SchemaError, match="duplicate"):
+        meta.rename({"x": "i"})
+    merged = merge_meta([meta, renamed])  # both columns, from the same shards
+    assert merged.field_names == ("x", "i", "baseline")
+
+
+def test_group_size_travels_with_rows_and_splits_keep_groups() -> None:
+    meta, _, _ = _sharded(12, [5])
+    grouped = msgspec.structs.replace(meta, group_size=4)
+    assert DP().distribute(grouped, Layout(d=2), None) == [((0, 8),), ((8, 12),)]
+    assert plan_pull(grouped, ((4, 8),)).group_size == 4
+    assert plan_pull(grouped, ((2, 6),)).group_size == 1
+    with pytest.raises(SchemaError, match="whole groups"):
+        Batch({"a": torch.zeros(5)}, group_size=2)

@@ -1,0 +1,57 @@
+"""What every algorithm loop shares: sampling and policy-update settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from channels import ConfigError
+
+_CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
+
+
+class PolicyConfig(msgspec.Struct, **_CFG):
+    """The actor's update, passed to ``actor.update`` each step."""
+
+    clip_ratio: float = 0.2
+    """PPO clip range of the probability ratio."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss term (0 disables it and the reference)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+
+    def update_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``actor.update``."""
+        return {"clip_ratio": self.clip_ratio, "kl_coef": self.kl_coef, "entropy_coef": self.entropy_coef}
+
+
+class RolloutConfig(msgspec.Struct, **_CFG):
+    """How the actor samples responses."""
+
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    max_new_tokens: int = 16
+    """Most tokens per response."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ConfigError(f"rollout.n must be >= 1, got {self.n}")
+
+
+def require_roles(roles: Mapping[str, Any], algo: str, *names: str) -> None:
+    """Fail with the missing role's name before anything runs.
+
+    Raises:
+        ConfigError: a role the algorithm needs is not placed.
+    """
+    missing = [n for n in names if n not in roles]
+    if missing:
+        raise ConfigError(f"{algo} needs roles {list(names)}; missing {missing} (placed: {sorted(roles)})")

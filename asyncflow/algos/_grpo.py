@@ -1,0 +1,40 @@
+"""GRPO: group-normalised outcome advantages, no critic."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from asyncflow._future import DataFuture, merge
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
+from asyncflow.algos._transforms import group_advantages
+
+
+class GRPOConfig(msgspec.Struct, **_CFG):
+    """GRPO settings."""
+
+    rollout: RolloutConfig = RolloutConfig(n=8)
+    """Sampling; ``n`` responses form each prompt's group."""
+    policy: PolicyConfig = PolicyConfig()
+    """The actor's update (``kl_coef > 0`` adds the KL loss and needs role ``ref``)."""
+    scale_by_std: bool = True
+    """Divide by the group's standard deviation (Dr. GRPO sets this False)."""
+
+
+async def grpo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: GRPOConfig) -> dict[str, float]:
+    """One GRPO step: sample ``n`` responses per prompt, score them, normalise the
+    scores within each prompt's group and update the actor."""
+    use_ref = config.policy.kl_coef > 0
+    require_roles(roles, "GRPO", "actor", "reward", *(["ref"] if use_ref else []))
+    rollout = roles["actor"].generate(prompts, n=config.rollout.n, **_sampling(config.rollout))
+    old = roles["actor"].log_prob(rollout)
+    scores = roles["reward"].score(rollout)
+    parts = [rollout, old, scores] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
+    batch = merge(*parts).map(group_advantages, scale_by_std=config.scale_by_std)
+    return await roles["actor"].update(batch, **config.policy.update_kwargs())
+
+
+def _sampling(r: RolloutConfig) -> dict[str, Any]:
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}

@@ -1,0 +1,49 @@
+"""PPO with a critic and GAE (the InstructGPT recipe: KL folded into the reward)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from asyncflow._future import DataFuture, gather, merge
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
+from asyncflow.algos._grpo import _sampling
+from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
+
+
+class PPOConfig(msgspec.Struct, **_CFG):
+    """PPO settings."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling."""
+    policy: PolicyConfig = PolicyConfig()
+    """The actor's update."""
+    reward_kl_coef: float = 0.05
+    """KL-to-reference penalty folded into the per-token reward (0: no reference)."""
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+
+
+async def ppo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: PPOConfig) -> dict[str, float]:
+    """One PPO step: rollout, reference log-probs, values and scores (each on its
+    role's pool, so stages on different pools overlap), GAE on the consumers'
+    ranks, then the actor and critic updates side by side."""
+    use_ref = config.reward_kl_coef > 0 or config.policy.kl_coef > 0
+    require_roles(roles, "PPO", "actor", "critic", "reward", *(["ref"] if use_ref else []))
+    rollout = roles["actor"].generate(prompts, n=config.rollout.n, **_sampling(config.rollout))
+    old = roles["actor"].log_prob(rollout)
+    values = roles["critic"].values(rollout)
+    scores = roles["reward"].score(rollout)
+    if use_ref:
+        batch = merge(rollout, old, roles["ref"].log_prob(rollout), values, scores)
+        batch = batch.map(kl_penalised_rewards, kl_coef=config.reward_kl_coef)
+    else:
+        batch = merge(rollout, old, values, scores).map(token_rewards)
+    batch = batch.map(gae, gamma=config.gamma, lam=config.lam)
+    actor, critic = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
+                                 roles["critic"].update(batch))
+    return actor | {f"critic/{k}": v for k, v in critic.items()}

@@ -1,0 +1,38 @@
+"""ReMax: REINFORCE with the greedy response's reward as the baseline, no critic."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from asyncflow._future import DataFuture, merge
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
+from asyncflow.algos._grpo import _sampling
+from asyncflow.algos._transforms import greedy_baseline_advantages
+
+
+class ReMaxConfig(msgspec.Struct, **_CFG):
+    """ReMax settings."""
+
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling of the trained responses (one per prompt)."""
+    policy: PolicyConfig = PolicyConfig()
+    """The actor's update."""
+
+
+async def remax_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: ReMaxConfig) -> dict[str, float]:
+    """One ReMax step: a sampled and a greedy response per prompt; the greedy
+    response's score is the sampled one's baseline."""
+    use_ref = config.policy.kl_coef > 0
+    require_roles(roles, "ReMax", "actor", "reward", *(["ref"] if use_ref else []))
+    sampling = _sampling(config.rollout)
+    rollout = roles["actor"].generate(prompts, n=1, **sampling)
+    greedy = roles["actor"].generate(prompts, n=1, **(sampling | {"temperature": 0.0}))
+    old = roles["actor"].log_prob(rollout)
+    scores = roles["reward"].score(rollout)
+    baseline = roles["reward"].score(greedy).rename(scores="baseline_scores")
+    parts = [rollout, old, scores, baseline] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
+    batch = merge(*parts).map(greedy_baseline_advantages)
+    return await roles["actor"].update(batch, **config.policy.update_kwargs())

@@ -1,0 +1,96 @@
+"""Where a run's metrics go: a JSONL file, TensorBoard, and a PNG of the curves at
+the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors the numbers
+    to TensorBoard (``tensorboard/`` beside it).
+
+    Args:
+        directory: the run's output directory.
+        tensorboard: write TensorBoard event files too.
+    """
+
+    def __init__(self, directory: Path, *, tensorboard: bool = True) -> None:
+        self.path = directory / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(directory / "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record ``metrics`` of ``step`` (flushed at once: a crash loses nothing)."""
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Close the files."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """Rows of a ``metrics.jsonl`` (the last row of a step wins)."""
+    by_step: dict[int, dict[str, float]] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                by_step[int(row["step"])] = by_step.get(int(row["step"]), {}) | row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop rows of steps after ``step`` (a resumed run re-does them)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and int(json.loads(line)["step"]) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def plot_curves(rows: list[dict[str, float]], out: Path, keys: tuple[str, ...]) -> Path | None:
+    """A PNG with one panel per metric in ``keys`` that the rows carry.
+
+    Returns:
+        The PNG's path, or None when no row has any of the keys.
+    """
+    present = [k for k in keys if any(k in r for r in rows)]
+    if not present:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.6 * len(present)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], present, strict=True):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
