@@ -169,13 +169,19 @@ class Session:
         Ray down if this session started it. Idempotent."""
         if self._closed:
             return
-        self._closed = True
         for pool in self._pools.values():
             pool.send.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._actors and self._rdt is not None:
+        try:  # let released shards' frees finish while the workers are still there
+            await asyncio.wait_for(self.drain(), timeout=10)
+        except (TimeoutError, ray.exceptions.RayError):
+            logger.debug("draining frees at close failed", exc_info=True)
+        self._closed = True
+        self._free_refs.clear()
+        broken = any(p.broken is not None for p in self._pools.values())
+        if self._actors and self._rdt is not None and not broken:
             try:
                 from ray.experimental.collective import destroy_all_collective_groups
                 destroy_all_collective_groups()

@@ -107,3 +107,13 @@ class Collective(Role):
         t = torch.tensor([float(self.ctx.rank + 1)])
         torch.distributed.all_reduce(t, group=self.ctx.mesh.get_group("dp"))
         return float(t.item())
+
+
+def cost_of_long_answers(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """A rule cost: longer responses cost more (a stand-in for a safety classifier)."""
+    return [float(len(r)) / 10 for r in responses]
+
+
+def raising_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """A reward function with a bug."""
+    raise ZeroDivisionError("reward bug")

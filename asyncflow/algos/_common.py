@@ -8,15 +8,21 @@ from typing import Any
 import msgspec
 
 from channels import ConfigError
+from workers.engines import PolicyLoss
+from workers.rollout import SamplingParams
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
 
 
 class PolicyConfig(msgspec.Struct, **_CFG):
-    """The actor's update, passed to ``actor.update`` each step."""
+    """The actor's objective, passed to ``actor.update`` each step."""
 
     clip_ratio: float = 0.2
     """PPO clip range of the probability ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip range (DAPO's clip-higher); None: same as ``clip_ratio``."""
+    dual_clip: float | None = None
+    """Dual-clip constant (> 1) bounding negative-advantage losses; None disables."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference loss term (0 disables it and the reference)."""
     entropy_coef: float = 0.0
@@ -24,7 +30,9 @@ class PolicyConfig(msgspec.Struct, **_CFG):
 
     def update_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``actor.update``."""
-        return {"clip_ratio": self.clip_ratio, "kl_coef": self.kl_coef, "entropy_coef": self.entropy_coef}
+        loss = PolicyLoss(clip_ratio_low=self.clip_ratio, clip_ratio_high=self.clip_ratio_high,
+                          dual_clip=self.dual_clip, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
+        return {"loss": loss}
 
 
 class RolloutConfig(msgspec.Struct, **_CFG):
@@ -44,6 +52,11 @@ class RolloutConfig(msgspec.Struct, **_CFG):
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ConfigError(f"rollout.n must be >= 1, got {self.n}")
+
+    def params(self, *, seed: int | None, greedy: bool = False) -> SamplingParams:
+        """The actor's sampling parameters (its EOS comes from the model)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0 if greedy else self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=seed)
 
 
 def require_roles(roles: Mapping[str, Any], algo: str, *names: str) -> None:

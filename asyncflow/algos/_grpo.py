@@ -7,9 +7,10 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._future import DataFuture, merge
+from asyncflow._future import DataFuture, gather, merge
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
 from asyncflow.algos._transforms import group_advantages
+from workers.roles import score_summary
 
 
 class GRPOConfig(msgspec.Struct, **_CFG):
@@ -23,18 +24,19 @@ class GRPOConfig(msgspec.Struct, **_CFG):
     """Divide by the group's standard deviation (Dr. GRPO sets this False)."""
 
 
-async def grpo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: GRPOConfig) -> dict[str, float]:
+async def grpo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: GRPOConfig, *,
+                    seed: int | None = None) -> dict[str, float]:
     """One GRPO step: sample ``n`` responses per prompt, score them, normalise the
-    scores within each prompt's group and update the actor."""
+    scores within each prompt's group and update the actor. ``seed`` seeds the
+    step's sampling (a resumed run then samples what an uninterrupted one would)."""
     use_ref = config.policy.kl_coef > 0
     require_roles(roles, "GRPO", "actor", "reward", *(["ref"] if use_ref else []))
-    rollout = roles["actor"].generate(prompts, n=config.rollout.n, **_sampling(config.rollout))
+    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
     old = roles["actor"].log_prob(rollout)
     scores = roles["reward"].score(rollout)
     parts = [rollout, old, scores] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
     batch = merge(*parts).map(group_advantages, scale_by_std=config.scale_by_std)
-    return await roles["actor"].update(batch, **config.policy.update_kwargs())
+    actor, stats = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
+                                roles["reward"].stats(scores))
+    return actor | score_summary(stats)
 
-
-def _sampling(r: RolloutConfig) -> dict[str, Any]:
-    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}

@@ -9,8 +9,8 @@ import msgspec
 
 from asyncflow._future import DataFuture, gather, merge
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
-from asyncflow.algos._grpo import _sampling
 from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
+from workers.roles import score_summary
 
 
 class PPOConfig(msgspec.Struct, **_CFG):
@@ -28,13 +28,14 @@ class PPOConfig(msgspec.Struct, **_CFG):
     """GAE lambda."""
 
 
-async def ppo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: PPOConfig) -> dict[str, float]:
+async def ppo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: PPOConfig, *,
+                   seed: int | None = None) -> dict[str, float]:
     """One PPO step: rollout, reference log-probs, values and scores (each on its
     role's pool, so stages on different pools overlap), GAE on the consumers'
     ranks, then the actor and critic updates side by side."""
     use_ref = config.reward_kl_coef > 0 or config.policy.kl_coef > 0
     require_roles(roles, "PPO", "actor", "critic", "reward", *(["ref"] if use_ref else []))
-    rollout = roles["actor"].generate(prompts, n=config.rollout.n, **_sampling(config.rollout))
+    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
     old = roles["actor"].log_prob(rollout)
     values = roles["critic"].values(rollout)
     scores = roles["reward"].score(rollout)
@@ -44,6 +45,6 @@ async def ppo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: P
     else:
         batch = merge(rollout, old, values, scores).map(token_rewards)
     batch = batch.map(gae, gamma=config.gamma, lam=config.lam)
-    actor, critic = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
-                                 roles["critic"].update(batch))
-    return actor | {f"critic/{k}": v for k, v in critic.items()}
+    actor, critic, stats = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
+                                        roles["critic"].update(batch), roles["reward"].stats(scores))
+    return actor | critic | score_summary(stats)

@@ -7,10 +7,10 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._future import DataFuture, merge
+from asyncflow._future import DataFuture, gather, merge
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
-from asyncflow.algos._grpo import _sampling
 from asyncflow.algos._transforms import greedy_baseline_advantages
+from workers.roles import score_summary
 
 
 class ReMaxConfig(msgspec.Struct, **_CFG):
@@ -22,17 +22,19 @@ class ReMaxConfig(msgspec.Struct, **_CFG):
     """The actor's update."""
 
 
-async def remax_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: ReMaxConfig) -> dict[str, float]:
+async def remax_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: ReMaxConfig, *,
+                     seed: int | None = None) -> dict[str, float]:
     """One ReMax step: a sampled and a greedy response per prompt; the greedy
     response's score is the sampled one's baseline."""
     use_ref = config.policy.kl_coef > 0
     require_roles(roles, "ReMax", "actor", "reward", *(["ref"] if use_ref else []))
-    sampling = _sampling(config.rollout)
-    rollout = roles["actor"].generate(prompts, n=1, **sampling)
-    greedy = roles["actor"].generate(prompts, n=1, **(sampling | {"temperature": 0.0}))
+    rollout = roles["actor"].generate(prompts, n=1, params=config.rollout.params(seed=seed))
+    greedy = roles["actor"].generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))
     old = roles["actor"].log_prob(rollout)
     scores = roles["reward"].score(rollout)
     baseline = roles["reward"].score(greedy).rename(scores="baseline_scores")
     parts = [rollout, old, scores, baseline] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
     batch = merge(*parts).map(greedy_baseline_advantages)
-    return await roles["actor"].update(batch, **config.policy.update_kwargs())
+    actor, stats = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
+                                roles["reward"].stats(scores))
+    return actor | score_summary(stats)

@@ -11,8 +11,8 @@ import msgspec
 
 from asyncflow._future import DataFuture, gather, merge
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
-from asyncflow.algos._grpo import _sampling
 from asyncflow.algos._transforms import gae, safe_advantages, token_rewards
+from workers.roles import score_summary
 
 
 class SafeRLHFConfig(msgspec.Struct, **_CFG):
@@ -46,29 +46,36 @@ class SafeRLHFState:
 
 
 async def safe_rlhf_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: SafeRLHFConfig,
-                         state: SafeRLHFState, ptx: DataFuture[Any] | None = None) -> dict[str, float]:
+                         state: SafeRLHFState, ptx: DataFuture[Any] | None = None,
+                         seed: int | None = None) -> dict[str, float]:
     """One Safe-RLHF step; updates ``state.lagrange`` from the step's mean cost."""
-    require_roles(roles, "Safe-RLHF", "actor", "critic", "cost_critic", "reward", "cost")
-    rollout = roles["actor"].generate(prompts, n=config.rollout.n, **_sampling(config.rollout))
+    use_ref = config.policy.kl_coef > 0
+    require_roles(roles, "Safe-RLHF", "actor", "critic", "cost_critic", "reward", "cost",
+                  *(["ref"] if use_ref else []))
+    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
     old = roles["actor"].log_prob(rollout)
     values = roles["critic"].values(rollout)
     cost_values = roles["cost_critic"].values(rollout).rename(values="cost_values")
     scores = roles["reward"].score(rollout)
     costs = roles["cost"].score(rollout)
-    actor_batch = merge(rollout, old, values, cost_values, scores, costs).map(
+    parts = [rollout, old, values, cost_values, scores, costs] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
+    actor_batch = merge(*parts).map(
         safe_advantages, lagrange=state.lagrange, gamma=config.gamma, lam=config.lam)
     cost_batch = merge(rollout, costs.rename(costs="scores"), cost_values.rename(cost_values="values"))
     cost_batch = cost_batch.map(token_rewards).map(gae, gamma=config.gamma, lam=config.lam)
     update = config.policy.update_kwargs()
     if ptx is not None and config.ptx_coef > 0:
         update |= {"ptx": ptx, "ptx_coef": config.ptx_coef}
-    actor, critic, cost_critic = await gather(
+    actor, critic, cost_critic, r_stats, c_stats = await gather(
         roles["actor"].update(actor_batch, **update),
         roles["critic"].update(actor_batch),
         roles["cost_critic"].update(cost_batch),
+        roles["reward"].stats(scores),
+        roles["cost"].stats(costs),
     )
-    mean_cost = actor.get("cost_mean", 0.0)
+    summary = score_summary(r_stats | c_stats)
+    mean_cost = summary.get("cost/mean", 0.0)
     state.lagrange = min(config.lagrange_max,
                          max(0.0, state.lagrange + config.lagrange_lr * (mean_cost - config.cost_limit)))
-    return (actor | {f"critic/{k}": v for k, v in critic.items()}
-            | {f"cost_critic/{k}": v for k, v in cost_critic.items()} | {"lagrange": state.lagrange})
+    cost_critic = {k.replace("critic/", "cost_critic/", 1): v for k, v in cost_critic.items()}
+    return actor | critic | cost_critic | summary | {"lagrange": state.lagrange}

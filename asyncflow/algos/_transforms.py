@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncflow._future import transform
 from channels import Batch
 from workers.engines import (
     KLEstimator,
@@ -19,8 +20,6 @@ from workers.engines import (
     remax_advantages,
     scores_to_token_rewards,
 )
-
-from asyncflow._future import transform
 
 
 @transform(reads=("scores", "response_mask"), writes=("token_rewards",))

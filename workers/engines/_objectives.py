@@ -209,6 +209,9 @@ class ValueLoss:
 class NLLLoss:
     """Negative log-likelihood of the response tokens (supervised fine-tuning)."""
 
+    coef: float = 1.0
+    """Weight of the loss (e.g. Safe-RLHF's ``ptx_coef``)."""
+
     @property
     def required_fields(self) -> tuple[str, ...]:
         """No fields beyond the sequence itself."""
@@ -229,4 +232,4 @@ class NLLLoss:
         Returns:
             The per-token terms.
         """
-        return LossTerms(per_token=-outputs.require("logprobs"))
+        return LossTerms(per_token=-self.coef * outputs.require("logprobs"))

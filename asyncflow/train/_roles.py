@@ -1,0 +1,66 @@
+"""Turning a :class:`RunConfig` into placed roles."""
+
+from __future__ import annotations
+
+from asyncflow._pool import ResourcePool, RoleSpec
+from asyncflow.train._config import OptimSection, RunConfig, ScoreSection, needed_roles
+from channels import Layout
+from workers.engines import TrainingConfig
+from workers.rewards import ModelRewardConfig, RuleRewardConfig
+from workers.roles import (
+    ActorConfig,
+    ActorWorker,
+    CostWorker,
+    CriticConfig,
+    CriticWorker,
+    ReferenceConfig,
+    ReferenceWorker,
+    RewardWorker,
+    ScoreConfig,
+    UpdateConfig,
+)
+from workers.rollout import NativeRolloutConfig, VLLMRolloutConfig
+
+
+def _training(o: OptimSection) -> TrainingConfig:
+    return TrainingConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+                          warmup_steps=o.warmup_steps, micro_batch_size=o.micro_batch_size)
+
+
+def _update(o: OptimSection) -> UpdateConfig:
+    return UpdateConfig(epochs=o.epochs, mini_batches=o.mini_batches)
+
+
+def _scorer(s: ScoreSection, model_dir: str) -> ScoreConfig:
+    if s.model_dir:
+        return ScoreConfig(scorer=ModelRewardConfig(model_dir=s.model_dir))
+    return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=s.function))
+
+
+def role_specs(config: RunConfig, model_dir: str) -> dict[str, RoleSpec]:
+    """Every role the run's algorithm needs, placed as ``[placement]`` says (a role it
+    leaves out goes to the first pool)."""
+    pools = {name: ResourcePool(name=name, devices=p.devices) for name, p in config.pools.items()}
+    first = next(iter(config.pools))
+    a = config.actor
+    rollout = (VLLMRolloutConfig(seed=config.seed) if a.rollout_engine == "vllm"
+               else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed))
+    build = {
+        "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=_training(a), update=_update(a),
+                                                   rollout=rollout, seed=config.seed)),
+        "ref": lambda: (ReferenceWorker, ReferenceConfig(model_dir=model_dir, seed=config.seed)),
+        "critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
+                                                      update=_update(config.critic), seed=config.seed)),
+        "cost_critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
+                                                           update=_update(config.critic), seed=config.seed + 1)),
+        "reward": lambda: (RewardWorker, _scorer(config.reward, model_dir)),
+        "cost": lambda: (CostWorker, _scorer(config.cost, model_dir)),
+    }
+    specs = {}
+    for role in needed_roles(config):
+        place = config.placement.get(role)
+        pool = pools[place.pool if place else first]
+        layout = Layout.fill(pool.devices, p=place.p, t=place.t) if place else None
+        cls, role_config = build[role]()
+        specs[role] = RoleSpec(cls=cls, pool=pool, layout=layout, config=role_config)
+    return specs

@@ -1,0 +1,225 @@
+"""The RL run behind ``asyncflow train``: optional SFT warm start, roles placed on
+pools, the algorithm's step in a loop with a progress bar, metrics, checkpoints,
+resume, held-out evaluation before and after, and a plot of the curves."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from asyncflow._future import DataFuture
+from asyncflow._session import Roles, Session
+from asyncflow.algos import SafeRLHFState, grpo_step, ppo_step, remax_step, safe_rlhf_step
+from asyncflow.train._checkpoint import CheckpointDir
+from asyncflow.train._config import RunConfig
+from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics, truncate_after
+from asyncflow.train._roles import role_specs
+from channels import ConfigError
+from workers.models import CharTokenizer, check_supported_checkpoint
+from workers.roles import score_summary
+from workers.rollout import SamplingParams
+from workers.tasks import (
+    ArithmeticProblem,
+    check_fits_context,
+    generate_splits,
+    iter_problem_batches,
+    prompt_batch,
+    sft_warm_start,
+)
+
+logger = logging.getLogger(__name__)
+
+EVAL_UID_BASE = 1 << 40
+"""Uids of evaluation prompts (never equal to a training prompt's)."""
+
+CURVES = ("reward/mean", "actor/approx_kl", "actor/kl", "eval/accuracy", "actor/logprob_mismatch")
+
+
+@dataclass
+class RunResult:
+    """What a run reports at the end."""
+
+    accuracy_before: float
+    accuracy_after: float
+    steps: int
+    output_dir: Path
+    plot: Path | None
+
+
+Say = Callable[[str], None]
+
+
+class Trainer:
+    """Runs one configuration.
+
+    Args:
+        config: the validated run configuration.
+        resume: continue from the latest checkpoint in ``output_dir``.
+        say: where human-readable progress lines go (the CLI prints them).
+        progress_bar: show a tqdm bar over RL steps.
+    """
+
+    def __init__(self, config: RunConfig, *, resume: bool = False, say: Say = logger.info,
+                 progress_bar: bool = True) -> None:
+        self.config = config
+        self.resume = resume
+        self.say = say
+        self.progress_bar = progress_bar
+        self.out = Path(config.output_dir)
+        self.checkpoints = CheckpointDir(self.out / "checkpoints", keep=config.train.keep_checkpoints)
+
+    # ----- set-up -----
+
+    def _model_dir(self) -> str:
+        c = self.config
+        if c.sft is None:
+            check_supported_checkpoint(Path(c.model.dir))
+            return c.model.dir
+        target = self.out / "sft_model"
+        if (target / "config.json").exists() and (target / "model.safetensors").exists():
+            self.say(f"SFT warm start: reusing {target}")
+            return str(target)
+        sft = msgspec.structs.replace(c.sft, task=c.task)
+        self.say(f"SFT warm start: {sft.steps} steps (at most {sft.max_seconds or 'unlimited'} s) ...")
+        t = time.monotonic()
+        metrics = sft_warm_start(target, sft)
+        self.say(f"SFT warm start done in {time.monotonic() - t:.0f} s: "
+                 + ", ".join(f"{k}={v:.3g}" for k, v in metrics.items()))
+        return str(target)
+
+    # ----- the run -----
+
+    async def run(self) -> RunResult:
+        """Train; returns held-out accuracy before and after RL."""
+        c = self.config
+        self.out.mkdir(parents=True, exist_ok=True)
+        splits = generate_splits(c.task)
+        max_new = getattr(c, c.algorithm).rollout.max_new_tokens
+        if c.sft is not None:  # fail before minutes of SFT, not after
+            check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
+                               max_new_tokens=max_new, max_positions=c.sft.model.max_position_embeddings)
+        model_dir = self._model_dir()
+        tokenizer = CharTokenizer.from_pretrained(model_dir)
+        limit = int(check_supported_checkpoint(Path(model_dir)).max_position_embeddings)
+        check_fits_context(list(splits.train) + list(splits.eval), tokenizer, max_new_tokens=max_new,
+                           max_positions=limit)
+        eval_problems = list(splits.eval)[: c.train.eval_size]
+        start, state = 0, {}
+        if self.resume:
+            ckpt = self.checkpoints.latest()
+            state = CheckpointDir.state(ckpt)
+            start = int(state["step"])
+            truncate_after(self.out / "metrics.jsonl", start)
+            self.say(f"resuming from {ckpt} (step {start})")
+        async with Session() as session:
+            roles = await session.spawn(role_specs(c, model_dir))
+            self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
+                     f"rows move by {session.transport}")
+            if self.resume:
+                await self._load(roles, self.checkpoints.latest())
+            before = state.get("accuracy_before")
+            if before is None:
+                before = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
+                self.say(f"held-out accuracy before RL: {before:.3f}")
+            result = await self._loop(session, roles, splits.train, tokenizer, eval_problems, max_new,
+                                      start=start, state=state | {"accuracy_before": before})
+        return result
+
+    async def _loop(self, session: Session, roles: Roles, train: Any, tokenizer: CharTokenizer,
+                    eval_problems: list[ArithmeticProblem], max_new: int, *, start: int,
+                    state: dict[str, Any]) -> RunResult:
+        c = self.config
+        log = MetricsLog(self.out)
+        safe = SafeRLHFState(lagrange=float(state.get("lagrange", c.safe_rlhf.lagrange_init)))
+        batches = iter_problem_batches(list(train), c.train.prompts_per_step, seed=c.seed)
+        batches = itertools.islice(batches, start, None)  # the data position of a resumed run
+        bar = _bar(self.progress_bar, start, c.train.steps)
+        began, step = time.monotonic(), start
+        try:
+            for step in range(start + 1, c.train.steps + 1):
+                problems = next(batches)
+                t = time.monotonic()
+                prompts = await session.put(prompt_batch(problems, tokenizer,
+                                                         first_uid=(step - 1) * c.train.prompts_per_step))
+                metrics = await self._step(roles, prompts, safe, seed=c.seed * 1_000_003 + step)
+                metrics["time/step_s"] = time.monotonic() - t
+                tokens = metrics.get("actor/response_tokens", 0.0)
+                metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
+                if c.train.eval_every and step % c.train.eval_every == 0 and step < c.train.steps:
+                    metrics["eval/accuracy"] = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
+                log.write(step, metrics)
+                _advance(bar, metrics)
+                if c.train.checkpoint_every and step % c.train.checkpoint_every == 0:
+                    await self._save(roles, step, state | {"lagrange": safe.lagrange})
+                if c.train.max_seconds and time.monotonic() - began > c.train.max_seconds:
+                    self.say(f"time budget of {c.train.max_seconds:.0f} s reached after step {step}")
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        after = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
+        log.write(step, {"eval/accuracy": after})
+        log.close()
+        if not c.train.checkpoint_every or step % c.train.checkpoint_every:
+            await self._save(roles, step, state | {"lagrange": safe.lagrange})
+        plot = plot_curves(read_metrics(self.out / "metrics.jsonl"), self.out / "curves.png", CURVES)
+        return RunResult(accuracy_before=float(state["accuracy_before"]), accuracy_after=after,
+                         steps=step, output_dir=self.out, plot=plot)
+
+    async def _step(self, roles: Roles, prompts: DataFuture[Any], safe: SafeRLHFState, *, seed: int
+                    ) -> dict[str, float]:
+        c = self.config
+        if c.algorithm == "grpo":
+            return await grpo_step(roles, prompts, c.grpo, seed=seed)
+        if c.algorithm == "ppo":
+            return await ppo_step(roles, prompts, c.ppo, seed=seed)
+        if c.algorithm == "remax":
+            return await remax_step(roles, prompts, c.remax, seed=seed)
+        return await safe_rlhf_step(roles, prompts, c.safe_rlhf, safe, seed=seed)
+
+    async def _evaluate(self, session: Session, roles: Roles, problems: list[ArithmeticProblem],
+                        tokenizer: CharTokenizer, max_new: int) -> float:
+        """Held-out accuracy: greedy responses scored by the reward (the task's verifier)."""
+        prompts = await session.put(prompt_batch(problems, tokenizer, first_uid=EVAL_UID_BASE))
+        greedy = roles.actor.generate(prompts, n=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_new))
+        stats = score_summary(await roles.reward.stats(roles.reward.score(greedy)))
+        return float(stats.get("reward/mean", 0.0))
+
+    async def _save(self, roles: Roles, step: int, state: dict[str, Any]) -> None:
+        tmp = self.checkpoints.staging(step)
+        trained = [r for r in ("actor", "critic", "cost_critic") if r in roles]
+        for role in trained:
+            await roles[role].save_checkpoint(str(tmp / role))
+        final = self.checkpoints.commit(tmp, step, state | {"step": step, "seed": self.config.seed})
+        self.say(f"checkpoint: {final}")
+
+    async def _load(self, roles: Roles, ckpt: Path) -> None:
+        for role in ("actor", "critic", "cost_critic"):
+            if role in roles:
+                if not (ckpt / role).exists():
+                    raise ConfigError(f"--resume: checkpoint {ckpt} has no {role} (placement changed?)")
+                await roles[role].load_checkpoint(str(ckpt / role))
+
+
+def _bar(enabled: bool, start: int, total: int) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="RL", unit="step", dynamic_ncols=True)
+
+
+def _advance(bar: Any, m: dict[str, float]) -> None:
+    if bar is None:
+        return
+    shown = {"reward": m.get("reward/mean"), "kl": m.get("actor/approx_kl"),
+             "tok/s": m.get("throughput/tokens_per_s"), "mismatch": m.get("actor/logprob_mismatch")}
+    bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items() if v is not None}, refresh=False)
+    bar.update(1)

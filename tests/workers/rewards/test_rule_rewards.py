@@ -1,0 +1,168 @@
+"""Rule rewards in-process: the function contract, decoding, and the error messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from channels import ConfigError, SchemaError
+from workers.models import CharTokenizer
+from workers.rewards import (
+    DEFAULT_REWARD_FN,
+    RewardFunctionError,
+    RuleRewardConfig,
+    RuleScorer,
+    ScoreInputs,
+    arithmetic_reward,
+    load_decoder,
+    load_reward_fn,
+)
+
+TOK = CharTokenizer()
+PAD, EOS = TOK.pad_token_id, TOK.eos_token_id
+
+
+def _left(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _right(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask
+
+
+def make_inputs(prompts: list[str], responses: list[str], answers: list[str],
+                *, eos: bool = True) -> ScoreInputs:
+    """Samples as the roles see them: left-padded prompts, right-padded responses
+    ending in EOS, right-padded answers, uids 100, 101, ..."""
+    prompt_ids, prompt_mask = _left([TOK.encode(p) for p in prompts])
+    resp = [TOK.encode(r, add_bos=False) + ([EOS] if eos else []) for r in responses]
+    response_ids, response_mask = _right(resp, 8)
+    answer_ids, _ = _right([TOK.encode(a, add_bos=False) for a in answers], 4)
+    return ScoreInputs(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                       response_mask=response_mask, answer_ids=answer_ids,
+                       uids=torch.arange(100, 100 + len(prompts)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(TOK.save_pretrained(tmp_path_factory.mktemp("tok")))
+
+
+def _scorer(fn, tokenizer_dir: str) -> RuleScorer:
+    return RuleRewardConfig(fn=fn, tokenizer_dir=tokenizer_dir).build(torch.device("cpu"))
+
+
+def test_arithmetic_reward_is_exact_match_after_strip() -> None:
+    assert arithmetic_reward(["1+2="] * 4, ["3", " 3 ", "33", ""], ["3", "3", "3", "3"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_default_rule_scores_decoded_text_up_to_eos(tokenizer_dir: str) -> None:
+    scorer = _scorer(DEFAULT_REWARD_FN, tokenizer_dir)
+    inputs = make_inputs(["1+2=", "10+5=", "7*3="], ["3", "16", "21"], ["3", "15", "21"])
+    scores = scorer(inputs)
+    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 0.0, 1.0]
+    prompts, responses, answers = scorer.texts(inputs)
+    assert prompts == ["1+2=", "10+5=", "7*3="]  # no <bos>, no padding
+    assert responses == ["3", "16", "21"]  # no <eos>, no padding
+    assert answers == ["3", "15", "21"]
+
+
+def test_fn_gets_the_documented_arguments_and_may_return_arrays(tokenizer_dir: str) -> None:
+    seen = {}
+
+    def fn(prompts, responses, answers):
+        seen.update(prompts=prompts, responses=responses, answers=answers)
+        return np.array([len(r) for r in responses], dtype=np.int64)
+
+    scores = _scorer(fn, tokenizer_dir)(make_inputs(["1=", "2="], ["12 ", "3"], ["1", "2"], eos=False))
+    assert seen == {"prompts": ["1=", "2="], "responses": ["12 ", "3"], "answers": ["1", "2"]}
+    assert scores.tolist() == [3.0, 1.0]
+
+
+def _raises_on_seven(prompts, responses, answers):
+    return [1.0 / (r != "7") for r in responses]
+
+
+def test_a_raising_fn_names_itself_and_the_first_failing_sample(tokenizer_dir: str) -> None:
+    inputs = make_inputs(["1=", "2=", "3=", "4="], ["1", "2", "7", "7"], ["1", "2", "3", "4"])
+    with pytest.raises(RewardFunctionError) as info:
+        _scorer(_raises_on_seven, tokenizer_dir)(inputs)
+    msg = str(info.value)
+    assert "test_rule_rewards:_raises_on_seven" in msg
+    assert "sample 2 of the 4" in msg and "(uid 102)" in msg
+    assert "ZeroDivisionError" in msg and "response='7'" in msg
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_a_fn_failing_only_on_the_whole_batch_is_reported_as_such(tokenizer_dir: str) -> None:
+    def needs_small_batches(prompts, responses, answers):
+        if len(prompts) > 1:
+            raise RuntimeError("batch too big")
+        return [0.0]
+
+    with pytest.raises(RewardFunctionError, match="on none of them alone"):
+        _scorer(needs_small_batches, tokenizer_dir)(make_inputs(["1=", "2="], ["1", "2"], ["1", "2"]))
+
+
+@pytest.mark.parametrize("result, match", [
+    ([1.0], "returned 1 scores for 2 samples"),
+    ([1.0, "a"], r"returned 'a' \(str\) as score 1"),
+    ([1.0, float("nan")], "finite real number"),
+    ("ab", "returned a str"),
+    (None, "returned a NoneType"),
+])
+def test_wrong_results_name_the_problem(tokenizer_dir: str, result, match: str) -> None:
+    scorer = _scorer(lambda p, r, a: result, tokenizer_dir)
+    with pytest.raises(RewardFunctionError, match=match):
+        scorer(make_inputs(["1=", "2="], ["1", "2"], ["1", "2"]))
+
+
+def test_missing_answers_name_the_field(tokenizer_dir: str) -> None:
+    inputs = make_inputs(["1="], ["1"], ["1"])
+    bare = ScoreInputs(prompt_ids=inputs.prompt_ids, prompt_mask=inputs.prompt_mask,
+                       response_ids=inputs.response_ids, response_mask=inputs.response_mask)
+    with pytest.raises(SchemaError, match="answer_ids"):
+        _scorer(DEFAULT_REWARD_FN, tokenizer_dir)(bare)
+
+
+def test_empty_batch_gives_no_scores_without_calling_fn(tokenizer_dir: str) -> None:
+    def never(*args):
+        raise AssertionError("called")
+
+    empty = ScoreInputs(prompt_ids=torch.zeros(0, 3, dtype=torch.int64),
+                        prompt_mask=torch.zeros(0, 3, dtype=torch.int64),
+                        response_ids=torch.zeros(0, 4, dtype=torch.int64),
+                        response_mask=torch.zeros(0, 4, dtype=torch.int64),
+                        answer_ids=torch.zeros(0, 2, dtype=torch.int64))
+    assert _scorer(never, tokenizer_dir)(empty).shape == (0,)
+
+
+def test_load_reward_fn_by_import_path_and_its_errors() -> None:
+    assert load_reward_fn(DEFAULT_REWARD_FN) is arithmetic_reward
+    assert load_reward_fn("os.path:join") is __import__("os").path.join
+    assert load_reward_fn("workers.rewards:RuleScorer.texts") is RuleScorer.texts  # dotted
+    with pytest.raises(ConfigError, match="'module:function'"):
+        load_reward_fn("workers.rewards.arithmetic_reward")
+    with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz'"):
+        load_reward_fn("no_such_module_xyz:f")
+    with pytest.raises(ConfigError, match="has no attribute 'nope'"):
+        load_reward_fn("workers.rewards:nope")
+    with pytest.raises(ConfigError, match="not a function"):
+        load_reward_fn("workers.rewards:DEFAULT_REWARD_FN")
+
+
+def test_config_checks_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"RuleRewardConfig\.fn"):
+        RuleRewardConfig(fn="no_colon", tokenizer_dir="x")
+    with pytest.raises(ConfigError, match=r"RuleRewardConfig\.tokenizer_dir"):
+        RuleRewardConfig(tokenizer_dir="")
+    with pytest.raises(ConfigError, match=r"tokenizer_dir .* holds no tokenizer"):
+        load_decoder(tmp_path)

@@ -1,0 +1,83 @@
+"""SFT on the arithmetic task: the loss falls, the warm start saves a loadable model, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from channels import ConfigError
+from workers.engines import NLLLoss, TrainingConfig, TrainingEngine
+from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model, load_model
+from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
+from workers.tasks import (
+    ArithmeticTaskConfig,
+    SFTConfig,
+    evaluate_greedy,
+    generate_splits,
+    sft_batch,
+    sft_warm_start,
+)
+
+torch.set_num_threads(1)
+
+MODEL = TinyModelConfig(
+    hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+    head_dim=32, max_position_embeddings=16,
+)
+TASK = ArithmeticTaskConfig(train_size=256, eval_size=64)
+
+
+def test_a_few_sft_steps_reduce_the_loss() -> None:
+    tokenizer = CharTokenizer()
+    batch = sft_batch(generate_splits(TASK).train[:64], tokenizer)
+    engine = TrainingEngine(
+        build_tiny_model(MODEL, seed=0), config=TrainingConfig(lr=3e-3), loss=NLLLoss()
+    )
+    losses = [engine.train_step(batch)["loss"] for _ in range(8)]
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_sft_warm_start_saves_a_model_the_loaders_and_rollout_accept(tmp_path: Path) -> None:
+    config = SFTConfig(task=TASK, model=MODEL, steps=6, batch_size=16, warmup_steps=2)
+    metrics = sft_warm_start(tmp_path / "sft", config)
+    assert metrics["steps"] == 6.0 and metrics["train_accuracy"] == -1.0
+    assert metrics["loss"] > 0 and metrics["num_parameters"] > 0
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    model = load_model(tmp_path / "sft")
+    tokenizer = CharTokenizer.from_pretrained(tmp_path / "sft")
+    assert tokenizer.vocab_size == CharTokenizer().vocab_size
+    engine = NativeRolloutEngine(model, config=NativeRolloutConfig(max_batch_size=64))
+    result = evaluate_greedy(engine, generate_splits(TASK).eval, tokenizer, max_new_tokens=4)
+    assert result["accuracy"] == pytest.approx(metrics["eval_accuracy"])
+    assert result["num_problems"] == 64.0
+
+
+def test_sft_stops_at_max_seconds_and_can_skip_evaluation(tmp_path: Path) -> None:
+    config = SFTConfig(task=TASK, model=MODEL, steps=50, batch_size=8, max_seconds=1e-6,
+                       evaluate=False)
+    metrics = sft_warm_start(tmp_path / "sft", config)
+    assert metrics["steps"] == 1.0 and "eval_accuracy" not in metrics
+
+
+def test_a_prompt_longer_than_the_context_is_a_config_error(tmp_path: Path) -> None:
+    short = TinyModelConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=8,
+    )
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        sft_warm_start(tmp_path / "sft", SFTConfig(task=TASK, model=short, steps=1))
+    assert not (tmp_path / "sft").exists()
+
+
+def test_empty_data_and_bad_settings_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="train_size"):
+        SFTConfig(task=ArithmeticTaskConfig(train_size=0))
+    with pytest.raises(ConfigError, match="SFTConfig.steps"):
+        SFTConfig(steps=0)
+    with pytest.raises(ConfigError, match="stop_at_train_accuracy"):
+        SFTConfig(stop_at_train_accuracy=1.5)
+    engine = NativeRolloutEngine(build_tiny_model(MODEL), config=NativeRolloutConfig())
+    with pytest.raises(ConfigError, match="no problems"):
+        evaluate_greedy(engine, [], CharTokenizer(), max_new_tokens=4)

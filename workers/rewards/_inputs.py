@@ -1,0 +1,82 @@
+"""What a scorer reads: the token tensors of a batch of samples, independent of field names.
+
+The reward roles (``workers.roles``) fill a :class:`ScoreInputs` from the batch
+fields of the data contract; keeping the scorers free of field names lets them be
+used (and tested) without any role or runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from channels import SchemaError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreInputs:
+    """One batch of samples to score (row ``i`` of every tensor is sample ``i``)."""
+
+    prompt_ids: Tensor
+    """``[B, P]`` int64 prompt tokens, left-padded."""
+    prompt_mask: Tensor
+    """``[B, P]`` int64, 1 on real prompt tokens."""
+    response_ids: Tensor
+    """``[B, R]`` int64 response tokens, right-padded (EOS included when generated)."""
+    response_mask: Tensor
+    """``[B, R]`` int64, 1 on generated tokens."""
+    answer_ids: Tensor | None = None
+    """``[B, A]`` int64 reference answers, right-padded with the pad id (rule rewards)."""
+    uids: Tensor | None = None
+    """``[B]`` int64 prompt ids, quoted in error messages."""
+
+    def __post_init__(self) -> None:
+        rows = self.prompt_ids.shape[0]
+        for name in ("prompt_mask", "response_ids", "response_mask", "answer_ids", "uids"):
+            value = getattr(self, name)
+            if value is not None and value.shape[0] != rows:
+                raise SchemaError(
+                    f"ScoreInputs.{name} has {value.shape[0]} rows but prompt_ids has {rows}"
+                )
+
+    @property
+    def num_rows(self) -> int:
+        """Samples in the batch."""
+        return int(self.prompt_ids.shape[0])
+
+    def uid(self, row: int) -> int | None:
+        """The prompt id of sample ``row``, when known."""
+        return None if self.uids is None else int(self.uids[row].reshape(-1)[0])
+
+
+class Scorer(Protocol):
+    """Turns samples into one float32 score each (a reward or a cost)."""
+
+    def __call__(self, inputs: ScoreInputs) -> Tensor:
+        """Score every sample.
+
+        Args:
+            inputs: the samples.
+
+        Returns:
+            ``[B]`` float32 scores.
+        """
+        ...
+
+
+def masked_token_lists(ids: Tensor, mask: Tensor) -> list[list[int]]:
+    """The real tokens of each row (where ``mask`` is 1), in order.
+
+    Args:
+        ids: ``[B, L]`` token ids.
+        mask: ``[B, L]``, 1 on real tokens.
+
+    Returns:
+        One list of token ids per row.
+    """
+    keep = mask.to(torch.bool).cpu()
+    rows = ids.cpu()
+    return [row[k].tolist() for row, k in zip(rows, keep, strict=True)]

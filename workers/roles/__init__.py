@@ -1,0 +1,74 @@
+"""The RLHF roles hosted by worker processes: actor, reference, critic, reward, cost.
+
+Each is a :class:`~workers.Role` with a nested keyword-only ``Config`` and
+``@register`` methods that follow the batch field contract (the constants below;
+``from workers.roles import fields as F`` gives them as ``F.PROMPT_IDS``, ...):
+
+- :class:`ActorWorker`: ``generate`` (MicroDP, n samples per prompt, consecutive),
+  ``log_prob``, ``update`` (then syncs the rollout engine), checkpoints, ``export_hf``;
+- :class:`ReferenceWorker`: ``log_prob`` -> ``ref_logprobs``;
+- :class:`CriticWorker`: ``values``, ``update``, checkpoints, ``export_hf``;
+- :class:`RewardWorker` / :class:`CostWorker`: ``score`` -> ``scores`` / ``costs``, by a
+  rule function or a reward/cost model (``workers.rewards``).
+"""
+
+from __future__ import annotations
+
+from workers.roles import _fields as fields
+from workers.roles._actor import ActorConfig, ActorWorker
+from workers.roles._critic import CriticConfig, CriticWorker
+from workers.roles._fields import (
+    ADVANTAGES,
+    ANSWER_IDS,
+    COSTS,
+    ENTROPY,
+    OLD_LOGPROBS,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    RETURNS,
+    ROLLOUT_LOGPROBS,
+    SCORES,
+    SEQUENCE,
+    UID,
+    VALUES,
+)
+from workers.roles._reference import ReferenceConfig, ReferenceWorker
+from workers.roles._reward import CostWorker, RewardWorker, ScoreConfig, ScorerConfig, score_summary
+from workers.roles._rollout import RolloutConfig
+from workers.roles._training import UpdateConfig
+
+__all__ = [
+    "ADVANTAGES",
+    "ANSWER_IDS",
+    "COSTS",
+    "ENTROPY",
+    "OLD_LOGPROBS",
+    "PROMPT_IDS",
+    "PROMPT_MASK",
+    "REF_LOGPROBS",
+    "RESPONSE_IDS",
+    "RESPONSE_MASK",
+    "RETURNS",
+    "ROLLOUT_LOGPROBS",
+    "SCORES",
+    "SEQUENCE",
+    "UID",
+    "VALUES",
+    "ActorConfig",
+    "ActorWorker",
+    "CostWorker",
+    "CriticConfig",
+    "CriticWorker",
+    "ReferenceConfig",
+    "ReferenceWorker",
+    "RewardWorker",
+    "RolloutConfig",
+    "ScoreConfig",
+    "ScorerConfig",
+    "UpdateConfig",
+    "fields",
+    "score_summary",
+]

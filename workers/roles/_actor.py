@@ -1,0 +1,251 @@
+"""The actor role: generates rollouts, scores its own log-probs, and trains the policy.
+
+Each rank holds a training engine (FSDP2/TP over the role's DeviceMesh on pools of
+more than one rank) and a rollout engine with a full copy of the weights. After
+every optimizer update, and after a checkpoint load, the training weights are
+gathered and loaded into the rollout engine, so the next ``generate`` samples from
+the new policy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from channels import DP, Batch, ConfigError, Metrics, MicroDP, OneToAll
+from workers import Role, WorkerContext, register
+from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine
+from workers.models import load_model
+from workers.roles import _fields as F
+from workers.roles._checkpoint import export_model, load_training_state, save_training_state
+from workers.roles._rollout import (
+    RolloutConfig,
+    build_rollout,
+    params_for_rank,
+    rollout_rows,
+    unpadded_prompts,
+)
+from workers.roles._training import (
+    UpdateConfig,
+    check_model_dir,
+    check_seed,
+    engine_mesh,
+    require_fields,
+    run_updates,
+    shuffle_generator,
+)
+from workers.rollout import NativeRolloutConfig, SamplingParams, VLLMRolloutConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig:
+    """Settings of an :class:`ActorWorker`."""
+
+    model_dir: str
+    """The policy's Hugging Face directory (a causal LM of a supported architecture)."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Optimizer, schedule and micro-batching of the training engine."""
+    loss: PolicyLoss = field(default_factory=PolicyLoss)
+    """The default objective of :meth:`ActorWorker.update` (a call may pass another)."""
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    """Epochs and mini-batches of one update call."""
+    rollout: RolloutConfig = field(default_factory=NativeRolloutConfig)
+    """The rollout engine: ``NativeRolloutConfig()`` or ``VLLMRolloutConfig()``; its seed
+    is offset by the rank."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Default sampling of :meth:`ActorWorker.generate`; an unset ``eos_token_id`` is
+    taken from the model's config."""
+    seed: int = 0
+    """Seeds torch's global RNG and the mini-batch shuffling."""
+
+    def __post_init__(self) -> None:
+        check_model_dir("ActorConfig", self.model_dir)
+        check_seed("ActorConfig", self.seed)
+        expected: dict[str, tuple[type, ...]] = {
+            "training": (TrainingConfig,), "loss": (PolicyLoss,), "update": (UpdateConfig,),
+            "sampling": (SamplingParams,), "rollout": (NativeRolloutConfig, VLLMRolloutConfig),
+        }
+        for name, kinds in expected.items():
+            if not isinstance(getattr(self, name), kinds):
+                raise ConfigError(
+                    f"ActorConfig.{name} must be a {' or a '.join(k.__name__ for k in kinds)}, "
+                    f"got {type(getattr(self, name)).__name__}"
+                )
+
+
+class ActorWorker(Role):
+    """The policy: ``generate``, ``log_prob``, ``update``, checkpoints.
+
+    Args:
+        ctx: where this rank runs.
+        config: the actor's settings.
+    """
+
+    Config = ActorConfig
+
+    def __init__(self, ctx: WorkerContext, config: ActorConfig) -> None:
+        super().__init__(ctx)
+        self.config = config
+        torch.manual_seed(config.seed)
+        model = load_model(config.model_dir)
+        # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
+        nn.Module.to(model, ctx.device)
+        eos = model.config.eos_token_id
+        self._eos: int | None = eos[0] if isinstance(eos, list) else eos
+        # The rollout engine takes its full copy before the training engine shards the model.
+        self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir,
+                                     rank=ctx.rank)
+        self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
+                                     head=CausalLMHead(), loss=config.loss)
+        self._shuffle = shuffle_generator(config.seed, ctx)
+
+    @register(protocol=MicroDP(tg=1), row_lengths=F.RESPONSE_MASK)
+    def generate(self, prompts: Batch, *, n: int = 1,
+                 params: SamplingParams | None = None) -> dict[str, Tensor]:
+        """Sample ``n`` responses per prompt with the rollout engine.
+
+        Every rank generates its own share of the prompts with full weights (the
+        hybrid engine's micro-DP layout with ``tg=1``). Every prompt column is
+        pulled and carried along, so the output fields are not declared up front.
+
+        Args:
+            prompts: ``prompt_ids``/``prompt_mask`` plus any columns to carry along
+                (``uid``, ``answer_ids``, ...).
+            n: samples per prompt; a prompt's samples are consecutive rows.
+            params: sampling settings; None uses ``config.sampling``.
+
+        Returns:
+            ``rows * n`` rows: every prompt column repeated, plus ``response_ids``,
+            ``response_mask`` (int64 ``[R]``, R = ``max_new_tokens``) and
+            ``rollout_logprobs`` (float32 ``[R]``, raw log-probs).
+
+        Raises:
+            ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams.
+            MissingFieldError: the prompts lack ``prompt_ids`` or ``prompt_mask``.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"actor.generate: n must be an int >= 1, got {n!r}")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ConfigError(f"actor.generate: params must be a SamplingParams, got {params!r}")
+        require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where="actor.generate")
+        chosen = params_for_rank(params or self.config.sampling, eos_token_id=self._eos,
+                                 rank=self.ctx.rank)
+        lists = unpadded_prompts(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
+        repeated = [p for p in lists for _ in range(n)]
+        out = self.rollout.generate(repeated, chosen) if repeated else None
+        # A prompt's n samples are one group: data-parallel splits keep them together.
+        return Batch(rollout_rows(prompts, out, n=n, params=chosen), group_size=n)
+
+    @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.OLD_LOGPROBS, F.ENTROPY))
+    def log_prob(self, batch: Batch) -> dict[str, Tensor]:
+        """The current policy's log-probs and entropy of the response tokens.
+
+        Args:
+            batch: the sequence fields (every data-parallel rank needs >= 1 row).
+
+        Returns:
+            ``old_logprobs`` and ``entropy``, float32 ``[R]``, 0 on padding; raw
+            (temperature 1), comparable with ``rollout_logprobs``.
+        """
+        logprobs, entropy = self.engine.log_probs(batch)
+        return {F.OLD_LOGPROBS: logprobs.cpu(), F.ENTROPY: entropy.cpu()}
+
+    @register(protocol=Metrics(over=DP(), reduce={"actor/response_tokens": "sum", "actor/logprob_mismatch_max": "max"}))
+    def update(self, batch: Batch, *, loss: PolicyLoss | None = None,
+               schedule: UpdateConfig | None = None, ptx: Batch | None = None,
+               ptx_coef: float = 0.0) -> dict[str, float]:
+        """Train the policy on ``batch``, then load the new weights into the rollout engine.
+
+        Reads the sequence fields, ``advantages``, ``old_logprobs`` and, when the loss
+        has a KL term, ``ref_logprobs``; other columns are not used.
+
+        Args:
+            batch: this rank's rows.
+            loss: the objective; None uses ``config.loss``.
+            schedule: epochs and mini-batches; None uses ``config.update``.
+            ptx: optional supervised rows (prompt + response sequence fields) for a
+                pretraining loss step after the policy step (Safe-RLHF's ptx).
+            ptx_coef: weight of that loss (0 skips it).
+
+        Returns:
+            Metrics named ``actor/<name>``: the engine's (``loss``, ``grad_norm``,
+            ``lr``, ``clip_fraction``, ``approx_kl``, ...) averaged over the steps,
+            ``steps``, ``response_tokens`` (summed over ranks) and
+            ``logprob_mismatch`` / ``logprob_mismatch_max``: how far the rollout
+            engine's log-probs of the sampled tokens are from the training engine's
+            (mean and max absolute difference; a silent failure when large).
+
+        Raises:
+            MissingFieldError: the batch lacks a field the loss reads.
+            ConfigError: a rank has fewer rows than ``schedule.mini_batches``.
+        """
+        loss = loss if loss is not None else self.config.loss
+        fields = (*F.SEQUENCE, *loss.required_fields)
+        require_fields(batch, fields, where="actor.update")
+        metrics = rollout_consistency(batch) | run_updates(
+            self.engine, batch, loss=loss, fields=fields, schedule=schedule or self.config.update,
+            generator=self._shuffle, prefix="actor/")
+        if ptx is not None and ptx_coef > 0:
+            nll = NLLLoss(coef=ptx_coef)
+            ptx_metrics = run_updates(self.engine, ptx, loss=nll, fields=(*F.SEQUENCE, *nll.required_fields),
+                                      schedule=UpdateConfig(), generator=self._shuffle, prefix="actor/ptx_")
+            metrics |= ptx_metrics
+        self._sync_rollout()
+        return metrics
+
+    @register(protocol=OneToAll())
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer, step and RNG states (DCP; every rank writes its shards).
+
+        Args:
+            path: a directory every rank can write.
+        """
+        save_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
+
+    @register(protocol=OneToAll())
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a :meth:`save_checkpoint` directory and sync the rollout engine.
+
+        Args:
+            path: the checkpoint directory.
+
+        Raises:
+            ConfigError: ``path`` holds no checkpoint.
+        """
+        load_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
+        self._sync_rollout()
+
+    @register(protocol=OneToAll())
+    def export_hf(self, path: str) -> None:
+        """Write the policy as a Hugging Face directory (weights gathered, rank 0 writes).
+
+        Tokenizer and generation files of ``config.model_dir`` are copied beside it,
+        so the directory can be any role's ``model_dir``.
+
+        Args:
+            path: output directory.
+        """
+        def save(state: dict[str, Tensor], out: Path) -> None:
+            self.engine.model.save_pretrained(os.fspath(out), state_dict=state,  # type: ignore[operator]
+                                              safe_serialization=True)
+
+        export_model(self.engine, path, ctx=self.ctx, source_dir=self.config.model_dir, save=save)
+
+    def _sync_rollout(self) -> None:
+        # Collective: every rank gathers every tensor, in the same order.
+        self.rollout.update_weights(self.engine.named_full_weights())
+
+
+def rollout_consistency(batch: Batch) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the
+    training engine's (``old_logprobs``), and how many response tokens there are."""
+    mask = batch[F.RESPONSE_MASK].bool()
+    out = {"actor/response_tokens": float(mask.sum())}
+    if F.ROLLOUT_LOGPROBS in batch and F.OLD_LOGPROBS in batch and mask.any():
+        diff = (batch[F.ROLLOUT_LOGPROBS] - batch[F.OLD_LOGPROBS]).abs()[mask]
+        out |= {"actor/logprob_mismatch": float(diff.mean()), "actor/logprob_mismatch_max": float(diff.max())}
+    return out

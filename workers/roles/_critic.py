@@ -1,0 +1,150 @@
+"""The critic role: a value model predicting returns, trained with a clipped value loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from channels import DP, Batch, ConfigError, Metrics, OneToAll
+from workers import Role, WorkerContext, register
+from workers.engines import TrainingConfig, TrainingEngine, ValueHead, ValueLoss
+from workers.models import load_model
+from workers.roles import _fields as F
+from workers.roles._checkpoint import export_model, load_training_state, save_training_state
+from workers.roles._training import (
+    UpdateConfig,
+    check_model_dir,
+    check_seed,
+    engine_mesh,
+    require_fields,
+    run_updates,
+    shuffle_generator,
+)
+
+OLD_VALUES = "old_values"
+"""The engine's name for the values before the update (the clipping anchor)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig:
+    """Settings of a :class:`CriticWorker`."""
+
+    model_dir: str
+    """A value-model directory, or a causal-LM directory (its backbone plus a fresh head)."""
+    head_seed: int = 0
+    """Seed of a fresh value head (ignored when ``model_dir`` has one)."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Optimizer, schedule and micro-batching of the training engine."""
+    loss: ValueLoss = field(default_factory=ValueLoss)
+    """The default objective of :meth:`CriticWorker.update`."""
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    """Epochs and mini-batches of one update call."""
+    seed: int = 0
+    """Seeds torch's global RNG and the mini-batch shuffling."""
+
+    def __post_init__(self) -> None:
+        check_model_dir("CriticConfig", self.model_dir)
+        check_seed("CriticConfig", self.seed)
+        expected = {"training": TrainingConfig, "loss": ValueLoss, "update": UpdateConfig}
+        for name, kind in expected.items():
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(
+                    f"CriticConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
+                )
+
+
+class CriticWorker(Role):
+    """The value function: ``values``, ``update``, checkpoints.
+
+    Args:
+        ctx: where this rank runs.
+        config: the critic's settings.
+    """
+
+    Config = CriticConfig
+
+    def __init__(self, ctx: WorkerContext, config: CriticConfig) -> None:
+        super().__init__(ctx)
+        self.config = config
+        torch.manual_seed(config.seed)
+        model = load_model(config.model_dir, kind="value", head_seed=config.head_seed)
+        self.engine = TrainingEngine(model.to(ctx.device), config=config.training,
+                                     mesh=engine_mesh(ctx), head=ValueHead(), loss=config.loss)
+        self._shuffle = shuffle_generator(config.seed, ctx)
+
+    @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.VALUES,))
+    def values(self, batch: Batch) -> dict[str, Tensor]:
+        """Value predictions at the response positions.
+
+        Args:
+            batch: the sequence fields (every data-parallel rank needs >= 1 row).
+
+        Returns:
+            ``values``: float32 ``[R]``; value j is read in the state before response
+            token j; 0 on padding.
+        """
+        return {F.VALUES: self.engine.values(batch).cpu()}
+
+    @register(protocol=Metrics(over=DP()), reads=(*F.SEQUENCE, F.VALUES, F.RETURNS))
+    def update(self, batch: Batch, *, loss: ValueLoss | None = None,
+               schedule: UpdateConfig | None = None) -> dict[str, float]:
+        """Regress the values towards ``returns`` (clipped around the batch's ``values``).
+
+        Args:
+            batch: this rank's rows: the sequence fields, ``values`` and ``returns``.
+            loss: the objective; None uses ``config.loss``.
+            schedule: epochs and mini-batches; None uses ``config.update``.
+
+        Returns:
+            Metrics named ``critic/<name>`` (``loss``, ``grad_norm``, ``lr``,
+            ``value_clip_fraction``, ``values``, ...) averaged over the steps, and ``steps``.
+
+        Raises:
+            MissingFieldError: the batch lacks a field.
+            ConfigError: a rank has fewer rows than ``schedule.mini_batches``.
+        """
+        require_fields(batch, (*F.SEQUENCE, F.VALUES, F.RETURNS), where="critic.update")
+        columns = {**batch, OLD_VALUES: batch[F.VALUES]}
+        loss = loss if loss is not None else self.config.loss
+        return run_updates(self.engine, columns, loss=loss,
+                           fields=(*F.SEQUENCE, *loss.required_fields),
+                           schedule=schedule or self.config.update, generator=self._shuffle,
+                           prefix="critic/")
+
+    @register(protocol=OneToAll())
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer, step and RNG states (DCP; every rank writes its shards).
+
+        Args:
+            path: a directory every rank can write.
+        """
+        save_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
+
+    @register(protocol=OneToAll())
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a :meth:`save_checkpoint` directory.
+
+        Args:
+            path: the checkpoint directory.
+
+        Raises:
+            ConfigError: ``path`` holds no checkpoint.
+        """
+        load_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
+
+    @register(protocol=OneToAll())
+    def export_hf(self, path: str) -> None:
+        """Write the value model (``ValueModel.save_pretrained`` format; rank 0 writes).
+
+        Args:
+            path: output directory.
+        """
+        def save(state: dict[str, Tensor], out: Path) -> None:
+            model = load_model(self.config.model_dir, kind="value", head_seed=self.config.head_seed)
+            model.load_state_dict(state)
+            model.save_pretrained(out)
+
+        export_model(self.engine, path, ctx=self.ctx, source_dir=self.config.model_dir, save=save)

@@ -1,0 +1,74 @@
+"""The reference role: the frozen initial policy's log-probs, for KL penalties and losses.
+
+It runs the same training engine as the actor (forward only), so at step 0 its
+log-probs equal the actor's exactly and the KL starts at zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from channels import DP, Batch, ConfigError
+from workers import Role, WorkerContext, register
+from workers.engines import CausalLMHead, TrainingConfig, TrainingEngine
+from workers.models import load_model
+from workers.roles import _fields as F
+from workers.roles._training import check_model_dir, check_seed, engine_mesh
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceConfig:
+    """Settings of a :class:`ReferenceWorker`."""
+
+    model_dir: str
+    """The reference policy's Hugging Face directory (usually the actor's initial one)."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Only its micro-batching (``micro_batch_size``, ``max_tokens_per_micro_batch``)
+    applies: the reference is never trained."""
+    seed: int = 0
+    """Seeds torch's global RNG."""
+
+    def __post_init__(self) -> None:
+        check_model_dir("ReferenceConfig", self.model_dir)
+        check_seed("ReferenceConfig", self.seed)
+        if not isinstance(self.training, TrainingConfig):
+            raise ConfigError(
+                f"ReferenceConfig.training must be a TrainingConfig, got {type(self.training).__name__}"
+            )
+
+
+class ReferenceWorker(Role):
+    """The frozen reference policy: ``log_prob``.
+
+    Args:
+        ctx: where this rank runs.
+        config: the reference's settings.
+    """
+
+    Config = ReferenceConfig
+
+    def __init__(self, ctx: WorkerContext, config: ReferenceConfig) -> None:
+        super().__init__(ctx)
+        self.config = config
+        torch.manual_seed(config.seed)
+        model = load_model(config.model_dir)
+        # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
+        nn.Module.to(model, ctx.device)
+        self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
+                                     head=CausalLMHead())
+
+    @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.REF_LOGPROBS,))
+    def log_prob(self, batch: Batch) -> dict[str, Tensor]:
+        """The reference policy's log-probs of the response tokens.
+
+        Args:
+            batch: the sequence fields (every data-parallel rank needs >= 1 row).
+
+        Returns:
+            ``ref_logprobs``: float32 ``[R]``, raw (temperature 1), 0 on padding.
+        """
+        logprobs, _ = self.engine.log_probs(batch)
+        return {F.REF_LOGPROBS: logprobs.cpu()}

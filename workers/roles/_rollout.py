@@ -1,0 +1,115 @@
+"""The actor's generation side: which rollout engine, and rows in and out of it.
+
+The engine is picked by the type of its config (``NativeRolloutConfig`` or
+``VLLMRolloutConfig``); it always holds a full copy of the actor's weights, which
+the actor refreshes after every update.
+
+vLLM runs in the worker's own process (``VLLMRolloutEngine`` keeps its
+``torch.distributed`` set-up apart from the session's groups); weights reach it by
+Hugging Face name through ``update_weights``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+import msgspec
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from workers.roles import _fields as F
+from workers.rollout import (
+    NativeRolloutConfig,
+    NativeRolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    VLLMRolloutConfig,
+    VLLMRolloutEngine,
+)
+
+RolloutConfig = NativeRolloutConfig | VLLMRolloutConfig
+"""A rollout engine's settings; the type selects the engine."""
+
+SEED_STRIDE = 1 << 20
+"""Per-rank offset of sampling seeds, so ranks do not draw the same random streams."""
+
+
+class RolloutEngine(Protocol):
+    """What the actor needs of a rollout engine (native and vLLM both fit)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        """One response per prompt."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> object:
+        """Copy new weights (Hugging Face names, full tensors) into the engine."""
+        ...
+
+
+def build_rollout(config: RolloutConfig, *, model: PreTrainedModel, model_dir: str,
+                  rank: int) -> RolloutEngine:
+    """The rollout engine ``config`` describes, seeded per rank.
+
+    Args:
+        config: native or vLLM settings.
+        model: the actor's (unsharded) model; the native engine samples from a copy.
+        model_dir: the directory ``model`` was loaded from (vLLM starts from it).
+        rank: this rank in the pool (offsets the engine's seed).
+
+    Returns:
+        The engine.
+    """
+    if isinstance(config, VLLMRolloutConfig):
+        seeded = msgspec.structs.replace(config, seed=config.seed + rank)
+        return VLLMRolloutEngine(model_dir, config=seeded)
+    native = dataclasses.replace(config, seed=config.seed + rank)
+    return NativeRolloutEngine(copy.deepcopy(model), config=native)
+
+
+def unpadded_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
+    """Each row's real prompt tokens (the mask's ones), without the left padding."""
+    keep = prompt_mask.to(torch.bool).cpu()
+    return [row[k].tolist() for row, k in zip(prompt_ids.cpu(), keep, strict=True)]
+
+
+def params_for_rank(params: SamplingParams, *, eos_token_id: int | None, rank: int) -> SamplingParams:
+    """``params`` with the model's EOS filled in (when unset) and the seed offset by rank."""
+    changes: dict[str, object] = {}
+    if params.eos_token_id is None and eos_token_id is not None:
+        changes["eos_token_id"] = eos_token_id
+    if params.seed is not None:
+        changes["seed"] = params.seed + rank * SEED_STRIDE
+    return msgspec.structs.replace(params, **changes) if changes else params
+
+
+def rollout_rows(prompts: Mapping[str, Tensor], out: RolloutOutput | None, *, n: int,
+                 params: SamplingParams) -> dict[str, Tensor]:
+    """The rows ``generate`` returns: every prompt column repeated ``n`` times
+    (consecutively) plus the response columns.
+
+    Args:
+        prompts: this rank's prompt rows.
+        out: the engine's output for the repeated prompts (None when there are none).
+        n: samples per prompt.
+        params: the sampling parameters (``max_new_tokens`` is the response width).
+
+    Returns:
+        The columns, ``rows * n`` rows each.
+    """
+    rows = len(next(iter(prompts.values()))) if prompts else 0
+    index = torch.arange(rows).repeat_interleave(n)
+    columns = {name: value.index_select(0, index.to(value.device)) for name, value in prompts.items()}
+    width = params.max_new_tokens
+    if out is None:
+        columns[F.RESPONSE_IDS] = torch.zeros(0, width, dtype=torch.int64)
+        columns[F.RESPONSE_MASK] = torch.zeros(0, width, dtype=torch.int64)
+        columns[F.ROLLOUT_LOGPROBS] = torch.zeros(0, width, dtype=torch.float32)
+        return columns
+    columns[F.RESPONSE_IDS] = out.response_ids.to(torch.int64)
+    columns[F.RESPONSE_MASK] = out.response_mask.to(torch.int64)
+    columns[F.ROLLOUT_LOGPROBS] = out.logprobs.to(torch.float32)
+    return columns

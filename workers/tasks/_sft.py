@@ -1,0 +1,174 @@
+"""SFT warm start: a tiny model trained to answer arithmetic problems, saved for RL.
+
+:func:`sft_warm_start` is what the CLI's SFT command runs: it builds a tiny random
+causal LM (:mod:`workers.models`), trains it with :class:`TrainingEngine` and
+:class:`NLLLoss` on batches of the train split (loss on ``answer <eos>`` only), and
+writes an ordinary Hugging Face directory (weights, config, generation config and
+tokenizer) that the actor, the reference and the rollout engines load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from channels import ConfigError
+from workers.engines import NLLLoss, TrainingConfig, TrainingEngine
+from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model
+from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
+
+from ._batches import check_fits_context, iter_problem_batches, sft_batch
+from ._evaluate import evaluate_greedy
+from ._problems import ArithmeticProblem, ArithmeticTaskConfig, generate_splits
+
+__all__ = ["SFTConfig", "sft_warm_start"]
+
+
+class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything :func:`sft_warm_start` needs: the task, the model and the training run."""
+
+    task: ArithmeticTaskConfig = msgspec.field(default_factory=ArithmeticTaskConfig)
+    """The problems to learn (the train split is used; the eval split is measured)."""
+    model: TinyModelConfig = msgspec.field(default_factory=TinyModelConfig)
+    """Shape of the tiny model built at random and trained."""
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Examples per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (matrices only)."""
+    stop_at_train_accuracy: float | None = None
+    """Stop early once greedy accuracy on ``probe_size`` train problems reaches this (None:
+    run every step). Starting RL from a set accuracy rather than a set step count keeps
+    the start robust across seeds: when a tiny model "gets" carrying varies by hundreds
+    of steps from seed to seed."""
+    probe_size: int = 500
+    """Train problems (the first ones of the split) the early-stopping check decodes."""
+    probe_every: int = 25
+    """Steps between early-stopping checks."""
+    max_seconds: float | None = None
+    """Stop early once training has run this long (None: no time limit)."""
+    evaluate: bool = True
+    """Measure greedy accuracy on the held-out split at the end."""
+    decode_batch_size: int = 512
+    """Rows decoded at once by the probes and the final evaluation."""
+    seed: int = 0
+    """Seed of the model's initialisation and of the batch order."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "probe_size", "probe_every", "decode_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"SFTConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("warmup_steps",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"SFTConfig.{name} must be an int >= 0, got {value!r}")
+        if not self.lr > 0:
+            raise ConfigError(f"SFTConfig.lr must be > 0, got {self.lr!r}")
+        target = self.stop_at_train_accuracy
+        if target is not None and not 0 < target <= 1:
+            raise ConfigError(
+                f"SFTConfig.stop_at_train_accuracy must be in (0, 1] or None, got {target!r}"
+            )
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ConfigError(f"SFTConfig.max_seconds must be > 0 or None, got {self.max_seconds!r}")
+
+
+def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, float]:
+    """Build a tiny model, train it on the task's train split, and save it.
+
+    Uses the calling process's torch thread settings; nothing is downloaded.
+
+    Args:
+        model_dir_out: Output directory (created if needed) for the Hugging Face model
+            and its tokenizer.
+        config: Task, model and training settings.
+
+    Returns:
+        ``loss`` (mean of the last 10 steps), ``steps``, ``train_seconds`` (probes
+        included), ``num_parameters``, ``train_accuracy`` (the last probe; -1 without
+        early stopping) and, when ``evaluate`` is set, ``eval_accuracy`` (greedy, on the
+        held-out split) and ``eval_seconds``.
+
+    Raises:
+        ConfigError: If a prompt plus its answer does not fit the model's context.
+    """
+    tokenizer = CharTokenizer(config.model.tokenizer)
+    splits = generate_splits(config.task)
+    max_new_tokens = config.task.max_answer_chars + 1
+    check_fits_context(
+        splits.train + splits.eval,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        max_positions=config.model.max_position_embeddings,
+    )
+    model = build_tiny_model(config.model, seed=config.seed)
+    engine = TrainingEngine(
+        model,
+        config=TrainingConfig(
+            lr=config.lr, warmup_steps=config.warmup_steps, weight_decay=config.weight_decay
+        ),
+        loss=NLLLoss(),
+    )
+    # The rollout engine shares the model: probes decode the weights being trained.
+    rollout = NativeRolloutEngine(
+        model, config=NativeRolloutConfig(max_batch_size=config.decode_batch_size)
+    )
+    metrics = _train(engine, rollout, splits.train, tokenizer, config)
+    metrics["num_parameters"] = float(sum(p.numel() for p in model.parameters()))
+    model.eval()
+    _save(Path(model_dir_out), engine, tokenizer)
+    if config.evaluate:
+        start = time.perf_counter()
+        result = evaluate_greedy(rollout, splits.eval, tokenizer, max_new_tokens=max_new_tokens)
+        metrics["eval_accuracy"] = result["accuracy"]
+        metrics["eval_seconds"] = time.perf_counter() - start
+    return metrics
+
+
+def _train(
+    engine: TrainingEngine,
+    rollout: NativeRolloutEngine,
+    train: Sequence[ArithmeticProblem],
+    tokenizer: CharTokenizer,
+    config: SFTConfig,
+) -> dict[str, float]:
+    """The SFT loop, stopping at ``steps``, the probe's target or ``max_seconds``."""
+    batches = iter_problem_batches(train, config.batch_size, seed=config.seed)
+    probe = train[: config.probe_size]
+    max_new_tokens = config.task.max_answer_chars + 1
+    losses: list[float] = []
+    train_accuracy = -1.0
+    start = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        losses.append(engine.train_step(sft_batch(next(batches), tokenizer))["loss"])
+        if config.max_seconds is not None and time.perf_counter() - start >= config.max_seconds:
+            break
+        if config.stop_at_train_accuracy is not None and step % config.probe_every == 0:
+            result = evaluate_greedy(rollout, probe, tokenizer, max_new_tokens=max_new_tokens)
+            train_accuracy = result["accuracy"]
+            if train_accuracy >= config.stop_at_train_accuracy:
+                break
+    return {
+        "loss": sum(losses[-10:]) / len(losses[-10:]),
+        "steps": float(len(losses)),
+        "train_seconds": time.perf_counter() - start,
+        "train_accuracy": train_accuracy,
+    }
+
+
+def _save(path: Path, engine: TrainingEngine, tokenizer: CharTokenizer) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    engine.export_hf(path)
+    generation_config = getattr(engine.model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
