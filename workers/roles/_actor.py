@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from channels import DP, Batch, ConfigError, Metrics, MicroDP, OneToAll
-from workers import Role, WorkerContext, register
+from channels import DP, Batch, ConfigError, Metrics, MicroDP
+from workers import WorkerContext, register
 from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine
 from workers.models import load_model
 from workers.roles import _fields as F
-from workers.roles._checkpoint import export_model, load_training_state, save_training_state
+from workers.roles._checkpoint import TrainedRole
 from workers.roles._rollout import (
     RolloutConfig,
     build_rollout,
@@ -77,7 +77,7 @@ class ActorConfig:
                 )
 
 
-class ActorWorker(Role):
+class ActorWorker(TrainedRole):
     """The policy: ``generate``, ``log_prob``, ``update``, checkpoints.
 
     Args:
@@ -105,7 +105,7 @@ class ActorWorker(Role):
 
     @register(protocol=MicroDP(tg=1), row_lengths=F.RESPONSE_MASK)
     def generate(self, prompts: Batch, *, n: int = 1,
-                 params: SamplingParams | None = None) -> dict[str, Tensor]:
+                 params: SamplingParams | None = None) -> Batch:
         """Sample ``n`` responses per prompt with the rollout engine.
 
         Every rank generates its own share of the prompts with full weights (the
@@ -197,43 +197,12 @@ class ActorWorker(Role):
         self._sync_rollout()
         return metrics
 
-    @register(protocol=OneToAll())
-    def save_checkpoint(self, path: str) -> None:
-        """Save model, optimizer, step and RNG states (DCP; every rank writes its shards).
-
-        Args:
-            path: a directory every rank can write.
-        """
-        save_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
-
-    @register(protocol=OneToAll())
-    def load_checkpoint(self, path: str) -> None:
-        """Restore a :meth:`save_checkpoint` directory and sync the rollout engine.
-
-        Args:
-            path: the checkpoint directory.
-
-        Raises:
-            ConfigError: ``path`` holds no checkpoint.
-        """
-        load_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
+    def _after_load(self) -> None:
         self._sync_rollout()
 
-    @register(protocol=OneToAll())
-    def export_hf(self, path: str) -> None:
-        """Write the policy as a Hugging Face directory (weights gathered, rank 0 writes).
-
-        Tokenizer and generation files of ``config.model_dir`` are copied beside it,
-        so the directory can be any role's ``model_dir``.
-
-        Args:
-            path: output directory.
-        """
-        def save(state: dict[str, Tensor], out: Path) -> None:
-            self.engine.model.save_pretrained(os.fspath(out), state_dict=state,  # type: ignore[operator]
-                                              safe_serialization=True)
-
-        export_model(self.engine, path, ctx=self.ctx, source_dir=self.config.model_dir, save=save)
+    def _save_export(self, state: dict[str, Tensor], out: Path) -> None:
+        self.engine.model.save_pretrained(os.fspath(out), state_dict=state,  # type: ignore[operator]
+                                          safe_serialization=True)
 
     def _sync_rollout(self) -> None:
         # Collective: every rank gathers every tensor, in the same order.

@@ -17,14 +17,16 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from channels import ConfigError
-from workers._role import WorkerContext
+from channels import ConfigError, OneToAll
+from workers._register import register
+from workers._role import Role, WorkerContext
 from workers.engines import TrainingEngine
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -152,3 +154,55 @@ def export_model(engine: TrainingEngine, path: str | os.PathLike[str], *, ctx: W
         src = Path(source_dir) / name
         if src.is_file() and not (out / name).exists():
             shutil.copyfile(src, out / name)
+
+
+class TrainedRole(Role):
+    """A role that trains a model with a :class:`TrainingEngine`: checkpoints and
+    export, shared by the actor and the critic.
+
+    Subclasses set ``self.engine``, ``self._shuffle`` (the mini-batch generator) and
+    ``self.config.model_dir``, and implement :meth:`_save_export`.
+    """
+
+    engine: TrainingEngine
+    _shuffle: torch.Generator
+    config: Any
+
+    @register(protocol=OneToAll())
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer, step and RNG states (DCP; every rank writes its shards).
+
+        Args:
+            path: a directory every rank can write.
+        """
+        save_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
+
+    @register(protocol=OneToAll())
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a :meth:`save_checkpoint` directory.
+
+        Args:
+            path: the checkpoint directory.
+
+        Raises:
+            ConfigError: ``path`` holds no checkpoint.
+        """
+        load_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
+        self._after_load()
+
+    @register(protocol=OneToAll())
+    def export_hf(self, path: str) -> None:
+        """Write the model as a Hugging Face directory (weights gathered, pool rank 0
+        writes); tokenizer and generation files of ``config.model_dir`` are copied
+        beside it, so the directory can be any role's ``model_dir``.
+
+        Args:
+            path: output directory.
+        """
+        export_model(self.engine, path, ctx=self.ctx, source_dir=self.config.model_dir, save=self._save_export)
+
+    def _after_load(self) -> None:
+        """Hook run after a checkpoint is loaded (the actor syncs its rollout engine)."""
+
+    def _save_export(self, state: dict[str, Tensor], out: Path) -> None:
+        raise NotImplementedError

@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from channels import DP, Batch, ConfigError, Metrics, OneToAll
-from workers import Role, WorkerContext, register
+from channels import DP, Batch, ConfigError, Metrics
+from workers import WorkerContext, register
 from workers.engines import TrainingConfig, TrainingEngine, ValueHead, ValueLoss
 from workers.models import load_model
 from workers.roles import _fields as F
-from workers.roles._checkpoint import export_model, load_training_state, save_training_state
+from workers.roles._checkpoint import TrainedRole
 from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
@@ -56,7 +56,7 @@ class CriticConfig:
                 )
 
 
-class CriticWorker(Role):
+class CriticWorker(TrainedRole):
     """The value function: ``values``, ``update``, checkpoints.
 
     Args:
@@ -114,37 +114,7 @@ class CriticWorker(Role):
                            schedule=schedule or self.config.update, generator=self._shuffle,
                            prefix="critic/")
 
-    @register(protocol=OneToAll())
-    def save_checkpoint(self, path: str) -> None:
-        """Save model, optimizer, step and RNG states (DCP; every rank writes its shards).
-
-        Args:
-            path: a directory every rank can write.
-        """
-        save_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
-
-    @register(protocol=OneToAll())
-    def load_checkpoint(self, path: str) -> None:
-        """Restore a :meth:`save_checkpoint` directory.
-
-        Args:
-            path: the checkpoint directory.
-
-        Raises:
-            ConfigError: ``path`` holds no checkpoint.
-        """
-        load_training_state(self.engine, path, ctx=self.ctx, generators={"shuffle": self._shuffle})
-
-    @register(protocol=OneToAll())
-    def export_hf(self, path: str) -> None:
-        """Write the value model (``ValueModel.save_pretrained`` format; rank 0 writes).
-
-        Args:
-            path: output directory.
-        """
-        def save(state: dict[str, Tensor], out: Path) -> None:
-            model = load_model(self.config.model_dir, kind="value", head_seed=self.config.head_seed)
-            model.load_state_dict(state)
-            model.save_pretrained(out)
-
-        export_model(self.engine, path, ctx=self.ctx, source_dir=self.config.model_dir, save=save)
+    def _save_export(self, state: dict[str, Tensor], out: Path) -> None:
+        model = load_model(self.config.model_dir, kind="value", head_seed=self.config.head_seed)
+        model.load_state_dict(state)
+        model.save_pretrained(out)
