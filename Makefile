@@ -21,8 +21,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	@echo "asyncflow main job: the transfer benchmark (the PPO/GRPO example replaces it once issue 4 lands)"
-	$(PY) -m bench.transfer --json bench-transfer.json
+	$(VENV)/bin/asyncflow train examples/arith_grpo.toml
 
 test: $(STAMP)
 	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests

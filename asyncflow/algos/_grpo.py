@@ -29,7 +29,8 @@ async def grpo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: 
     """One GRPO step: sample ``n`` responses per prompt, score them, normalise the
     scores within each prompt's group and update the actor. ``seed`` seeds the
     step's sampling (a resumed run then samples what an uninterrupted one would)."""
-    use_ref = config.policy.kl_coef > 0
+    # A placed reference is used for the KL metric even without a KL loss term.
+    use_ref = config.policy.kl_coef > 0 or "ref" in roles
     require_roles(roles, "GRPO", "actor", "reward", *(["ref"] if use_ref else []))
     rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
     old = roles["actor"].log_prob(rollout)

@@ -26,7 +26,7 @@ async def remax_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config:
                      seed: int | None = None) -> dict[str, float]:
     """One ReMax step: a sampled and a greedy response per prompt; the greedy
     response's score is the sampled one's baseline."""
-    use_ref = config.policy.kl_coef > 0
+    use_ref = config.policy.kl_coef > 0 or "ref" in roles
     require_roles(roles, "ReMax", "actor", "reward", *(["ref"] if use_ref else []))
     rollout = roles["actor"].generate(prompts, n=1, params=config.rollout.params(seed=seed))
     greedy = roles["actor"].generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))

@@ -51,6 +51,9 @@ class TrainSection(msgspec.Struct, **_CFG):
     """Held-out problems evaluated (the first ones of the eval split)."""
     max_seconds: float = 0.0
     """Stop RL after this long (0: no limit); the run still evaluates and saves."""
+    kl_metric: bool = True
+    """Place a reference policy to report the actor's KL to its starting point
+    (``actor/kl_to_ref``) even when no KL term is in the loss."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints"):
@@ -202,7 +205,8 @@ def needed_roles(config: RunConfig) -> tuple[str, ...]:
     roles = ROLES_OF[config.algorithm]
     algo = getattr(config, config.algorithm)
     uses_kl = algo.policy.kl_coef > 0 or getattr(algo, "reward_kl_coef", 0.0) > 0
-    return (*roles, "ref") if uses_kl else roles
+    with_ref = uses_kl or (config.train.kl_metric and config.algorithm in ("grpo", "remax"))
+    return (*roles, "ref") if with_ref else roles
 
 
 def validate(config: RunConfig) -> None:

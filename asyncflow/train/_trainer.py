@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 EVAL_UID_BASE = 1 << 40
 """Uids of evaluation prompts (never equal to a training prompt's)."""
 
-CURVES = ("reward/mean", "actor/approx_kl", "actor/kl", "eval/accuracy", "actor/logprob_mismatch")
+CURVES = ("reward/mean", "actor/kl_to_ref", "eval/accuracy", "actor/logprob_mismatch")
 
 
 @dataclass
@@ -83,13 +84,17 @@ class Trainer:
             check_supported_checkpoint(Path(c.model.dir))
             return c.model.dir
         target = self.out / "sft_model"
-        if (target / "config.json").exists() and (target / "model.safetensors").exists():
-            self.say(f"SFT warm start: reusing {target}")
-            return str(target)
         sft = msgspec.structs.replace(c.sft, task=c.task)
-        self.say(f"SFT warm start: {sft.steps} steps (at most {sft.max_seconds or 'unlimited'} s) ...")
+        stamp = target / "asyncflow_sft.json"
+        if stamp.exists() and stamp.read_bytes() == msgspec.json.encode(sft):
+            self.say(f"SFT warm start: reusing {target} (same settings)")
+            return str(target)
+        shutil.rmtree(target, ignore_errors=True)
+        self.say(f"SFT warm start: up to {sft.steps} steps, until {sft.stop_at_train_accuracy or 'all'} "
+                 f"train accuracy (at most {sft.max_seconds or 'unlimited'} s) ...")
         t = time.monotonic()
         metrics = sft_warm_start(target, sft)
+        stamp.write_bytes(msgspec.json.encode(sft))
         self.say(f"SFT warm start done in {time.monotonic() - t:.0f} s: "
                  + ", ".join(f"{k}={v:.3g}" for k, v in metrics.items()))
         return str(target)
@@ -112,6 +117,12 @@ class Trainer:
                            max_positions=limit)
         eval_problems = list(splits.eval)[: c.train.eval_size]
         start, state = 0, {}
+        if not self.resume:  # a new run: the previous run's results go
+            for old in ("metrics.jsonl", "curves.png"):
+                (self.out / old).unlink(missing_ok=True)
+            for old in ("tensorboard", "checkpoints"):
+                shutil.rmtree(self.out / old, ignore_errors=True)
+            self.checkpoints = CheckpointDir(self.out / "checkpoints", keep=c.train.keep_checkpoints)
         if self.resume:
             ckpt = self.checkpoints.latest()
             state = CheckpointDir.state(ckpt)
@@ -128,6 +139,9 @@ class Trainer:
             if before is None:
                 before = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
                 self.say(f"held-out accuracy before RL: {before:.3f}")
+                log = MetricsLog(self.out, tensorboard=False)
+                log.write(0, {"eval/accuracy": before})
+                log.close()
             result = await self._loop(session, roles, splits.train, tokenizer, eval_problems, max_new,
                                       start=start, state=state | {"accuracy_before": before})
         return result
@@ -219,7 +233,7 @@ def _bar(enabled: bool, start: int, total: int) -> Any:
 def _advance(bar: Any, m: dict[str, float]) -> None:
     if bar is None:
         return
-    shown = {"reward": m.get("reward/mean"), "kl": m.get("actor/approx_kl"),
+    shown = {"reward": m.get("reward/mean"), "kl": m.get("actor/kl_to_ref", m.get("actor/approx_kl")),
              "tok/s": m.get("throughput/tokens_per_s"), "mismatch": m.get("actor/logprob_mismatch")}
     bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items() if v is not None}, refresh=False)
     bar.update(1)

@@ -23,6 +23,7 @@ from asyncflow.algos import (
     remax_step,
     safe_rlhf_step,
 )
+from support import cost_of_long_answers
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.rewards import RuleRewardConfig
 from workers.roles import (
@@ -36,7 +37,6 @@ from workers.roles import (
     RewardWorker,
     ScoreConfig,
 )
-from support import cost_of_long_answers
 from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,

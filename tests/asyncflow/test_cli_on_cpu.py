@@ -75,8 +75,8 @@ def test_resumed_run_repeats_the_uninterrupted_next_step(tmp_path, model_dir, ca
     assert main(["train", str(part), "--resume", "--set", "train.steps=3", "--no-progress"]) == 0
     expected = read_metrics(tmp_path / "full" / "metrics.jsonl")
     got = read_metrics(tmp_path / "part" / "metrics.jsonl")
-    assert [r["step"] for r in got] == [1, 2, 3]
-    assert _comparable(got[2]) == _comparable(expected[2])  # step 3, bit for bit
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert _comparable(got[3]) == _comparable(expected[3])  # step 3, bit for bit
     state = json.loads((tmp_path / "part" / "checkpoints" / "step_000003" / "state.json").read_text())
     assert state["step"] == 3
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from channels import DP, Batch, ConfigError, Metrics, MicroDP
 from workers import WorkerContext, register
-from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine
+from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine, kl_k3
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
@@ -211,10 +211,14 @@ class ActorWorker(TrainedRole):
 
 def rollout_consistency(batch: Batch) -> dict[str, float]:
     """How far the rollout engine's log-probs of the sampled tokens are from the
-    training engine's (``old_logprobs``), and how many response tokens there are."""
+    training engine's (``old_logprobs``), how many response tokens there are and,
+    when the batch carries ``ref_logprobs``, the policy's KL to the reference."""
     mask = batch[F.RESPONSE_MASK].bool()
     out = {"actor/response_tokens": float(mask.sum())}
     if F.ROLLOUT_LOGPROBS in batch and F.OLD_LOGPROBS in batch and mask.any():
         diff = (batch[F.ROLLOUT_LOGPROBS] - batch[F.OLD_LOGPROBS]).abs()[mask]
         out |= {"actor/logprob_mismatch": float(diff.mean()), "actor/logprob_mismatch_max": float(diff.max())}
+    if F.REF_LOGPROBS in batch and F.OLD_LOGPROBS in batch and mask.any():
+        # KL(policy || reference) on the sampled tokens (k3: unbiased, non-negative).
+        out["actor/kl_to_ref"] = float(kl_k3(batch[F.OLD_LOGPROBS], batch[F.REF_LOGPROBS])[mask].mean())
     return out
