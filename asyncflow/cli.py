@@ -79,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     sft.set_defaults(run=_sft)
     args = parser.parse_args(argv)
+    # One progress bar (ours): no per-load bars from transformers here or in the
+    # Ray workers, which inherit this environment.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=os.environ.get("ASYNCFLOW_LOG", "WARNING"),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
