@@ -46,6 +46,7 @@ from workers.engines._losses import (
     masked_whiten,
     ppo_policy_loss,
 )
+from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine
 from workers.engines._objectives import (
     EngineConfigError,
     LossFn,
@@ -72,6 +73,8 @@ __all__ = [
     "LossAggregation",
     "LossFn",
     "LossTerms",
+    "MegatronConfig",
+    "MegatronTrainingEngine",
     "MicroBatchPlanner",
     "ModelHead",
     "ModelOutputs",

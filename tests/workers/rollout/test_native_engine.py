@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model
-from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
-from workers.rollout import RolloutOutput, SamplingParams
+from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, RolloutOutput, SamplingParams
 
 torch.set_num_threads(1)
 

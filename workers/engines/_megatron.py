@@ -1,0 +1,790 @@
+"""Megatron-core training engine: :class:`TrainingEngine`'s API on a Megatron ``GPTModel``.
+
+For GPU machines (megatron-core, the ``gpu`` extra), imported only when an engine is
+created. The engine takes the model TrainingEngine takes (a Llama/Qwen2 causal LM or
+a :class:`~workers.models.ValueModel`), builds a ``GPTModel`` from Megatron's own
+layers (the "local" spec: no Transformer Engine or Apex), copies the weights into it
+sharded over ``megatron.core.parallel_state``'s tensor-parallel group, and runs
+TrainingEngine's heads, objectives, loss aggregation and micro-batching on it.
+Data-parallel groups pass their own rows and average gradients once per step, so a
+step equals one full-batch step. Pipeline parallelism is rejected for now (it needs
+Megatron's pipeline schedules).
+
+:func:`hf_to_megatron` / :func:`megatron_to_hf` map full Hugging Face tensors to
+Megatron's names and layouts and back (q/k/v fused per query group into
+``linear_qkv``, gate/up into ``linear_fc1``); :func:`split_for_tp` /
+:func:`merge_from_tp` cut full tensors into tensor-parallel shards and join them.
+They are plain tensor code, usable and tested without megatron-core.
+
+Megatron's RoPE counts positions from the first column rather than from each row's
+first real token; rotary attention depends only on query-key distances and a row's
+real tokens are contiguous, so the shift changes no result.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from workers.engines import _checkpoint
+from workers.engines._engine import TrainingConfig, TrainingEngine
+from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
+from workers.engines._objectives import EngineConfigError, LossFn
+from workers.engines._parallel import Parallelism
+
+__all__ = [
+    "GPTShape",
+    "MegatronConfig",
+    "MegatronTrainingEngine",
+    "hf_to_megatron",
+    "megatron_tensor_to_hf",
+    "megatron_to_hf",
+    "merge_from_tp",
+    "split_for_tp",
+]
+
+ModelKind = Literal["causal_lm", "value"]
+
+VOCAB_PAD_MULTIPLE = 128
+"""The vocabulary is padded to a multiple of this times the TP size (Megatron's default)."""
+
+_HF_PREFIX: dict[ModelKind, str] = {"causal_lm": "model.", "value": "backbone."}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+# ------------------------------------------------------------------ model shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTShape:
+    """The sizes both naming schemes need: a Llama/Qwen2 decoder."""
+
+    vocab_size: int
+    """Real (unpadded) vocabulary size."""
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (query groups)."""
+    head_dim: int
+    """Size of one head."""
+    ffn_hidden_size: int
+    """Width of the gated MLP."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    max_position_embeddings: int = 4096
+    """Longest sequence."""
+    tie_word_embeddings: bool = False
+    """Whether the LM head shares the input embedding."""
+    qkv_bias: bool = False
+    """Whether q/k/v projections have biases (Qwen2)."""
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> GPTShape:
+        """Read the shape from a transformers ``LlamaConfig`` or ``Qwen2Config``.
+
+        Args:
+            config: the model's transformers config.
+
+        Returns:
+            The shape.
+
+        Raises:
+            EngineConfigError: for another architecture or a RoPE scaling other than
+                the default.
+        """
+        model_type = getattr(config, "model_type", None)
+        if model_type not in ("llama", "qwen2"):
+            raise EngineConfigError(
+                f"MegatronTrainingEngine supports Llama and Qwen2 models, got model_type "
+                f"{model_type!r}"
+            )
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            raise EngineConfigError(
+                f"MegatronTrainingEngine supports the default RoPE only, the config has "
+                f"rope_type {rope['rope_type']!r}"
+            )
+        heads = int(config.num_attention_heads)
+        hidden = int(config.hidden_size)
+        return cls(
+            vocab_size=int(config.vocab_size),
+            hidden_size=hidden,
+            num_layers=int(config.num_hidden_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+            ffn_hidden_size=int(config.intermediate_size),
+            norm_eps=float(config.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            max_position_embeddings=int(config.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+        )
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """The embedding rows Megatron holds: ``vocab_size`` rounded up to ``128 * tp``."""
+        multiple = VOCAB_PAD_MULTIPLE * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+# ------------------------------------------------------- HF <-> Megatron mapping
+
+
+def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, shape: GPTShape) -> Tensor:
+    """Megatron's ``linear_qkv`` layout: per query group, its q heads, then k, then v."""
+    groups, d = shape.num_kv_heads, shape.head_dim
+    per_group = shape.num_heads // groups
+    rest = q.shape[1:]
+    parts = (
+        q.reshape(groups, per_group * d, *rest),
+        k.reshape(groups, d, *rest),
+        v.reshape(groups, d, *rest),
+    )
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: Tensor, shape: GPTShape) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`_fuse_qkv`."""
+    groups, d = shape.num_kv_heads, shape.head_dim
+    per_group = shape.num_heads // groups
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _layer_pairs(i: int, shape: GPTShape, hf: str) -> dict[str, str]:
+    """One-to-one names of layer ``i``: Megatron name -> HF name."""
+    m = f"decoder.layers.{i}."
+    return {
+        f"{m}input_layernorm.weight": f"{hf}layers.{i}.input_layernorm.weight",
+        f"{m}self_attention.linear_proj.weight": f"{hf}layers.{i}.self_attn.o_proj.weight",
+        f"{m}pre_mlp_layernorm.weight": f"{hf}layers.{i}.post_attention_layernorm.weight",
+        f"{m}mlp.linear_fc2.weight": f"{hf}layers.{i}.mlp.down_proj.weight",
+    }
+
+
+def _global_pairs(shape: GPTShape, kind: ModelKind) -> dict[str, str]:
+    """One-to-one names outside the layers: Megatron name -> HF name."""
+    hf = _HF_PREFIX[kind]
+    pairs = {
+        "embedding.word_embeddings.weight": f"{hf}embed_tokens.weight",
+        "decoder.final_layernorm.weight": f"{hf}norm.weight",
+    }
+    if kind == "value":
+        pairs |= {"output_layer.weight": "head.weight", "output_layer.bias": "head.bias"}
+    elif not shape.tie_word_embeddings:
+        pairs["output_layer.weight"] = "lm_head.weight"
+    return pairs
+
+
+def hf_to_megatron(
+    state: Mapping[str, Tensor], shape: GPTShape, *, kind: ModelKind = "causal_lm"
+) -> dict[str, Tensor]:
+    """Full Hugging Face tensors to full Megatron ``GPTModel`` tensors (local layer spec).
+
+    Args:
+        state: a HF state dict (``LlamaForCausalLM``/``Qwen2ForCausalLM``, or a
+            ``ValueModel`` with ``kind="value"``); extra entries are ignored.
+        shape: the model's sizes.
+        kind: ``"causal_lm"`` or ``"value"``.
+
+    Returns:
+        Megatron names (``decoder.layers.0.self_attention.linear_qkv.weight``, ...) to
+        tensors; ``_extra_state`` entries are not included.
+
+    Raises:
+        EngineConfigError: naming the first HF tensor that is missing.
+    """
+    hf = _HF_PREFIX[kind]
+
+    def get(name: str) -> Tensor:
+        if name not in state:
+            raise EngineConfigError(
+                f"the Hugging Face state dict lacks {name!r}; pass the state dict of a "
+                f"{'ValueModel' if kind == 'value' else 'Llama/Qwen2 causal LM'}"
+            )
+        return state[name]
+
+    out = {m: get(h) for m, h in _global_pairs(shape, kind).items()}
+    for i in range(shape.num_layers):
+        out |= {m: get(h) for m, h in _layer_pairs(i, shape, hf).items()}
+        attn, mlp = f"{hf}layers.{i}.self_attn.", f"{hf}layers.{i}.mlp."
+        m = f"decoder.layers.{i}."
+        for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            q, k, v = (get(f"{attn}{x}_proj.{suffix}") for x in "qkv")
+            out[f"{m}self_attention.linear_qkv.{suffix}"] = _fuse_qkv(q, k, v, shape)
+        out[f"{m}mlp.linear_fc1.weight"] = torch.cat(
+            [get(f"{mlp}gate_proj.weight"), get(f"{mlp}up_proj.weight")]
+        )
+    return out
+
+
+def megatron_tensor_to_hf(
+    name: str, tensor: Tensor, shape: GPTShape, *, kind: ModelKind = "causal_lm"
+) -> list[tuple[str, Tensor]]:
+    """One full Megatron tensor to the HF tensors it holds (one, or q/k/v, or gate/up).
+
+    Args:
+        name: Megatron name.
+        tensor: the full (TP-merged, unpadded) tensor.
+        shape: the model's sizes.
+        kind: ``"causal_lm"`` or ``"value"``.
+
+    Returns:
+        ``(hf_name, tensor)`` pairs; for a tied causal LM the embedding also yields
+        ``lm_head.weight``, as ``model.state_dict()`` of a transformers model does.
+
+    Raises:
+        EngineConfigError: for a name outside the mapping.
+    """
+    hf = _HF_PREFIX[kind]
+    pairs = _global_pairs(shape, kind)
+    if name in pairs:
+        out = [(pairs[name], tensor)]
+        if kind == "causal_lm" and shape.tie_word_embeddings and "word_embeddings" in name:
+            out.append(("lm_head.weight", tensor))
+        return out
+    match = _LAYER.fullmatch(name)
+    if match is not None:
+        i, rest = int(match.group(1)), match.group(2)
+        one_to_one = _layer_pairs(i, shape, hf)
+        if name in one_to_one:
+            return [(one_to_one[name], tensor)]
+        if rest.startswith("self_attention.linear_qkv."):
+            suffix = rest.rsplit(".", 1)[1]
+            q, k, v = _split_qkv(tensor, shape)
+            attn = f"{hf}layers.{i}.self_attn."
+            return [(f"{attn}{p}_proj.{suffix}", t) for p, t in zip("qkv", (q, k, v), strict=True)]
+        if rest == "mlp.linear_fc1.weight":
+            gate, up = tensor.chunk(2)
+            mlp = f"{hf}layers.{i}.mlp."
+            return [(f"{mlp}gate_proj.weight", gate), (f"{mlp}up_proj.weight", up)]
+    raise EngineConfigError(f"no Hugging Face name for Megatron tensor {name!r}")
+
+
+def megatron_to_hf(
+    state: Mapping[str, Tensor], shape: GPTShape, *, kind: ModelKind = "causal_lm"
+) -> dict[str, Tensor]:
+    """Inverse of :func:`hf_to_megatron` (``_extra_state`` entries are skipped)."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        if not name.endswith("_extra_state"):
+            out.update(megatron_tensor_to_hf(name, tensor, shape, kind=kind))
+    return out
+
+
+# ----------------------------------------------------------- tensor parallelism
+
+
+def _tp_split_kind(name: str, kind: ModelKind) -> str:
+    """How Megatron shards a tensor: vocab, column, fc1 (gate/up), row or replicated."""
+    if name == "embedding.word_embeddings.weight" or (
+        name == "output_layer.weight" and kind == "causal_lm"
+    ):
+        return "vocab"
+    if ".linear_qkv." in name:
+        return "column"
+    if name.endswith("mlp.linear_fc1.weight"):
+        return "fc1"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return "row"
+    return "replicated"
+
+
+def split_for_tp(
+    name: str, full: Tensor, *, tp_size: int, vocab_size: int, kind: ModelKind = "causal_lm"
+) -> list[Tensor]:
+    """Cut a full Megatron tensor into the shards of tensor-parallel ranks 0..tp-1.
+
+    Column-parallel tensors (``linear_qkv``; whole query groups per rank, so
+    ``num_kv_heads % tp == 0``) split rows, ``linear_fc1`` splits gate and up
+    separately, row-parallel tensors (``linear_proj``, ``linear_fc2``) split columns,
+    vocabulary tensors are zero-padded to a multiple of ``128 * tp`` rows first, and
+    the rest is replicated.
+
+    Args:
+        name: Megatron name.
+        full: the full tensor.
+        tp_size: tensor-parallel size.
+        vocab_size: the real vocabulary size.
+        kind: ``"causal_lm"`` or ``"value"`` (a value head is replicated).
+
+    Returns:
+        ``tp_size`` contiguous tensors.
+    """
+    how = _tp_split_kind(name, kind)
+    if how == "vocab":
+        padded = -(-vocab_size // (VOCAB_PAD_MULTIPLE * tp_size)) * VOCAB_PAD_MULTIPLE * tp_size
+        full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+    if how in ("vocab", "column"):
+        return [t.contiguous() for t in full.chunk(tp_size)]
+    if how == "fc1":
+        gate, up = full.chunk(2)
+        return [
+            torch.cat(pair) for pair in zip(gate.chunk(tp_size), up.chunk(tp_size), strict=True)
+        ]
+    if how == "row":
+        return [t.contiguous() for t in full.chunk(tp_size, dim=1)]
+    return [full] * tp_size
+
+
+def merge_from_tp(
+    name: str, shards: list[Tensor], *, vocab_size: int, kind: ModelKind = "causal_lm"
+) -> Tensor:
+    """Inverse of :func:`split_for_tp`: the full tensor, vocabulary padding removed."""
+    how = _tp_split_kind(name, kind)
+    if how == "vocab":
+        return torch.cat(shards)[:vocab_size]
+    if how == "column":
+        return torch.cat(shards)
+    if how == "fc1":
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])])
+    if how == "row":
+        return torch.cat(shards, dim=1)
+    return shards[0]
+
+
+# ------------------------------------------------------------------ the engine
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronConfig:
+    """Parallel layout and precision of a :class:`MegatronTrainingEngine`."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size; must divide the head and query-group counts."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size; only 1 is supported for now."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the forward and backward (autocast); parameters and optimizer stay
+    float32. float32 keeps log-probs within 1e-3 of the rollout engines'."""
+    seed: int = 0
+    """Seed of Megatron's model-parallel CUDA RNG tracker (dropout; the engine runs
+    without dropout, but Megatron's attention needs the tracker)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"MegatronConfig.{name} must be an int >= 1, got {value!r}")
+        if self.pipeline_parallel != 1:
+            raise EngineConfigError(
+                "MegatronConfig.pipeline_parallel must be 1: pipeline parallelism needs "
+                "Megatron's pipeline schedules, which this engine does not drive yet"
+            )
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise EngineConfigError(
+                f"MegatronConfig.compute_dtype must be 'float32' or 'bfloat16', got "
+                f"{self.compute_dtype!r}"
+            )
+
+
+def _import_megatron() -> Any:
+    try:
+        from megatron.core import parallel_state
+    except ImportError as err:
+        raise EngineConfigError(
+            "MegatronTrainingEngine needs megatron-core: pip install megatron-core "
+            "(asyncflow's 'gpu' extra), or use TrainingEngine"
+        ) from err
+    return parallel_state
+
+
+def _model_kind(model: nn.Module) -> ModelKind:
+    if hasattr(model, "lm_head"):
+        return "causal_lm"
+    if hasattr(model, "backbone") and hasattr(model, "head"):
+        return "value"
+    raise EngineConfigError(
+        f"MegatronTrainingEngine takes a Llama/Qwen2 causal LM or a ValueModel, got "
+        f"{type(model).__name__}"
+    )
+
+
+class _ValueOutputLayer(nn.Linear):
+    """``Linear(hidden, 1)`` called the way ``GPTModel`` calls its output layer."""
+
+    def forward(  # type: ignore[override]
+        self, hidden: Tensor, *_: Any, **__: Any
+    ) -> tuple[Tensor, None]:
+        return super().forward(hidden), None
+
+
+class _HFStyleGPT(nn.Module):
+    """A ``GPTModel`` called like a transformers model: ``(input_ids, attention_mask,
+    position_ids)`` in, logits ``[B, T, V]`` (causal LM) or values ``[B, T]`` out."""
+
+    def __init__(
+        self, gpt: nn.Module, *, kind: ModelKind, vocab_size: int, compute_dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self.compute_dtype = compute_dtype
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Logits over the real vocabulary, or float32 values."""
+        rows, length = input_ids.shape
+        device = input_ids.device
+        real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        if position_ids is None:
+            position_ids = torch.arange(length, device=device).expand(rows, length)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        # Megatron's mask convention: True = masked out.
+        masked_out = ~(causal[None, None] & real.bool()[:, None, None, :])
+        low_precision = self.compute_dtype != torch.float32
+        with torch.autocast(device.type, dtype=self.compute_dtype, enabled=low_precision):
+            out = self.gpt(input_ids, position_ids, masked_out)
+        if self.kind == "value":
+            return out[..., 0].float()
+        return out[..., : self.vocab_size]
+
+
+def _transformer_config(shape: GPTShape, settings: MegatronConfig, device: torch.device) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=settings.tensor_parallel,
+        pipeline_model_parallel_size=settings.pipeline_parallel,
+        params_dtype=torch.float32,
+        # The weights come from the HF model: skip Megatron's random initialisation.
+        perform_initialization=False,
+        use_cpu_initialization=device.type == "cpu",
+        # Fused kernels need Apex or Transformer Engine; the local spec runs without.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _build_gpt(
+    shape: GPTShape, settings: MegatronConfig, kind: ModelKind, device: torch.device
+) -> nn.Module:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    gpt = GPTModel(
+        _transformer_config(shape, settings, device),
+        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=shape.padded_vocab_size(settings.tensor_parallel),
+        max_sequence_length=shape.max_position_embeddings,
+        parallel_output=False,  # gather logits over TP: the heads need the whole vocabulary
+        share_embeddings_and_output_weights=kind == "causal_lm" and shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta),
+    )
+    if kind == "value":
+        gpt.output_layer = _ValueOutputLayer(shape.hidden_size, 1)
+    return gpt.to(device)
+
+
+class _MegatronParallel(Parallelism):
+    """Parallelism's data-parallel interface over Megatron's DP group (no DeviceMesh)."""
+
+    def __init__(self, parallel_state: Any, device: torch.device) -> None:
+        super().__init__(None, device=device)
+        self._ps = parallel_state
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel groups."""
+        return int(self._ps.get_data_parallel_world_size())
+
+    def all_reduce_dp(
+        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> Tensor:
+        """Reduce ``tensor`` in place over the data-parallel group (no-op without DP)."""
+        if self.dp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self._ps.get_data_parallel_group())
+        return tensor
+
+
+class MegatronTrainingEngine(TrainingEngine):
+    """Trains one Llama/Qwen2 model (causal LM or value model) as a Megatron ``GPTModel``.
+
+    :meth:`log_probs`, :meth:`values` and :meth:`train_step` are TrainingEngine's, run
+    on the Megatron model behind a transformers-style call; what differs is the
+    layout (Megatron's TP layers and groups), gradient synchronisation, the gradient
+    norm, checkpoints and weight export. Every rank of the default process group
+    calls each method together.
+
+    Args:
+        model: a Llama/Qwen2 causal LM or a ``ValueModel``, identical on every rank;
+            its weights are copied (sharded) into the Megatron model, it is not kept.
+        config: optimizer, schedule and micro-batching settings (as TrainingEngine).
+        megatron: the parallel layout and precision.
+        head: :class:`CausalLMHead` or :class:`ValueHead`; default by the model's kind.
+        loss: the default objective of :meth:`train_step`.
+
+    Raises:
+        EngineConfigError: without megatron-core or a default process group, for a
+            layout that does not fit the world or the model, or an unsupported model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: TrainingConfig,
+        megatron: MegatronConfig | None = None,
+        head: ModelHead | None = None,
+        loss: LossFn | None = None,
+    ) -> None:
+        self.megatron = megatron if megatron is not None else MegatronConfig()
+        self._ps = _import_megatron()
+        self._init_groups()
+        self.kind = _model_kind(model)
+        self.hf_config = model.config
+        self.shape = GPTShape.from_hf_config(model.config)
+        self._check_divisible()
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        gpt = _build_gpt(self.shape, self.megatron, self.kind, device)
+        self._load_full(gpt, hf_to_megatron(model.state_dict(), self.shape, kind=self.kind))
+        # Megatron marks sharded parameters only when it initialises them itself
+        # (perform_initialization), so the engine tells them apart by name.
+        self._sharded = {
+            id(param)
+            for name, param in gpt.named_parameters()
+            if _tp_split_kind(name, self.kind) != "replicated"
+        }
+        wrapped = _HFStyleGPT(
+            gpt,
+            kind=self.kind,
+            vocab_size=self.shape.vocab_size,
+            compute_dtype=getattr(torch, self.megatron.compute_dtype),
+        )
+        default_head: ModelHead = CausalLMHead() if self.kind == "causal_lm" else ValueHead()
+        # Without a mesh TrainingEngine keeps the model as it is (already laid out by
+        # Megatron) and builds the optimizer; its DP reductions then go to Megatron's group.
+        super().__init__(wrapped, config=config, head=head or default_head, loss=loss)
+        self.parallel = _MegatronParallel(self._ps, device)
+
+    # ---------------------------------------------------------------- layout
+
+    def _init_groups(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise EngineConfigError(
+                "MegatronTrainingEngine needs torch.distributed initialised: call "
+                "torch.cuda.set_device(local_rank) and init_process_group('nccl') first"
+            )
+        tp, pp = self.megatron.tensor_parallel, self.megatron.pipeline_parallel
+        if dist.get_world_size() % (tp * pp):
+            raise EngineConfigError(
+                f"MegatronConfig tensor_parallel * pipeline_parallel = {tp * pp} must divide "
+                f"the world size {dist.get_world_size()}"
+            )
+        ps = self._ps
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            )
+            if torch.cuda.is_available():
+                from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+                model_parallel_cuda_manual_seed(self.megatron.seed)
+        elif ps.get_tensor_model_parallel_world_size() != tp:
+            raise EngineConfigError(
+                f"megatron parallel_state is already initialised with tensor parallel size "
+                f"{ps.get_tensor_model_parallel_world_size()}, MegatronConfig asks for {tp}"
+            )
+
+    def _check_divisible(self) -> None:
+        tp = self.megatron.tensor_parallel
+        for name in ("num_heads", "num_kv_heads"):
+            if getattr(self.shape, name) % tp:
+                raise EngineConfigError(
+                    f"MegatronConfig.tensor_parallel={tp} must divide the model's {name}="
+                    f"{getattr(self.shape, name)}"
+                )
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's position in its tensor-parallel group."""
+        return int(self._ps.get_tensor_model_parallel_rank())
+
+    def _load_full(self, gpt: nn.Module, full: Mapping[str, Tensor]) -> None:
+        """Copy this rank's TP shard of every full Megatron tensor into ``gpt``."""
+        tp, rank = self.megatron.tensor_parallel, self.tp_rank
+        targets = {n: t for n, t in gpt.state_dict().items() if not n.endswith("_extra_state")}
+        if missing := sorted(set(targets) - set(full)):
+            raise EngineConfigError(f"no weights for Megatron tensors {missing}")
+        with torch.no_grad():
+            for name, target in targets.items():
+                shard = split_for_tp(
+                    name, full[name], tp_size=tp, vocab_size=self.shape.vocab_size, kind=self.kind
+                )[rank]
+                if tuple(shard.shape) != tuple(target.shape):
+                    raise EngineConfigError(
+                        f"Megatron tensor {name!r}: shard shape {tuple(shard.shape)} does not "
+                        f"match the model's {tuple(target.shape)}"
+                    )
+                target.copy_(shard)
+
+    # ------------------------------------------------------------------ step
+
+    def _optimizer_step(self) -> dict[str, float]:
+        # TrainingEngine scales each DP rank's loss by dp_size / (global normaliser),
+        # expecting FSDP's gradient average over DP: average, then the TP-aware norm.
+        dp = self.parallel.dp_size
+        if dp > 1:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    self.parallel.all_reduce_dp(param.grad).div_(dp)
+        grad_norm = float(self._grad_norm())
+        clip = self.config.grad_clip
+        if clip and math.isfinite(grad_norm) and grad_norm > clip:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(clip / (grad_norm + 1e-6))
+        lr = self.config.lr_at(self._step)
+        skip = self.config.skip_non_finite and not math.isfinite(grad_norm)
+        if not skip:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self._step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr, "step_skipped": float(skip)}
+
+    def _grad_norm(self) -> Tensor:
+        """Total gradient norm: each TP shard counted once, replicated tensors once."""
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for param in self.model.parameters():
+            if param.grad is not None and (id(param) in self._sharded or self.tp_rank == 0):
+                squares = squares + param.grad.detach().double().pow(2).sum()
+        if self.megatron.tensor_parallel > 1:
+            dist.all_reduce(squares, group=self._ps.get_tensor_model_parallel_group())
+        return squares.sqrt()
+
+    # ---------------------------------------------------- checkpoints, weights
+
+    def _checkpoint_file(self, path: str | os.PathLike[str]) -> Path:
+        return Path(path) / f"tp{self.tp_rank:03d}_of_{self.megatron.tensor_parallel:03d}.pt"
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save model shards, optimizer, step and RNG state (collective).
+
+        Data-parallel rank 0 of each TP rank writes its shard; every rank writes its
+        RNG state. Loading needs the same tensor-parallel size (:meth:`export_hf`
+        writes a layout-free copy).
+
+        Args:
+            path: checkpoint directory, shared by all ranks.
+        """
+        directory = Path(path)
+        (directory / "rng").mkdir(parents=True, exist_ok=True)
+        if self._ps.get_data_parallel_rank() == 0:  # DP ranks hold equal copies
+            model, optim = self.model.state_dict(), self.optimizer.state_dict()
+            state = {"model": model, "optim": optim, "step": self._step}
+            torch.save(state, self._checkpoint_file(directory))
+        torch.save(_checkpoint._rng_state(), _checkpoint._rng_path(directory))
+        dist.barrier()
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Restore what :meth:`save` wrote (same tensor-parallel size; collective).
+
+        Args:
+            path: checkpoint directory.
+
+        Raises:
+            EngineConfigError: if ``path`` holds no checkpoint for this layout.
+        """
+        file = self._checkpoint_file(path)
+        if not file.is_file():
+            raise EngineConfigError(
+                f"no checkpoint {file.name} in {os.fspath(path)!r}; pass a directory written "
+                f"by MegatronTrainingEngine.save with tensor_parallel="
+                f"{self.megatron.tensor_parallel}"
+            )
+        state = torch.load(file, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self._step = int(state["step"])
+        if (rng_file := _checkpoint._rng_path(path)).is_file():
+            _checkpoint._set_rng_state(torch.load(rng_file, weights_only=False))
+        dist.barrier()
+
+    def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Yield ``(hf_name, full tensor)`` for weight sync into rollout engines.
+
+        Collective: every rank must exhaust the iterator (TP shards are all-gathered).
+
+        Yields:
+            Full, detached tensors by Hugging Face names, on the engine's device.
+        """
+        tp = self.megatron.tensor_parallel
+        group = self._ps.get_tensor_model_parallel_group()
+        assert isinstance(self.model, _HFStyleGPT)
+        for name, tensor in self.model.gpt.state_dict().items():
+            if name.endswith("_extra_state"):
+                continue
+            shards = [tensor.detach()]
+            if tp > 1 and _tp_split_kind(name, self.kind) != "replicated":
+                shards = [torch.empty_like(tensor) for _ in range(tp)]
+                dist.all_gather(shards, tensor.detach().contiguous(), group=group)
+            full = merge_from_tp(name, shards, vocab_size=self.shape.vocab_size, kind=self.kind)
+            yield from megatron_tensor_to_hf(name, full, self.shape, kind=self.kind)
+
+    def export_hf(self, path: str | os.PathLike[str]) -> None:
+        """Write a Hugging Face directory (global rank 0 writes; collective).
+
+        Args:
+            path: output directory.
+        """
+        state = {name: t.cpu() for name, t in self.named_full_weights()}
+        if dist.get_rank() == 0:
+            from transformers import AutoModel, AutoModelForCausalLM
+
+            from workers.models import ValueModel
+
+            if self.kind == "value":
+                value = ValueModel(AutoModel.from_config(self.hf_config))
+                value.load_state_dict(state)
+                value.save_pretrained(Path(path))
+            else:
+                lm = AutoModelForCausalLM.from_config(self.hf_config)
+                lm.load_state_dict(state, strict=False)
+                lm.save_pretrained(os.fspath(path))
+        dist.barrier()
