@@ -5,6 +5,7 @@ downloaded): :func:`generate_splits` draws disjoint train and held-out problems,
 :func:`prompt_batch` and :func:`sft_batch` tokenize them in the engines' conventions,
 :func:`exact_match_reward` scores responses, :func:`evaluate_greedy` measures
 held-out accuracy and :func:`sft_warm_start` trains the model RL starts from.
+:data:`ARITHMETIC_RECIPE` holds the tuned settings of SFT then GRPO on a small CPU.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from ._problems import (
     TaskSplits,
     generate_splits,
 )
+from ._recipe import ARITHMETIC_RECIPE, ArithmeticRecipe, GRPORecipe
 from ._reward import EOS_TEXT, exact_match_reward, extract_answer
 from ._sft import SFTConfig, sft_warm_start
 
 __all__ = [
+    "ARITHMETIC_RECIPE",
     "EOS_TEXT",
     "OPERATORS",
     "ArithmeticProblem",
+    "ArithmeticRecipe",
     "ArithmeticTaskConfig",
+    "GRPORecipe",
     "SFTConfig",
     "TaskSplits",
     "check_fits_context",

@@ -49,7 +49,7 @@ def prompt_batch(
     Raises:
         ConfigError: If ``problems`` is empty.
     """
-    _check_not_empty(problems, "prompt_batch")
+    require_problems(problems, "prompt_batch")
     prompts = [tokenizer.encode(problem.prompt) for problem in problems]
     answers = [tokenizer.encode(problem.answer, add_bos=False) for problem in problems]
     prompt_ids, prompt_mask = _pad(prompts, tokenizer.pad_token_id, left=True)
@@ -78,7 +78,7 @@ def sft_batch(problems: Sequence[ArithmeticProblem], tokenizer: CharTokenizer) -
     Raises:
         ConfigError: If ``problems`` is empty.
     """
-    _check_not_empty(problems, "sft_batch")
+    require_problems(problems, "sft_batch")
     prompts = [tokenizer.encode(problem.prompt) for problem in problems]
     responses = [
         [*tokenizer.encode(problem.answer, add_bos=False), tokenizer.eos_token_id]
@@ -182,7 +182,8 @@ def check_fits_context(
         )
 
 
-def _check_not_empty(problems: Sequence[ArithmeticProblem], where: str) -> None:
+def require_problems(problems: Sequence[ArithmeticProblem], where: str) -> None:
+    """Raise :class:`ConfigError` when ``problems`` is empty (``where`` names the caller)."""
     if not problems:
         raise ConfigError(f"{where} got no problems; the split is empty")
 

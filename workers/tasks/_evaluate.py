@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from workers.models import CharTokenizer
 from workers.rollout import NativeRolloutEngine, SamplingParams
 
-from ._batches import check_fits_context, decode_responses
+from ._batches import check_fits_context, decode_responses, require_problems
 from ._problems import ArithmeticProblem
 from ._reward import exact_match_reward
 
@@ -37,9 +37,7 @@ def evaluate_greedy(
     Raises:
         ConfigError: If ``problems`` is empty or a prompt does not fit the context.
     """
-    from ._batches import _check_not_empty
-
-    _check_not_empty(problems, "evaluate_greedy")
+    require_problems(problems, "evaluate_greedy")
     check_fits_context(
         problems,
         tokenizer,

@@ -42,7 +42,9 @@ def test_prompt_batch_is_left_padded_with_uids_and_right_padded_answers() -> Non
     assert batch["prompt_mask"][2].tolist() == [0, 0, 1, 1, 1, 1, 1]
     assert batch["uid"].tolist() == [40, 41, 42]
     assert batch["answer_ids"].tolist() == [
-        _ids("102", bos=False), [*_ids("46", bos=False), pad], [*_ids("7", bos=False), pad, pad]
+        _ids("102", bos=False),
+        [*_ids("46", bos=False), pad],
+        [*_ids("7", bos=False), pad, pad],
     ]
 
 
