@@ -194,7 +194,9 @@ def save_tiny_model(directory: str | Path, config: TinyModelConfig, *, seed: int
     """
     path = Path(directory)
     model = build_tiny_model(config, seed=seed)
-    model.save_pretrained(path, safe_serialization=True)
+    # is_main_process: inside a process group transformers would otherwise skip the
+    # files on every rank but 0, and this function writes what its caller asked for.
+    model.save_pretrained(path, safe_serialization=True, is_main_process=True)
     model.generation_config.save_pretrained(path)
     CharTokenizer(config.tokenizer).save_pretrained(path)
     return path

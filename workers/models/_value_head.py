@@ -148,7 +148,7 @@ class ValueModel(nn.Module):
             The directory.
         """
         path = Path(directory)
-        self.backbone.save_pretrained(path, safe_serialization=True)
+        self.backbone.save_pretrained(path, safe_serialization=True, is_main_process=True)
         head = {name: t.detach().contiguous().cpu() for name, t in self.head.state_dict().items()}
         save_file(head, str(path / VALUE_HEAD_FILE), metadata={"format": "pt"})
         return path
