@@ -8,7 +8,7 @@ needs to write roles.
 from asyncflow._errors import PoolBrokenError, RemoteStageError, SessionClosedError, WorkerDiedError
 from asyncflow._future import DataFuture, gather, merge, transform
 from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
-from asyncflow._session import RoleGroup, Roles, Session
+from asyncflow._session import RoleGroup, Roles, Session, shutdown_ray
 from channels import (
     DP,
     AllToAll,
@@ -34,5 +34,5 @@ __all__ = [
     "PoolBrokenError", "RankZero", "RemoteStageError", "ResourcePool", "Role", "RoleGroup",
     "RoleSpec", "Roles", "SchemaError", "Session", "SessionClosedError", "TransferProtocol",
     "TransportError", "WorkerContext", "WorkerDiedError", "gather", "merge", "register",
-    "transform",
+    "shutdown_ray", "transform",
 ]

@@ -192,7 +192,7 @@ class Session:
         for pg in self._placement_groups:
             remove_placement_group(pg)
         if self._started_ray:
-            ray.shutdown()
+            shutdown_ray()
 
     @property
     def roles(self) -> Roles:
@@ -415,6 +415,21 @@ class Session:
     def worker(self, pool: str, rank: int) -> Any:
         """The Ray actor handle of ``rank`` of ``pool`` (for tests and tools)."""
         return self._pools[pool].actors[rank]
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown()``, leaving the process ready for another session.
+
+    Ray 2.60 keeps its driver-side Ray Direct Transport manager (a process-wide
+    singleton) across ``ray.shutdown()``, queued transfers of the finished session
+    included. The next session's transfer monitor then trips over those, dies, and
+    the new session's transfer refs are never released. Dropping the manager with
+    the session it served avoids that (Ray creates a new one on first use).
+    """
+    ray.shutdown()
+    worker = ray.worker.global_worker
+    if getattr(worker, "_rdt_manager", None) is not None:
+        worker._rdt_manager = None
 
 
 def _ready(ref: Any) -> bool:

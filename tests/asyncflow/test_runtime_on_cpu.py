@@ -32,7 +32,7 @@ def env(loop_thread):
     roles = loop_thread.run(_start(session))
     yield loop_thread, session, roles
     loop_thread.run(session.close())
-    ray.shutdown()
+    af.shutdown_ray()
 
 
 async def _start(session: af.Session) -> af.Roles:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import ray
 import torch
 from ray.cluster_utils import Cluster
 
@@ -37,7 +36,7 @@ def test_pools_on_two_nodes_exchange_rows() -> None:
 
         (nodes_a, nodes_b), out, transport = asyncio.run(main())
     finally:
-        ray.shutdown()
+        af.shutdown_ray()
         cluster.shutdown()
     assert len(nodes_a) == len(nodes_b) == 1 and nodes_a != nodes_b
     assert transport == "gloo"

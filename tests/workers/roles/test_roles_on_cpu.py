@@ -55,7 +55,7 @@ def env(loop_thread, tmp_path_factory):
     roles = loop_thread.run(_start(session, model_dir))
     yield loop_thread, session, roles, tmp_path_factory.mktemp("ckpt")
     loop_thread.run(session.close())
-    ray.shutdown()
+    af.shutdown_ray()
 
 
 async def _start(session: af.Session, model_dir: str) -> af.Roles:
