@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -254,7 +254,3 @@ async def gather(*awaitables: Awaitable[Any]) -> tuple[Any, ...]:
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-
-def leases_of(results: Iterable[Resolved]) -> tuple[Lease, ...]:
-    """Every lease held by ``results``."""
-    return tuple(lease for r in results for lease in r.leases)

@@ -394,7 +394,8 @@ class Session:
             return
         for worker, keys in pending.items():
             self._free_refs.append(self._actors[worker].free.remote(keys))
-        self._free_refs = [r for r in self._free_refs if not _ready(r)]
+        if self._free_refs:  # forget frees that are done (one wait for all of them)
+            _, self._free_refs = ray.wait(self._free_refs, num_returns=len(self._free_refs), timeout=0)
 
     async def drain(self) -> None:
         """Wait until every shard released so far is freed on its worker."""
@@ -430,11 +431,6 @@ def shutdown_ray() -> None:
     worker = ray.worker.global_worker
     if getattr(worker, "_rdt_manager", None) is not None:
         worker._rdt_manager = None
-
-
-def _ready(ref: Any) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    return bool(ready)
 
 
 def _check_placement(roles: Mapping[str, RoleSpec]) -> tuple[list[ResourcePool], dict[str, Layout]]:

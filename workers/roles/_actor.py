@@ -33,6 +33,7 @@ from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
     check_seed,
+    check_types,
     engine_mesh,
     require_fields,
     run_updates,
@@ -65,16 +66,10 @@ class ActorConfig:
     def __post_init__(self) -> None:
         check_model_dir("ActorConfig", self.model_dir)
         check_seed("ActorConfig", self.seed)
-        expected: dict[str, tuple[type, ...]] = {
-            "training": (TrainingConfig,), "loss": (PolicyLoss,), "update": (UpdateConfig,),
-            "sampling": (SamplingParams,), "rollout": (NativeRolloutConfig, VLLMRolloutConfig),
-        }
-        for name, kinds in expected.items():
-            if not isinstance(getattr(self, name), kinds):
-                raise ConfigError(
-                    f"ActorConfig.{name} must be a {' or a '.join(k.__name__ for k in kinds)}, "
-                    f"got {type(getattr(self, name)).__name__}"
-                )
+        check_types("ActorConfig", self, {
+            "training": TrainingConfig, "loss": PolicyLoss, "update": UpdateConfig,
+            "sampling": SamplingParams, "rollout": (NativeRolloutConfig, VLLMRolloutConfig),
+        })
 
 
 class ActorWorker(TrainedRole):

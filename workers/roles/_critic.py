@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from channels import DP, Batch, ConfigError, Metrics
+from channels import DP, Batch, Metrics
 from workers import WorkerContext, register
 from workers.engines import TrainingConfig, TrainingEngine, ValueHead, ValueLoss
 from workers.models import load_model
@@ -18,6 +18,7 @@ from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
     check_seed,
+    check_types,
     engine_mesh,
     require_fields,
     run_updates,
@@ -48,12 +49,7 @@ class CriticConfig:
     def __post_init__(self) -> None:
         check_model_dir("CriticConfig", self.model_dir)
         check_seed("CriticConfig", self.seed)
-        expected = {"training": TrainingConfig, "loss": ValueLoss, "update": UpdateConfig}
-        for name, kind in expected.items():
-            if not isinstance(getattr(self, name), kind):
-                raise ConfigError(
-                    f"CriticConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
-                )
+        check_types("CriticConfig", self, {"training": TrainingConfig, "loss": ValueLoss, "update": UpdateConfig})
 
 
 class CriticWorker(TrainedRole):

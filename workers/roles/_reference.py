@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from channels import DP, Batch, ConfigError
+from channels import DP, Batch
 from workers import Role, WorkerContext, register
 from workers.engines import CausalLMHead, TrainingConfig, TrainingEngine
 from workers.models import load_model
 from workers.roles import _fields as F
-from workers.roles._training import check_model_dir, check_seed, engine_mesh
+from workers.roles._training import check_model_dir, check_seed, check_types, engine_mesh
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,10 +34,7 @@ class ReferenceConfig:
     def __post_init__(self) -> None:
         check_model_dir("ReferenceConfig", self.model_dir)
         check_seed("ReferenceConfig", self.seed)
-        if not isinstance(self.training, TrainingConfig):
-            raise ConfigError(
-                f"ReferenceConfig.training must be a TrainingConfig, got {type(self.training).__name__}"
-            )
+        check_types("ReferenceConfig", self, {"training": TrainingConfig})
 
 
 class ReferenceWorker(Role):

@@ -51,6 +51,17 @@ def check_seed(owner: str, seed: object) -> None:
         raise ConfigError(f"{owner}.seed must be an int, got {seed!r}")
 
 
+def check_types(owner: str, config: object, expected: Mapping[str, type | tuple[type, ...]]) -> None:
+    """Raise :class:`ConfigError` naming the field unless each field of ``config``
+    named in ``expected`` is an instance of its type(s)."""
+    for name, kinds in expected.items():
+        value = getattr(config, name)
+        if not isinstance(value, kinds):
+            allowed = kinds if isinstance(kinds, tuple) else (kinds,)
+            raise ConfigError(f"{owner}.{name} must be a {' or a '.join(k.__name__ for k in allowed)}, "
+                              f"got {type(value).__name__}")
+
+
 def engine_mesh(ctx: WorkerContext) -> Any:
     """The DeviceMesh a training engine of this role uses (None on a 1-rank pool)."""
     return ctx.mesh if ctx.world_size > 1 else None
