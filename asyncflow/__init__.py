@@ -3,36 +3,80 @@
 The control plane: sessions, resource pools and placement, worker-group proxies,
 data futures, and (re-exported) the data-plane and worker building blocks a user
 needs to write roles.
+
+The names below load on first use (PEP 562), so that ``import asyncflow.cli``
+imports no Ray: the command sets Ray's environment before Ray is imported.
 """
 
-from asyncflow._errors import PoolBrokenError, RemoteStageError, SessionClosedError, WorkerDiedError
-from asyncflow._future import DataFuture, gather, merge, transform
-from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
-from asyncflow._session import RoleGroup, Roles, Session, shutdown_ray
-from channels import (
-    DP,
-    AllToAll,
-    AsyncflowError,
-    Batch,
-    BatchMeta,
-    ConfigError,
-    Layout,
-    Metrics,
-    MicroDP,
-    MissingFieldError,
-    OneToAll,
-    RankZero,
-    SchemaError,
-    TransferProtocol,
-    TransportError,
-)
-from workers import Role, WorkerContext, register
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "asyncflow._errors": ("PoolBrokenError", "RemoteStageError", "SessionClosedError", "WorkerDiedError"),
+    "asyncflow._future": ("DataFuture", "gather", "transform"),
+    "asyncflow._ops": ("merge",),
+    "asyncflow._pool": ("CPU_SLOT", "ResourcePool", "RoleSpec"),
+    "asyncflow._proxy": ("RoleGroup", "Roles"),
+    "asyncflow._session": ("Session", "shutdown_ray"),
+    "channels": ("DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError", "Layout", "Metrics",
+                 "MicroDP", "MissingFieldError", "OneToAll", "RankZero", "SchemaError", "TransferProtocol",
+                 "TransportError"),
+    "workers": ("CallInfo", "Role", "WorkerContext", "register"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
-    "CPU_SLOT", "DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError",
-    "DataFuture", "Layout", "Metrics", "MicroDP", "MissingFieldError", "OneToAll",
-    "PoolBrokenError", "RankZero", "RemoteStageError", "ResourcePool", "Role", "RoleGroup",
-    "RoleSpec", "Roles", "SchemaError", "Session", "SessionClosedError", "TransferProtocol",
-    "TransportError", "WorkerContext", "WorkerDiedError", "gather", "merge", "register",
-    "shutdown_ray", "transform",
+    "CPU_SLOT", "DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "CallInfo", "ConfigError",
+    "DataFuture", "Layout", "Metrics", "MicroDP", "MissingFieldError", "OneToAll", "PoolBrokenError",
+    "RankZero", "RemoteStageError", "ResourcePool", "Role", "RoleGroup", "RoleSpec", "Roles", "SchemaError",
+    "Session", "SessionClosedError", "TransferProtocol", "TransportError", "WorkerContext", "WorkerDiedError",
+    "gather", "merge", "register", "shutdown_ray", "transform",
 ]
+assert sorted(__all__) == sorted(_WHERE), "asyncflow.__all__ and its lazy exports disagree"
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from asyncflow._errors import (
+        PoolBrokenError,
+        RemoteStageError,
+        SessionClosedError,
+        WorkerDiedError,
+    )
+    from asyncflow._future import DataFuture, gather, transform
+    from asyncflow._ops import merge
+    from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
+    from asyncflow._proxy import RoleGroup, Roles
+    from asyncflow._session import Session, shutdown_ray
+    from channels import (
+        DP,
+        AllToAll,
+        AsyncflowError,
+        Batch,
+        BatchMeta,
+        ConfigError,
+        Layout,
+        Metrics,
+        MicroDP,
+        MissingFieldError,
+        OneToAll,
+        RankZero,
+        SchemaError,
+        TransferProtocol,
+        TransportError,
+    )
+    from workers import CallInfo, Role, WorkerContext, register

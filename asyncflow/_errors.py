@@ -1,6 +1,13 @@
-"""Control-plane errors (the base classes live in ``channels``)."""
+"""Control-plane errors (the base classes live in ``channels``).
+
+Each names where it happened in its first line; longer detail (a remote
+traceback, Ray's own report) follows below it or sits in an attribute, so a
+one-line report (the CLI's) shows the cause.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from channels import AsyncflowError
 
@@ -9,36 +16,63 @@ class RemoteStageError(AsyncflowError):
     """A role method raised on a worker.
 
     Attributes:
-        role, method, rank: where it failed.
-        remote_traceback: the worker's traceback, as text.
+        role, method, rank, pool: where it failed.
+        cause: ``"<ExceptionType>: <message>"`` of the remote error.
+        remote_traceback: the worker's traceback, as text ("" when there is none).
     """
 
-    def __init__(self, *, role: str, method: str, rank: int, pool: str, cause: str, remote_traceback: str) -> None:
+    def __init__(self, *, role: str, method: str, rank: int, pool: str, cause: str,
+                 remote_traceback: str = "") -> None:
         self.role, self.method, self.rank, self.pool = role, method, rank, pool
         self.cause = cause
         self.remote_traceback = remote_traceback
-        super().__init__(
-            f"{role}.{method} failed on rank {rank} of pool {pool!r}: {cause}\n"
-            f"where the remote call failed:\n{remote_traceback}"
-        )
+        super().__init__(self._message())
 
-    def __reduce__(self):  # keep picklable despite keyword-only __init__
+    def _message(self) -> str:
+        head = f"{self.role}.{self.method} failed on rank {self.rank} of pool {self.pool!r}: {self.cause}"
+        if not self.remote_traceback:
+            return head
+        return f"{head}\nwhere the remote call failed:\n{self.remote_traceback}"
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep picklable despite keyword-only __init__
         return (_rebuild, (type(self), self.__dict__))
 
 
-def _rebuild(cls, state):
+def _rebuild(cls: type[RemoteStageError], state: dict[str, Any]) -> RemoteStageError:
     obj = cls.__new__(cls)
     obj.__dict__.update(state)
-    Exception.__init__(obj, str(state.get("cause")))
+    Exception.__init__(obj, obj._message())
     return obj
 
 
 class WorkerDiedError(RemoteStageError):
-    """The worker process running a role method died (killed, out of memory, crashed)."""
+    """The worker process running a role method died (killed, out of memory,
+    crashed), or a worker whose rows the method pulled died.
+
+    ``role``, ``method``, ``rank`` and ``pool`` name the process that died and the
+    call it was serving (for a producer: the call that made the rows).
+
+    Attributes:
+        detail: Ray's report of the death, for debugging.
+    """
+
+    def __init__(self, *, role: str, method: str, rank: int, pool: str, cause: str,
+                 detail: str = "") -> None:
+        self.detail = detail
+        super().__init__(role=role, method=method, rank=rank, pool=pool, cause=cause)
 
 
 class PoolBrokenError(AsyncflowError):
-    """A pool can take no more calls because an earlier call failed on it."""
+    """A pool can take no more calls: one of its worker processes died.
+
+    Attributes:
+        pool: the pool's name.
+        cause: the :class:`WorkerDiedError` that broke it.
+    """
+
+    def __init__(self, message: str, *, pool: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.pool, self.cause = pool, cause
 
 
 class SessionClosedError(AsyncflowError):

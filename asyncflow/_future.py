@@ -7,35 +7,37 @@ another group call makes the callee's ranks pull their rows straight from the
 producer's ranks. ``fetch()`` is the explicit way to bring rows to the driver.
 
 While any future names a shard (directly, or through ``merge``/``map``), the shard
-is kept; when the last one is dropped the producer frees it.
+is kept; when the last one is dropped the producer frees it. ``cancel()`` cancels
+a call that has not run yet and every call that depends on it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import torch
 
-from channels import Batch, BatchMeta, ConfigError, MissingFieldError, merge_meta
+from channels import Batch, BatchMeta, ConfigError, MissingFieldError
 
 if TYPE_CHECKING:
-    from asyncflow._session import Session
+    from asyncflow._ledger import Lease
 
 T = TypeVar("T")
 
 
-class Lease:
-    """Keeps one shard alive; when the last reference goes, the shard is freed."""
+class Runtime(Protocol):
+    """What a future needs of the session that made it."""
 
-    __slots__ = ("__weakref__", "key", "worker")
+    async def fetch_rows(self, meta: BatchMeta) -> Batch:
+        """The rows of ``meta`` at the driver."""
+        ...
 
-    def __init__(self, worker: int, key: str, release: Callable[[int, str], None]) -> None:
-        self.worker, self.key = worker, key
-        weakref.finalize(self, release, worker, key)
+    def cancel(self, fut: DataFuture[Any]) -> bool:
+        """Cancel ``fut``'s call (if queued) and every queued call depending on it."""
+        ...
 
 
 class TransformFn:
@@ -66,7 +68,7 @@ def transform(*, reads: Sequence[str] | None = None, writes: Sequence[str] | Non
     return decorate
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Transform:
     """A transform applied where the rows land, with its arguments."""
 
@@ -87,21 +89,31 @@ class Resolved:
 
 
 class DataFuture(Generic[T]):
-    """The result of a group call (or of ``merge``/``map`` on such results).
+    """The result of a group call (or of ``merge``/``map``/``rename`` on such results).
 
     Created only by the runtime. ``await fut`` yields the batch metadata (or a
     method's small value); ``await fut.fetch()`` brings the rows to the driver.
+    Awaiting a cancelled future raises :class:`asyncio.CancelledError`, as for an
+    asyncio future.
     """
 
-    def __init__(self, *, label: str, fields: frozenset[str] | None, session: Session,
+    def __init__(self, *, label: str, fields: frozenset[str] | None, runtime: Runtime,
+                 origins: Mapping[str, str] | None = None,
                  source: asyncio.Future[Any] | None = None,
-                 derive: Callable[[], Awaitable[Resolved]] | None = None) -> None:
+                 derive: Callable[[], Awaitable[Resolved]] | None = None,
+                 parents: Sequence[DataFuture[Any]] = (), call_id: int | None = None) -> None:
         self._label = label
         self._fields = fields
-        self._session = session
+        self._origins = dict(origins) if origins is not None else (
+            None if fields is None else dict.fromkeys(fields, label))
+        self._runtime = runtime
         self._source = source
         self._derive = derive
+        self._call_id = call_id
+        self._calls: frozenset[int] = frozenset([call_id]) if call_id is not None else frozenset().union(
+            *(p._calls for p in parents))
         self._cached: Any = None
+        self._cancelled = False
         if source is not None:
             # A failure nobody awaits must not log "exception was never retrieved":
             # the error reaches whoever awaits this future or a dependent one.
@@ -118,18 +130,42 @@ class DataFuture(Generic[T]):
         return self._fields
 
     def done(self) -> bool:
-        """Whether the result (or error) is there."""
+        """Whether the result (or error, or cancellation) is there."""
         if self._source is not None:
             return self._source.done()
-        return self._cached is not None
+        return self._cancelled or self._cached is not None
+
+    def cancelled(self) -> bool:
+        """Whether the future was cancelled."""
+        if self._source is not None:
+            return self._source.cancelled()
+        return self._cancelled
+
+    def cancel(self) -> bool:
+        """Cancel the call behind this future if it has not run yet, and every
+        queued call that depends on it (their rows are never allocated). A call
+        that is running finishes and its rows are freed at once.
+
+        Returns:
+            False when the future was already done, else True.
+        """
+        if self.done():
+            return False
+        return self._runtime.cancel(self)
+
+    def _mark_cancelled(self) -> None:
+        """For a derived future: cancelled (the runtime cancels call futures)."""
+        self._cancelled = True
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        state = "cancelled" if self.cancelled() else "done" if self.done() else "pending"
         return f"<DataFuture {self._label} {state}>"
 
     async def _resolve(self) -> Any:
         if self._cached is not None:
             return self._cached
+        if self._cancelled:
+            raise asyncio.CancelledError(f"{self._label} was cancelled")
         if self._source is not None:
             result = await asyncio.shield(self._source)
         else:
@@ -148,7 +184,7 @@ class DataFuture(Generic[T]):
         result = await self._resolve()
         if not isinstance(result, Resolved):
             return result
-        batch = await self._session.fetch_rows(result.meta)
+        batch = await self._runtime.fetch_rows(result.meta)
         for t in result.transforms:
             batch = batch.update(t.fn(batch, **t.kwargs))
         return batch
@@ -172,7 +208,12 @@ class DataFuture(Generic[T]):
         reads = fn.reads if isinstance(fn, TransformFn) else None
         writes = fn.writes if isinstance(fn, TransformFn) else None
         t = Transform(fn=fn, kwargs=dict(kwargs), reads=reads, writes=writes)
-        fields = None if self._fields is None or writes is None else self._fields | frozenset(writes)
+        name = getattr(fn, "__name__", "fn")
+        label = f"{self._label}.map({name})"
+        fields = origins = None
+        if self._fields is not None and self._origins is not None and writes is not None:
+            fields = self._fields | frozenset(writes)
+            origins = {**self._origins, **dict.fromkeys(writes, label)}
         parent = self
 
         async def derive() -> Resolved:
@@ -182,12 +223,13 @@ class DataFuture(Generic[T]):
             return Resolved(meta=base.meta, row_lengths=base.row_lengths, leases=base.leases,
                             transforms=(*base.transforms, t))
 
-        name = getattr(fn, "__name__", "fn")
-        return DataFuture(label=f"{self._label}.map({name})", fields=fields, session=self._session, derive=derive)
+        return DataFuture(label=label, fields=fields, origins=origins, runtime=self._runtime,
+                          derive=derive, parents=(self,))
 
 
 def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[BatchMeta]:
     fields = None if parent.fields is None else frozenset(mapping.get(f, f) for f in parent.fields)
+    origins = None if parent._origins is None else {mapping.get(f, f): o for f, o in parent._origins.items()}
 
     async def derive() -> Resolved:
         base = await parent._resolve()
@@ -198,39 +240,8 @@ def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[B
         return Resolved(meta=base.meta.rename(mapping), row_lengths=base.row_lengths, leases=base.leases)
 
     args = ", ".join(f"{k}={v!r}" for k, v in mapping.items())
-    return DataFuture(label=f"{parent.label}.rename({args})", fields=fields, session=parent._session,
-                      derive=derive)
-
-
-def merge(*futures: DataFuture[Any]) -> DataFuture[BatchMeta]:
-    """A future of the union of the columns of ``futures`` (same rows, same order).
-
-    Raises:
-        ConfigError: no futures, or futures of different sessions.
-    """
-    if not futures:
-        raise ConfigError("merge needs at least one future")
-    sessions = {id(f._session) for f in futures}
-    if len(sessions) != 1:
-        raise ConfigError("merge needs futures of one session")
-    known = [f.fields for f in futures]
-    fields = None if any(k is None for k in known) else frozenset().union(*(k for k in known if k is not None))
-
-    async def derive() -> Resolved:
-        parts = [await f._resolve() for f in futures]
-        for f, p in zip(futures, parts, strict=True):
-            if not isinstance(p, Resolved):
-                raise ConfigError(f"{f.label} returned a value, not rows; it cannot be merged")
-        lengths = next((p.row_lengths for p in parts if p.row_lengths is not None), None)
-        return Resolved(
-            meta=merge_meta([p.meta for p in parts]),
-            row_lengths=lengths,
-            leases=tuple(lease for p in parts for lease in p.leases),
-            transforms=tuple(t for p in parts for t in p.transforms),
-        )
-
-    label = "merge(" + ", ".join(f.label for f in futures) + ")"
-    return DataFuture(label=label, fields=fields, session=futures[0]._session, derive=derive)
+    return DataFuture(label=f"{parent.label}.rename({args})", fields=fields, origins=origins,
+                      runtime=parent._runtime, derive=derive, parents=(parent,))
 
 
 async def gather(*awaitables: Awaitable[Any]) -> tuple[Any, ...]:
@@ -253,4 +264,3 @@ async def gather(*awaitables: Awaitable[Any]) -> tuple[Any, ...]:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-

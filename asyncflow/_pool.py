@@ -8,11 +8,13 @@ seat for a worker process, not a core: the embedded session gives Ray
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from channels import ConfigError, Layout
+from workers import check_role_class
 
 CPU_SLOT = "asyncflow_cpu_slot"
 """The Ray custom resource a CPU device slot is counted in. A Ray cluster used for
@@ -78,3 +80,45 @@ class RoleSpec:
                 f"{self.pool.devices} devices; use Layout.fill({self.pool.devices}, p=..., t=...)"
             )
         return layout
+
+
+def check_placement(roles: Mapping[str, RoleSpec]) -> tuple[list[ResourcePool], dict[str, Layout]]:
+    """The distinct pools of ``roles`` and each role's layout.
+
+    Raises:
+        ConfigError: a bad role name, role class, pool or layout (the message names it).
+    """
+    if not roles:
+        raise ConfigError("spawn needs at least one role")
+    pools: dict[str, ResourcePool] = {}
+    layouts: dict[str, Layout] = {}
+    for name, spec in roles.items():
+        if not name.isidentifier():
+            raise ConfigError(f"role name {name!r} must be a Python identifier")
+        if not isinstance(spec, RoleSpec):
+            raise ConfigError(f"role {name!r}: expected a RoleSpec, got {type(spec).__name__}")
+        check_role_class(spec.cls)
+        if inspect.isabstract(spec.cls):
+            raise ConfigError(f"role {name!r}: {spec.cls.__qualname__} is abstract")
+        known = pools.setdefault(spec.pool.name, spec.pool)
+        if known != spec.pool:
+            raise ConfigError(f"two different pools are named {spec.pool.name!r}")
+        try:
+            layouts[name] = spec.resolved_layout()
+        except ConfigError as e:
+            raise ConfigError(f"role {name!r}: {e}") from None
+    return list(pools.values()), layouts
+
+
+def check_resources(pools: list[ResourcePool], device: str, have: Mapping[str, float]) -> None:
+    """Raise :class:`ConfigError` unless the cluster's resources ``have`` fit ``pools``."""
+    need: dict[str, float] = {}
+    for p in pools:
+        for k, v in p.bundle(device).items():
+            need[k] = need.get(k, 0.0) + v * p.devices
+    for k, v in need.items():
+        if have.get(k, 0.0) < v:
+            hint = (f" (start Ray nodes with --resources='{{\"{CPU_SLOT}\": N}}')" if k == CPU_SLOT else "")
+            raise ConfigError(
+                f"the pools need {v:g} {k} in all but the Ray cluster has {have.get(k, 0.0):g}{hint}"
+            )

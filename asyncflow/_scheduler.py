@@ -1,62 +1,57 @@
-"""Running group calls: one loop per pool.
+"""Running group calls: one loop per pool, and what happens when something fails.
 
-Every call to a role on a pool goes into that pool's channel, and the pool's loop
-runs the calls one at a time in call order: wait for the inputs' metadata, plan
-which rows each rank pulls from which producer, submit the call to every rank,
-collect. Pools have separate loops, so calls on different pools overlap while
-calls on one pool time-share it.
+Every call to a role on a pool goes into that pool's channel; the pool's loop runs
+the calls one at a time in call order: wait for the inputs' metadata, plan which
+rows each rank pulls from which producer, submit the call to every rank, collect.
+Pools have separate loops, so calls on different pools overlap while calls on one
+pool time-share it.
+
+Failures are decided from facts, never from how long a rank takes:
+
+- A rank whose method raises fails the call at once. It has poisoned its pool's
+  groups on the way out, and the driver poisons every other rank as it finishes,
+  so ranks blocked in a collective with it fail within moments too (their errors
+  are *peer failures*, reported only when nothing better is known). Once every
+  rank returned, the ranks heal their groups and the pool takes the next call.
+- A worker process's death is known from Ray (a call to it, or its ``watch``
+  sentinel, fails with an actor-death error). Its pool is broken: its running and
+  queued calls fail with :class:`WorkerDiedError`, later ones with
+  :class:`PoolBrokenError`. A producer that dies while a consumer pulls from it is
+  reported as the producer's death; the consumer's pool heals and goes on.
+
+Every call settles: with its result, its error, a dependency's error, cancelled
+(:meth:`Scheduler.cancel`), or :class:`SessionClosedError` at close.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import msgspec
-import ray
 
-from asyncflow._errors import PoolBrokenError, RemoteStageError, WorkerDiedError
-from asyncflow._future import DataFuture, Lease, Resolved
+from asyncflow._calls import Call, pull_fields
+from asyncflow._errors import PoolBrokenError, RemoteStageError, SessionClosedError, WorkerDiedError
+from asyncflow._future import DataFuture, Resolved
+from asyncflow._ledger import ShardLedger
+from asyncflow._transport import Transport, WorkerGone
 from channels import (
+    AsyncflowError,
     Collected,
-    Layout,
     MissingFieldError,
+    Piece,
     RankResult,
     ReceiveChannel,
     SendChannel,
+    open_channel,
     plan_pull,
 )
-from workers import CallSpec, DataArg, Endpoint
-
-if TYPE_CHECKING:
-    from asyncflow._session import Session
+from workers import CallSpec, DataArg, RankError
 
 logger = logging.getLogger(__name__)
-
-BROKEN_GRACE_S = 2.0
-"""After one rank fails, how long the other ranks get to finish before the pool is
-declared broken (they may be stuck in a collective with the failed rank)."""
-
-
-@dataclass(eq=False, kw_only=True)
-class Call:
-    """A submitted call waiting for its pool."""
-
-    call_id: int
-    role: str
-    endpoint: Endpoint[Any, Any]
-    layout: Layout
-    data_args: dict[str, DataFuture[Any]]
-    kwargs: dict[str, Any]
-    result: asyncio.Future[Any]
-
-    @property
-    def label(self) -> str:
-        return f"{self.role}.{self.endpoint.spec.name}#{self.call_id}"
 
 
 @dataclass(eq=False, kw_only=True)
@@ -64,175 +59,377 @@ class PoolState:
     """A pool's workers, its call channel and whether it can still take calls."""
 
     name: str
-    actors: list[Any]
-    indices: list[int]
+    workers: list[int]
     """Session-wide worker index of each rank."""
     send: SendChannel[Call]
     receive: ReceiveChannel[Call]
-    broken: BaseException | None = None
-    running: list[int] = field(default_factory=list)
+    died: asyncio.Future[WorkerDiedError]
+    """Resolved when one of the pool's worker processes died."""
+    epoch: int = 0
+    """How many times the pool's groups were healed."""
+    running: Call | None = None
+    queued: dict[int, Call] = field(default_factory=dict)
+
+    @property
+    def broken(self) -> WorkerDiedError | None:
+        """The death that broke the pool, if any."""
+        return self.died.result() if self.died.done() else None
 
 
-_call_ids = itertools.count(1)
+@dataclass(eq=False)
+class _Ranks:
+    """What the ranks of one running call reported so far."""
+
+    results: dict[int, RankResult] = field(default_factory=dict)
+    failures: dict[int, BaseException] = field(default_factory=dict)
+    poisoned: set[int] = field(default_factory=set)
 
 
-def next_call_id() -> int:
-    """A session-unique call id."""
-    return next(_call_ids)
+class Scheduler:
+    """The pools' call loops over a :class:`Transport`.
 
+    Args:
+        transport: how calls reach the workers.
+        ledger: frees shards no future names.
+    """
 
-async def pool_loop(session: Session, pool: PoolState) -> None:
-    """Run ``pool``'s calls in order until its channel closes."""
-    async with pool.receive:
-        async for call in pool.receive:
-            if call.result.done():  # cancelled by the caller
-                continue
-            if pool.broken is not None:
-                call.result.set_exception(PoolBrokenError(
-                    f"{call.label} was not run: pool {pool.name!r} is broken since an earlier call "
-                    f"failed ({pool.broken})"
-                ))
-                continue
-            try:
-                call.result.set_result(await _run(session, pool, call))
-            except Exception as e:
-                if not call.result.done():
-                    call.result.set_exception(e)
-            finally:
-                del call  # drop the inputs' leases as soon as the call is over
+    def __init__(self, transport: Transport, ledger: ShardLedger) -> None:
+        self.transport = transport
+        self.ledger = ledger
+        self.pools: dict[str, PoolState] = {}
+        self._where: dict[int, tuple[PoolState, int]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
 
+    # ----- set-up -----
 
-async def _run(session: Session, pool: PoolState, call: Call) -> Any:
-    spec = call.endpoint.spec
-    inputs: dict[str, Resolved] = {}
-    for name, fut in call.data_args.items():
-        resolved = await fut._resolve()
-        if not isinstance(resolved, Resolved):
-            raise MissingFieldError(f"{call.label}: argument {name!r} ({fut.label}) is a value, not rows")
-        inputs[name] = resolved
-    pulls = {name: _pull_fields(call, name, r) for name, r in inputs.items()}
-    assignments = {
-        name: spec.protocol.distribute(r.meta, call.layout, r.row_lengths) for name, r in inputs.items()
-    }
-    refs = []
-    for rank, actor in enumerate(pool.actors):
-        data_args: list[DataArg] = []
-        pieces: list[Any] = []
-        for name, r in inputs.items():
-            runs = assignments[name][rank]
-            if runs is None:
-                data_args.append(DataArg(name=name, plan=None))
-                continue
-            plan = plan_pull(r.meta, runs, pulls[name])
-            data_args.append(DataArg(name=name, plan=plan))
-            pieces.extend(None if p.worker == pool.indices[rank] else session.slice_ref(p) for p in plan.pieces)
-        cs = CallSpec(call_id=call.call_id, role=call.role, method=spec.name,
-                      out_key=f"c{call.call_id}", data_args=tuple(data_args))
+    def add_pool(self, name: str, workers: Sequence[int]) -> None:
+        """Register a pool whose ranks are ``workers`` (session-wide indices)."""
+        send, receive = open_channel[Call](float("inf"))
+        died: asyncio.Future[WorkerDiedError] = asyncio.get_running_loop().create_future()
+        pool = PoolState(name=name, workers=list(workers), send=send, receive=receive, died=died)
+        self.pools[name] = pool
+        for rank, w in enumerate(workers):
+            self._where[w] = (pool, rank)
+
+    def start(self) -> None:
+        """Start every pool's loop and every worker's death watch."""
+        for pool in self.pools.values():
+            self._tasks.append(asyncio.create_task(self._pool_loop(pool), name=f"asyncflow-pool-{pool.name}"))
+        for w in self._where:
+            self._tasks.append(asyncio.create_task(self._watch(w), name=f"asyncflow-watch-{w}"))
+
+    # ----- submitting, cancelling, closing -----
+
+    def submit(self, call: Call, pool: str) -> None:
+        """Queue ``call`` on ``pool``.
+
+        Raises:
+            SessionClosedError: the session is closed.
+        """
+        if self._closed:
+            raise SessionClosedError(f"{call.label}: the session is closed")
+        state = self.pools[pool]
+        state.queued[call.call_id] = call
+        state.send.send_nowait(call)
+
+    def cancel(self, fut: DataFuture[Any]) -> bool:
+        """Cancel ``fut`` and every queued or running call that depends on it.
+
+        Calls not started never run; a running one finishes and its rows are freed.
+        """
+        doomed_futs, doomed_calls = {id(fut)}, set(fut._calls if fut._call_id is not None else ())
+        if fut._call_id is None:
+            fut._mark_cancelled()
+        live = sorted(self._live(), key=lambda c: c.call_id)
+        for call in live:
+            if call.call_id in doomed_calls or call.depends_on(doomed_futs, doomed_calls):
+                doomed_calls.add(call.call_id)
+                call.result.cancel()
+        return True
+
+    def _live(self) -> Iterable[Call]:
+        for pool in self.pools.values():
+            yield from pool.queued.values()
+            if pool.running is not None:
+                yield pool.running
+
+    async def close(self) -> None:
+        """Stop the loops; every call not finished fails with :class:`SessionClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        unsettled = list(self._live())
+        for pool in self.pools.values():
+            pool.send.close()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for call in unsettled:
+            if not call.result.done():
+                call.result.set_exception(SessionClosedError(f"{call.label} did not finish: the session was closed"))
+        for pool in self.pools.values():
+            pool.queued.clear()
+
+    # ----- the pool loop -----
+
+    async def _pool_loop(self, pool: PoolState) -> None:
+        async with pool.receive:
+            async for call in pool.receive:
+                try:
+                    await self._serve(pool, call)
+                finally:
+                    del call  # drop the inputs' leases as soon as the call is over
+
+    async def _serve(self, pool: PoolState, call: Call) -> None:
+        if call.result.done():  # cancelled, or failed by a death while queued
+            pool.queued.pop(call.call_id, None)
+            return
+        broken = pool.broken
+        if broken is not None:
+            pool.queued.pop(call.call_id, None)
+            during = f" during {broken.role}.{broken.method}" if broken.role else ""
+            call.result.set_exception(PoolBrokenError(
+                f"{call.label} was not run: pool {pool.name!r} lost rank {broken.rank} ({broken.cause}{during})",
+                pool=pool.name, cause=broken))
+            return
+        pool.running = pool.queued.pop(call.call_id, call)
+        try:
+            await self._run(pool, call)
+        finally:
+            pool.running = None
+
+    async def _run(self, pool: PoolState, call: Call) -> None:
+        try:
+            inputs = {name: await fut._resolve() for name, fut in call.data_args.items()}
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the session is closing
+            call.result.cancel()  # an input was cancelled: so is this call
+            return
+        except Exception as e:  # an input failed: this call fails with the same error
+            _settle(call, e)
+            return
+        if call.result.done():
+            return
+        try:
+            specs, assignment = self._plan(pool, call, inputs)
+        except Exception as e:
+            _settle(call, e)
+            return
         transforms = {n: [(t.fn, t.kwargs) for t in r.transforms] for n, r in inputs.items() if r.transforms}
-        refs.append(actor.execute.remote(msgspec.msgpack.encode(cs), call.kwargs, transforms, *pieces))
-    results = await _await_ranks(session, pool, call, refs)
-    first = next(iter(assignments.values()), None)
-    out = spec.protocol.collect(results, call.layout, first)
-    return _finish(session, call, results, out)
+        tasks = [asyncio.ensure_future(self.transport.execute(w, spec, call.kwargs, transforms, pieces))
+                 for w, (spec, pieces) in zip(pool.workers, specs, strict=True)]
+        await self._await_ranks(pool, call, tasks, assignment)
 
+    def _plan(self, pool: PoolState, call: Call, inputs: Mapping[str, Any]
+              ) -> tuple[list[tuple[bytes, list[Piece]]], Any]:
+        for name, r in inputs.items():
+            if not isinstance(r, Resolved):
+                raise MissingFieldError(f"{call.label}: argument {name!r} ({call.data_args[name].label}) "
+                                        "is a value, not rows")
+        protocol = call.endpoint.spec.protocol
+        pulls = {name: pull_fields(call, name, r) for name, r in inputs.items()}
+        assignments = {name: protocol.distribute(r.meta, call.layout, r.row_lengths) for name, r in inputs.items()}
+        specs = []
+        for rank in range(len(pool.workers)):
+            data_args: list[DataArg] = []
+            pieces: list[Piece] = []
+            for name, r in inputs.items():
+                runs = assignments[name][rank]
+                plan = None if runs is None else plan_pull(r.meta, runs, pulls[name])
+                data_args.append(DataArg(name=name, plan=plan))
+                pieces.extend(plan.pieces if plan is not None else ())
+            cs = CallSpec(call_id=call.call_id, role=call.role, method=call.method, out_key=call.out_key,
+                          data_args=tuple(data_args))
+            specs.append((msgspec.msgpack.encode(cs), pieces))
+        return specs, next(iter(assignments.values()), None)
 
-def _pull_fields(call: Call, name: str, r: Resolved) -> tuple[str, ...] | None:
-    """Columns to pull for data argument ``name`` (None: all), checked to exist."""
-    reads = call.endpoint.spec.reads_for(name)
-    have = set(r.meta.field_names)
-    t_writes: set[str] = set()
-    t_reads: set[str] = set()
-    for t in r.transforms:
-        if t.writes is None or t.reads is None:
-            return None if reads is None else _checked(call, name, reads, have | set(reads))
-        t_writes |= set(t.writes)
-        t_reads |= set(t.reads) - t_writes
-    if reads is None:
+    # ----- waiting for the ranks -----
+
+    async def _await_ranks(self, pool: PoolState, call: Call, tasks: Sequence[asyncio.Future[RankResult]],
+                           assignment: Any) -> None:
+        ranks = _Ranks()
+        rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
+        pending: set[asyncio.Future[Any]] = set(tasks)
+        while pending:
+            done, _ = await asyncio.wait(pending | {pool.died}, return_when=asyncio.FIRST_COMPLETED)
+            if pool.died in done:  # one of this pool's processes died: nothing to heal
+                _settle(call, self._died_during(pool, call))
+                self._abandon(pending)
+                self._release(ranks.results.values())
+                return
+            for t in done:
+                pending.discard(t)
+                exc = t.exception()
+                if exc is None:
+                    result = cast(RankResult, t.result())
+                    ranks.results[rank_of[t]] = result
+                else:
+                    ranks.failures[rank_of[t]] = exc
+            if ranks.failures:
+                self._poison_finished(pool, ranks)
+                primary = self._primary(pool, call, ranks.failures)
+                if primary is not None and not call.result.done():
+                    call.result.set_exception(primary)
+        if not ranks.failures:
+            self._complete(call, [ranks.results[r] for r in range(len(tasks))], assignment)
+            return
+        self._release(ranks.results.values())
+        if not call.result.done():
+            best = self._primary(pool, call, ranks.failures) or self._secondary(pool, call, ranks.failures)
+            call.result.set_exception(best)
+        if pool.broken is None:
+            await self._heal(pool)
+
+    def _poison_finished(self, pool: PoolState, ranks: _Ranks) -> None:
+        # A rank that returned cannot be in a collective any more: dropping its
+        # connections releases peers still blocked on it.
+        for rank in (set(ranks.results) | set(ranks.failures)) - ranks.poisoned:
+            ranks.poisoned.add(rank)
+            fut = asyncio.ensure_future(self.transport.poison(pool.workers[rank]))
+            fut.add_done_callback(_quiet)
+
+    def _primary(self, pool: PoolState, call: Call, failures: Mapping[int, BaseException]) -> AsyncflowError | None:
+        """The error worth reporting for the failures so far (None: only peer failures)."""
+        for rank in sorted(failures):
+            exc = failures[rank]
+            if isinstance(exc, WorkerGone):
+                return self._gone(pool, call, rank, exc)
+            if isinstance(exc, RankError) and not exc.peer_failure:
+                if isinstance(exc.error, RemoteStageError):
+                    return exc.error
+                return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool.name,
+                                        cause=exc.cause, remote_traceback=exc.remote_traceback)
+            if not isinstance(exc, RankError):
+                return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool.name,
+                                        cause=f"{type(exc).__name__}: {exc}")
         return None
-    _checked(call, name, reads, have | t_writes)
-    needed = [f for f in reads if f not in t_writes] + sorted(t_reads - set(reads))
-    return _checked(call, name, needed, have)
+
+    @staticmethod
+    def _secondary(pool: PoolState, call: Call, failures: Mapping[int, BaseException]) -> AsyncflowError:
+        rank = min(failures)
+        exc = failures[rank]
+        assert isinstance(exc, RankError)
+        return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool.name,
+                                cause=f"a peer rank broke a collective: {exc.cause}",
+                                remote_traceback=exc.remote_traceback)
+
+    def _gone(self, pool: PoolState, call: Call, rank: int, exc: WorkerGone) -> WorkerDiedError:
+        self._worker_died(exc.worker, exc.detail)
+        if exc.worker == pool.workers[rank] or exc.worker not in self._where:
+            return WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
+                                   cause="its worker process died", detail=exc.detail)
+        producer, prank = self._where[exc.worker]
+        role, _, method = _producer_of(call, exc.worker).partition(".")
+        return WorkerDiedError(role=role, method=method.split("#")[0], rank=prank, pool=producer.name,
+                               cause=f"its worker process died while {call.label} pulled rows from it",
+                               detail=exc.detail)
+
+    def _died_during(self, pool: PoolState, call: Call) -> WorkerDiedError:
+        d = pool.died.result()
+        return WorkerDiedError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,
+                               cause=d.cause, detail=d.detail)
+
+    def _complete(self, call: Call, results: list[RankResult], assignment: Any) -> None:
+        produced = {(r.worker, r.key) for r in results if r.key is not None}
+        try:
+            out = call.endpoint.spec.protocol.collect(results, call.layout, assignment)
+        except Exception as e:
+            self.ledger.release_now(produced)
+            _settle(call, e)
+            return
+        if not isinstance(out, Collected):
+            self.ledger.release_now(produced)
+            if not call.result.done():
+                call.result.set_result(out)
+            return
+        kept = out.meta.shard_keys()
+        self.ledger.release_now(produced - kept)
+        leases = tuple(self.ledger.lease(w, k) for w, k in sorted(kept))
+        if not call.result.done():  # else cancelled while running: the leases go now
+            call.result.set_result(Resolved(meta=out.meta, row_lengths=out.row_lengths, leases=leases))
+
+    def _release(self, results: Iterable[RankResult]) -> None:
+        self.ledger.release_now({(r.worker, r.key) for r in results if r.key is not None})
+
+    def _abandon(self, pending: Iterable[asyncio.Future[Any]]) -> None:
+        def late(t: asyncio.Future[Any]) -> None:
+            if not t.cancelled() and t.exception() is None and t.result().key is not None:
+                self.ledger.release_now({(t.result().worker, t.result().key)})
+        for t in pending:
+            t.add_done_callback(late)
+
+    async def _heal(self, pool: PoolState) -> None:
+        pool.epoch += 1
+        results = await asyncio.gather(*(self.transport.heal(w, pool.epoch) for w in pool.workers),
+                                       return_exceptions=True)
+        for w, r in zip(pool.workers, results, strict=True):
+            if isinstance(r, WorkerGone):
+                self._worker_died(r.worker, r.detail)
+            elif isinstance(r, BaseException):
+                self._worker_died(w, f"reconnecting its process groups failed: {r}")
+
+    # ----- deaths -----
+
+    async def _watch(self, worker: int) -> None:
+        try:
+            await self.transport.watch(worker)
+        except WorkerGone as e:
+            if not self._closed:
+                self._worker_died(worker, e.detail)
+        except Exception:  # the transport is going away
+            logger.debug("watch of worker %d ended", worker, exc_info=True)
+
+    def _worker_died(self, worker: int, detail: str) -> None:
+        """Break the pool of ``worker``; fail its running and queued calls."""
+        if worker not in self._where or self._closed:
+            return
+        pool, rank = self._where[worker]
+        if pool.died.done():
+            return
+        running = pool.running
+        err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
+                              rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
+        pool.died.set_result(err)
+        for call in list(pool.queued.values()):
+            _settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
+                                          cause=f"rank {rank}'s worker process died before the call ran",
+                                          detail=detail))
 
 
-def _checked(call: Call, name: str, fields: Sequence[str], have: set[str]) -> tuple[str, ...]:
-    for f in fields:
-        if f not in have:
-            raise MissingFieldError(
-                f"{call.label} reads field {f!r} but its argument {name!r} "
-                f"({call.data_args[name].label}) has only {sorted(have)}"
-            )
-    return tuple(dict.fromkeys(fields))
+def _producer_of(call: Call, worker: int) -> str:
+    """The label (``role.method#id``) of the call whose rows ``call`` pulled from ``worker``."""
+    for fut in call.data_args.values():
+        cached = fut._cached
+        if isinstance(cached, Resolved):
+            for g in cached.meta.groups:
+                for s in g.segments:
+                    if s.worker == worker:
+                        return s.key
+    return "?.?"
 
 
-async def _await_ranks(session: Session, pool: PoolState, call: Call, refs: Sequence[Any]) -> list[RankResult]:
-    tasks = [asyncio.ensure_future(ref) for ref in refs]
-    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    failed = [i for i, t in enumerate(tasks) if t.done() and t.exception() is not None]
-    if not failed:
-        return [t.result() for t in tasks]
-    rank = failed[0]
-    err = remote_error(tasks[rank].exception(), call=call, pool=pool.name, rank=rank)
-    if pending:
-        _, still = await asyncio.wait(pending, timeout=BROKEN_GRACE_S)
-        if still:
-            pool.broken = err
-    if isinstance(err, WorkerDiedError):
-        pool.broken = err
-    def discard(task: asyncio.Future[RankResult]) -> None:
-        # The call failed: rows other ranks produced for it are never named by a
-        # future. (Reading the exception also keeps asyncio from logging it.)
-        if not task.cancelled() and task.exception() is None and task.result().key is not None:
-            session.release_now({(task.result().worker, task.result().key)})
-
-    for t in tasks:
-        if t.done():
-            discard(t)
-        else:
-            t.add_done_callback(discard)
-    raise err
+def _settle(call: Call, exc: BaseException) -> None:
+    if not call.result.done():
+        call.result.set_exception(_detach(exc))
 
 
-def remote_error(exc: BaseException, *, call: Call, pool: str, rank: int) -> BaseException:
-    """A Ray failure as one error naming role, method and rank."""
-    where: dict[str, Any] = {"role": call.role, "method": call.endpoint.spec.name, "rank": rank, "pool": pool}
-    if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.ActorUnavailableError):
-        return WorkerDiedError(cause=f"the worker process died ({type(exc).__name__})",
-                               remote_traceback=str(exc), **where)
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        cause = exc.cause
-        if isinstance(cause, RemoteStageError):
-            return cause
-        if isinstance(cause, ray.exceptions.ActorDiedError):
-            return WorkerDiedError(cause=f"a worker it pulled rows from died: {cause}",
-                                   remote_traceback=str(exc), **where)
-        text = f"{type(cause).__name__}: {cause}" if cause is not None else exc.__class__.__name__
-        return RemoteStageError(cause=text, remote_traceback=getattr(exc, "traceback_str", None) or str(exc), **where)
-    if isinstance(exc, ray.exceptions.RayError):
-        return RemoteStageError(cause=f"{type(exc).__name__}: {exc}", remote_traceback="", **where)
+def _detach(exc: BaseException) -> BaseException:
+    """``exc`` without tracebacks (their frames would keep the call's inputs, and
+    through them shards, alive for as long as anyone holds the error)."""
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     return exc
 
 
-def _finish(session: Session, call: Call, results: Sequence[RankResult], out: Any) -> Any:
-    produced = {(r.worker, r.key) for r in results if r.key is not None}
-    if not isinstance(out, Collected):
-        session.release_now(produced)
-        return out
-    kept = out.meta.shard_keys()
-    session.release_now(produced - kept)
-    leases = tuple(Lease(w, k, session.release) for w, k in sorted(kept))
-    return Resolved(meta=out.meta, row_lengths=out.row_lengths, leases=leases)
-
-
-def check_call_fields(call_label: str, endpoint: Endpoint[Any, Any], data_args: Mapping[str, DataFuture[Any]]) -> None:
-    """Fail at call time when a data argument's known fields lack a field the
-    method reads."""
-    for name, fut in data_args.items():
-        reads = endpoint.spec.reads_for(name)
-        if reads is None or fut.fields is None:
-            continue
-        missing = [f for f in reads if f not in fut.fields]
-        if missing:
-            raise MissingFieldError(
-                f"{call_label} reads field {missing[0]!r} but its argument {name!r} ({fut.label}) "
-                f"carries only {sorted(fut.fields)}"
-            )
+def _quiet(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.debug("poisoning a rank's groups failed: %s", fut.exception())

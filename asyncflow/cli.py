@@ -1,10 +1,17 @@
 """The ``asyncflow`` command line.
 
-    asyncflow train CONFIG [--resume] [--set key=value ...]
-    asyncflow sft CONFIG                      # only the SFT warm start of CONFIG
+    asyncflow train CONFIG [--resume] [--set key=value ...] [--no-progress] [--debug]
+    asyncflow sft CONFIG [--set key=value ...] [--debug]   # only the SFT warm start
 
-A configuration error ends the command with one line naming the key (exit 2); any
-other error with one line naming what failed and where (exit 1).
+The whole configuration is checked before anything starts. An asyncflow error
+(:class:`~channels.AsyncflowError`) ends the command with one line on stderr: a
+configuration error names the key (exit 2), any other error what failed and where
+(exit 1); ``--debug`` adds the traceback and the rest of the message (the remote
+traceback of a failed stage). Any other exception is a bug and propagates with its
+traceback.
+
+This module imports nothing that imports Ray at module level: :func:`main` sets
+Ray's environment first (see :func:`_embedded_ray_on_loopback`).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from channels import AsyncflowError, ConfigError
@@ -29,7 +37,7 @@ def _overrides(pairs: Sequence[str]) -> dict[str, object]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--set expects key=value, got {pair!r}")
+            raise ConfigError(f"--set expects key=value, got {pair!r}; e.g. --set train.steps=5")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -57,14 +65,38 @@ def _sft(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, _overrides(args.set))
     if config.sft is None:
-        raise ConfigError(f"{args.config} has no [sft] section")
+        raise ConfigError(f"{args.config} has no [sft] section; add one to run the SFT warm start "
+                          "(examples/arith_grpo.toml has one)")
     path = Trainer(config, say=_say)._model_dir()
     _say(f"SFT model: {path}")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``asyncflow`` command."""
+def _embedded_ray_on_loopback() -> None:
+    """Keep the Ray instance this command starts on the loopback interface.
+
+    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when it is imported; "0"
+    makes it take 127.0.0.1 as the node's address, so every listener it opens (GCS,
+    raylet, object manager, workers) binds there. The single-machine instance
+    :class:`~asyncflow.Session` embeds serves no other machine, and should not be
+    reachable from one. With ``RAY_ADDRESS`` the command joins a cluster whose nodes
+    must reach each other: Ray's default is kept. Must run before Ray is imported.
+    """
+    if "RAY_ADDRESS" not in os.environ:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def _report(error: AsyncflowError, *, debug: bool) -> int:
+    """One line on stderr (with ``debug``, the traceback first); returns the exit code."""
+    if debug:
+        traceback.print_exception(error)
+    lines = str(error).splitlines()
+    what = "configuration error" if isinstance(error, ConfigError) else type(error).__name__
+    print(f"asyncflow: {what}: {lines[0] if lines else ''}", file=sys.stderr, flush=True)
+    return 2 if isinstance(error, ConfigError) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncflow", description="RL for language models as async def loops")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run an RL job from a TOML or YAML config")
@@ -75,10 +107,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
     sft = sub.add_parser("sft", help="run only the SFT warm start of a config")
-    sft.add_argument("config")
-    sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sft.add_argument("config", help="path to a .toml/.yaml run configuration with an [sft] section")
+    sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key (repeatable)")
     sft.set_defaults(run=_sft)
-    args = parser.parse_args(argv)
+    for command in (train, sft):
+        command.add_argument("--debug", action="store_true",
+                             help="on an error, print the traceback and the whole message (remote tracebacks)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``asyncflow`` command.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0, 2 for a configuration error, 1 for any other asyncflow error.
+    """
+    args = _parser().parse_args(argv)
+    _embedded_ray_on_loopback()
     # One progress bar (ours): no per-load bars from transformers here or in the
     # Ray workers, which inherit this environment.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -86,12 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except ConfigError as e:
-        print(f"asyncflow: configuration error: {e}", file=sys.stderr)
-        return 2
     except AsyncflowError as e:
-        print(f"asyncflow: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return _report(e, debug=args.debug)
 
 
 if __name__ == "__main__":

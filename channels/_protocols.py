@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from channels._errors import ConfigError, SchemaError
 from channels._layout import Layout
-from channels._schema import BatchMeta, ColumnGroup, FieldSpec, RowRuns, Segment, runs_from_indices
+from channels._schema import (
+    BatchMeta,
+    ColumnGroup,
+    FieldSpec,
+    RowRuns,
+    Segment,
+    runs_from_indices,
+    runs_length,
+)
 
 Assignment = RowRuns | None
 """Rows one rank receives (None: the rank runs without input rows)."""
@@ -313,29 +321,50 @@ class Metrics(TransferProtocol):
         return self.over.distribute(meta, layout, row_lengths)
 
     def collect(self, results: Sequence[RankResult], layout: Layout, assignments: Sequence[Assignment] | None) -> dict[str, float]:
-        dicts = [results[r].value for r, (_, out) in enumerate(self.over.replicas(layout)) if out]
-        return reduce_metrics(dicts, self.reduce)
+        ranks = [r for r, (_, out) in enumerate(self.over.replicas(layout)) if out]
+        weights = None
+        if assignments is not None:
+            weights = [float(runs_length(assignments[r] or ())) for r in ranks]
+        return reduce_metrics([results[r].value for r in ranks], self.reduce, weights=weights)
 
     def __repr__(self) -> str:
         return f"Metrics(over={self.over!r}, reduce={self.reduce})"
 
 
-def reduce_metrics(dicts: Sequence[Any], reduce: Mapping[str, Reducer] | None = None) -> dict[str, float]:
+def reduce_metrics(dicts: Sequence[Any], reduce: Mapping[str, Reducer] | None = None,
+                   weights: Sequence[float] | None = None) -> dict[str, float]:
     """Reduce metric dicts key by key (mean by default).
+
+    A key's mean is weighted by ``weights`` (the rows each dict's rank had), over
+    the dicts that report the key; ranks that had no rows do not dilute it. When
+    every reporting rank had no rows, the plain mean is used.
 
     Raises:
         SchemaError: an entry is not a dict of numbers.
     """
     reduce = reduce or {}
-    values: dict[str, list[float]] = {}
-    for d in dicts:
+    w = list(weights) if weights is not None else [1.0] * len(dicts)
+    values: dict[str, list[tuple[float, float]]] = {}
+    for d, weight in zip(dicts, w, strict=True):
         if not isinstance(d, Mapping):
             raise SchemaError(f"a Metrics method must return a dict of numbers, got {type(d).__name__}")
         for k, v in d.items():
             try:
-                values.setdefault(k, []).append(float(v))
+                values.setdefault(k, []).append((float(v), weight))
             except (TypeError, ValueError):
                 raise SchemaError(f"metric {k!r} is not a number: {v!r}") from None
-    ops: dict[str, Callable[[list[float]], float]] = {
-        "mean": lambda xs: sum(xs) / len(xs), "sum": sum, "max": max, "min": min}
-    return {k: float(ops[reduce.get(k, "mean")](xs)) for k, xs in values.items()}
+    return {k: _reduce(reduce.get(k, "mean"), xs) for k, xs in values.items()}
+
+
+def _reduce(how: str, xs: list[tuple[float, float]]) -> float:
+    vals = [x for x, _ in xs]
+    if how == "sum":
+        return float(sum(vals))
+    if how == "max":
+        return float(max(vals))
+    if how == "min":
+        return float(min(vals))
+    total = sum(weight for _, weight in xs)
+    if total <= 0:
+        return float(sum(vals) / len(vals))
+    return float(sum(x * weight for x, weight in xs) / total)

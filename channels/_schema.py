@@ -156,21 +156,31 @@ class BatchMeta(msgspec.Struct, **_WIRE):
 def merge_meta(metas: Sequence[BatchMeta]) -> BatchMeta:
     """Union the columns of batches that have the same rows.
 
-    A column present in several inputs is taken from the first one.
+    A column may be in several inputs only when it is the same column: same
+    schema, same shards and the same shard-side name (it is then kept once).
 
     Raises:
-        SchemaError: the row counts differ.
+        SchemaError: the row counts differ, or one name stands for two columns.
     """
     if not metas:
         raise SchemaError("merge needs at least one batch")
     rows = {m.num_rows for m in metas}
     if len(rows) != 1:
         raise SchemaError(f"merge needs batches with the same row count, got {[m.num_rows for m in metas]}")
-    seen: set[str] = set()
+    seen: dict[str, tuple[FieldSpec, str, tuple[Segment, ...]]] = {}
     groups: list[ColumnGroup] = []
     for m in metas:
-        fresh = [n for n in m.field_names if n not in seen]
-        seen.update(fresh)
+        fresh = []
+        for g in m.groups:
+            for f, stored in zip(g.fields, g.stored_names(), strict=True):
+                where = (f, stored, g.segments)
+                if f.name not in seen:
+                    seen[f.name] = where
+                    fresh.append(f.name)
+                elif seen[f.name] != where:
+                    raise SchemaError(
+                        f"field {f.name!r} is in two inputs as different columns; rename one before merging"
+                    )
         groups.extend(m.select(fresh).groups if fresh else ())
     group_size = math.lcm(*(m.group_size for m in metas))
     if metas[0].num_rows % group_size:

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import os
 
+# Like the `asyncflow` command: the embedded Ray instances of the tests bind every
+# listener to the loopback interface (Ray reads this when it is imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+# Imported before any test runs, not lazily by its pytest plugin at the end of the
+# session: CPython 3.11.7's parser can fail late in a session whose Ray workers
+# were killed ("AST constructor recursion depth mismatch").
+import hypothesis  # noqa: F401
 import pytest
 import ray.cloudpickle
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import psutil
 import ray
 import torch
 
@@ -89,6 +93,30 @@ class Sleeper(Role):
         return ray.get_runtime_context().get_node_id()
 
 
+class Slow(Role):
+    """Sleeps longer on one rank, then returns rows (a slow rank is not a failure)."""
+
+    @register(protocol=DP(), reads=("x",), writes=("x", "rank"))
+    def lag(self, batch: Batch, *, rank: int, seconds: float) -> dict[str, torch.Tensor]:
+        if self.ctx.rank == rank:
+            time.sleep(seconds)
+        return {"x": batch["x"], "rank": torch.full((batch.num_rows,), self.ctx.rank)}
+
+
+class Carrier(Role):
+    """Contracts that depend on the call: carries its input's columns; reads
+    ``weight`` only when asked to."""
+
+    @register(protocol=DP(), reads=("x",), carries="batch", writes=("y",))
+    def double(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {**batch, "y": batch["x"] * 2}
+
+    @register(protocol=Metrics(), reads=lambda call: ("x", "weight") if call.arguments["weighted"] else ("x",))
+    def total(self, batch: Batch, *, weighted: bool) -> dict[str, float]:
+        w = batch["weight"] if weighted else torch.ones(batch.num_rows)
+        return {"sum": float((batch["x"].double().sum(dim=-1) * w).sum()), "rows": batch.num_rows}
+
+
 class Faulty(Role):
     """Raises on one rank."""
 
@@ -108,6 +136,18 @@ class Collective(Role):
         torch.distributed.all_reduce(t, group=self.ctx.mesh.get_group("dp"))
         return float(t.item())
 
+    @register(protocol=OneToAll())
+    def reduce_unless(self, *, raise_on: int = -1, late: int = -1, seconds: float = 0.0) -> float:
+        """All-reduce over the pool's group; rank ``late`` joins ``seconds`` late,
+        rank ``raise_on`` raises after ``seconds`` instead of joining."""
+        if self.ctx.rank in (late, raise_on):
+            time.sleep(seconds)
+        if self.ctx.rank == raise_on:
+            raise RuntimeError(f"rank {self.ctx.rank} gives up before the all-reduce")
+        t = torch.tensor([float(self.ctx.rank + 1)])
+        torch.distributed.all_reduce(t, group=self.ctx.process_group)
+        return float(t.item())
+
 
 def cost_of_long_answers(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
     """A rule cost: longer responses cost more (a stand-in for a safety classifier)."""
@@ -117,3 +157,57 @@ def cost_of_long_answers(prompts: list[str], responses: list[str], answers: list
 def raising_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
     """A reward function with a bug."""
     raise ZeroDivisionError("reward bug")
+
+
+Listener = tuple[str, int]
+
+
+def tcp_listeners(pid: int) -> set[Listener]:
+    """``(address, port)`` of each TCP socket ``pid`` listens on; IPv4 addresses that
+    an IPv6 socket holds (``::ffff:127.0.0.1``) are written as IPv4."""
+    return {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def probe_with_tcpstore_clients(listeners: list[Listener], node_ip: str) -> list[str]:
+    """The listeners where a TCPStore client could ``set`` then ``get`` a key.
+
+    In a child process: a TCPStore client blocks without a deadline (inside its
+    connection ping) on a peer that reads and never answers, which gloo's
+    listeners do, so the child is abandoned after 3 s; Ray's gRPC ports answer
+    with HTTP/2 frames and the client fails at once.
+    """
+    targets = [f"{node_ip if ip in ('0.0.0.0', '::') else ip}:{port}" for ip, port in listeners]
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE, *targets], capture_output=True,
+                             text=True, timeout=40).stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    return [line for line in out.splitlines() if line.startswith("SERVED")]
+
+
+_PROBE = textwrap.dedent("""
+    import sys, threading, time
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    def probe(host, port):
+        try:
+            s = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2),
+                              wait_for_workers=False)
+            s.set("probe", "1")
+            if s.get("probe") == b"1":
+                print(f"SERVED {host} {port}", flush=True)
+        except Exception:
+            pass
+
+    threads = []
+    for arg in sys.argv[1:]:
+        host, port = arg.rsplit(":", 1)
+        threads.append(threading.Thread(target=probe, args=(host, int(port)), daemon=True))
+        threads[-1].start()
+    deadline = time.monotonic() + 3
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+""")

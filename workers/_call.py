@@ -1,6 +1,9 @@
-"""The wire form of one group call as one rank sees it."""
+"""The wire form of one group call as one rank sees it, and of its failure."""
 
 from __future__ import annotations
+
+import pickle
+import traceback
 
 import msgspec
 
@@ -29,3 +32,40 @@ class CallSpec(msgspec.Struct, **_WIRE):
     method: str
     out_key: str
     data_args: tuple[DataArg, ...] = ()
+
+
+class RankError(Exception):
+    """How a rank reports a failed call to the driver (pickled through Ray).
+
+    Attributes:
+        cause: ``"<ExceptionType>: <message>"`` of what the rank raised.
+        remote_traceback: the rank's traceback, as text.
+        peer_failure: True when the rank failed because a peer broke a collective
+            it was in (the peer's error is the cause worth reporting).
+        error: the original exception when it pickles (e.g. an asyncflow error a
+            role raised on purpose), else None.
+    """
+
+    def __init__(self, cause: str, remote_traceback: str, *, peer_failure: bool = False,
+                 error: BaseException | None = None) -> None:
+        super().__init__(cause)
+        self.cause, self.remote_traceback = cause, remote_traceback
+        self.peer_failure, self.error = peer_failure, error
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_rank_error, (self.cause, self.remote_traceback, self.peer_failure, self.error))
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, *, peer_failure: bool) -> RankError:
+        """The wire form of ``exc``, raised by a role method on this rank."""
+        text = "".join(traceback.format_exception(exc))
+        try:
+            pickle.dumps(exc)
+            original: BaseException | None = exc.with_traceback(None)
+        except Exception:
+            original = None
+        return cls(f"{type(exc).__name__}: {exc}", text, peer_failure=peer_failure, error=original)
+
+
+def _rebuild_rank_error(cause: str, tb: str, peer: bool, error: BaseException | None) -> RankError:
+    return RankError(cause, tb, peer_failure=peer, error=error)

@@ -1,16 +1,26 @@
 """The worker process: one Ray actor per (pool, rank), hosting role objects.
 
-Two Ray concurrency groups keep the data plane responsive: ``compute`` (one thread:
-role methods run one at a time, in the order the driver submits them) and ``io``
-(serving slices of stored rows, freeing shards, statistics), so a consumer can pull
-rows this worker produced while it computes something else.
+Three Ray concurrency groups keep the process responsive:
+
+- ``compute`` (one thread): role methods run one at a time, in the order the
+  driver submits them; so do ``poison`` and ``heal``, which touch the pool's
+  process groups only while no role method runs.
+- ``io``: serving slices of stored rows, storing rows, freeing shards, statistics,
+  so a consumer can pull rows this worker produced while it computes.
+- ``watch`` (one thread): a call that never returns while the process lives; the
+  driver learns of the process's death from Ray when it fails.
+
+When a role method raises, the worker first *poisons* its pool's process groups
+(drops their backends, which closes their connections): peers blocked in a
+collective with this rank then fail at once instead of waiting for a timeout.
+Before the pool's next call the driver has every rank ``heal`` (reconnect) them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
+import threading
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -31,17 +41,21 @@ from channels import (
     StoreStats,
     assemble,
 )
-from workers._call import CallSpec
+from workers import _groups
+from workers._call import CallSpec, RankError
 from workers._register import Endpoint, endpoints
+from workers._rendezvous import RayStore, bind_gloo_to_node
 from workers._role import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-CONCURRENCY_GROUPS = {"io": 4, "compute": 1}
+CONCURRENCY_GROUPS = {"io": 4, "compute": 1, "watch": 1}
 """Ray concurrency groups of :class:`WorkerProcess`."""
 
 Transform = tuple[Any, Mapping[str, Any]]
 """A transform function and its keyword arguments."""
+
+MESH_DIMS = ("pp", "dp", "tp")
 
 
 class WorkerProcess:
@@ -67,58 +81,58 @@ class WorkerProcess:
         self.store = ShardStore()
         self.roles: dict[str, Any] = {}
         self._endpoints: dict[str, dict[str, Endpoint[Any, Any]]] = {}
-        self._pool_groups: dict[str, Any] = {}
-        self._meshes: dict[tuple[str, Layout], Any] = {}
+        self._pool_group: Any = None
+        self._meshes: dict[Layout, Any] = {}
+        self._timeout = timedelta(seconds=600)
+        self._alive = threading.Event()
 
     # ----- set-up (default concurrency group, before any call) -----
 
-    def pid(self) -> int:
-        """The OS process id (tests use it to kill a worker)."""
-        return os.getpid()
+    def identity(self) -> tuple[int, str, str]:
+        """``(pid, Ray actor id, node IP)``: the driver maps a dead actor to its
+        worker index, and gloo binds to the node's cluster address."""
+        context = ray.get_runtime_context()
+        return os.getpid(), context.get_actor_id() or "", ray.util.get_node_ip_address()
 
-    def rendezvous_address(self) -> str:
-        """A ``tcp://host:port`` this worker can host the session's store on."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{host}:{port}"
+    def init_world(self, store: Any, *, node_ip: str, timeout_s: float, collective_timeout_s: float) -> None:
+        """Join the session-wide process group (every worker of every pool).
 
-    def init_world(self, url: str, timeout_s: float) -> None:
-        """Join the session-wide process group (every worker of every pool)."""
+        Args:
+            store: the session's rendezvous store actor (a ``workers.StoreServer``);
+                the rendezvous goes through Ray's authenticated channels.
+            node_ip: this node's cluster address; gloo listens on it only.
+            timeout_s: timeout of the rendezvous.
+            collective_timeout_s: timeout of the pool's collectives (a backstop:
+                a failing rank releases its peers at once).
+        """
+        bind_gloo_to_node(node_ip)
+        self._timeout = timedelta(seconds=collective_timeout_s)
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=url, rank=self.index, world_size=self.world,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=RayStore(store, timedelta(seconds=timeout_s)),
+                                rank=self.index, world_size=self.world, timeout=self._timeout)
 
-    def build_groups(self, pools: Sequence[tuple[str, Sequence[int]]],
-                     meshes: Sequence[tuple[str, Layout]]) -> None:
-        """Create every pool's process group and every (pool, layout) DeviceMesh.
+    def build_groups(self, ranks: Sequence[int], layouts: Sequence[Layout]) -> None:
+        """Create this pool's process group and a DeviceMesh per layout.
 
-        Collective over the whole session: every worker calls it with the same
-        arguments, and creates every group in the same order, even groups it is
-        not in (``new_group`` requires it).
+        Collective over the pool's workers only (``ranks``: their session-wide
+        indices, in pool-rank order); other pools build theirs independently. The
+        groups are reconnectable: see :meth:`poison` and :meth:`heal`.
         """
-        from torch.distributed.device_mesh import DeviceMesh
-
-        ranks_of = dict(pools)
-        for name, ranks in pools:
-            group = dist.new_group(list(ranks))
-            if name == self.pool:
-                self._pool_groups[name] = group
-        for pool, layout in meshes:
-            grid = torch.tensor(list(ranks_of[pool])).view(layout.p, layout.d, layout.t)
-            mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
-            if pool == self.pool:
-                self._meshes[(pool, layout)] = mesh
+        if self.pool_size == 1:
+            return
+        self._pool_group = _groups.new_reconnectable_group(tuple(ranks), self._timeout)
+        for layout in layouts:
+            grid = torch.tensor(list(ranks)).view(layout.p, layout.d, layout.t)
+            self._meshes[layout] = _groups.mesh_from_groups(grid, MESH_DIMS, self.device.type, self._timeout)
 
     def add_role(self, name: str, cls: type, config: Any, layout: Layout) -> None:
         """Construct role ``name`` in this process."""
         ctx = WorkerContext(
             role=name, pool=self.pool, rank=self.rank, world_size=self.pool_size,
             global_rank=self.index, layout=layout, device=self.device,
-            process_group=self._pool_groups.get(self.pool), mesh=self._meshes.get((self.pool, layout)),
+            process_group=self._pool_group, mesh=self._meshes.get(layout),
         )
         self.roles[name] = cls(ctx) if config is None else cls(ctx, config)
         self._endpoints[name] = endpoints(cls)
@@ -137,8 +151,21 @@ class WorkerProcess:
                 pulled rows before the method sees them.
             pieces: fetched pieces of every data argument's plan, in order (None
                 for a piece held in this worker's store).
+
+        Raises:
+            RankError: the method (or a transform) raised; the pool's groups are
+                poisoned first so that peers waiting on this rank fail at once.
         """
         spec = msgspec.msgpack.decode(spec_bytes, type=CallSpec)
+        try:
+            return self._execute(spec, kwargs, transforms, pieces)
+        except Exception as e:
+            peer = _groups.is_peer_failure(e)
+            _groups.poison_all()
+            raise RankError.from_exception(e, peer_failure=peer) from None
+
+    def _execute(self, spec: CallSpec, kwargs: Mapping[str, Any],
+                 transforms: Mapping[str, Sequence[Transform]], pieces: Sequence[Any]) -> RankResult:
         args = dict(kwargs)
         i = 0
         for arg in spec.data_args:
@@ -153,6 +180,18 @@ class WorkerProcess:
         out = endpoint.fn(role, **args)
         return self._result(spec, endpoint, out)
 
+    @ray.method(concurrency_group="compute")
+    def poison(self) -> None:
+        """Drop the pool's group connections (peers blocked on this rank fail now).
+
+        The driver calls it on every rank that finished a failed call."""
+        _groups.poison_all()
+
+    @ray.method(concurrency_group="compute")
+    def heal(self, epoch: int) -> None:
+        """Reconnect the pool's groups; collective over the pool (same ``epoch``)."""
+        _groups.heal_all(epoch)
+
     def _gather(self, plan: Any, fetched: Sequence[Any]) -> Batch:
         parts = []
         received = 0
@@ -165,7 +204,8 @@ class WorkerProcess:
         self.store.record_received(received)
         batch = assemble(plan, parts)
         if self.device.type != "cpu":
-            batch = Batch({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+            batch = Batch({k: v.to(self.device, non_blocking=True) for k, v in batch.items()},
+                          group_size=batch.group_size)
         return batch
 
     @staticmethod
@@ -185,7 +225,7 @@ class WorkerProcess:
         if rows is None:
             return RankResult(rank=self.rank, worker=self.index, value=out)
         declared = endpoint.spec.writes
-        if declared is not None:
+        if isinstance(declared, tuple):
             missing = [f for f in declared if f not in rows]
             if missing:
                 raise MissingFieldError(
@@ -197,7 +237,8 @@ class WorkerProcess:
         lengths = None
         if endpoint.spec.row_lengths is not None:
             col = rows[endpoint.spec.row_lengths]
-            lengths = tuple(int(x) for x in col.reshape(col.shape[0], -1).sum(dim=1).tolist())
+            per_row = col.flatten(start_dim=1).sum(dim=1) if col.dim() > 1 else col
+            lengths = tuple(int(x) for x in per_row.tolist())
         self.store.put(spec.out_key, rows)
         return RankResult(rank=self.rank, worker=self.index, key=spec.out_key, num_rows=rows.num_rows,
                           fields=rows.field_specs(), row_lengths=lengths, group_size=rows.group_size)
@@ -211,12 +252,12 @@ class WorkerProcess:
         return self.store.slice(key, lo, hi, fields)
 
     @ray.method(concurrency_group="io")
-    def put(self, key: str, columns: Mapping[str, torch.Tensor]) -> RankResult:
+    def put(self, key: str, columns: Mapping[str, torch.Tensor], group_size: int = 1) -> RankResult:
         """Store rows handed in by the driver (``Session.put``)."""
-        batch = Batch(columns)
+        batch = Batch(columns, group_size=group_size)
         self.store.put(key, batch)
         return RankResult(rank=self.rank, worker=self.index, key=key, num_rows=batch.num_rows,
-                          fields=batch.field_specs())
+                          fields=batch.field_specs(), group_size=batch.group_size)
 
     @ray.method(concurrency_group="io")
     def free(self, keys: Sequence[str]) -> int:
@@ -227,6 +268,16 @@ class WorkerProcess:
     def stats(self) -> StoreStats:
         """The store's counters."""
         return self.store.stats()
+
+    # ----- liveness (watch group) -----
+
+    @ray.method(concurrency_group="watch")
+    def watch(self) -> None:
+        """Block while the process lives: the driver's pending call fails exactly
+        when the process dies (Ray's actor-death signal), with no polling."""
+        self._alive.wait()
+
+
 
 
 def _as_rows(out: Any) -> Batch | None:

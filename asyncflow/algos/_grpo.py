@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._future import DataFuture, gather, merge
+from asyncflow._future import DataFuture, gather
+from asyncflow._ops import merge
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
 from asyncflow.algos._transforms import group_advantages
 from workers.roles import score_summary

@@ -3,9 +3,9 @@
 from asyncflow.train._checkpoint import CheckpointDir
 from asyncflow.train._config import RunConfig, load_config, needed_roles, validate
 from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics
-from asyncflow.train._trainer import RunResult, Trainer
+from asyncflow.train._trainer import RunInterruptedError, RunResult, Trainer
 
 __all__ = [
-    "CheckpointDir", "MetricsLog", "RunConfig", "RunResult", "Trainer", "load_config",
+    "CheckpointDir", "MetricsLog", "RunConfig", "RunInterruptedError", "RunResult", "Trainer", "load_config",
     "needed_roles", "plot_curves", "read_metrics", "validate",
 ]

@@ -1,16 +1,32 @@
 """The run configuration of ``asyncflow train``: TOML or YAML decoded by msgspec
 into typed, keyword-only Structs. Unknown keys and wrong types are errors that name
-the key (``$.actor.lr``); cross-field rules are checked in :func:`validate`.
+the key (``$.actor.lr``); each section checks its own values on decode, and
+:func:`validate` checks the rest (layouts against pools and the model, the
+algorithms' settings, the reward functions), all before any Ray or SFT work.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from asyncflow.algos import GRPOConfig, PPOConfig, ReMaxConfig, SafeRLHFConfig
+from asyncflow.train._checks import (
+    MODEL_ROLES,
+    above,
+    at_least,
+    check_gae,
+    check_policy,
+    check_rollout,
+    check_safe_rlhf,
+    check_tensor_parallel,
+    load_score_function,
+    model_heads,
+    split_function,
+)
 from channels import ConfigError
 from workers.tasks import ArithmeticTaskConfig, SFTConfig
 
@@ -56,12 +72,13 @@ class TrainSection(msgspec.Struct, **_CFG):
     (``actor/kl_to_ref``) even when no KL term is in the loss."""
 
     def __post_init__(self) -> None:
+        # "TrainSection.steps ... - at `$.train`" reaches the user as "train.steps ..."
+        # (see load_config).
         for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+            at_least(f"TrainSection.{name}", getattr(self, name), 1)
         for name in ("checkpoint_every", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+            at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
+        at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
 
 
 class OptimSection(msgspec.Struct, **_CFG):
@@ -82,6 +99,15 @@ class OptimSection(msgspec.Struct, **_CFG):
     mini_batches: int = 1
     """Optimizer steps per pass."""
 
+    def __post_init__(self) -> None:
+        key = type(self).__name__  # the section's own name; load_config says which one
+        above(f"{key}.lr", self.lr, 0, "use a learning rate such as 1e-5")
+        at_least(f"{key}.weight_decay", self.weight_decay, 0, "0 turns weight decay off")
+        at_least(f"{key}.grad_clip", self.grad_clip, 0, "0 turns gradient clipping off; 1.0 is usual")
+        at_least(f"{key}.warmup_steps", self.warmup_steps, 0, "0 turns the warm-up off")
+        for name in ("micro_batch_size", "epochs", "mini_batches"):
+            at_least(f"{key}.{name}", getattr(self, name), 1)
+
 
 class ActorSection(OptimSection, **_CFG):
     """The policy."""
@@ -90,6 +116,10 @@ class ActorSection(OptimSection, **_CFG):
     """Which engine generates: the native one or vLLM."""
     rollout_batch_size: int = 256
     """Most sequences the native engine decodes at once."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least("ActorSection.rollout_batch_size", self.rollout_batch_size, 1)
 
 
 class ScoreSection(msgspec.Struct, **_CFG):
@@ -100,12 +130,16 @@ class ScoreSection(msgspec.Struct, **_CFG):
     model_dir: str = ""
     """A reward/value model directory; when set, it scores instead of ``function``."""
 
+    def __post_init__(self) -> None:
+        if self.function:  # imported by validate, for the roles the run needs
+            split_function("ScoreSection.function", self.function)
+
 
 class PoolSection(msgspec.Struct, **_CFG):
     """A resource pool."""
 
     devices: int = 1
-    """Devices (worker processes)."""
+    """Devices (worker processes); checked in :func:`validate`, which knows the pool's name."""
 
 
 class PlacementSection(msgspec.Struct, **_CFG):
@@ -114,7 +148,7 @@ class PlacementSection(msgspec.Struct, **_CFG):
     pool: str
     """The pool's name (a key of ``[pools]``)."""
     p: int = 1
-    """Pipeline-parallel size."""
+    """Pipeline-parallel size; only 1 (the engines do not implement pipeline parallelism)."""
     t: int = 1
     """Tensor-parallel size."""
 
@@ -161,9 +195,19 @@ class RunConfig(msgspec.Struct, **_CFG):
 def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> RunConfig:
     """Read and validate a ``.toml``, ``.yaml`` or ``.yml`` run configuration.
 
+    Everything is checked here, before any Ray or SFT work: the keys and types, every
+    value, the layouts against the pools and the model, and the reward functions
+    (imported in this process).
+
+    Args:
+        path: the configuration file.
+        overrides: dotted key -> value, applied over the file (``--set``).
+
+    Returns:
+        The validated configuration.
+
     Raises:
-        ConfigError: unreadable file, unknown key, wrong type or inconsistent values,
-            naming the key.
+        ConfigError: one line naming the file and the key, what is wrong and the fix.
     """
     path = Path(path)
     if not path.is_file():
@@ -176,17 +220,31 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
             data = msgspec.yaml.decode(raw)
         else:
             raise ConfigError(f"config {path} must end in .toml, .yaml or .yml")
+        if not isinstance(data, dict):
+            raise ConfigError(f"the file must hold a table of keys, not a {type(data).__name__}")
         for key, value in (overrides or {}).items():
             _set(data, key, value)
         config = msgspec.convert(data, RunConfig)
+        validate(config)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{path}: {_name_the_key(str(e))}") from e
     except msgspec.DecodeError as e:
-        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {e}") from None
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {e}") from e
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    validate(config)
+        raise ConfigError(f"{path}: {e}") from e
     return config
+
+
+_AT_SECTION = re.compile(r"(?s)[A-Za-z_]\w*\.(?P<field>\w+)(?P<rest>.*) - at `\$\.(?P<section>[\w.]+)`")
+
+
+def _name_the_key(message: str) -> str:
+    """msgspec reports a ``__post_init__``'s ``"ActorSection.lr must be ..."`` as
+    ``"... - at `$.actor`"``; say ``"actor.lr must be ..."``, the key as the user
+    wrote it (``"rollout.n ..." - at `$.ppo.rollout``` becomes ``"ppo.rollout.n ..."``).
+    Other messages, and sections inside a table (``$.pools[...]``), stay as they are."""
+    m = _AT_SECTION.fullmatch(message)
+    return f"{m['section']}.{m['field']}{m['rest']}" if m else message
 
 
 def _set(data: dict[str, object], dotted: str, value: object) -> None:
@@ -210,30 +268,87 @@ def needed_roles(config: RunConfig) -> tuple[str, ...]:
 
 
 def validate(config: RunConfig) -> None:
-    """Cross-field checks.
+    """The checks no section can make alone, in the order a user would fix them: the
+    starting model, pools and placement, the reward functions (imported here), then
+    the algorithms' settings. Reads the model's ``config.json``; starts nothing.
 
     Raises:
         ConfigError: naming the offending key and the fix.
     """
-    if config.sft is None and not config.model.dir:
+    heads, source = _check_start(config)
+    _check_placement(config, heads, source)
+    _check_scores(config)
+    _check_algorithms(config)
+
+
+def _check_start(config: RunConfig) -> tuple[tuple[int, int], str]:
+    """The policy's starting point; returns its attention heads and where they come from."""
+    if config.sft is not None:
+        m = config.sft.model
+        return (m.num_attention_heads, m.num_key_value_heads), "sft.model"
+    if not config.model.dir:
         raise ConfigError("set [sft] for a warm start or model.dir for a model directory to start from")
+    return model_heads("model.dir", config.model.dir), "model.dir"
+
+
+def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> None:
     if not config.pools:
-        raise ConfigError("[pools] must name at least one pool")
+        raise ConfigError("[pools] must name at least one pool, e.g. main = { devices = 1 }")
     for name, pool in config.pools.items():
-        if pool.devices < 1:
-            raise ConfigError(f"pools.{name}.devices must be >= 1, got {pool.devices}")
-    for role, place in config.placement.items():
-        if place.pool not in config.pools:
-            raise ConfigError(f"placement.{role}.pool names {place.pool!r}, which is not in [pools] "
-                              f"({sorted(config.pools)})")
-        devices = config.pools[place.pool].devices
-        if devices % (place.p * place.t):
-            raise ConfigError(f"placement.{role}: p*t = {place.p * place.t} must divide pool "
-                              f"{place.pool!r}'s {devices} devices")
-    unknown = set(config.placement) - {"actor", "ref", "critic", "cost_critic", "reward", "cost"}
+        at_least(f"pools.{name}.devices", pool.devices, 1)
+    unknown = set(config.placement) - {*MODEL_ROLES, "reward", "cost"}
     if unknown:
-        raise ConfigError(f"placement names unknown roles {sorted(unknown)}")
-    if config.algorithm == "safe_rlhf" and not (config.cost.function or config.cost.model_dir):
-        raise ConfigError("algorithm safe_rlhf needs [cost] function or model_dir")
-    if config.algorithm == "grpo" and config.grpo.rollout.n < 2:
-        raise ConfigError("grpo.rollout.n must be >= 2: GRPO compares samples of one prompt")
+        raise ConfigError(f"placement names unknown roles {sorted(unknown)}; roles are "
+                          f"{[*MODEL_ROLES, 'reward', 'cost']}")
+    for role, place in config.placement.items():
+        key = f"placement.{role}"
+        if place.pool not in config.pools:
+            raise ConfigError(f"{key}.pool names {place.pool!r}, which is not in [pools] "
+                              f"({sorted(config.pools)}); add it to [pools] or use one of those")
+        if place.p != 1:
+            raise ConfigError(f"{key}.p = {place.p}: pipeline parallelism is not supported yet; use p = 1 "
+                              "and split the model with t, or give the role more data-parallel devices")
+        at_least(f"{key}.t", place.t, 1, "1 runs the whole model on each device")
+        devices = config.pools[place.pool].devices
+        if devices % place.t:
+            raise ConfigError(f"{key}.t = {place.t} must divide the {devices} devices of pool {place.pool!r} "
+                              f"(pools.{place.pool}.devices); change t or the pool's size")
+        if role in MODEL_ROLES:
+            check_tensor_parallel(role, place.t, heads, source)
+        elif place.t != 1:
+            scorer = f"{role}.model_dir" if getattr(config, role).model_dir else f"{role}.function"
+            raise ConfigError(f"{key}.t = {place.t}: the {role} scorer ({scorer}) runs whole on each device and "
+                              "is not split by tensor parallelism; use t = 1 and more data-parallel devices")
+
+
+def _check_scores(config: RunConfig) -> None:
+    roles = needed_roles(config)
+    for role in ("reward", "cost"):
+        if role not in roles:
+            continue
+        score: ScoreSection = getattr(config, role)
+        if score.model_dir:
+            model_heads(f"{role}.model_dir", score.model_dir)
+        elif score.function:
+            load_score_function(f"{role}.function", score.function)
+        else:
+            raise ConfigError(f"algorithm {config.algorithm} needs a {role}: set [{role}] function "
+                              f"('module:function') or model_dir")
+
+
+def _check_algorithms(config: RunConfig) -> None:
+    # Every section, not only the chosen algorithm's: a wrong value is a mistake
+    # wherever it is, and would bite when the algorithm is switched.
+    for name in ("grpo", "ppo", "remax", "safe_rlhf"):
+        algo = getattr(config, name)
+        check_rollout(f"{name}.rollout", algo.rollout)
+        check_policy(f"{name}.policy", algo.policy)
+    at_least("ppo.reward_kl_coef", config.ppo.reward_kl_coef, 0, "0 turns the KL penalty off")
+    check_gae("ppo", config.ppo.gamma, config.ppo.lam)
+    check_safe_rlhf("safe_rlhf", config.safe_rlhf)
+    if config.grpo.rollout.n < 2:
+        raise ConfigError(f"grpo.rollout.n must be >= 2, got {config.grpo.rollout.n}: GRPO compares the "
+                          "samples of one prompt; 8 is usual")
+    if config.remax.rollout.n != 1:
+        raise ConfigError(f"remax.rollout.n = {config.remax.rollout.n}: ReMax samples one response per prompt "
+                          "(and the greedy one as its baseline); leave it out")

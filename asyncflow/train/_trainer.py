@@ -15,14 +15,16 @@ from typing import Any
 
 import msgspec
 
+from asyncflow._errors import PoolBrokenError, WorkerDiedError
 from asyncflow._future import DataFuture
-from asyncflow._session import Roles, Session
+from asyncflow._proxy import Roles
+from asyncflow._session import Session
 from asyncflow.algos import SafeRLHFState, grpo_step, ppo_step, remax_step, safe_rlhf_step
 from asyncflow.train._checkpoint import CheckpointDir
 from asyncflow.train._config import RunConfig
 from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics, truncate_after
 from asyncflow.train._roles import role_specs
-from channels import ConfigError
+from channels import AsyncflowError, ConfigError
 from workers.models import CharTokenizer, check_supported_checkpoint
 from workers.roles import score_summary
 from workers.rollout import SamplingParams
@@ -41,6 +43,11 @@ EVAL_UID_BASE = 1 << 40
 """Uids of evaluation prompts (never equal to a training prompt's)."""
 
 CURVES = ("reward/mean", "actor/kl_to_ref", "eval/accuracy", "actor/logprob_mismatch")
+
+
+class RunInterruptedError(AsyncflowError):
+    """A run stopped because a worker process died; the message names it and the
+    checkpoint to continue from."""
 
 
 @dataclass
@@ -142,9 +149,24 @@ class Trainer:
                 log = MetricsLog(self.out, tensorboard=False)
                 log.write(0, {"eval/accuracy": before})
                 log.close()
-            result = await self._loop(session, roles, splits.train, tokenizer, eval_problems, max_new,
-                                      start=start, state=state | {"accuracy_before": before})
+            try:
+                result = await self._loop(session, roles, splits.train, tokenizer, eval_problems, max_new,
+                                          start=start, state=state | {"accuracy_before": before})
+            except (WorkerDiedError, PoolBrokenError) as e:
+                raise self._interrupted(e) from e
         return result
+
+    def _interrupted(self, error: WorkerDiedError | PoolBrokenError) -> RunInterruptedError:
+        """One line: which process died, and where the run can continue from."""
+        died = error if isinstance(error, WorkerDiedError) else error.cause
+        assert isinstance(died, WorkerDiedError)
+        who = f"{died.role} " if died.role else ""
+        doing = f" during {died.role}.{died.method}" if died.role else ""
+        done = self.checkpoints.complete()
+        where = (f"last checkpoint: {done[-1]} (continue with --resume)" if done
+                 else "no checkpoint was written yet (rerun from the start)")
+        return RunInterruptedError(
+            f"the {who}worker process of rank {died.rank} in pool {died.pool!r} died{doing}; {where}")
 
     async def _loop(self, session: Session, roles: Roles, train: Any, tokenizer: CharTokenizer,
                     eval_problems: list[ArithmeticProblem], max_new: int, *, start: int,

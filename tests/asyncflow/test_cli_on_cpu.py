@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from asyncflow.cli import main
@@ -46,6 +51,13 @@ micro_batch_size = 8
 [pools]
 main = {{ devices = 1 }}
 """
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() sets these for the Ray it starts; later tests' Ray must not inherit them.
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +126,40 @@ def test_raising_reward_function_is_named_with_the_sample(tmp_path, model_dir, c
     assert main(["train", str(cfg), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "support:raising_reward" in err and "sample" in err and "ZeroDivisionError" in err
+
+
+@pytest.mark.slow
+def test_a_killed_worker_ends_the_run_in_one_line_and_resume_continues(tmp_path, model_dir) -> None:
+    """SIGKILL a worker of a running ``asyncflow train``: it exits non-zero with one
+    line naming the dead rank and the last checkpoint; ``--resume`` goes on from
+    there exactly as an uninterrupted run does."""
+    run = _config(tmp_path, model_dir, steps=10_000, name="run")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = tmp_path / "run" / "checkpoints" / "step_000002" / "state.json"
+    deadline = time.monotonic() + 300
+    while not first.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::WorkerProcess")]
+    assert workers
+    workers[0].send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    assert last.startswith("asyncflow: RunInterruptedError: ") and "rank 0 in pool 'main' died" in last
+    checkpoint = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert f"last checkpoint: {tmp_path / 'run' / 'checkpoints' / checkpoint}" in last
+
+    resumed_from = json.loads((tmp_path / "run" / "checkpoints" / checkpoint / "state.json").read_text())["step"]
+    target = resumed_from + 2
+    assert main(["train", str(run), "--resume", "--set", f"train.steps={target}", "--no-progress"]) == 0
+    reference = _config(tmp_path, model_dir, steps=target, name="reference")
+    assert main(["train", str(reference), "--no-progress"]) == 0
+    got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
+    want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")}
+    for step in (resumed_from + 1, target):
+        assert _comparable(got[step]) == _comparable(want[step]), step

@@ -7,9 +7,11 @@ and 3 ranks, with more roles sharing those pools.
 from __future__ import annotations
 
 import gc
+import ipaddress
 import resource
 import time
 
+import psutil
 import pytest
 import ray
 import torch
@@ -17,7 +19,16 @@ from ray.util.state import list_objects
 
 import asyncflow as af
 from asyncflow import Layout, ResourcePool, RoleSpec
-from support import Collective, Consumer, Faulty, Producer, Sleeper, expected_x
+from support import (
+    Collective,
+    Consumer,
+    Faulty,
+    Producer,
+    Sleeper,
+    expected_x,
+    probe_with_tcpstore_clients,
+    tcp_listeners,
+)
 
 P4 = ResourcePool(name="p4", devices=4)
 C2 = ResourcePool(name="c2", devices=2)
@@ -113,13 +124,16 @@ def test_metrics_merge_and_map(env) -> None:
         made = roles.producer.produce(src, width=4)
         total = await roles.consumer2.total(made)
         extra = roles.consumer3.echo(made)
-        merged = af.merge(made, extra)  # columns of both, rows aligned
+        with pytest.raises(af.ConfigError, match="comes from both"):
+            af.merge(made, extra)  # both have their own idx and x: say which
+        merged = af.merge(made, extra.rename(idx="idx3", x="x3"))  # columns of both, rows aligned
         adv = await roles.consumer2.needs_adv(merged.map(centre, scale=2.0)).fetch()
         return total, await merged.fetch(), adv
 
     total, merged, adv = lt.run(main())
     assert total["sum"] == pytest.approx(float(expected_x(torch.arange(10), 4).sum()) / 2)  # mean of 2 ranks
-    assert set(merged) == {"idx", "x", "mask", "rank"}
+    assert set(merged) == {"idx", "x", "mask", "idx3", "x3", "rank"}
+    assert torch.equal(merged["idx"], merged["idx3"])
     assert adv["adv"].shape == (10, 4)
 
 
@@ -254,3 +268,52 @@ def test_driver_rss_grows_less_than_a_tenth_of_a_256mb_payload(env) -> None:
     total, grown_kb = lt.run(main())
     assert total["rows"] == pytest.approx(n / 3)
     assert grown_kb * 1024 < 0.10 * 256 * 2**20
+
+
+def test_1000_calls_between_two_pools_with_100_failing_leak_nothing(env) -> None:
+    """Every store's shard count returns to zero and the driver's memory stays flat."""
+    lt, session, roles = env
+
+    async def iterate(k):
+        src = await session.put({"idx": torch.arange(12)}, pool=P4)
+        for i in range(k):
+            made = roles.producer.produce(src, width=64)
+            if i % 10 == 0:
+                try:
+                    await roles.faulty.boom(made, on_rank=i % 3)
+                except af.RemoteStageError:
+                    pass
+                else:
+                    raise AssertionError("boom did not fail")
+            else:
+                await roles.consumer3.echo(made)
+            del made
+
+    lt.run(iterate(50))  # warm up caches and Ray's bookkeeping
+    gc.collect()
+    rss = psutil.Process().memory_info().rss
+    lt.run(iterate(1000), timeout=900)
+    gc.collect()
+    grown = psutil.Process().memory_info().rss - rss
+    stats = lt.run(session.store_stats())
+    assert [s.shards for _, _, s in stats] == [0] * len(stats)
+    assert grown < 20 * 2**20, f"driver RSS grew {grown / 2**20:.1f} MB"
+
+
+def test_no_listener_of_the_session_serves_a_tcpstore_client(env) -> None:
+    """Every TCP listener of the session's processes (this driver, Ray's daemons,
+    the workers and the rendezvous store's actor) is on the loopback interface, and
+    none answers as a TCPStore (the unauthenticated rendezvous of before)."""
+    lt, _, roles = env
+    lt.run(_await(roles.tp.dp_sum()))  # every group is up
+    me = psutil.Process()
+    listeners = set()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            listeners |= tcp_listeners(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
+    assert listeners
+    exposed = sorted(x for x in listeners if not ipaddress.ip_address(x[0]).is_loopback)
+    assert exposed == [], f"listening beyond loopback: {exposed}"
+    assert probe_with_tcpstore_clients(sorted(listeners), "127.0.0.1") == []

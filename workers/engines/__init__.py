@@ -26,7 +26,9 @@ from workers.engines._batch import (
     WholeBatch,
     build_inputs,
 )
-from workers.engines._engine import TrainingConfig, TrainingEngine
+from workers.engines._config import TrainingConfig
+from workers.engines._engine import TrainingEngine
+from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
 from workers.engines._losses import (
     KLEstimator,
@@ -48,7 +50,6 @@ from workers.engines._losses import (
 )
 from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine
 from workers.engines._objectives import (
-    EngineConfigError,
     LossFn,
     LossTerms,
     ModelOutputs,

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from workers.engines._objectives import EngineConfigError
+from workers.engines._errors import EngineConfigError
 
 SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 """Fields every batch must hold."""
@@ -75,6 +75,35 @@ def select_rows(batch: Mapping[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
         name: value.index_select(0, rows.to(value.device)) if value.dim() > 0 else value
         for name, value in batch.items()
     }
+
+
+def dummy_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """One synthetic row shaped like ``batch``'s columns, for a rank without rows.
+
+    Such a rank still runs every forward (and backward) its data-parallel peers run,
+    because FSDP's all-gathers and reduce-scatters are collective. The row is all
+    zeros (token id 0) except one real prompt token, so that attention has a key and
+    the forward stays finite; its response mask is all zero, so it carries no output,
+    loss or metric. Columns of width 0 get width 1 (a model input needs a column).
+
+    Args:
+        batch: any batch with the sequence fields, possibly with 0 rows.
+
+    Returns:
+        A 1-row batch with the same fields and dtypes.
+    """
+    row: dict[str, Tensor] = {}
+    for name, value in batch.items():
+        if value.dim() == 0:
+            row[name] = value
+            continue
+        shape = list(value.shape)
+        shape[0] = 1
+        if len(shape) > 1 and shape[1] == 0:
+            shape[1] = 1
+        row[name] = value.new_zeros(shape)
+    row["prompt_mask"][:, -1] = 1
+    return row
 
 
 def token_counts(batch: Mapping[str, Tensor]) -> Tensor:

@@ -1,9 +1,17 @@
-"""Checkpoints and weight export for the training engine.
+"""Checkpoints and weight export of a training engine, collective over a named process group.
 
-``save``/``load`` use torch.distributed.checkpoint (each rank writes its own shards,
-and a checkpoint loads into any layout); ``export_hf`` writes an ordinary Hugging Face
-directory from the gathered full state dict; ``named_full_weights`` streams full
-tensors by their Hugging Face names for weight sync into rollout engines.
+One implementation serves every caller, each naming the group the call is collective
+over: :class:`TrainingEngine` (the default group when it has a mesh), the roles (their
+pool's group: the session's default group spans every pool, whose other workers are
+not taking part) and :class:`MegatronTrainingEngine` (its RNG states). ``None`` means
+no distribution: one process holding the whole model.
+
+- :func:`save_checkpoint` / :func:`load_checkpoint` use torch.distributed.checkpoint:
+  each rank writes its own shards and a checkpoint loads into any layout of the same
+  model; the optimizer step and each rank's RNG states (torch, Python, CUDA and any
+  named generators) travel with it, so a resumed run continues exactly.
+- :func:`export_hf` gathers full tensors with :func:`named_full_weights`; one writer
+  rank writes an ordinary Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -13,71 +21,125 @@ import os
 import random
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from workers.engines._objectives import EngineConfigError
+from workers.engines._errors import EngineConfigError
+
+ExportWriter = Callable[[dict[str, Tensor], Path], None]
+"""Writes a gathered full state dict (names to CPU tensors) into an export directory."""
+
+Generators = Mapping[str, torch.Generator]
+"""A caller's own random generators by name, checkpointed with the global RNG states."""
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (0 without a group).
 
+    Args:
+        group: a process group this process belongs to, or None.
 
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+    Returns:
+        The rank.
+    """
+    return 0 if group is None else dist.get_rank(group)
 
 
 @contextlib.contextmanager
 def _single_process_ok() -> Iterator[None]:
-    # Without a process group DCP warns that it assumes a single process, which is
-    # exactly the intent of an engine built without a mesh.
+    # Without a group DCP warns that it assumes a single process, which is exactly
+    # the intent of a call with group=None.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _rng_path(path: str | os.PathLike[str]) -> Path:
-    return Path(path) / "rng" / f"rank{_rank()}.pt"
+def _rng_file(path: str | os.PathLike[str], group: dist.ProcessGroup | None) -> Path:
+    return Path(path) / "rng" / f"rank{group_rank(group)}.pt"
 
 
-def _rng_state() -> dict[str, object]:
-    state: dict[str, object] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def save_rng(
+    path: str | os.PathLike[str],
+    *,
+    group: dist.ProcessGroup | None,
+    generators: Generators | None = None,
+) -> None:
+    """Write this rank's RNG states under ``path/rng/`` (one file per rank of ``group``).
+
+    Args:
+        path: checkpoint directory (created).
+        group: the group the checkpoint is collective over; names the file.
+        generators: the caller's own generators, saved by name beside the global states.
+    """
+    state: dict[str, object] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    target = _rng_file(path, group)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, target)
 
 
-def _set_rng_state(state: dict[str, object]) -> None:
-    torch.set_rng_state(state["torch"])  # type: ignore[arg-type]
-    random.setstate(state["python"])  # type: ignore[arg-type]
+def load_rng(
+    path: str | os.PathLike[str],
+    *,
+    group: dist.ProcessGroup | None,
+    generators: Generators | None = None,
+) -> None:
+    """Restore what :func:`save_rng` wrote for this rank, if the checkpoint has it.
+
+    A checkpoint written by a group of another size may lack this rank's file; the
+    RNG states are then left as they are (weights and optimizer still load).
+
+    Args:
+        path: checkpoint directory.
+        group: the group the load is collective over.
+        generators: the caller's generators, restored in place when saved.
+    """
+    file = _rng_file(path, group)
+    if not file.is_file():
+        return
+    state = torch.load(file, weights_only=False)
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])  # type: ignore[arg-type]
+        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("generators", {})
+    for name, generator in (generators or {}).items():
+        if name in saved:
+            generator.set_state(saved[name])
 
 
 def save_checkpoint(
-    path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    group: dist.ProcessGroup | None,
+    generators: Generators | None = None,
 ) -> None:
-    """Write model, optimizer, step and this rank's RNG state under ``path``.
+    """Write model, optimizer, step and this rank's RNG states under ``path``.
 
-    Collective: every rank of the model's mesh calls it with the same ``path``.
+    Collective over ``group``: every rank calls it with the same ``path``.
 
     Args:
-        path: checkpoint directory (created; must be shared by the ranks).
+        path: checkpoint directory (created; shared by the group's ranks).
         model: the (parallelised) model.
         optimizer: its optimizer.
         step: optimizer steps taken so far.
+        group: the group spanning the model's ranks; None for one process.
+        generators: the caller's own generators, saved with the RNG states.
     """
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {
@@ -86,24 +148,31 @@ def save_checkpoint(
         "engine": {"step": torch.tensor(step, dtype=torch.int64)},
     }
     with _single_process_ok():
-        dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
-    rng_file = _rng_path(path)
-    rng_file.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_state(), rng_file)
+        dcp.save(
+            state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None
+        )
+    save_rng(path, group=group, generators=generators)
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    group: dist.ProcessGroup | None,
+    generators: Generators | None = None,
 ) -> int:
     """Load what :func:`save_checkpoint` wrote into ``model`` and ``optimizer`` in place.
 
-    Collective, like :func:`save_checkpoint`. The RNG state of this rank is restored
-    when the checkpoint has one for it (same world size).
+    Collective over ``group``, like :func:`save_checkpoint`; the layout may differ from
+    the one that saved. RNG states are restored when the checkpoint has this rank's.
 
     Args:
         path: checkpoint directory.
         model: the model, already parallelised.
         optimizer: its optimizer.
+        group: the group spanning the model's ranks; None for one process.
+        generators: the caller's generators, restored in place.
 
     Returns:
         The step stored in the checkpoint.
@@ -114,46 +183,71 @@ def load_checkpoint(
     if not (Path(path) / ".metadata").exists():
         raise EngineConfigError(
             f"no checkpoint at {os.fspath(path)!r} (no .metadata file); pass a directory "
-            "written by TrainingEngine.save"
+            "written by save / save_checkpoint"
         )
     model_state, optim_state = get_state_dict(model, optimizer)
     step = torch.tensor(0, dtype=torch.int64)
     state = {"model": model_state, "optim": optim_state, "engine": {"step": step}}
     # dcp.load fills the tensors of ``state`` in place (``step`` included).
     with _single_process_ok():
-        dcp.load(state, checkpoint_id=os.fspath(path), no_dist=not _distributed())
+        dcp.load(
+            state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None
+        )
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    rng_file = _rng_path(path)
-    if rng_file.exists():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    load_rng(path, group=group, generators=generators)
     return int(step)
 
 
-def export_hf(path: str | os.PathLike[str], model: nn.Module) -> None:
-    """Write an ordinary Hugging Face model directory (config and safetensors weights).
-
-    Collective: the full state dict is gathered to rank 0 (on the CPU), which writes it.
-
-    Args:
-        path: output directory.
-        model: a (possibly parallelised) Hugging Face ``PreTrainedModel``.
-
-    Raises:
-        EngineConfigError: if the model has no ``save_pretrained``.
-    """
-    if not hasattr(model, "save_pretrained"):
+def _save_pretrained(model: nn.Module) -> ExportWriter:
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if not callable(save_pretrained):
         raise EngineConfigError(
             f"export_hf needs a Hugging Face PreTrainedModel, got {type(model).__name__}; "
-            "use save() for other modules"
+            "pass save= to write another model, or use save() for a checkpoint"
         )
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full_state = get_model_state_dict(model, options=options)
-    if _rank() == 0:
-        save_pretrained = model.save_pretrained
-        assert callable(save_pretrained)
-        save_pretrained(os.fspath(path), state_dict=full_state)
-    if _distributed():
-        dist.barrier()
+
+    def write(state: dict[str, Tensor], out: Path) -> None:
+        save_pretrained(os.fspath(out), state_dict=state)
+
+    return write
+
+
+def export_hf(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup | None,
+    writer: int = 0,
+    save: ExportWriter | None = None,
+) -> None:
+    """Write the model's full weights as a model directory; rank ``writer`` writes it.
+
+    Collective over ``group``: every rank gathers the full tensors (on the CPU only on
+    the writer), and every rank returns once the directory is complete.
+
+    Args:
+        path: output directory (created).
+        model: a (possibly parallelised) model.
+        group: the group spanning the model's ranks; None for one process.
+        writer: the rank in ``group`` that writes.
+        save: writes the full state dict into the directory; default the model's
+            ``save_pretrained(path, state_dict=...)``.
+
+    Raises:
+        EngineConfigError: without ``save``, if the model has no ``save_pretrained``.
+    """
+    write = save if save is not None else _save_pretrained(model)
+    is_writer = group_rank(group) == writer
+    state: dict[str, Tensor] = {}
+    for name, tensor in named_full_weights(model):
+        if is_writer:
+            state[name] = tensor.cpu()
+    if is_writer:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        write(state, out)
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def named_full_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

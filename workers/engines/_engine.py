@@ -6,8 +6,11 @@ One :class:`TrainingEngine` per role (actor, critic, reference): the model, a he
 
 Data contract: every rank of the mesh calls each method together (the methods are
 collectives); ranks of one data-parallel group pass the same rows, different
-data-parallel groups pass their own slices of the global batch. A train step equals
-one full-batch step on the union of the slices, whatever the micro-batching.
+data-parallel groups pass their own slices of the global batch, any of which may be
+empty. A rank without rows (or with fewer micro-batches than a peer) runs a dummy
+row that weighs nothing, so it takes part in every collective. Losses and metrics
+are normalised over the global batch: a train step equals one full-batch step on
+the union of the slices, whatever the micro-batching and however rows are spread.
 """
 
 from __future__ import annotations
@@ -16,112 +19,32 @@ import dataclasses
 import math
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workers.engines import _checkpoint
 from workers.engines._batch import (
-    FixedSizeMicroBatches,
-    MicroBatchPlanner,
-    TokenBalancedMicroBatches,
-    WholeBatch,
     build_inputs,
     check_batch,
+    dummy_row,
     pad_columns,
     select_rows,
     token_counts,
 )
+from workers.engines._checkpoint import ExportWriter, Generators
+from workers.engines._config import TrainingConfig
+from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead
-from workers.engines._losses import LossAggregation
-from workers.engines._objectives import EngineConfigError, LossFn, ModelOutputs
+from workers.engines._objectives import LossFn, ModelOutputs
 from workers.engines._parallel import (
     Parallelism,
     TensorParallelPlan,
     clip_grad_norm,
     group_by_layout,
 )
-
-
-def _positive(name: str, value: float | None, *, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise EngineConfigError(f"TrainingConfig.{name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise EngineConfigError(f"TrainingConfig.{name} must be {bound}, got {value}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainingConfig:
-    """Optimizer, schedule, micro-batching and loss reduction of a training engine."""
-
-    lr: float = 1e-6
-    """Peak learning rate of AdamW."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW's moment decay rates."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay, applied to matrices only (not to norms and biases)."""
-    eps: float = 1e-8
-    """AdamW's denominator epsilon."""
-    grad_clip: float | None = 1.0
-    """Clip the total gradient norm to this; None or 0 disables clipping."""
-    warmup_steps: int = 0
-    """Linear warm-up: step s uses ``lr * min(1, (s + 1) / warmup_steps)``."""
-    micro_batch_size: int | None = None
-    """Rows per micro-batch (gradient accumulation); exclusive with max_tokens_per_micro_batch."""
-    max_tokens_per_micro_batch: int | None = None
-    """Token-balanced micro-batches of at most this many real tokens each."""
-    loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
-    """How per-token loss terms are averaged over the global batch."""
-    skip_non_finite: bool = True
-    """Skip the optimizer step (and report it) when the gradient norm is inf or nan."""
-
-    def __post_init__(self) -> None:
-        _positive("lr", self.lr)
-        _positive("weight_decay", self.weight_decay, allow_zero=True)
-        _positive("eps", self.eps)
-        _positive("grad_clip", self.grad_clip, allow_zero=True)
-        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive("micro_batch_size", self.micro_batch_size)
-        _positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise EngineConfigError(
-                f"TrainingConfig.betas must be two numbers in [0, 1), got {self.betas}"
-            )
-        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
-            raise EngineConfigError(
-                "TrainingConfig: set micro_batch_size or max_tokens_per_micro_batch, not both"
-            )
-        object.__setattr__(self, "loss_aggregation", LossAggregation(self.loss_aggregation))
-
-    def micro_batch_planner(self) -> MicroBatchPlanner:
-        """The micro-batching strategy these settings select.
-
-        Returns:
-            Token-balanced, fixed-size, or whole-batch planning.
-        """
-        if self.max_tokens_per_micro_batch is not None:
-            return TokenBalancedMicroBatches(max_tokens=self.max_tokens_per_micro_batch)
-        if self.micro_batch_size is not None:
-            return FixedSizeMicroBatches(size=self.micro_batch_size)
-        return WholeBatch()
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based) under linear warm-up.
-
-        Args:
-            step: the step index.
-
-        Returns:
-            The learning rate.
-        """
-        if self.warmup_steps <= 0:
-            return self.lr
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps)
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -139,6 +62,8 @@ class _StepStats:
     """Sums of the loss and per-token metrics of one step, reduced over DP at the end.
 
     Kept as float64 tensors on the device so that no micro-batch waits for the device.
+    Every rank records the same metric names (a dummy micro-batch adds zeros), so the
+    packed reduction has the same size everywhere.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -147,11 +72,14 @@ class _StepStats:
         self.tokens = self._zero
         self.sums: dict[str, Tensor] = {}
 
-    def add(self, loss: Tensor, metrics: Mapping[str, Tensor], mask: Tensor) -> None:
-        self.loss = self.loss + loss.detach().double()
-        self.tokens = self.tokens + mask.sum().double()
+    def add(self, metrics: Mapping[str, Tensor], mask: Tensor, *, loss: Tensor | None) -> None:
+        # where, not a product: a non-finite value on padding must not leak into a sum.
+        keep = mask.bool()
+        if loss is not None:
+            self.loss = self.loss + loss.detach().double()
+        self.tokens = self.tokens + keep.sum().double()
         for name, value in metrics.items():
-            total = (value.detach() * mask).sum().double()
+            total = torch.where(keep, value.detach(), 0.0).sum().double()
             self.sums[name] = self.sums.get(name, self._zero) + total
 
     def reduce(self, parallel: Parallelism) -> dict[str, float]:
@@ -159,6 +87,16 @@ class _StepStats:
         packed = torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
         loss, tokens, *sums = parallel.all_reduce_dp(packed).tolist()
         return {"loss": loss} | {n: s / max(tokens, 1.0) for n, s in zip(names, sums, strict=True)}
+
+
+def _zero_objective(outputs: ModelOutputs) -> Tensor:
+    """A loss that touches every output and has exactly zero gradient (for dummy rows)."""
+    parts = [
+        value.sum()
+        for value in (getattr(outputs, f.name) for f in dataclasses.fields(outputs))
+        if value is not None and value.requires_grad
+    ]
+    return torch.stack(parts).sum() * 0.0
 
 
 class TrainingEngine:
@@ -179,6 +117,7 @@ class TrainingEngine:
         head: ModelHead | None = None,
         loss: LossFn | None = None,
         tp_plan: TensorParallelPlan | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Lay the model out over the mesh and build its optimizer.
 
@@ -192,6 +131,10 @@ class TrainingEngine:
             head: :class:`CausalLMHead` (default) or :class:`ValueHead`.
             loss: the default objective of :meth:`train_step`.
             tp_plan: which layers tensor parallelism shards (Llama-style default).
+            process_group: the group spanning the mesh's ranks, over which
+                :meth:`save`, :meth:`load` and :meth:`export_hf` are collective (a role
+                passes its pool's group). Default: the default process group with a
+                mesh, no group without one.
 
         Raises:
             EngineConfigError: for an invalid mesh (names, ``pp > 1``) or a model whose
@@ -199,6 +142,9 @@ class TrainingEngine:
         """
         self.config = config
         self.parallel = Parallelism(mesh, tp_plan=tp_plan)
+        if process_group is None and mesh is not None:
+            process_group = dist.group.WORLD
+        self.process_group = process_group
         self.device = self.parallel.device_for(model)
         self.model = self.parallel.parallelize(model)
         self.head: ModelHead = head if head is not None else CausalLMHead()
@@ -226,15 +172,16 @@ class TrainingEngine:
 
         Args:
             batch: sequence fields (``prompt_ids``, ``prompt_mask``, ``response_ids``,
-                ``response_mask``).
+                ``response_mask``); may have 0 rows.
             temperature: divides the logits (1.0 = the rollout engines' raw log-probs).
 
         Returns:
             ``(logprobs, entropy)``, float32 ``[B, R]`` on the engine's device, 0 on padding.
 
         Raises:
-            EngineConfigError: if the engine's head is not a :class:`CausalLMHead`, or the
-                batch lacks a field.
+            EngineConfigError: if the engine's head is not a :class:`CausalLMHead`, the
+                batch lacks a field, or a row is longer than the model's
+                ``max_position_embeddings`` (raised on every rank alike).
         """
         if not isinstance(self.head, CausalLMHead):
             raise EngineConfigError(
@@ -249,72 +196,89 @@ class TrainingEngine:
         """Value predictions for the response positions, without gradients.
 
         Args:
-            batch: sequence fields.
+            batch: sequence fields; may have 0 rows.
 
         Returns:
             float32 ``[B, R]``, 0 on padding.
 
         Raises:
-            EngineConfigError: if the head does not produce values (use ``ValueHead()``).
+            EngineConfigError: if the head does not produce values (use ``ValueHead()``),
+                or as :meth:`log_probs`.
         """
         return self._infer(batch, self.head).require("values")
 
     def _infer(self, batch: Mapping[str, Tensor], head: ModelHead) -> ModelOutputs:
         rows = check_batch(batch)
         batch = self._to_device(batch)
-        width = batch["response_ids"].shape[1]
+        self._check_positions(batch)
+        shape = (rows, batch["response_ids"].shape[1])
         results: dict[str, Tensor] = {}
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                for rows_idx in self._plan(batch, rows):
+                for rows_idx in self._plan(batch):
                     micro, dummy = self._micro_batch(batch, rows_idx)
                     outputs = head(self.model, build_inputs(micro), entropy_grad=False)
-                    if dummy:
-                        continue
-                    mask = micro["response_mask"].to(torch.float32)
-                    for field in dataclasses.fields(outputs):
-                        value = getattr(outputs, field.name)
-                        if value is None:
-                            continue
-                        dest = results.setdefault(
-                            field.name, torch.zeros(rows, width, device=self.device)
-                        )
-                        dest[rows_idx.to(self.device)] = pad_columns(value.float(), width) * mask
+                    self._collect(results, outputs, None if dummy else rows_idx, micro, shape)
         finally:
             self.model.train(was_training)
         return ModelOutputs(**results)
+
+    def _collect(
+        self,
+        results: dict[str, Tensor],
+        outputs: ModelOutputs,
+        rows: Tensor | None,
+        micro: Mapping[str, Tensor],
+        shape: tuple[int, int],
+    ) -> None:
+        """Write a micro-batch's outputs into the batch-sized ``results`` at ``rows``.
+
+        A dummy micro-batch (``rows`` None) only creates the fields, so that a rank
+        without rows returns ``[0, R]`` outputs.
+        """
+        for field in dataclasses.fields(outputs):
+            value = getattr(outputs, field.name)
+            if value is None:
+                continue
+            dest = results.setdefault(field.name, torch.zeros(shape, device=self.device))
+            if rows is not None:
+                mask = micro["response_mask"].to(torch.float32)
+                dest[rows.to(self.device)] = pad_columns(value.float(), shape[1]) * mask
 
     # ----------------------------------------------------------------------- train
 
     def train_step(
         self, batch: Mapping[str, Tensor], *, loss: LossFn | None = None
     ) -> dict[str, float]:
-        """One optimizer step on ``batch`` (this rank's data-parallel slice).
+        """One optimizer step on ``batch`` (this rank's data-parallel slice, maybe empty).
 
         Micro-batch losses are scaled by the global (all data-parallel ranks) normaliser
         of the configured aggregation, so the accumulated gradient equals the full-batch
-        gradient.
+        gradient. The step is skipped on every rank alike when the global loss or the
+        gradient norm is not finite (see ``TrainingConfig.skip_non_finite``).
 
         Args:
             batch: sequence fields plus the fields the objective reads.
             loss: objective for this step; default the engine's ``loss``.
 
         Returns:
-            ``loss``, ``grad_norm`` (before clipping), ``lr``, ``step_skipped`` and the
-            objective's metrics as token means over the global batch.
+            ``loss``, ``grad_norm`` (before clipping), ``lr``, ``step_skipped`` (1.0 or
+            0.0) and the objective's metrics as token means over the global batch; equal
+            on every rank.
 
         Raises:
-            EngineConfigError: if no objective is given or the batch lacks a field.
+            EngineConfigError: if no objective is given, or as :meth:`log_probs`.
         """
         loss_fn = loss if loss is not None else self.loss
         if loss_fn is None:
             raise EngineConfigError(
                 "train_step needs an objective: pass loss= here or to the engine"
             )
-        rows = check_batch(batch, loss_fn.required_fields)
+        check_batch(batch, loss_fn.required_fields)
         batch = self._to_device(batch)
+        self._check_positions(batch)
         aggregation = self.config.loss_aggregation
         mask = batch["response_mask"].to(torch.float32)
         local_normaliser = aggregation.parts(mask, mask)[1].to(torch.float64).reshape(1)
@@ -326,49 +290,82 @@ class TrainingEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats = _StepStats(self.device)
-        for rows_idx in self._plan(batch, rows):
+        for rows_idx in self._plan(batch):
             micro, dummy = self._micro_batch(batch, rows_idx)
             outputs = self._pad_outputs(
                 self.head(self.model, build_inputs(micro), entropy_grad=loss_fn.uses_entropy),
-                batch["response_ids"].shape[1],
+                micro["response_ids"].shape[1],
             )
+            if dummy:
+                # Same forward and backward as a real micro-batch (FSDP's collectives),
+                # but zero gradient; the loss still names the metrics every rank reports.
+                with torch.no_grad():
+                    metrics = loss_fn(outputs, micro).metrics
+                _zero_objective(outputs).backward()
+                stats.add(metrics, micro["response_mask"], loss=None)
+                continue
             terms = loss_fn(outputs, micro)
             numerator, _ = aggregation.parts(terms.per_token, micro["response_mask"])
-            (numerator * (0.0 if dummy else scale)).backward()
-            if not dummy:
-                stats.add(numerator.detach() / normaliser, terms.metrics, micro["response_mask"])
-        return stats.reduce(self.parallel) | self._optimizer_step()
+            (numerator * scale).backward()
+            stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
+        reduced = stats.reduce(self.parallel)
+        return reduced | self._optimizer_step(reduced["loss"])
 
-    def _optimizer_step(self) -> dict[str, float]:
-        grad_norm = clip_grad_norm(self.model.parameters(), self.config.grad_clip)
+    def _optimizer_step(self, loss: float) -> dict[str, float]:
+        # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
+        # same decision.
+        grad_norm = self._clip_gradients()
         lr = self.config.lr_at(self._step)
-        skip = self.config.skip_non_finite and not math.isfinite(float(grad_norm))
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        skip = self.config.skip_non_finite and not finite
         if not skip:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
             self._step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": lr, "step_skipped": float(skip)}
+        return {"grad_norm": grad_norm, "lr": lr, "step_skipped": float(skip)}
+
+    def _clip_gradients(self) -> float:
+        """Total gradient norm over every shard, before clipping to ``grad_clip``."""
+        return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip))
 
     # ------------------------------------------------------------------- helpers
 
     def _to_device(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def _plan(self, batch: Mapping[str, Tensor], rows: int) -> list[Tensor]:
-        if rows == 0:
-            raise EngineConfigError("the batch is empty; every data-parallel rank needs >= 1 row")
+    def _position_limit(self) -> int | None:
+        """The model's longest sequence (``config.max_position_embeddings``), if it says."""
+        limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+    def _check_positions(self, batch: Mapping[str, Tensor]) -> None:
+        # Collective (max over DP) so that every rank raises, or none does: a rank that
+        # raised alone would leave its peers waiting in the next collective.
+        limit = self._position_limit()
+        if limit is None:
+            return
+        tokens = token_counts(batch)
+        longest = self.parallel.max_over_dp(int(tokens.max()) if tokens.numel() else 0, self.device)
+        if longest > limit:
+            raise EngineConfigError(
+                f"a row has {longest} prompt + response tokens, but the model's "
+                f"max_position_embeddings is {limit}; shorten the prompts or lower "
+                "max_new_tokens so that prompt + response fits"
+            )
+
+    def _plan(self, batch: Mapping[str, Tensor]) -> list[Tensor]:
         return self._planner.plan(
             token_counts(batch), agree=lambda n: self.parallel.max_over_dp(n, self.device)
         )
 
     @staticmethod
     def _micro_batch(batch: Mapping[str, Tensor], rows: Tensor) -> tuple[dict[str, Tensor], bool]:
-        # A rank with fewer micro-batches than its DP peers still runs the same number
-        # of forwards (FSDP's all-gathers are collective), on row 0 with zero weight.
+        # A rank with fewer micro-batches than its DP peers (or no rows at all) still
+        # runs the same number of forwards, on a synthetic row that weighs nothing.
         if rows.numel() == 0:
-            return select_rows(batch, torch.zeros(1, dtype=torch.int64)), True
+            return dummy_row(batch), True
         return select_rows(batch, rows), False
 
     @staticmethod
@@ -382,39 +379,62 @@ class TrainingEngine:
 
     # --------------------------------------------------------- checkpoints, weights
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Save model, optimizer, step and RNG state with torch.distributed.checkpoint.
+    def save(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
+        """Save model, optimizer, step and RNG states with torch.distributed.checkpoint.
 
-        Collective over the mesh's ranks (which must be the default process group).
+        Collective over ``process_group``; every rank writes its own shards.
 
         Args:
             path: checkpoint directory, shared by all ranks.
+            generators: the caller's own generators, saved with the global RNG states.
         """
         _checkpoint.save_checkpoint(
-            path, model=self.model, optimizer=self.optimizer, step=self._step
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            step=self._step,
+            group=self.process_group,
+            generators=generators,
         )
 
-    def load(self, path: str | os.PathLike[str]) -> None:
-        """Restore what :meth:`save` wrote; the next step continues exactly.
+    def load(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
+        """Restore what :meth:`save` wrote, in any layout; the next step continues exactly.
+
+        Collective over ``process_group``.
 
         Args:
             path: checkpoint directory.
+            generators: the caller's generators, restored in place when saved.
 
         Raises:
             EngineConfigError: if ``path`` holds no checkpoint.
         """
-        self._step = _checkpoint.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        self._step = _checkpoint.load_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            group=self.process_group,
+            generators=generators,
+        )
 
-    def export_hf(self, path: str | os.PathLike[str]) -> None:
+    def export_hf(
+        self, path: str | os.PathLike[str], *, save: ExportWriter | None = None
+    ) -> None:
         """Write a Hugging Face model directory loadable with ``from_pretrained``.
 
+        Collective over ``process_group``: weights are gathered and rank 0 of the group
+        writes; every rank returns once the directory is complete.
+
         Args:
-            path: output directory (written by global rank 0).
+            path: output directory.
+            save: writes the gathered state dict into the directory; default the
+                model's ``save_pretrained(path, state_dict=...)``.
 
         Raises:
-            EngineConfigError: if the model is not a Hugging Face ``PreTrainedModel``.
+            EngineConfigError: without ``save``, if the model is not a Hugging Face
+                ``PreTrainedModel``.
         """
-        _checkpoint.export_hf(path, self.model)
+        _checkpoint.export_hf(path, self.model, group=self.process_group, writer=0, save=save)
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(hf_name, full tensor)`` for weight sync into rollout engines.

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from workers.engines._batch import SequenceInputs
+from workers.engines._errors import EngineConfigError
 from workers.engines._losses import entropy_from_logits, logprobs_from_logits
-from workers.engines._objectives import EngineConfigError, ModelOutputs
+from workers.engines._objectives import ModelOutputs
 
 
 class ModelHead(Protocol):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from workers.engines._errors import EngineConfigError
+
 _LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped to this magnitude before ``exp`` so that a stale sample cannot
 overflow to ``inf`` (e^20 is far beyond any clip range)."""
@@ -349,10 +351,12 @@ def ppo_policy_loss(
         The per-token terms; reduce ``loss`` with a :class:`LossAggregation`.
 
     Raises:
-        ValueError: if ``dual_clip`` is not greater than 1.
+        EngineConfigError: if ``dual_clip`` is not greater than 1.
     """
     if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (it bounds -A*ratio at -A*c), got {dual_clip}")
+        raise EngineConfigError(
+            f"dual_clip must be > 1 (it bounds -A*ratio at -A*c), got {dual_clip}"
+        )
     if advantages.dim() == logprobs.dim() - 1:
         advantages = advantages.unsqueeze(-1)
     high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
@@ -445,7 +449,7 @@ def grpo_loss(
         ``(loss, metrics)`` with metrics ``clip_fraction``, ``approx_kl`` and ``kl``.
 
     Raises:
-        ValueError: if ``kl_coef > 0`` without ``ref_logprobs``.
+        EngineConfigError: if ``kl_coef > 0`` without ``ref_logprobs``.
     """
     terms = ppo_policy_loss(
         logprobs,
@@ -458,7 +462,7 @@ def grpo_loss(
     kl = torch.zeros_like(per_token)
     if kl_coef:
         if ref_logprobs is None:
-            raise ValueError(
+            raise EngineConfigError(
                 "grpo_loss: kl_coef > 0 needs ref_logprobs; pass them or set kl_coef=0"
             )
         kl = kl_estimator.estimate(logprobs, ref_logprobs)

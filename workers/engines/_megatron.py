@@ -36,9 +36,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from workers.engines import _checkpoint
-from workers.engines._engine import TrainingConfig, TrainingEngine
+from workers.engines._checkpoint import Generators
+from workers.engines._config import TrainingConfig
+from workers.engines._engine import TrainingEngine
+from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
-from workers.engines._objectives import EngineConfigError, LossFn
+from workers.engines._objectives import LossFn
 from workers.engines._parallel import Parallelism
 
 __all__ = [
@@ -528,6 +531,11 @@ class _MegatronParallel(Parallelism):
         """Number of data-parallel groups."""
         return int(self._ps.get_data_parallel_world_size())
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group index."""
+        return int(self._ps.get_data_parallel_rank())
+
     def all_reduce_dp(
         self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> Tensor:
@@ -664,7 +672,7 @@ class MegatronTrainingEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ step
 
-    def _optimizer_step(self) -> dict[str, float]:
+    def _clip_gradients(self) -> float:
         # TrainingEngine scales each DP rank's loss by dp_size / (global normaliser),
         # expecting FSDP's gradient average over DP: average, then the TP-aware norm.
         dp = self.parallel.dp_size
@@ -678,15 +686,10 @@ class MegatronTrainingEngine(TrainingEngine):
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.mul_(clip / (grad_norm + 1e-6))
-        lr = self.config.lr_at(self._step)
-        skip = self.config.skip_non_finite and not math.isfinite(grad_norm)
-        if not skip:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self._step += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr, "step_skipped": float(skip)}
+        return grad_norm
+
+    def _position_limit(self) -> int | None:
+        return self.shape.max_position_embeddings
 
     def _grad_norm(self) -> Tensor:
         """Total gradient norm: each TP shard counted once, replicated tensors once."""
@@ -703,15 +706,16 @@ class MegatronTrainingEngine(TrainingEngine):
     def _checkpoint_file(self, path: str | os.PathLike[str]) -> Path:
         return Path(path) / f"tp{self.tp_rank:03d}_of_{self.megatron.tensor_parallel:03d}.pt"
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Save model shards, optimizer, step and RNG state (collective).
+    def save(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
+        """Save model shards, optimizer, step and RNG states (collective).
 
         Data-parallel rank 0 of each TP rank writes its shard; every rank writes its
-        RNG state. Loading needs the same tensor-parallel size (:meth:`export_hf`
+        RNG states. Loading needs the same tensor-parallel size (:meth:`export_hf`
         writes a layout-free copy).
 
         Args:
             path: checkpoint directory, shared by all ranks.
+            generators: the caller's own generators, saved with the RNG states.
         """
         directory = Path(path)
         (directory / "rng").mkdir(parents=True, exist_ok=True)
@@ -719,14 +723,15 @@ class MegatronTrainingEngine(TrainingEngine):
             model, optim = self.model.state_dict(), self.optimizer.state_dict()
             state = {"model": model, "optim": optim, "step": self._step}
             torch.save(state, self._checkpoint_file(directory))
-        torch.save(_checkpoint._rng_state(), _checkpoint._rng_path(directory))
+        _checkpoint.save_rng(directory, group=dist.group.WORLD, generators=generators)
         dist.barrier()
 
-    def load(self, path: str | os.PathLike[str]) -> None:
+    def load(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
         """Restore what :meth:`save` wrote (same tensor-parallel size; collective).
 
         Args:
             path: checkpoint directory.
+            generators: the caller's generators, restored in place when saved.
 
         Raises:
             EngineConfigError: if ``path`` holds no checkpoint for this layout.
@@ -742,8 +747,7 @@ class MegatronTrainingEngine(TrainingEngine):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self._step = int(state["step"])
-        if (rng_file := _checkpoint._rng_path(path)).is_file():
-            _checkpoint._set_rng_state(torch.load(rng_file, weights_only=False))
+        _checkpoint.load_rng(path, group=dist.group.WORLD, generators=generators)
         dist.barrier()
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -767,14 +771,20 @@ class MegatronTrainingEngine(TrainingEngine):
             full = merge_from_tp(name, shards, vocab_size=self.shape.vocab_size, kind=self.kind)
             yield from megatron_tensor_to_hf(name, full, self.shape, kind=self.kind)
 
-    def export_hf(self, path: str | os.PathLike[str]) -> None:
+    def export_hf(
+        self, path: str | os.PathLike[str], *, save: _checkpoint.ExportWriter | None = None
+    ) -> None:
         """Write a Hugging Face directory (global rank 0 writes; collective).
 
         Args:
             path: output directory.
+            save: writes the gathered state dict (default: a model of the source config).
         """
         state = {name: t.cpu() for name, t in self.named_full_weights()}
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and save is not None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save(state, Path(path))
+        elif dist.get_rank() == 0:
             from transformers import AutoModel, AutoModelForCausalLM
 
             from workers.models import ValueModel

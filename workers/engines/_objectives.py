@@ -15,11 +15,8 @@ from typing import Protocol
 
 from torch import Tensor
 
+from workers.engines._errors import EngineConfigError, enum_field
 from workers.engines._losses import KLEstimator, clipped_value_loss, ppo_policy_loss
-
-
-class EngineConfigError(ValueError):
-    """A training-engine setting or input is invalid; the message names the field and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +115,8 @@ class PolicyLoss:
             raise EngineConfigError(
                 f"PolicyLoss.dual_clip must be > 1 (typically 3.0) or None, got {self.dual_clip}"
             )
+        estimator = enum_field("PolicyLoss.kl_estimator", KLEstimator, self.kl_estimator)
+        object.__setattr__(self, "kl_estimator", estimator)
 
     @property
     def required_fields(self) -> tuple[str, ...]:

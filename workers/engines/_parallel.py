@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from workers.engines._objectives import EngineConfigError
+from workers.engines._errors import EngineConfigError
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 """The names (in this order) a training DeviceMesh must have."""
@@ -150,6 +150,11 @@ class Parallelism:
         return 1 if self.mesh is None else self.mesh["dp"].size()
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's position in its data-parallel group (0 without a mesh)."""
+        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    @property
     def tp_size(self) -> int:
         """Number of tensor-parallel ranks (1 without a mesh)."""
         return 1 if self.mesh is None else self.mesh["tp"].size()
@@ -216,6 +221,20 @@ class Parallelism:
         """
         holder = torch.tensor([value], dtype=torch.int64, device=device)
         return int(self.all_reduce_dp(holder, dist.ReduceOp.MAX).item())
+
+    def counts_over_dp(self, value: int, device: torch.device) -> list[int]:
+        """Every data-parallel rank's ``value``, in data-parallel rank order.
+
+        Args:
+            value: this rank's value (e.g. its row count).
+            device: where the communication tensor lives.
+
+        Returns:
+            ``dp_size`` values; entry ``dp_rank`` is this rank's.
+        """
+        holder = torch.zeros(self.dp_size, dtype=torch.int64, device=device)
+        holder[self.dp_rank] = value
+        return [int(v) for v in self.all_reduce_dp(holder).tolist()]
 
 
 def _layout_key(tensor: Tensor) -> tuple[object, ...]:

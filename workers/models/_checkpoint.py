@@ -6,6 +6,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from channels import ConfigError
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_supported_checkpoint"]
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
@@ -32,7 +34,7 @@ def check_supported_checkpoint(path: Path) -> PretrainedConfig:
         )
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
+        raise ConfigError(
             f"{path} holds a {hf_config.model_type!r} model; supported architectures "
             f"(config.json model_type) are {SUPPORTED_ARCHITECTURES}"
         )

@@ -26,6 +26,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from channels import ConfigError
+
 from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint
 from ._tokenizer import CharTokenizer, CharTokenizerConfig
 from ._value_head import VALUE_HEAD_FILE, ValueModel
@@ -77,7 +79,7 @@ class TinyModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
+            raise ConfigError(
                 f"TinyModelConfig.architecture must be one of {SUPPORTED_ARCHITECTURES}, "
                 f"got {self.architecture!r}"
             )
@@ -91,29 +93,29 @@ class TinyModelConfig:
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TinyModelConfig.{name} must be a positive int, got {value!r}")
+                raise ConfigError(f"TinyModelConfig.{name} must be a positive int, got {value!r}")
         self._check_heads()
         tokenizer_size = CharTokenizer(self.tokenizer).vocab_size
         if self.vocab_size is not None and self.vocab_size < tokenizer_size:
-            raise ValueError(
+            raise ConfigError(
                 f"TinyModelConfig.vocab_size={self.vocab_size} is smaller than the tokenizer "
                 f"({tokenizer_size} tokens); use None or a value >= {tokenizer_size}"
             )
 
     def _check_heads(self) -> None:
         if not isinstance(self.head_dim, int) or self.head_dim < MIN_HEAD_DIM:
-            raise ValueError(
+            raise ConfigError(
                 f"TinyModelConfig.head_dim must be >= {MIN_HEAD_DIM} (vLLM on CPU rejects "
                 f"smaller heads), got {self.head_dim!r}; 64 is known to work"
             )
         if self.hidden_size != self.num_attention_heads * self.head_dim:
-            raise ValueError(
+            raise ConfigError(
                 f"TinyModelConfig.hidden_size={self.hidden_size} must equal num_attention_heads "
                 f"* head_dim = {self.num_attention_heads} * {self.head_dim} (vLLM derives the "
                 "head size from them); change hidden_size or num_attention_heads"
             )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"TinyModelConfig.num_key_value_heads={self.num_key_value_heads} must divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
@@ -246,9 +248,9 @@ def load_model(
             return ValueModel.from_pretrained(path)
         return ValueModel.from_causal_lm(path, seed=head_seed)
     if kind != "causal_lm":
-        raise ValueError(f"load_model kind must be 'causal_lm' or 'value', got {kind!r}")
+        raise ConfigError(f"load_model kind must be 'causal_lm' or 'value', got {kind!r}")
     if has_head:
-        raise ValueError(
+        raise ConfigError(
             f"{path} holds a value model ({VALUE_HEAD_FILE}); load it with kind='value'"
         )
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from channels import ConfigError
+
 __all__ = [
     "ARITHMETIC_SYMBOLS",
     "SPECIAL_TOKENS",
@@ -49,26 +51,26 @@ class CharTokenizerConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.symbols, tuple) or not self.symbols:
-            raise ValueError(
+            raise ConfigError(
                 "CharTokenizerConfig.symbols must be a non-empty tuple of strings, e.g. "
                 f"tuple('0123456789+='); got {self.symbols!r}"
             )
         for symbol in self.symbols:
             if not isinstance(symbol, str) or not symbol:
-                raise ValueError(
+                raise ConfigError(
                     f"CharTokenizerConfig.symbols holds {symbol!r}; every symbol must be a "
                     "non-empty string"
                 )
             if symbol in SPECIAL_TOKENS:
-                raise ValueError(
+                raise ConfigError(
                     f"CharTokenizerConfig.symbols holds the special token {symbol!r}; "
                     "remove it (special tokens are added automatically)"
                 )
         if len(set(self.symbols)) != len(self.symbols):
             repeated = sorted({s for s in self.symbols if self.symbols.count(s) > 1})
-            raise ValueError(f"CharTokenizerConfig.symbols repeats {repeated}; list each once")
+            raise ConfigError(f"CharTokenizerConfig.symbols repeats {repeated}; list each once")
         if self.model_max_length < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"CharTokenizerConfig.model_max_length must be >= 1, got {self.model_max_length}"
             )
 
@@ -132,7 +134,7 @@ class CharTokenizer:
         for match in self._regex.finditer(text):
             token_id = self._ids.get(match.group())
             if token_id is None or token_id < len(SPECIAL_TOKENS):
-                raise ValueError(
+                raise ConfigError(
                     f"text {text!r} holds {match.group()!r} at position {match.start()}, which is "
                     "not in CharTokenizerConfig.symbols; add it to the alphabet"
                 )
@@ -155,7 +157,7 @@ class CharTokenizer:
         pieces = []
         for token_id in ids:
             if not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"token id {token_id} is outside [0, {self.vocab_size})")
+                raise ConfigError(f"token id {token_id} is outside [0, {self.vocab_size})")
             if skip_special_tokens and token_id < len(SPECIAL_TOKENS):
                 continue
             pieces.append(self._tokens[token_id])
@@ -223,7 +225,7 @@ class CharTokenizer:
         vocab: dict[str, int] = spec.get("model", {}).get("vocab", {})
         tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
         if tokens[: len(SPECIAL_TOKENS)] != list(SPECIAL_TOKENS):
-            raise ValueError(
+            raise ConfigError(
                 f"{path / 'tokenizer.json'} is not a CharTokenizer file: its first tokens are "
                 f"{tokens[: len(SPECIAL_TOKENS)]}, expected {list(SPECIAL_TOKENS)}"
             )

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from channels import DP, Batch, ConfigError, Metrics, MicroDP
-from workers import WorkerContext, register
+from workers import CallInfo, WorkerContext, register
 from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine, kl_k3
 from workers.models import load_model
 from workers.roles import _fields as F
@@ -34,6 +34,8 @@ from workers.roles._training import (
     check_model_dir,
     check_seed,
     check_types,
+    dp_token_stats,
+    engine_group,
     engine_mesh,
     require_fields,
     run_updates,
@@ -95,17 +97,19 @@ class ActorWorker(TrainedRole):
         self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir,
                                      rank=ctx.rank)
         self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
-                                     head=CausalLMHead(), loss=config.loss)
+                                     head=CausalLMHead(), loss=config.loss,
+                                     process_group=engine_group(ctx))
         self._shuffle = shuffle_generator(config.seed, ctx)
 
-    @register(protocol=MicroDP(tg=1), row_lengths=F.RESPONSE_MASK)
+    @register(protocol=MicroDP(tg=1), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
+              writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
     def generate(self, prompts: Batch, *, n: int = 1,
                  params: SamplingParams | None = None) -> Batch:
         """Sample ``n`` responses per prompt with the rollout engine.
 
         Every rank generates its own share of the prompts with full weights (the
-        hybrid engine's micro-DP layout with ``tg=1``). Every prompt column is
-        pulled and carried along, so the output fields are not declared up front.
+        hybrid engine's micro-DP layout with ``tg=1``). Every prompt column (ids,
+        ``uid``, answers, any user column) is carried along into the output rows.
 
         Args:
             prompts: ``prompt_ids``/``prompt_mask`` plus any columns to carry along
@@ -140,16 +144,20 @@ class ActorWorker(TrainedRole):
         """The current policy's log-probs and entropy of the response tokens.
 
         Args:
-            batch: the sequence fields (every data-parallel rank needs >= 1 row).
+            batch: the sequence fields (a rank's share may be empty).
 
         Returns:
             ``old_logprobs`` and ``entropy``, float32 ``[R]``, 0 on padding; raw
             (temperature 1), comparable with ``rollout_logprobs``.
+
+        Raises:
+            ConfigError: a row is longer than the model's ``max_position_embeddings``.
         """
         logprobs, entropy = self.engine.log_probs(batch)
         return {F.OLD_LOGPROBS: logprobs.cpu(), F.ENTROPY: entropy.cpu()}
 
-    @register(protocol=Metrics(over=DP(), reduce={"actor/response_tokens": "sum", "actor/logprob_mismatch_max": "max"}))
+    @register(protocol=Metrics(over=DP(), reduce={"actor/response_tokens": "sum", "actor/logprob_mismatch_max": "max"}),
+              reads=lambda call: _update_reads(call), optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS))
     def update(self, batch: Batch, *, loss: PolicyLoss | None = None,
                schedule: UpdateConfig | None = None, ptx: Batch | None = None,
                ptx_coef: float = 0.0) -> dict[str, float]:
@@ -169,19 +177,22 @@ class ActorWorker(TrainedRole):
         Returns:
             Metrics named ``actor/<name>``: the engine's (``loss``, ``grad_norm``,
             ``lr``, ``clip_fraction``, ``approx_kl``, ...) averaged over the steps,
-            ``steps``, ``response_tokens`` (summed over ranks) and
+            ``steps``, ``steps_skipped`` (non-finite loss or gradient), ``response_tokens``
+            (summed over ranks) and, as token means over every rank's rows,
             ``logprob_mismatch`` / ``logprob_mismatch_max``: how far the rollout
             engine's log-probs of the sampled tokens are from the training engine's
-            (mean and max absolute difference; a silent failure when large).
+            (mean and max absolute difference; a silent failure when large) and
+            ``kl_to_ref`` when the batch has ``ref_logprobs``.
 
         Raises:
             MissingFieldError: the batch lacks a field the loss reads.
-            ConfigError: a rank has fewer rows than ``schedule.mini_batches``.
+            ConfigError: the batch (all ranks' rows) has fewer rows than
+                ``schedule.mini_batches``.
         """
         loss = loss if loss is not None else self.config.loss
         fields = (*F.SEQUENCE, *loss.required_fields)
         require_fields(batch, fields, where="actor.update")
-        metrics = rollout_consistency(batch) | run_updates(
+        metrics = rollout_consistency(batch, self.engine) | run_updates(
             self.engine, batch, loss=loss, fields=fields, schedule=schedule or self.config.update,
             generator=self._shuffle, prefix="actor/")
         if ptx is not None and ptx_coef > 0:
@@ -204,16 +215,35 @@ class ActorWorker(TrainedRole):
         self.rollout.update_weights(self.engine.named_full_weights())
 
 
-def rollout_consistency(batch: Batch) -> dict[str, float]:
+def _update_reads(call: CallInfo) -> dict[str, tuple[str, ...]]:
+    """What ``update`` reads: the sequence, and what its loss needs (the call's
+    ``loss``, else the role's default); ``ptx`` rows are a plain sequence."""
+    loss = call.arguments.get("loss") or getattr(call.config, "loss", None) or PolicyLoss()
+    return {"batch": (*F.SEQUENCE, *loss.required_fields), "ptx": F.SEQUENCE}
+
+
+def rollout_consistency(batch: Batch, engine: TrainingEngine) -> dict[str, float]:
     """How far the rollout engine's log-probs of the sampled tokens are from the
-    training engine's (``old_logprobs``), how many response tokens there are and,
-    when the batch carries ``ref_logprobs``, the policy's KL to the reference."""
+    training engine's (``old_logprobs``), how many response tokens this rank has and,
+    when the batch carries ``ref_logprobs``, the policy's KL to the reference.
+
+    Collective over the engine's data-parallel group: the mismatch and the KL are token
+    means (and a max) over every rank's rows, equal on every rank, so they do not depend
+    on how rows are spread; ``actor/response_tokens`` is this rank's count (the
+    ``Metrics`` protocol sums it).
+    """
     mask = batch[F.RESPONSE_MASK].bool()
     out = {"actor/response_tokens": float(mask.sum())}
-    if F.ROLLOUT_LOGPROBS in batch and F.OLD_LOGPROBS in batch and mask.any():
-        diff = (batch[F.ROLLOUT_LOGPROBS] - batch[F.OLD_LOGPROBS]).abs()[mask]
-        out |= {"actor/logprob_mismatch": float(diff.mean()), "actor/logprob_mismatch_max": float(diff.max())}
-    if F.REF_LOGPROBS in batch and F.OLD_LOGPROBS in batch and mask.any():
+    per_token: dict[str, Tensor] = {}
+    if F.ROLLOUT_LOGPROBS in batch and F.OLD_LOGPROBS in batch:
+        per_token["mismatch"] = (batch[F.ROLLOUT_LOGPROBS] - batch[F.OLD_LOGPROBS]).abs()
+    if F.REF_LOGPROBS in batch and F.OLD_LOGPROBS in batch:
         # KL(policy || reference) on the sampled tokens (k3: unbiased, non-negative).
-        out["actor/kl_to_ref"] = float(kl_k3(batch[F.OLD_LOGPROBS], batch[F.REF_LOGPROBS])[mask].mean())
+        per_token["kl"] = kl_k3(batch[F.OLD_LOGPROBS], batch[F.REF_LOGPROBS])
+    stats = dp_token_stats(engine, per_token, mask)
+    if "mismatch" in stats:
+        out |= {"actor/logprob_mismatch": stats["mismatch"].mean,
+                "actor/logprob_mismatch_max": stats["mismatch"].max}
+    if "kl" in stats:
+        out["actor/kl_to_ref"] = stats["kl"].mean
     return out

@@ -19,6 +19,7 @@ from workers.roles._training import (
     check_model_dir,
     check_seed,
     check_types,
+    engine_group,
     engine_mesh,
     require_fields,
     run_updates,
@@ -68,7 +69,8 @@ class CriticWorker(TrainedRole):
         torch.manual_seed(config.seed)
         model = load_model(config.model_dir, kind="value", head_seed=config.head_seed)
         self.engine = TrainingEngine(model.to(ctx.device), config=config.training,
-                                     mesh=engine_mesh(ctx), head=ValueHead(), loss=config.loss)
+                                     mesh=engine_mesh(ctx), head=ValueHead(), loss=config.loss,
+                                     process_group=engine_group(ctx))
         self._shuffle = shuffle_generator(config.seed, ctx)
 
     @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.VALUES,))
@@ -76,7 +78,7 @@ class CriticWorker(TrainedRole):
         """Value predictions at the response positions.
 
         Args:
-            batch: the sequence fields (every data-parallel rank needs >= 1 row).
+            batch: the sequence fields (a rank's share may be empty).
 
         Returns:
             ``values``: float32 ``[R]``; value j is read in the state before response
@@ -96,11 +98,13 @@ class CriticWorker(TrainedRole):
 
         Returns:
             Metrics named ``critic/<name>`` (``loss``, ``grad_norm``, ``lr``,
-            ``value_clip_fraction``, ``values``, ...) averaged over the steps, and ``steps``.
+            ``value_clip_fraction``, ``values``, ...: token means over every rank's rows)
+            averaged over the steps, ``steps`` and ``steps_skipped``.
 
         Raises:
             MissingFieldError: the batch lacks a field.
-            ConfigError: a rank has fewer rows than ``schedule.mini_batches``.
+            ConfigError: the batch (all ranks' rows) has fewer rows than
+                ``schedule.mini_batches``.
         """
         require_fields(batch, (*F.SEQUENCE, F.VALUES, F.RETURNS), where="critic.update")
         columns = {**batch, OLD_VALUES: batch[F.VALUES]}

@@ -16,7 +16,13 @@ from workers import Role, WorkerContext, register
 from workers.engines import CausalLMHead, TrainingConfig, TrainingEngine
 from workers.models import load_model
 from workers.roles import _fields as F
-from workers.roles._training import check_model_dir, check_seed, check_types, engine_mesh
+from workers.roles._training import (
+    check_model_dir,
+    check_seed,
+    check_types,
+    engine_group,
+    engine_mesh,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,14 +61,14 @@ class ReferenceWorker(Role):
         # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
         nn.Module.to(model, ctx.device)
         self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
-                                     head=CausalLMHead())
+                                     head=CausalLMHead(), process_group=engine_group(ctx))
 
     @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.REF_LOGPROBS,))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:
         """The reference policy's log-probs of the response tokens.
 
         Args:
-            batch: the sequence fields (every data-parallel rank needs >= 1 row).
+            batch: the sequence fields (a rank's share may be empty).
 
         Returns:
             ``ref_logprobs``: float32 ``[R]``, raw (temperature 1), 0 on padding.

@@ -65,6 +65,8 @@ class _ScoringRole(Role):
 
     def _score(self, batch: Mapping[str, Tensor], *, where: str) -> Tensor:
         require_fields(batch, F.SEQUENCE, where=where)
+        if batch[F.PROMPT_IDS].shape[0] == 0:  # a rank's empty share: nothing to score
+            return torch.zeros(0, dtype=torch.float32)
         inputs = ScoreInputs(
             prompt_ids=batch[F.PROMPT_IDS], prompt_mask=batch[F.PROMPT_MASK],
             response_ids=batch[F.RESPONSE_IDS], response_mask=batch[F.RESPONSE_MASK],
@@ -83,12 +85,12 @@ class RewardWorker(_ScoringRole):
 
     Config = ScoreConfig
 
-    @register(protocol=DP(), writes=(F.SCORES,))
+    @register(protocol=DP(), reads=F.SEQUENCE, optional=(F.ANSWER_IDS, F.UID), writes=(F.SCORES,))
     def score(self, batch: Batch) -> dict[str, Tensor]:
         """One reward per sample.
 
-        Reads the sequence fields, plus ``answer_ids`` and ``uid`` for rule rewards
-        (every column is pulled, since what is read depends on the scorer).
+        Reads the sequence fields, plus ``answer_ids`` and ``uid`` when the rows
+        have them (rule rewards pass them to the function).
 
         Args:
             batch: rollout rows.
@@ -119,7 +121,7 @@ class CostWorker(_ScoringRole):
 
     Config = ScoreConfig
 
-    @register(protocol=DP(), writes=(F.COSTS,))
+    @register(protocol=DP(), reads=F.SEQUENCE, optional=(F.ANSWER_IDS, F.UID), writes=(F.COSTS,))
     def score(self, batch: Batch) -> dict[str, Tensor]:
         """One cost per sample (as :meth:`RewardWorker.score`).
 

@@ -4,11 +4,13 @@ optimizer step each)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from channels import ConfigError, MissingFieldError
@@ -23,8 +25,9 @@ class UpdateConfig:
     epochs: int = 1
     """Passes over the batch (PPO epochs)."""
     mini_batches: int = 1
-    """Optimizer steps per epoch: each data-parallel rank splits its rows into this
-    many mini-batches (so every rank needs at least this many rows)."""
+    """Optimizer steps per epoch: the global batch (every data-parallel rank's rows)
+    is split into this many mini-batches, so it needs at least this many rows; a
+    mini-batch may be empty on some ranks."""
     shuffle: bool = True
     """Shuffle the rows before each epoch's split (seeded, identical within a
     tensor-parallel group)."""
@@ -67,6 +70,12 @@ def engine_mesh(ctx: WorkerContext) -> Any:
     return ctx.mesh if ctx.world_size > 1 else None
 
 
+def engine_group(ctx: WorkerContext) -> dist.ProcessGroup | None:
+    """The group a training engine of this role checkpoints over: the pool's own
+    (None on a 1-rank pool), never the session's default group, which spans every pool."""
+    return ctx.process_group if ctx.world_size > 1 else None
+
+
 def shuffle_generator(seed: int, ctx: WorkerContext) -> torch.Generator:
     """A generator for mini-batch shuffling: equal on the ranks of one data-parallel
     group (they hold the same rows and must split them alike), different across groups."""
@@ -83,16 +92,88 @@ def require_fields(batch: Mapping[str, Tensor], fields: Sequence[str], *, where:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class TokenStats:
+    """A per-token quantity over the real tokens of a whole data-parallel group."""
+
+    mean: float
+    """Token mean (every token weighs the same, whichever rank holds it)."""
+    max: float
+    """Largest value."""
+    count: float
+    """Tokens counted."""
+
+
+def dp_token_stats(engine: TrainingEngine, values: Mapping[str, Tensor],
+                   mask: Tensor) -> dict[str, TokenStats]:
+    """Token mean and max of each of ``values`` over the real tokens of every rank of
+    the engine's data-parallel group, equal on every rank.
+
+    Collective over the data-parallel group: every rank passes the same names (a rank
+    without rows passes ``[0, R]`` tensors).
+
+    Args:
+        engine: the role's engine (its data-parallel group).
+        values: per-token quantities, each shaped like ``mask``.
+        mask: this rank's response mask (non-zero on real tokens).
+
+    Returns:
+        The statistics by name; empty when no rank has a real token.
+    """
+    keep = mask.bool()
+    names = list(values)
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+    maxes = torch.full((max(len(names), 1),), -math.inf, dtype=torch.float64)
+    sums[0] = keep.sum()
+    for i, name in enumerate(names):
+        picked = values[name].double()[keep]
+        sums[i + 1] = picked.sum()
+        if picked.numel():
+            maxes[i] = picked.max()
+    parallel = engine.parallel
+    sums = parallel.all_reduce_dp(sums.to(engine.device)).cpu()
+    maxes = parallel.all_reduce_dp(maxes.to(engine.device), dist.ReduceOp.MAX).cpu()
+    count = float(sums[0])
+    if count == 0:
+        return {}
+    return {name: TokenStats(mean=float(sums[i + 1]) / count, max=float(maxes[i]), count=count)
+            for i, name in enumerate(names)}
+
+
+def _mini_batch_of_rows(engine: TrainingEngine, rows: int, mini_batches: int,
+                        where: str) -> Tensor:
+    """Which mini-batch each of this rank's rows (in their walk order) falls in.
+
+    The global batch (the data-parallel ranks' rows one after another) is cut into
+    ``mini_batches`` contiguous near-equal parts, so every mini-batch has rows on some
+    rank, and with ``shuffle=False`` the split equals a single process's on the same
+    rows, however they are spread. Raised alike on every rank: the counts are global.
+    """
+    counts = engine.parallel.counts_over_dp(rows, engine.device)
+    total = sum(counts)
+    if total < mini_batches:
+        raise ConfigError(
+            f"{where}: the batch has {total} rows over all data-parallel ranks but "
+            f"UpdateConfig.mini_batches={mini_batches}; send at least mini_batches rows or "
+            "lower UpdateConfig.mini_batches"
+        )
+    first = sum(counts[: engine.parallel.dp_rank])
+    return (torch.arange(first, first + rows) * mini_batches) // total
+
+
 def run_updates(engine: TrainingEngine, batch: Mapping[str, Tensor], *, loss: LossFn,
                 fields: Sequence[str], schedule: UpdateConfig, generator: torch.Generator,
                 prefix: str) -> dict[str, float]:
     """Train on this rank's rows: ``schedule.epochs`` passes of ``mini_batches`` steps.
 
-    Collective over the engine's mesh: every rank runs the same number of steps.
+    Collective over the engine's mesh: every rank runs ``epochs * mini_batches``
+    optimizer steps, whatever its row count (a rank whose share of a mini-batch is
+    empty runs dummy forwards). Each step is normalised over the global mini-batch, so
+    the metrics are equal on every rank and do not depend on how rows are spread.
 
     Args:
         engine: the role's engine.
-        batch: this rank's rows.
+        batch: this rank's rows (possibly none).
         loss: the objective.
         fields: the columns the steps need (others are not moved).
         schedule: epochs, mini-batches, shuffling.
@@ -100,30 +181,29 @@ def run_updates(engine: TrainingEngine, batch: Mapping[str, Tensor], *, loss: Lo
         prefix: prepended to every metric name (``"actor/"``).
 
     Returns:
-        The mean over steps of each metric the engine reports, plus ``steps``.
+        The mean over steps of each metric the engine reports, ``steps`` and
+        ``steps_skipped`` (optimizer steps skipped for a non-finite loss or gradient).
 
     Raises:
-        ConfigError: some data-parallel rank has fewer rows than ``mini_batches``
-            (raised on every rank, so none waits in a collective).
+        ConfigError: the global batch has fewer rows than ``mini_batches`` (raised on
+            every rank, so none waits in a collective).
     """
-    rows = len(next(iter(batch.values()))) if batch else 0
-    fewest = -engine.parallel.max_over_dp(-rows, engine.device)
-    if fewest < schedule.mini_batches:
-        raise ConfigError(
-            f"{prefix.rstrip('/')}.update: a data-parallel rank got {fewest} rows but "
-            f"UpdateConfig.mini_batches={schedule.mini_batches}; send at least mini_batches rows "
-            "per data-parallel rank or lower mini_batches"
-        )
     columns = {name: batch[name] for name in dict.fromkeys(fields)}
+    rows = len(next(iter(columns.values()))) if columns else 0
+    part = _mini_batch_of_rows(engine, rows, schedule.mini_batches,
+                               f"{prefix.rstrip('/')}.update")
     sums: dict[str, float] = {}
     steps = 0
     for _ in range(schedule.epochs):
         order = torch.randperm(rows, generator=generator) if schedule.shuffle else torch.arange(rows)
-        for idx in order.tensor_split(schedule.mini_batches):
+        for index in range(schedule.mini_batches):
+            idx = order[part == index]
             mini = {name: value.index_select(0, idx.to(value.device)) for name, value in columns.items()}
             for key, value in engine.train_step(mini, loss=loss).items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             steps += 1
+    skipped = sums.pop("step_skipped", 0.0)
     metrics = {f"{prefix}{key}": total / steps for key, total in sums.items()}
     metrics[f"{prefix}steps"] = float(steps)
+    metrics[f"{prefix}steps_skipped"] = skipped
     return metrics

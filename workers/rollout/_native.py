@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from channels import ConfigError
+
 from ._types import FinishedSample, RolloutOutput, SamplingParams
 
 __all__ = ["NativeRolloutConfig", "NativeRolloutEngine"]
@@ -47,11 +49,11 @@ class NativeRolloutConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"NativeRolloutConfig.max_batch_size must be an int >= 1, got {self.max_batch_size!r}"
             )
         if not isinstance(self.seed, int):
-            raise ValueError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
+            raise ConfigError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
 
 
 @dataclass(kw_only=True)
@@ -154,7 +156,7 @@ class NativeRolloutEngine:
     def __init__(self, model: PreTrainedModel, *, config: NativeRolloutConfig) -> None:
         layer_types = getattr(model.config, "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types):
-            raise ValueError(
+            raise ConfigError(
                 f"NativeRolloutEngine supports full attention only; the model's "
                 f"config.layer_types is {layer_types}"
             )
@@ -238,12 +240,12 @@ class NativeRolloutEngine:
                 target = targets.get(name)
                 if target is None:
                     example = next(iter(targets), "")
-                    raise ValueError(
+                    raise ConfigError(
                         f"update_weights got {name!r}, which is not a tensor of the model; "
                         f"use the names of model.state_dict(), e.g. {example!r}"
                     )
                 if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(
+                    raise ConfigError(
                         f"update_weights got {name!r} with shape {tuple(tensor.shape)}, but the "
                         f"model's is {tuple(target.shape)}"
                     )
@@ -257,7 +259,7 @@ class NativeRolloutEngine:
         for name in ("pad_token_id", "eos_token_id"):
             token = getattr(params, name)
             if token is not None and not 0 <= token < self._vocab_size:
-                raise ValueError(
+                raise ConfigError(
                     f"SamplingParams.{name}={token} is outside the model's vocabulary "
                     f"[0, {self._vocab_size})"
                 )
@@ -265,15 +267,15 @@ class NativeRolloutEngine:
         for index, prompt in enumerate(prompts):
             ids = [int(token) for token in prompt]
             if not ids:
-                raise ValueError(f"prompts[{index}] is empty; every prompt needs >= 1 token")
+                raise ConfigError(f"prompts[{index}] is empty; every prompt needs >= 1 token")
             bad = next((t for t in ids if not 0 <= t < self._vocab_size), None)
             if bad is not None:
-                raise ValueError(
+                raise ConfigError(
                     f"prompts[{index}] holds token id {bad}, outside the model's vocabulary "
                     f"[0, {self._vocab_size})"
                 )
             if len(ids) + params.max_new_tokens > self._max_length:
-                raise ValueError(
+                raise ConfigError(
                     f"prompts[{index}] has {len(ids)} tokens; with max_new_tokens="
                     f"{params.max_new_tokens} that is {len(ids) + params.max_new_tokens} > the "
                     f"model's max_position_embeddings={self._max_length}; shorten the prompt "

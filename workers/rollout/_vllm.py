@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from channels import ConfigError
 from workers.rollout._types import RolloutOutput, SamplingParams
 
 __all__ = ["VLLMRolloutConfig", "VLLMRolloutEngine"]
@@ -89,7 +90,7 @@ class VLLMRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         for name in ("max_model_len", "kv_cache_bytes", "max_num_seqs"):
             value = getattr(self, name)
             if value < 1:
-                raise ValueError(f"VLLMRolloutConfig.{name} must be >= 1, got {value}")
+                raise ConfigError(f"VLLMRolloutConfig.{name} must be >= 1, got {value}")
 
 
 _VLLM_GROUP_NAMES_START = 1 << 40
@@ -488,7 +489,7 @@ class VLLMRolloutEngine:
         self._check_open()
         wanted = set(_SLEEP_TAGS if tags is None else tags)
         if unknown := wanted - _SLEEP_TAGS:
-            raise ValueError(
+            raise ConfigError(
                 f"wake_up tags must be among {sorted(_SLEEP_TAGS)}, got {sorted(unknown)}"
             )
         if todo := sorted(wanted & self._asleep):
@@ -536,9 +537,9 @@ class VLLMRolloutEngine:
         limit = self.config.max_model_len
         for i, prompt in enumerate(prompts):
             if not prompt:
-                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+                raise ConfigError(f"prompts[{i}] is empty; every prompt needs at least one token")
             if len(prompt) + params.max_new_tokens > limit:
-                raise ValueError(
+                raise ConfigError(
                     f"prompts[{i}] has {len(prompt)} tokens and max_new_tokens is "
                     f"{params.max_new_tokens}, more than VLLMRolloutConfig.max_model_len="
                     f"{limit}; raise max_model_len or shorten the prompt"

@@ -15,35 +15,40 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 VOCAB = 32
 
 
-def tiny_config() -> LlamaConfig:
-    """A 2-layer, 64-wide Llama config with 2 heads (so tp=2 divides it)."""
+def tiny_config(*, layers: int = 2, hidden: int = 64, max_positions: int = 128) -> LlamaConfig:
+    """A Llama config with 2 heads (so tp=2 divides it); default 2 layers, 64 wide."""
     return LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=128,
+        head_dim=hidden // 2,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
     )
 
 
-def tiny_lm(seed: int = 0) -> LlamaForCausalLM:
+SMALL = {"layers": 1, "hidden": 32, "max_positions": 32}
+"""The smallest shape (1 layer, 32 wide, 32 positions), for tests that spawn many ranks."""
+
+
+def tiny_lm(seed: int = 0, **shape: int) -> LlamaForCausalLM:
     """The tiny causal LM with weights drawn from ``seed`` (same on every process)."""
     torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_config())
+    return LlamaForCausalLM(tiny_config(**shape))
 
 
 class TinyValueModel(nn.Module):
     """Llama backbone plus a scalar head: forward(input_ids, attention_mask, position_ids) -> [B, T]."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, **shape: int) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.backbone = LlamaModel(tiny_config())
-        self.value_head = nn.Linear(64, 1)
+        config = tiny_config(**shape)
+        self.backbone = LlamaModel(config)
+        self.value_head = nn.Linear(config.hidden_size, 1)
 
     def forward(
         self,

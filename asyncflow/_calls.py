@@ -1,0 +1,139 @@
+"""A submitted group call: its arguments bound and checked, its field contract,
+and which columns it pulls of each input.
+
+Everything here runs on the driver from metadata: a call whose input lacks a
+field it reads fails here, at submit, before anything runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncflow._future import DataFuture, Resolved
+from channels import Layout, MissingFieldError
+from workers import CallInfo, Endpoint, FieldContract
+
+_call_ids = itertools.count(1)
+
+
+@dataclass(eq=False, kw_only=True)
+class Call:
+    """A submitted call waiting for (or running on) its pool."""
+
+    call_id: int
+    role: str
+    endpoint: Endpoint[Any, Any]
+    layout: Layout
+    contract: FieldContract
+    data_args: dict[str, DataFuture[Any]]
+    kwargs: dict[str, Any]
+    result: asyncio.Future[Any]
+
+    @property
+    def method(self) -> str:
+        """The role method's name."""
+        return self.endpoint.spec.name
+
+    @property
+    def label(self) -> str:
+        """``role.method#id``, as errors and futures name the call."""
+        return f"{self.role}.{self.method}#{self.call_id}"
+
+    @property
+    def out_key(self) -> str:
+        """The shard key of the rows the call produces (names the call, so that a
+        consumer's error can name the producer)."""
+        return self.label
+
+    def depends_on(self, futures: set[int], calls: set[int]) -> bool:
+        """Whether an input is one of ``futures`` (by id) or derives from ``calls``."""
+        return any(id(f) in futures or f._calls & calls for f in self.data_args.values())
+
+
+def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: Layout,
+              args: Sequence[Any], kwargs: Mapping[str, Any], loop: asyncio.AbstractEventLoop) -> Call:
+    """Bind a proxy call's arguments and check its inputs' fields.
+
+    Raises:
+        TypeError: the arguments do not fit the method's signature.
+        MissingFieldError: an input lacks a field the method reads.
+    """
+    spec = endpoint.spec
+    try:
+        bound = spec.signature.bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{role}.{spec.name}{spec.signature}: {e}") from None
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(spec.signature.parameters)))  # self
+    data = {k: v for k, v in arguments.items() if isinstance(v, DataFuture)}
+    plain = {k: v for k, v in arguments.items() if k not in data}
+    contract = spec.contract(CallInfo(config=config, arguments=arguments), data)
+    call = Call(call_id=next(_call_ids), role=role, endpoint=endpoint, layout=layout, contract=contract,
+                data_args=data, kwargs=plain, result=loop.create_future())
+    _check_known_fields(call)
+    return call
+
+
+def _check_known_fields(call: Call) -> None:
+    for name, fut in call.data_args.items():
+        if fut.fields is None:
+            continue
+        missing = [f for f in call.contract.required.get(name, ()) if f not in fut.fields]
+        if missing:
+            raise MissingFieldError(
+                f"{call.label} reads field {missing[0]!r} but its argument {name!r} ({fut.label}) "
+                f"carries only {sorted(fut.fields)}"
+            )
+
+
+def output_fields(call: Call) -> frozenset[str] | None:
+    """The fields the call's rows will carry, when known at submit."""
+    writes = call.contract.writes
+    if writes is None:
+        return None
+    carried: frozenset[str] = frozenset()
+    if call.contract.carries is not None:
+        source = call.data_args.get(call.contract.carries)
+        if source is not None:
+            if source.fields is None:
+                return None
+            carried = source.fields
+    return carried | frozenset(writes)
+
+
+def pull_fields(call: Call, name: str, r: Resolved) -> tuple[str, ...] | None:
+    """Columns of data argument ``name`` to pull (None: all), accounting for the
+    transforms that run on the rows first.
+
+    Raises:
+        MissingFieldError: the rows lack a field the method or a transform reads.
+    """
+    have = set(r.meta.field_names)
+    made: set[str] = set()
+    transform_reads: list[str] = []
+    for t in r.transforms:
+        if t.writes is None or t.reads is None:
+            return None  # an undeclared transform may read anything
+        transform_reads.extend(f for f in t.reads if f not in made)
+        made |= set(t.writes)
+    for f in call.contract.required.get(name, ()):
+        if f not in have | made:
+            raise MissingFieldError(
+                f"{call.label} reads field {f!r} but its argument {name!r} "
+                f"({call.data_args[name].label}) has only {sorted(have | made)}"
+            )
+    wanted = call.contract.pulls(name, have | made)
+    if wanted is None:
+        return None
+    needed = [f for f in (*wanted, *transform_reads) if f not in made]
+    for f in needed:
+        if f not in have:
+            raise MissingFieldError(
+                f"{call.label}: a transform on argument {name!r} ({call.data_args[name].label}) reads "
+                f"field {f!r}, which the rows lack (they have {sorted(have)})"
+            )
+    return tuple(dict.fromkeys(needed))

@@ -1,0 +1,153 @@
+"""In-process workers: the scheduler, futures and proxies without Ray or processes.
+
+For unit tests of the control plane (and for debugging a role in one process).
+Each worker is a plain ``workers.WorkerProcess`` whose compute methods run on a
+thread of its own (so calls on one worker run in order and pools overlap, as
+with Ray); rows move by reference. :meth:`LocalTransport.kill` simulates the
+death of a worker process. Roles that use process groups (more than one rank and
+collectives) need the real :class:`~asyncflow.Session`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from asyncflow._pool import RoleSpec, check_placement
+from asyncflow._proxy import Roles
+from asyncflow._runtime import Runtime
+from asyncflow._transport import Transforms, WorkerGone
+from channels import Piece, RankResult, StoreStats
+from workers import WorkerProcess
+
+T = TypeVar("T")
+
+
+class LocalTransport:
+    """A :class:`~asyncflow._transport.Transport` over in-process workers.
+
+    Args:
+        workers: the workers by session-wide index.
+    """
+
+    def __init__(self, workers: Sequence[WorkerProcess]) -> None:
+        self.workers: list[Any] = list(workers)  # plain calls: Ray's method typing does not apply
+        self._compute = [ThreadPoolExecutor(1, thread_name_prefix=f"asyncflow-local-{i}")
+                         for i in range(len(workers))]
+        self._dead: list[asyncio.Event] = [asyncio.Event() for _ in workers]
+        self.log: list[tuple[str, int]] = []
+        """``(operation, worker)`` of every compute operation, in submission order."""
+
+    def kill(self, worker: int) -> None:
+        """Simulate the death of ``worker``'s process: its calls fail, its watch fires."""
+        self._dead[worker].set()
+
+    async def _compute_on(self, worker: int, op: str, fn: Callable[[], T]) -> T:
+        self.log.append((op, worker))
+        if self._dead[worker].is_set():
+            raise WorkerGone(worker, "killed")
+        job: asyncio.Future[T] = asyncio.ensure_future(
+            asyncio.get_running_loop().run_in_executor(self._compute[worker], fn))
+        death: asyncio.Future[Any] = asyncio.ensure_future(self._dead[worker].wait())
+        await asyncio.wait({job, death}, return_when=asyncio.FIRST_COMPLETED)
+        death.cancel()
+        if not job.done():
+            job.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise WorkerGone(worker, "killed")
+        return job.result()
+
+    def _piece(self, worker: int, p: Piece) -> dict[str, torch.Tensor] | None:
+        if p.worker == worker:
+            return None
+        if self._dead[p.worker].is_set():
+            raise WorkerGone(p.worker, "killed")
+        return self.workers[p.worker].slice(p.key, p.lo, p.hi, p.fields)
+
+    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
+                      pieces: Sequence[Piece]) -> RankResult:
+        def run() -> RankResult:
+            fetched = [self._piece(worker, p) for p in pieces]
+            return self.workers[worker].execute(spec, kwargs, transforms, *fetched)
+        return await self._compute_on(worker, "execute", run)
+
+    async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:
+        return self.workers[worker].put(key, columns, group_size)
+
+    async def fetch(self, pieces: Sequence[Piece]) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for p in pieces:
+            if self._dead[p.worker].is_set():
+                raise WorkerGone(p.worker, "killed")
+            out.append(self.workers[p.worker].slice(p.key, p.lo, p.hi, p.fields))
+        return out
+
+    async def free(self, worker: int, keys: Sequence[str]) -> Any:
+        return self.workers[worker].free(keys)
+
+    async def poison(self, worker: int) -> None:
+        await self._compute_on(worker, "poison", self.workers[worker].poison)
+
+    async def heal(self, worker: int, epoch: int) -> None:
+        await self._compute_on(worker, "heal", lambda: self.workers[worker].heal(epoch))
+
+    async def watch(self, worker: int) -> None:
+        await self._dead[worker].wait()
+        raise WorkerGone(worker, "killed")
+
+    async def stats(self, worker: int) -> StoreStats:
+        return self.workers[worker].stats()
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        for ex in self._compute:
+            ex.shutdown(wait=False, cancel_futures=True)
+
+
+class LocalSession(Runtime):
+    """A session whose workers live in this process (see the module docstring).
+
+        async with LocalSession() as session:
+            roles = await session.spawn({"producer": RoleSpec(cls=Producer, pool=pool)})
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transport: LocalTransport | None = None
+
+    async def __aenter__(self) -> LocalSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def spawn(self, roles: Mapping[str, RoleSpec]) -> Roles:
+        """Create the pools' in-process workers and host the roles on them."""
+        pools, layouts = check_placement(roles)
+        workers: list[WorkerProcess] = []
+        ranks: dict[str, list[int]] = {}
+        world = sum(p.devices for p in pools)
+        for pool in pools:
+            ranks[pool.name] = []
+            for rank in range(pool.devices):
+                ranks[pool.name].append(len(workers))
+                workers.append(WorkerProcess(index=len(workers), pool=pool.name, rank=rank,
+                                             pool_size=pool.devices, world=world, device="cpu",
+                                             num_threads=torch.get_num_threads()))
+        for name, spec in roles.items():
+            for i in ranks[spec.pool.name]:
+                workers[i].add_role(name, spec.cls, spec.config, layouts[name])
+        self.transport = LocalTransport(workers)
+        return self._start(self.transport, ranks, roles, layouts)
+
+    async def close(self) -> None:
+        """Settle every call and stop the worker threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stop()
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,162 @@
+"""What a session does once its workers exist, whatever the transport: submit and
+cancel calls, hand rows in and out of the driver, account for shards.
+
+:class:`~asyncflow.Session` wires it to Ray; ``asyncflow._local.LocalSession``
+wires it to in-process workers for unit tests of the scheduler without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from asyncflow._calls import bind_call, output_fields
+from asyncflow._errors import SessionClosedError
+from asyncflow._future import DataFuture, Resolved
+from asyncflow._ledger import ShardLedger
+from asyncflow._pool import ResourcePool, RoleSpec
+from asyncflow._proxy import RoleGroup, Roles
+from asyncflow._scheduler import Scheduler
+from asyncflow._transport import Transport
+from channels import (
+    AllToAll,
+    Batch,
+    BatchMeta,
+    ConfigError,
+    Layout,
+    StoreStats,
+    assemble,
+    plan_pull,
+    split_rows,
+)
+from workers import Endpoint
+
+
+class Runtime:
+    """Calls, rows and shards of a session (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._scheduler: Scheduler | None = None
+        self._ledger: ShardLedger | None = None
+        self._transport: Transport | None = None
+        self._roles: Roles | None = None
+        self._closed = False
+        self._puts = 0
+
+    def _start(self, transport: Transport, pools: Mapping[str, list[int]], roles: Mapping[str, RoleSpec],
+               layouts: Mapping[str, Layout]) -> Roles:
+        """Start the call loops over ``transport`` and return the role proxies."""
+        self._loop = asyncio.get_running_loop()
+        self._transport = transport
+        self._ledger = ShardLedger(transport.free)
+        self._ledger.attach(self._loop)
+        self._scheduler = Scheduler(transport, self._ledger)
+        for name, workers in pools.items():
+            self._scheduler.add_pool(name, workers)
+        self._scheduler.start()
+        self._roles = Roles({n: RoleGroup(self._submit, n, s, layouts[n]) for n, s in roles.items()})
+        return self._roles
+
+    async def _stop(self) -> bool:
+        """Settle every call and finish pending frees; returns whether a pool broke."""
+        broken = False
+        if self._scheduler is not None:
+            await self._scheduler.close()
+            broken = any(p.broken is not None for p in self._scheduler.pools.values())
+        if self._ledger is not None:
+            try:  # let released shards' frees finish while the workers are still there
+                await asyncio.wait_for(self._ledger.drain(), timeout=10)
+            except TimeoutError:
+                pass
+            self._ledger.close()
+        return broken
+
+    @property
+    def roles(self) -> Roles:
+        """The spawned roles."""
+        if self._roles is None:
+            raise ConfigError("no roles yet: call `await session.spawn({...})` first")
+        return self._roles
+
+    # ----- calls -----
+
+    def _submit(self, group: RoleGroup, endpoint: Endpoint[Any, Any], args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> DataFuture[Any]:
+        if self._closed or self._scheduler is None or self._loop is None:
+            raise SessionClosedError("the session is closed")
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, DataFuture) and value._runtime is not self:
+                raise ConfigError(f"{group.name}: {value.label} belongs to another session")
+        call = bind_call(role=group.name, config=group.config, endpoint=endpoint, layout=group.layout,
+                         args=args, kwargs=kwargs, loop=self._loop)
+        self._scheduler.submit(call, group.pool.name)
+        return DataFuture(label=call.label, fields=output_fields(call), runtime=self, source=call.result,
+                          call_id=call.call_id)
+
+    def cancel(self, fut: DataFuture[Any]) -> bool:
+        """Cancel ``fut`` and the calls depending on it (``DataFuture.cancel``)."""
+        return self._scheduler.cancel(fut) if self._scheduler is not None else False
+
+    # ----- rows in and out of the driver -----
+
+    async def put(self, columns: Mapping[str, Any], *, pool: ResourcePool | str | None = None,
+                  group_size: int | None = None) -> DataFuture[BatchMeta]:
+        """Hand rows from the driver to a pool (split evenly over its ranks, groups
+        kept whole) and return their future; e.g. a data set's prompts.
+
+        Args:
+            columns: a :class:`Batch` or a mapping of columns.
+            pool: the pool (default: the first).
+            group_size: consecutive rows that belong together (default: the
+                Batch's own, or 1).
+
+        Raises:
+            ConfigError: unknown pool, or no roles spawned yet.
+        """
+        if self._scheduler is None or self._transport is None or self._ledger is None or self._loop is None:
+            raise ConfigError("spawn roles before putting rows")
+        batch = Batch(columns, group_size=group_size or int(getattr(columns, "group_size", 1)))
+        name = next(iter(self._scheduler.pools)) if pool is None else getattr(pool, "name", pool)
+        if name not in self._scheduler.pools:
+            raise ConfigError(f"no pool {name!r}; pools are {sorted(self._scheduler.pools)}")
+        workers = self._scheduler.pools[name].workers
+        self._puts += 1
+        key = f"put#{self._puts}"
+        assignments = split_rows(batch.num_rows, len(workers), group_size=batch.group_size)
+        results = await asyncio.gather(*(
+            self._transport.put(w, key, (batch.slice(*runs[0]) if runs else batch.slice(0, 0)).to_dict(),
+                                batch.group_size)
+            for w, runs in zip(workers, assignments, strict=True)))
+        out = AllToAll().collect(results, Layout(d=len(workers)), assignments)
+        kept = out.meta.shard_keys()
+        self._ledger.release_now({(r.worker, r.key) for r in results} - kept)
+        leases = tuple(self._ledger.lease(w, k) for w, k in sorted(kept))
+        done = self._loop.create_future()
+        done.set_result(Resolved(meta=out.meta, row_lengths=None, leases=leases))
+        return DataFuture(label=key, fields=frozenset(batch), runtime=self, source=done)
+
+    async def fetch_rows(self, meta: BatchMeta) -> Batch:
+        """The rows of ``meta``, pulled to the driver."""
+        assert self._transport is not None
+        plan = plan_pull(meta, ((0, meta.num_rows),) if meta.num_rows else ())
+        return assemble(plan, await self._transport.fetch(plan.pieces))
+
+    # ----- shard lifetime -----
+
+    async def drain(self) -> None:
+        """Wait until every shard released so far is freed on its worker."""
+        if self._ledger is not None:
+            await self._ledger.drain()
+
+    async def store_stats(self) -> list[tuple[str, int, StoreStats]]:
+        """``(pool, rank, stats)`` of every worker's shard store, after pending
+        frees went through."""
+        await self.drain()
+        assert self._scheduler is not None and self._transport is not None
+        out: list[tuple[str, int, StoreStats]] = []
+        for pool in self._scheduler.pools.values():
+            stats = await asyncio.gather(*(self._transport.stats(w) for w in pool.workers))
+            out.extend((pool.name, rank, s) for rank, s in enumerate(stats))
+        return out

@@ -1,0 +1,156 @@
+"""How the scheduler reaches the workers: a small protocol, and its Ray implementation.
+
+The scheduler plans calls from metadata alone and talks to workers only through a
+:class:`Transport`: run a method on a rank (its rows pulled peer to peer), store
+rows, fetch rows to the driver, free shards, poison and heal a rank's groups, and
+learn of a worker's death. :class:`RayTransport` does this with Ray actors and Ray
+Direct Transport; ``asyncflow._local.LocalTransport`` does it in-process for unit
+tests of the scheduler without Ray.
+
+Failures reach the scheduler in two forms only: :class:`~workers.RankError` (the
+method raised on the rank) and :class:`WorkerGone` (a worker process died: the
+callee, or a producer the callee pulled rows from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import ray
+import torch
+
+from channels import Piece, RankResult, StoreStats
+from workers import RankError
+
+Transforms = Mapping[str, Sequence[tuple[Any, Mapping[str, Any]]]]
+"""Per data argument, ``(fn, kwargs)`` applied where the rows land."""
+
+
+class WorkerGone(Exception):
+    """Worker ``worker`` (session-wide index; -1 when unknown) died.
+
+    Attributes:
+        worker: the dead worker's index.
+        detail: the runtime's report.
+    """
+
+    def __init__(self, worker: int, detail: str) -> None:
+        super().__init__(f"worker {worker} died: {detail}")
+        self.worker, self.detail = worker, detail
+
+
+class Transport(Protocol):
+    """What the scheduler needs from the workers (see the module docstring)."""
+
+    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
+                      pieces: Sequence[Piece]) -> RankResult:
+        """Run one rank's part of a call; ``pieces`` not held by ``worker`` are
+        pulled straight from their producers.
+
+        Raises:
+            RankError: the method raised.
+            WorkerGone: ``worker`` or a producer of ``pieces`` died.
+        """
+        ...
+
+    async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:
+        """Store rows from the driver on ``worker``."""
+        ...
+
+    async def fetch(self, pieces: Sequence[Piece]) -> list[dict[str, torch.Tensor]]:
+        """Bring pieces to the driver."""
+        ...
+
+    async def free(self, worker: int, keys: Sequence[str]) -> Any:
+        """Drop shards on ``worker``."""
+        ...
+
+    async def poison(self, worker: int) -> None:
+        """Drop ``worker``'s group connections (peers blocked on it fail at once)."""
+        ...
+
+    async def heal(self, worker: int, epoch: int) -> None:
+        """Reconnect ``worker``'s groups (collective over its pool)."""
+        ...
+
+    async def watch(self, worker: int) -> None:
+        """Return never while ``worker`` lives; raise :class:`WorkerGone` when it dies."""
+        ...
+
+    async def stats(self, worker: int) -> StoreStats:
+        """``worker``'s shard-store counters."""
+        ...
+
+
+class RayTransport:
+    """:class:`Transport` over Ray actors (``workers.WorkerProcess``).
+
+    Args:
+        actors: worker actor handles by session-wide index.
+        actor_ids: their Ray actor ids (hex), to name a dead producer.
+        rdt: ``"gloo"``/``"nccl"`` for Ray Direct Transport, None for the object store.
+    """
+
+    def __init__(self, actors: Sequence[Any], actor_ids: Sequence[str], rdt: str | None) -> None:
+        self._actors = list(actors)
+        self._index = {a: i for i, a in enumerate(actor_ids)}
+        self._rdt = rdt
+
+    def _slice(self, p: Piece) -> Any:
+        method = self._actors[p.worker].slice
+        if self._rdt is not None:
+            method = method.options(tensor_transport=self._rdt)
+        return method.remote(p.key, p.lo, p.hi, p.fields)
+
+    async def _call(self, worker: int, ref: Any) -> Any:
+        try:
+            return await ref
+        except ray.exceptions.RayTaskError as e:
+            raise self._unwrap(e) from None
+        except ray.exceptions.RayActorError as e:
+            raise WorkerGone(self._index.get(e.actor_id or "", worker), _first_lines(str(e))) from None
+
+    def _unwrap(self, e: ray.exceptions.RayTaskError) -> Exception:
+        cause = e.cause
+        if isinstance(cause, RankError):
+            return cause
+        if isinstance(cause, ray.exceptions.RayActorError):  # an argument's producer died
+            return WorkerGone(self._index.get(cause.actor_id or "", -1), _first_lines(str(cause)))
+        text = f"{type(cause).__name__}: {cause}" if cause is not None else type(e).__name__
+        return RankError(text, getattr(e, "traceback_str", "") or str(e))
+
+    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
+                      pieces: Sequence[Piece]) -> RankResult:
+        handles = [None if p.worker == worker else self._slice(p) for p in pieces]
+        result: RankResult = await self._call(
+            worker, self._actors[worker].execute.remote(spec, kwargs, transforms, *handles))
+        return result
+
+    async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:
+        result: RankResult = await self._call(worker, self._actors[worker].put.remote(key, columns, group_size))
+        return result
+
+    async def fetch(self, pieces: Sequence[Piece]) -> list[dict[str, torch.Tensor]]:
+        refs = [self._actors[p.worker].slice.remote(p.key, p.lo, p.hi, p.fields) for p in pieces]
+        return [await self._call(p.worker, r) for p, r in zip(pieces, refs, strict=True)]
+
+    async def free(self, worker: int, keys: Sequence[str]) -> Any:
+        return await self._call(worker, self._actors[worker].free.remote(list(keys)))
+
+    async def poison(self, worker: int) -> None:
+        await self._call(worker, self._actors[worker].poison.remote())
+
+    async def heal(self, worker: int, epoch: int) -> None:
+        await self._call(worker, self._actors[worker].heal.remote(epoch))
+
+    async def watch(self, worker: int) -> None:
+        await self._call(worker, self._actors[worker].watch.remote())
+
+    async def stats(self, worker: int) -> StoreStats:
+        result: StoreStats = await self._call(worker, self._actors[worker].stats.remote())
+        return result
+
+
+def _first_lines(text: str, n: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[:n])

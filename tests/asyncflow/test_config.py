@@ -1,0 +1,280 @@
+"""The run configuration: every bad value fails in ``load_config`` with one line
+naming the key, and ``asyncflow train`` ends on it with exit code 2 before Ray or the
+SFT warm start runs. Also how the CLI reports asyncflow errors (one line, or the
+traceback with ``--debug``). No Ray is started here."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import ray
+
+import asyncflow.train
+from asyncflow.cli import main
+from asyncflow.train import load_config
+from channels import AsyncflowError, ConfigError
+from workers.models import TinyModelConfig, save_tiny_model
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "arith_grpo.toml"
+
+# Two query heads sharing one key/value head: t = 2 splits the first, not the second.
+TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=32, num_hidden_layers=1)
+
+SFT_ONE_HEAD = {"sft.model.hidden_size": 64, "sft.model.num_attention_heads": 1,
+                "sft.model.num_key_value_heads": 1, "sft.model.head_dim": 64, "model.dir": ""}
+
+# (id, dotted key -> value set over a valid config, what the one-line message must contain)
+BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("p-zero", {"placement.actor": {"pool": "main", "p": 0}}, ("placement.actor.p", "pipeline")),
+    ("p-two", {"placement.actor": {"pool": "main", "p": 2}},
+     ("placement.actor.p", "pipeline parallelism is not supported", "t")),
+    ("t-zero", {"placement.actor": {"pool": "main", "t": 0}}, ("placement.actor.t", ">= 1")),
+    ("t-pool", {"placement.actor": {"pool": "main", "t": 4}}, ("placement.actor.t", "pools.main.devices")),
+    ("t-kv-heads", {"placement.actor": {"pool": "main", "t": 2}},
+     ("placement.actor.t", "num_key_value_heads", "model.dir")),
+    ("t-sft-heads", {**SFT_ONE_HEAD, "placement.critic": {"pool": "main", "t": 2}},
+     ("placement.critic.t", "num_attention_heads", "sft.model")),
+    ("t-rule-reward", {"placement.reward": {"pool": "main", "t": 2}}, ("placement.reward.t", "reward.function")),
+    ("pool-unknown", {"placement.actor": {"pool": "gpu"}}, ("placement.actor.pool", "'gpu'")),
+    ("role-unknown", {"placement.learner": {"pool": "main"}}, ("placement", "learner")),
+    ("pool-devices", {"pools.main.devices": 0}, ("pools.main.devices", ">= 1")),
+    ("actor-lr", {"actor.lr": -1e-3}, ("actor.lr", "> 0")),
+    ("actor-lr-nan", {"actor.lr": float("nan")}, ("actor.lr", "finite")),
+    ("critic-lr", {"critic.lr": 0.0}, ("critic.lr", "> 0")),
+    ("sft-lr", {**SFT_ONE_HEAD, "sft.lr": 0.0}, ("sft.lr", "> 0")),
+    ("weight-decay", {"actor.weight_decay": -0.1}, ("actor.weight_decay", ">= 0")),
+    ("grad-clip", {"critic.grad_clip": -1.0}, ("critic.grad_clip", ">= 0")),
+    ("warmup", {"actor.warmup_steps": -1}, ("actor.warmup_steps", ">= 0")),
+    ("micro-batch", {"actor.micro_batch_size": 0}, ("actor.micro_batch_size", ">= 1")),
+    ("epochs", {"critic.epochs": 0}, ("critic.epochs", ">= 1")),
+    ("mini-batches", {"actor.mini_batches": 0}, ("actor.mini_batches", ">= 1")),
+    ("rollout-batch", {"actor.rollout_batch_size": 0}, ("actor.rollout_batch_size", ">= 1")),
+    ("train-steps", {"train.steps": 0}, ("train.steps", ">= 1")),
+    ("train-seconds", {"train.max_seconds": -1.0}, ("train.max_seconds", ">= 0")),
+    ("task-size", {"task.train_size": 0}, ("task.train_size",)),
+    ("unknown-key", {"critic.lrr": 0.1}, ("lrr", "$.critic")),
+    ("max-new-tokens", {"grpo.rollout.max_new_tokens": 0}, ("grpo.rollout.max_new_tokens", ">= 1")),
+    ("temperature", {"grpo.rollout.temperature": -0.5}, ("grpo.rollout.temperature", ">= 0")),
+    ("top-p-zero", {"grpo.rollout.top_p": 0.0}, ("grpo.rollout.top_p", "(0, 1]")),
+    ("top-p-above-one", {"ppo.rollout.top_p": 1.5}, ("ppo.rollout.top_p", "(0, 1]")),
+    ("top-k", {"grpo.rollout.top_k": -1}, ("grpo.rollout.top_k", ">= 0")),
+    ("grpo-n", {"grpo.rollout.n": 1}, ("grpo.rollout.n", ">= 2")),
+    ("ppo-n", {"ppo.rollout.n": 0}, ("ppo.rollout.n", ">= 1")),
+    ("sft-model", {**SFT_ONE_HEAD, "sft.model.head_dim": 16}, ("sft.model.head_dim", ">= 32")),
+    ("remax-n", {"remax.rollout.n": 4}, ("remax.rollout.n", "one response")),
+    ("clip-ratio", {"grpo.policy.clip_ratio": -0.2}, ("grpo.policy.clip_ratio", ">= 0")),
+    ("clip-ratio-high", {"ppo.policy.clip_ratio_high": -0.1}, ("ppo.policy.clip_ratio_high", ">= 0")),
+    ("dual-clip", {"grpo.policy.dual_clip": 1.0}, ("grpo.policy.dual_clip", "> 1")),
+    ("kl-coef", {"grpo.policy.kl_coef": -0.1}, ("grpo.policy.kl_coef", ">= 0")),
+    ("entropy-coef", {"remax.policy.entropy_coef": -0.01}, ("remax.policy.entropy_coef", ">= 0")),
+    ("reward-kl-coef", {"ppo.reward_kl_coef": -0.05}, ("ppo.reward_kl_coef", ">= 0")),
+    ("gamma", {"ppo.gamma": 1.1}, ("ppo.gamma", "[0, 1]")),
+    ("lam", {"safe_rlhf.lam": -0.1}, ("safe_rlhf.lam", "[0, 1]")),
+    ("lagrange-lr", {"safe_rlhf.lagrange_lr": -0.1}, ("safe_rlhf.lagrange_lr", ">= 0")),
+    ("lagrange-init", {"safe_rlhf.lagrange_init": 200.0}, ("safe_rlhf.lagrange_init", "lagrange_max")),
+    ("ptx-coef", {"safe_rlhf.ptx_coef": 0.5}, ("safe_rlhf.ptx_coef", "set it to 0")),
+    ("reward-no-colon", {"reward.function": "support.raising_reward"}, ("reward.function", "module:function")),
+    ("reward-no-module", {"reward.function": "no_such_module_af:fn"},
+     ("reward.function", "no_such_module_af", "ModuleNotFoundError")),
+    ("reward-no-attribute", {"reward.function": "support:no_such_reward"}, ("reward.function", "no_such_reward")),
+    ("reward-not-callable", {"reward.function": "workers.tasks:EOS_TEXT"}, ("reward.function", "not a function")),
+    ("reward-model-dir", {"reward.model_dir": "/no/such/reward"}, ("reward.model_dir", "/no/such/reward")),
+    ("cost-missing", {"algorithm": "safe_rlhf"}, ("cost", "function", "model_dir")),
+    ("model-dir-missing", {"model.dir": "/no/such/model/dir"}, ("model.dir", "/no/such/model/dir")),
+    ("model-dir-no-config", {"model.dir": "{empty}"}, ("model.dir", "config.json")),
+    ("no-model", {"model.dir": ""}, ("model.dir", "[sft]")),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() sets these for the Ray it would start; undo that for later tests.
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the run gets as far as the trainer (SFT, Ray) or Ray itself."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the configuration should have been refused before anything started")
+
+    monkeypatch.setattr(asyncflow.train, "Trainer", refuse)
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def _valid(tmp: Path, model: str) -> dict[str, Any]:
+    return {"algorithm": "grpo", "output_dir": str(tmp / "run"), "model": {"dir": model},
+            "task": {"digits": 1, "train_size": 40, "eval_size": 8}, "pools": {"main": {"devices": 2}}}
+
+
+def _write(tmp: Path, model: str, overrides: dict[str, Any], name: str = "run") -> Path:
+    """A YAML config: the valid one with ``overrides`` (dotted keys) set."""
+    data = copy.deepcopy(_valid(tmp, model))
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = tmp / f"{name}.yaml"
+    path.write_bytes(msgspec.yaml.encode(data))
+    return path
+
+
+def _bad_config(tmp: Path, model: str, overrides: dict[str, Any]) -> Path:
+    if overrides.get("model.dir") == "{empty}":
+        (tmp / "empty").mkdir()
+        overrides = overrides | {"model.dir": str(tmp / "empty")}
+    return _write(tmp, model, overrides)
+
+
+def test_the_example_and_a_valid_config_load(tmp_path: Path, model_dir: str) -> None:
+    assert load_config(EXAMPLE).algorithm == "grpo"
+    config = load_config(_write(tmp_path, model_dir, {"placement.actor": {"pool": "main", "t": 2},
+                                                      "sft": {}, "model.dir": ""}))
+    assert config.placement["actor"].t == 2  # the default SFT model has 2 heads and 2 KV heads
+
+
+@pytest.mark.parametrize(("overrides", "named"), [pytest.param(o, n, id=i) for i, o, n in BAD])
+def test_bad_config_names_the_key(tmp_path: Path, model_dir: str, overrides: dict[str, Any],
+                                  named: tuple[str, ...]) -> None:
+    path = _bad_config(tmp_path, model_dir, overrides)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    for text in named:
+        assert text in message
+
+
+@pytest.mark.parametrize(("overrides", "named"), [pytest.param(o, n, id=i) for i, o, n in BAD])
+def test_train_refuses_bad_config_before_anything_starts(
+        tmp_path: Path, model_dir: str, overrides: dict[str, Any], named: tuple[str, ...],
+        nothing_starts: None, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _bad_config(tmp_path, model_dir, overrides)
+    assert main(["train", str(path), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("asyncflow: configuration error: ") and err.count("\n") == 1
+    assert named[0] in err
+    assert not ray.is_initialized()
+
+
+def test_overrides_are_checked_like_the_file(tmp_path: Path, model_dir: str, nothing_starts: None,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, model_dir, {})
+    assert main(["train", str(path), "--set", "placement.actor={\"pool\": \"main\", \"p\": 2}"]) == 2
+    assert "placement.actor.p" in capsys.readouterr().err
+    assert main(["train", str(path), "--set", "actor.lr"]) == 2
+    assert "--set expects key=value" in capsys.readouterr().err
+
+
+def test_reward_function_is_imported_from_the_tests_and_the_working_directory(
+        tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The workers import it from their sys.path and the driver's working directory.
+    assert load_config(_write(tmp_path, model_dir, {"reward.function": "support:raising_reward"}))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "af_cwd_reward.py").write_text("def score(prompts, responses, answers):\n    return [0.0] * len(prompts)\n")
+    monkeypatch.chdir(work)
+    monkeypatch.delitem(sys.modules, "af_cwd_reward", raising=False)
+    before = list(sys.path)
+    config = load_config(_write(tmp_path, model_dir, {"reward.function": "af_cwd_reward:score"}))
+    assert config.reward.function == "af_cwd_reward:score"
+    assert sys.path == before
+
+
+def test_broken_reward_module_is_named(tmp_path: Path, model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "af_broken_reward.py").write_text("raise RuntimeError('cannot load the classifier\\nline two')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"reward\.function = 'af_broken_reward:f'.*RuntimeError: cannot load "
+                                          r"the classifier;") as info:
+        load_config(_write(tmp_path, model_dir, {"reward.function": "af_broken_reward:f"}))
+    assert "\n" not in str(info.value)
+
+
+def test_cost_function_is_imported_for_safe_rlhf_only(tmp_path: Path, model_dir: str) -> None:
+    safe = {"algorithm": "safe_rlhf", "cost.function": "support:no_such_cost"}
+    with pytest.raises(ConfigError, match=r"cost\.function = 'support:no_such_cost'"):
+        load_config(_write(tmp_path, model_dir, safe))
+    assert load_config(_write(tmp_path, model_dir, safe | {"algorithm": "grpo"})).algorithm == "grpo"
+
+
+def test_configuration_error_is_one_line_unless_debug(tmp_path: Path, model_dir: str, nothing_starts: None,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, model_dir, {})  # no [sft]
+    assert main(["sft", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"asyncflow: configuration error: {path} has no [sft] section; add one to run the SFT warm " \
+                  "start (examples/arith_grpo.toml has one)\n"
+    assert main(["sft", str(path), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "channels" in err and "ConfigError" in err
+    assert err.splitlines()[-1].startswith("asyncflow: configuration error: ")
+
+
+class _StageFailed(AsyncflowError):
+    """Stands for a failed remote stage: the first line says what, the rest where."""
+
+
+def _trainer_raising(error: BaseException) -> type:
+    class Trainer:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        async def run(self) -> None:
+            raise error
+
+    return Trainer
+
+
+def test_other_asyncflow_error_is_one_line_unless_debug(tmp_path: Path, model_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    error = _StageFailed("reward.score failed on rank 0: ZeroDivisionError: reward bug\n"
+                         "where the remote call failed:\n  File \"support.py\", line 1, in raising_reward")
+    monkeypatch.setattr(asyncflow.train, "Trainer", _trainer_raising(error))
+    path = _write(tmp_path, model_dir, {})
+    assert main(["train", str(path), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == "asyncflow: _StageFailed: reward.score failed on rank 0: ZeroDivisionError: reward bug\n"
+    assert main(["train", str(path), "--no-progress", "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last):" in err and "where the remote call failed:" in err
+    assert 'File "support.py", line 1, in raising_reward' in err
+    assert err.splitlines()[-1] == "asyncflow: _StageFailed: reward.score failed on rank 0: ZeroDivisionError: " \
+                                   "reward bug"
+
+
+def test_any_other_exception_is_a_bug_and_propagates(tmp_path: Path, model_dir: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(asyncflow.train, "Trainer", _trainer_raising(KeyError("oops")))
+    with pytest.raises(KeyError, match="oops"):
+        main(["train", str(_write(tmp_path, model_dir, {})), "--no-progress"])
+
+
+def test_embedded_ray_listens_on_loopback_unless_joining_a_cluster(tmp_path: Path, model_dir: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   nothing_starts: None) -> None:
+    path = _write(tmp_path, model_dir, {})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    main(["sft", str(path)])
+    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    main(["sft", str(path)])
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ

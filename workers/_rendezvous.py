@@ -1,0 +1,464 @@
+"""The session's torch.distributed rendezvous, carried over Ray instead of a TCPStore.
+
+``dist.init_process_group(init_method="tcp://...")`` makes one worker host a
+``TCPStore``: a listener that accepts any unauthenticated client on all interfaces
+for as long as the session runs. Here the key-value store lives in a Ray actor
+(:class:`StoreServer`) and every worker reaches it through :class:`RayStore`, a
+``torch.distributed.Store`` whose operations are Ray actor calls, so the rendezvous
+travels over Ray's own (authenticated) channels and opens no port of its own::
+
+    server = ray.remote(StoreServer).options(num_cpus=0).remote()   # driver, one per session
+    # in each worker:
+    bind_gloo_to_node(ray.util.get_node_ip_address())
+    dist.init_process_group("gloo", store=RayStore(server, timeout), rank=r, world_size=n)
+
+What torch 2.13 asks of a store, and how it reaches a Python one: torch calls a
+Python ``Store`` subclass through a C++ trampoline, which forwards ``set``, ``get``,
+``add``, ``compare_set``, ``check``, ``wait`` (with and without a timeout),
+``multi_get``, ``multi_set``, ``append``, ``has_extended_api`` and ``clone`` under
+those names, and ``delete_key`` and ``num_keys`` under their C++ names
+``deleteKey`` and ``getNumKeys``. ``PrefixStore`` (every process group wraps the
+store in one per group and per device) goes through that trampoline; the queue
+operations and ``list_keys`` are not forwarded (the C++ base raises
+``NotImplementedError``) and nothing on the process-group path uses them. The users:
+
+- the gloo backend's full-mesh rendezvous, once per process group: each rank
+  calls ``set`` with its listener's address under its rank, then ``wait`` and
+  ``get`` for every rank's (its own included): 1 + 2N calls per rank for N ranks.
+  It does not use the extended API (``multi_get``, ``append``) in this version,
+  whatever ``has_extended_api()`` says;
+- ``_store_based_barrier`` (``init_process_group``/``new_group`` when
+  ``TORCH_DIST_INIT_BARRIER=1``): ``add`` then ``wait`` with a 10 s logging interval,
+  catching ``RuntimeError`` to log and wait again, so timeouts here raise a
+  ``DistStoreError`` (a ``RuntimeError``);
+- ``new_group`` and ``DeviceMesh``: the same, under per-group key prefixes (a
+  1-D mesh over the whole world reuses the default group and calls nothing);
+  ``split_group``/``shrink`` call ``clone()``.
+
+Gloo's own data connections are a separate matter: see :func:`bind_gloo_to_node`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import ray
+import torch.distributed as dist
+
+from channels import ConfigError, TransportError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "RayStore", "RendezvousError", "RendezvousTimeoutError", "StoreServer", "bind_gloo_to_node",
+    "gloo_interface_for",
+]
+
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+"""The environment variable gloo reads, each time a gloo process group is created,
+for the network interface(s) its listeners bind to."""
+
+_RPC_GRACE_S = 30.0
+"""Added to a waiting call's own timeout for the Ray round trip: the server's
+deadline is the one that reports a missing key; this one only catches a server
+that stopped answering."""
+
+
+class RendezvousError(TransportError, dist.DistStoreError):
+    """The rendezvous store failed (its actor died, or a value is not a counter).
+
+    A ``DistStoreError`` (hence a ``RuntimeError``) so torch's own handling of store
+    failures applies to it.
+    """
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """Keys were not set before the timeout; the message names them and the timeout."""
+
+
+class StoreServer:
+    """The key-value store of one session's rendezvous, run as an async Ray actor.
+
+    Created once per session by the driver with
+    ``ray.remote(StoreServer).options(num_cpus=0, ...)``. Its methods are
+    coroutines, so waiting callers (one per rank in a rendezvous) wait together on
+    the actor's event loop; Ray runs up to ``max_concurrency`` (1000 by default
+    for async actors) at a time, which bounds how many ranks can wait at once.
+
+    Keys are ``str`` and values ``bytes``, as in torch's ``Store``. The semantics
+    are those of ``TCPStore`` (the tests compare the two operation by operation).
+
+    Concurrency contract: ``get``, ``multi_get`` and ``wait`` wait until their
+    keys exist, unblocked by ``set``, ``multi_set``, ``add``, ``append`` or
+    ``compare_set`` creating them, and raise :class:`RendezvousTimeoutError` after
+    ``timeout_s``. Every other method returns at once.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        # One event per key somebody waits for, set once the key exists. A deleted
+        # key's event is dropped (it was set), so later waiters get a fresh one.
+        self._arrived: dict[str, asyncio.Event] = {}
+
+    # ----- writes -----
+
+    async def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``."""
+        self._store(key, value)
+
+    async def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        """Store each value under its key.
+
+        Raises:
+            ValueError: ``keys`` and ``values`` differ in length.
+        """
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        for key, value in zip(keys, values, strict=True):
+            self._store(key, value)
+
+    async def append(self, key: str, value: bytes) -> None:
+        """Append ``value`` to the bytes under ``key`` (which it creates if missing)."""
+        self._store(key, self._data.get(key, b"") + value)
+
+    async def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter under ``key`` (0 if missing); return the sum.
+
+        The counter is stored as its decimal ASCII bytes, as ``TCPStore`` does, so
+        ``get`` returns e.g. ``b"3"``.
+
+        Raises:
+            RendezvousError: the value under ``key`` is not a decimal integer.
+        """
+        current = self._data.get(key, b"0")
+        try:
+            total = int(current) + amount
+        except ValueError:
+            raise RendezvousError(
+                f"add({key!r}): the value {current[:40]!r} is not a counter; use a key "
+                "that only add() writes"
+            ) from None
+        self._store(key, str(total).encode())
+        return total
+
+    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Replace the value under ``key`` by ``desired`` if it equals ``expected``.
+
+        ``TCPStore`` semantics: a missing key is created when ``expected`` is empty.
+        Returns ``desired`` when it was stored, otherwise the current value, or
+        ``expected`` itself when the key is missing and ``expected`` is not empty.
+        """
+        current = self._data.get(key)
+        if current is None:
+            if expected:
+                return expected
+        elif current != expected:
+            return current
+        self._store(key, desired)
+        return desired
+
+    async def delete_key(self, key: str) -> bool:
+        """Remove ``key``; return whether it existed."""
+        if self._data.pop(key, None) is None:
+            return False
+        self._arrived.pop(key, None)
+        return True
+
+    # ----- reads -----
+
+    async def get(self, key: str, timeout_s: float) -> bytes:
+        """The value under ``key``, waiting up to ``timeout_s`` for it to be set.
+
+        Raises:
+            RendezvousTimeoutError: ``key`` was not set within ``timeout_s``.
+        """
+        await self._wait_for([key], timeout_s, "get")
+        return self._data[key]
+
+    async def multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
+        """The values under ``keys``, waiting up to ``timeout_s`` for all of them.
+
+        Raises:
+            RendezvousTimeoutError: some key was not set within ``timeout_s``.
+        """
+        await self._wait_for(keys, timeout_s, "multi_get")
+        return [self._data[k] for k in keys]
+
+    async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        """Return once every key in ``keys`` exists.
+
+        Raises:
+            RendezvousTimeoutError: some key was not set within ``timeout_s``.
+        """
+        await self._wait_for(keys, timeout_s, "wait")
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key in ``keys`` exists (true for no keys)."""
+        return all(k in self._data for k in keys)
+
+    async def num_keys(self) -> int:
+        """How many keys the store holds."""
+        return len(self._data)
+
+    # ----- internals -----
+
+    def _store(self, key: str, value: bytes) -> None:
+        self._data[key] = value
+        event = self._arrived.get(key)
+        if event is not None:
+            event.set()
+
+    async def _wait_for(self, keys: Sequence[str], timeout_s: float, op: str) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                # A woken key can be deleted again before this coroutine runs:
+                # look again rather than trust the event.
+                while missing := [k for k in keys if k not in self._data]:
+                    event = self._arrived.get(missing[0])
+                    if event is None:
+                        event = self._arrived[missing[0]] = asyncio.Event()
+                    await event.wait()
+        except TimeoutError:
+            missing = [k for k in keys if k not in self._data]
+            raise RendezvousTimeoutError(
+                f"{op}: keys {missing} were not set within {timeout_s:g} s (the rendezvous "
+                "timeout); a rank that should have set them is late, gone, or in another session"
+            ) from None
+
+
+class RayStore(dist.Store):
+    """A ``torch.distributed.Store`` whose operations run on a :class:`StoreServer` actor.
+
+    Use it wherever torch takes a store: ``init_process_group(store=...)``, then
+    ``new_group`` and ``DeviceMesh`` reuse it through the default group. Each
+    operation is one ``ray.get`` of one actor call, so it works from any process
+    connected to the Ray cluster. It pickles as its actor handle and timeout, and
+    constructing one is cheap, so each worker can build its own from the handle.
+
+    Args:
+        server: handle of the session's :class:`StoreServer` actor.
+        timeout: how long ``get``, ``multi_get`` and ``wait`` (without a timeout
+            of its own) wait for keys, and how long any call may take.
+
+    Raises (from its operations):
+        RendezvousTimeoutError: keys were not set in time (a ``DistStoreError``).
+        RendezvousError: the store actor died or cannot be reached.
+
+    Every instance stays alive until the process exits. Torch's C++ side (the
+    process groups' prefix stores) keeps using a store after Python dropped
+    its last reference, but pybind11 finds a Python subclass's methods through the
+    Python object: once that is collected, every call fails with "INTERNAL ASSERT
+    FAILED ... Not implemented". So ``init_process_group(store=RayStore(...))``
+    is safe without the caller keeping a reference.
+    """
+
+    def __init__(self, server: Any, timeout: timedelta) -> None:
+        super().__init__()
+        self._server = server
+        self._timeout = timeout
+        super().set_timeout(timeout)
+        _LIVE_STORES.append(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RayStore, (self._server, self._timeout))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Change how long operations wait (see the class docstring)."""
+        super().set_timeout(timeout)
+        self._timeout = timeout
+
+    # ----- the operations the C++ trampoline forwards -----
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Store ``value`` under ``key``."""
+        self._call("set", key, _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        """The value under ``key``, waiting up to the store's timeout for it."""
+        return self._call("get", key, self._timeout_s(), waits=True)
+
+    def add(self, key: str, value: int) -> int:
+        """Add ``value`` to the counter under ``key``; return the new count."""
+        return self._call("add", key, value)
+
+    def compare_set(self, key: str, expected_value: str | bytes,
+                    desired_value: str | bytes) -> bytes:
+        """``TCPStore``'s compare-and-set (see :meth:`StoreServer.compare_set`)."""
+        return self._call("compare_set", key, _as_bytes(expected_value), _as_bytes(desired_value))
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key in ``keys`` exists."""
+        return self._call("check", list(keys))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Return once every key exists; wait at most ``timeout`` (default: the store's)."""
+        timeout_s = self._timeout_s() if timeout is None else timeout.total_seconds()
+        self._call("wait", list(keys), timeout_s, waits=True)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values under ``keys``, waiting up to the store's timeout for all of them."""
+        return self._call("multi_get", list(keys), self._timeout_s(), waits=True)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """Store each value under its key."""
+        self._call("multi_set", list(keys), [_as_bytes(v) for v in values])
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the bytes under ``key``."""
+        self._call("append", key, _as_bytes(value))
+
+    def deleteKey(self, key: str) -> bool:
+        """Remove ``key``; return whether it existed (the C++ name, which torch's
+        trampoline calls; ``delete_key`` is the Python one)."""
+        return self._call("delete_key", key)
+
+    def getNumKeys(self) -> int:
+        """How many keys the store holds (the C++ name, which torch's trampoline
+        calls; ``num_keys`` is the Python one)."""
+        return self._call("num_keys")
+
+    def delete_key(self, key: str) -> bool:
+        """Remove ``key``; return whether it existed."""
+        return self.deleteKey(key)
+
+    def num_keys(self) -> int:
+        """How many keys the store holds."""
+        return self.getNumKeys()
+
+    def has_extended_api(self) -> bool:
+        """True: ``multi_get``, ``multi_set``, ``append`` and ``add`` are supported
+        (torch code that checks this may use them; gloo's rendezvous in torch 2.13
+        does not)."""
+        return True
+
+    def clone(self) -> RayStore:
+        """Another client of the same store (``split_group`` and ``shrink`` use it)."""
+        return RayStore(self._server, self._timeout)
+
+    # ----- internals -----
+
+    def _timeout_s(self) -> float:
+        return self._timeout.total_seconds()
+
+    def _call(self, method: str, *args: Any, waits: bool = False) -> Any:
+        deadline = self._timeout_s() + (_RPC_GRACE_S if waits else 0.0)
+        ref = getattr(self._server, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=deadline)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RendezvousError):
+                raise type(e.cause)(str(e.cause)) from None
+            raise
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            raise RendezvousTimeoutError(
+                f"{method}: the rendezvous store did not answer within {deadline:g} s "
+                f"(arguments {_describe(args)})"
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise RendezvousError(
+                f"{method}: the session's rendezvous store actor is gone ({e}); the session "
+                "cannot form or re-form process groups and must be restarted"
+            ) from None
+
+
+_LIVE_STORES: list[RayStore] = []
+"""Every :class:`RayStore` made in this process (see its docstring for why)."""
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _describe(args: Sequence[Any]) -> str:
+    text = ", ".join(repr(a) for a in args)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+# ----- where gloo listens -----
+
+
+def gloo_interface_for(node_ip: str) -> str:
+    """The name of the network interface that holds ``node_ip`` (``"lo"`` for 127.0.0.1).
+
+    Args:
+        node_ip: this node's cluster address, as Ray reports it
+            (``ray.util.get_node_ip_address()``).
+
+    Raises:
+        ConfigError: ``node_ip`` is not an IP address, or no interface of this
+            host holds it.
+    """
+    try:
+        wanted = ipaddress.ip_address(node_ip.split("%", 1)[0])
+    except ValueError:
+        raise ConfigError(f"node_ip {node_ip!r} is not an IP address") from None
+    seen = []
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            seen.append(f"{name}={addr.address}")
+            if ipaddress.ip_address(addr.address.split("%", 1)[0]) == wanted:
+                return name
+    raise ConfigError(
+        f"node_ip {node_ip!r} is not an address of this host (its addresses: {', '.join(seen)}); "
+        "pass the address Ray reports for this node (ray.util.get_node_ip_address())"
+    )
+
+
+def bind_gloo_to_node(node_ip: str) -> str:
+    """Make gloo process groups created from now on in this process listen on the
+    interface that holds ``node_ip`` (loopback when it is 127.0.0.1). Call it before
+    ``init_process_group``.
+
+    What gloo does otherwise (torch 2.13): each gloo process group opens TCP
+    listeners, one per device, that its peers connect to during the group's
+    full-mesh rendezvous. Without ``GLOO_SOCKET_IFNAME`` the device is
+    ``ProcessGroupGloo.create_default_device()``: gloo resolves the machine's
+    hostname and binds to the first resolved address it can bind, falling back
+    to 127.0.0.1 when none works. So it binds one address, not the wildcard, but
+    which one depends on ``/etc/hosts`` and DNS, not on the cluster: it may be a
+    public interface, or 127.0.0.1/127.0.1.1 (common ``/etc/hosts`` entries),
+    which breaks multi-node groups.
+
+    This function sets ``GLOO_SOCKET_IFNAME`` to the interface holding Ray's node
+    address. Gloo reads the variable each time it creates a process group
+    (``init_process_group``, ``new_group``, ``DeviceMesh``), and binds each
+    listener to that interface's first IPv4 or IPv6 address. An explicit device
+    (``ProcessGroupGloo.create_device(hostname=node_ip)``) would pin the exact
+    address, but ``init_process_group`` and ``new_group`` ignore ``pg_options``
+    for gloo in torch 2.13, so the environment variable is the only setting that
+    reaches every group. When ``node_ip`` is not the interface's first address,
+    gloo binds that first address of the same interface; a warning says so.
+
+    Args:
+        node_ip: this node's cluster address (``ray.util.get_node_ip_address()``).
+
+    Returns:
+        The interface name it set.
+
+    Raises:
+        ConfigError: no interface of this host holds ``node_ip``.
+    """
+    name = gloo_interface_for(node_ip)
+    first = next((a.address for a in psutil.net_if_addrs()[name]
+                  if a.family in (socket.AF_INET, socket.AF_INET6)), None)
+    if first is not None and ipaddress.ip_address(first.split("%", 1)[0]) != ipaddress.ip_address(
+            node_ip.split("%", 1)[0]):
+        logger.warning("gloo will listen on %s, the first address of interface %s, not on the "
+                       "node address %s", first, name, node_ip)
+    previous = os.environ.get(GLOO_SOCKET_IFNAME)
+    if previous not in (None, name):
+        logger.warning("replacing %s=%s by %s (the interface of node address %s)",
+                       GLOO_SOCKET_IFNAME, previous, name, node_ip)
+    os.environ[GLOO_SOCKET_IFNAME] = name
+    return name

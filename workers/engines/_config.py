@@ -1,0 +1,97 @@
+"""Settings of a training engine: optimizer, schedule, micro-batching, loss reduction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.engines._batch import (
+    FixedSizeMicroBatches,
+    MicroBatchPlanner,
+    TokenBalancedMicroBatches,
+    WholeBatch,
+)
+from workers.engines._errors import EngineConfigError, enum_field
+from workers.engines._losses import LossAggregation
+
+
+def _positive(name: str, value: float | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise EngineConfigError(f"TrainingConfig.{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise EngineConfigError(f"TrainingConfig.{name} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """Optimizer, schedule, micro-batching and loss reduction of a training engine."""
+
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moment decay rates."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    eps: float = 1e-8
+    """AdamW's denominator epsilon."""
+    grad_clip: float | None = 1.0
+    """Clip the total gradient norm to this; None or 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up: step s uses ``lr * min(1, (s + 1) / warmup_steps)``."""
+    micro_batch_size: int | None = None
+    """Rows per micro-batch (gradient accumulation); exclusive with max_tokens_per_micro_batch."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token-balanced micro-batches of at most this many real tokens each."""
+    loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
+    """How per-token loss terms are averaged over the global batch."""
+    skip_non_finite: bool = True
+    """Skip the optimizer step (and report it as ``step_skipped``) when the loss or the
+    gradient norm, both global over the data-parallel ranks, is inf or nan."""
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("eps", self.eps)
+        _positive("grad_clip", self.grad_clip, allow_zero=True)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("micro_batch_size", self.micro_batch_size)
+        _positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise EngineConfigError(
+                f"TrainingConfig.betas must be two numbers in [0, 1), got {self.betas}"
+            )
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise EngineConfigError(
+                "TrainingConfig: set micro_batch_size or max_tokens_per_micro_batch, not both"
+            )
+        aggregation = enum_field(
+            "TrainingConfig.loss_aggregation", LossAggregation, self.loss_aggregation
+        )
+        object.__setattr__(self, "loss_aggregation", aggregation)
+
+    def micro_batch_planner(self) -> MicroBatchPlanner:
+        """The micro-batching strategy these settings select.
+
+        Returns:
+            Token-balanced, fixed-size, or whole-batch planning.
+        """
+        if self.max_tokens_per_micro_batch is not None:
+            return TokenBalancedMicroBatches(max_tokens=self.max_tokens_per_micro_batch)
+        if self.micro_batch_size is not None:
+            return FixedSizeMicroBatches(size=self.micro_batch_size)
+        return WholeBatch()
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based) under linear warm-up.
+
+        Args:
+            step: the step index.
+
+        Returns:
+            The learning rate.
+        """
+        if self.warmup_steps <= 0:
+            return self.lr
+        return self.lr * min(1.0, (step + 1) / self.warmup_steps)
