@@ -27,19 +27,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import msgspec
 
 from asyncflow._calls import Call, pull_fields
-from asyncflow._errors import PoolBrokenError, RemoteStageError, SessionClosedError, WorkerDiedError
+from asyncflow._errors import PoolBrokenError, SessionClosedError, WorkerDiedError
+from asyncflow._failures import peer_error, primary_error, producer_of, settle
 from asyncflow._future import DataFuture, Resolved
 from asyncflow._ledger import ShardLedger
 from asyncflow._transport import Transport, WorkerGone
 from channels import (
-    AsyncflowError,
     Collected,
     MissingFieldError,
     Piece,
@@ -49,7 +49,7 @@ from channels import (
     open_channel,
     plan_pull,
 )
-from workers import CallSpec, DataArg, RankError
+from workers import CallSpec, DataArg
 
 logger = logging.getLogger(__name__)
 
@@ -209,14 +209,14 @@ class Scheduler:
             call.result.cancel()  # an input was cancelled: so is this call
             return
         except Exception as e:  # an input failed: this call fails with the same error
-            _settle(call, e)
+            settle(call, e)
             return
         if call.result.done():
             return
         try:
             specs, assignment = self._plan(pool, call, inputs)
         except Exception as e:
-            _settle(call, e)
+            settle(call, e)
             return
         transforms = {n: [(t.fn, t.kwargs) for t in r.transforms] for n, r in inputs.items() if r.transforms}
         tasks = [asyncio.ensure_future(self.transport.execute(w, spec, call.kwargs, transforms, pieces))
@@ -256,7 +256,7 @@ class Scheduler:
         while pending:
             done, _ = await asyncio.wait(pending | {pool.died}, return_when=asyncio.FIRST_COMPLETED)
             if pool.died in done:  # one of this pool's processes died: nothing to heal
-                _settle(call, self._died_during(pool, call))
+                settle(call, self._died_during(pool, call))
                 self._abandon(pending)
                 self._release(ranks.results.values())
                 return
@@ -270,7 +270,7 @@ class Scheduler:
                     ranks.failures[rank_of[t]] = exc
             if ranks.failures:
                 self._poison_finished(pool, ranks)
-                primary = self._primary(pool, call, ranks.failures)
+                primary = primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call))
                 if primary is not None and not call.result.done():
                     call.result.set_exception(primary)
         if not ranks.failures:
@@ -278,7 +278,8 @@ class Scheduler:
             return
         self._release(ranks.results.values())
         if not call.result.done():
-            best = self._primary(pool, call, ranks.failures) or self._secondary(pool, call, ranks.failures)
+            best = (primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call))
+                    or peer_error(call, pool.name, ranks.failures))
             call.result.set_exception(best)
         if pool.broken is None:
             await self._heal(pool)
@@ -291,30 +292,10 @@ class Scheduler:
             fut = asyncio.ensure_future(self.transport.poison(pool.workers[rank]))
             fut.add_done_callback(_quiet)
 
-    def _primary(self, pool: PoolState, call: Call, failures: Mapping[int, BaseException]) -> AsyncflowError | None:
-        """The error worth reporting for the failures so far (None: only peer failures)."""
-        for rank in sorted(failures):
-            exc = failures[rank]
-            if isinstance(exc, WorkerGone):
-                return self._gone(pool, call, rank, exc)
-            if isinstance(exc, RankError) and not exc.peer_failure:
-                if isinstance(exc.error, RemoteStageError):
-                    return exc.error
-                return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool.name,
-                                        cause=exc.cause, remote_traceback=exc.remote_traceback)
-            if not isinstance(exc, RankError):
-                return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool.name,
-                                        cause=f"{type(exc).__name__}: {exc}")
-        return None
-
-    @staticmethod
-    def _secondary(pool: PoolState, call: Call, failures: Mapping[int, BaseException]) -> AsyncflowError:
-        rank = min(failures)
-        exc = failures[rank]
-        assert isinstance(exc, RankError)
-        return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool.name,
-                                cause=f"a peer rank broke a collective: {exc.cause}",
-                                remote_traceback=exc.remote_traceback)
+    def _gone_error(self, pool: PoolState, call: Call) -> Callable[[int, WorkerGone], WorkerDiedError]:
+        """Maps a rank's :class:`WorkerGone` to the public error (and breaks the dead
+        worker's pool)."""
+        return lambda rank, exc: self._gone(pool, call, rank, exc)
 
     def _gone(self, pool: PoolState, call: Call, rank: int, exc: WorkerGone) -> WorkerDiedError:
         self._worker_died(exc.worker, exc.detail)
@@ -322,7 +303,7 @@ class Scheduler:
             return WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
                                    cause="its worker process died", detail=exc.detail)
         producer, prank = self._where[exc.worker]
-        role, _, method = _producer_of(call, exc.worker).partition(".")
+        role, _, method = producer_of(call, exc.worker).partition(".")
         return WorkerDiedError(role=role, method=method.split("#")[0], rank=prank, pool=producer.name,
                                cause=f"its worker process died while {call.label} pulled rows from it",
                                detail=exc.detail)
@@ -338,7 +319,7 @@ class Scheduler:
             out = call.endpoint.spec.protocol.collect(results, call.layout, assignment)
         except Exception as e:
             self.ledger.release_now(produced)
-            _settle(call, e)
+            settle(call, e)
             return
         if not isinstance(out, Collected):
             self.ledger.release_now(produced)
@@ -394,40 +375,9 @@ class Scheduler:
                               rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
         pool.died.set_result(err)
         for call in list(pool.queued.values()):
-            _settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
+            settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
                                           cause=f"rank {rank}'s worker process died before the call ran",
                                           detail=detail))
-
-
-def _producer_of(call: Call, worker: int) -> str:
-    """The label (``role.method#id``) of the call whose rows ``call`` pulled from ``worker``."""
-    for fut in call.data_args.values():
-        cached = fut._cached
-        if isinstance(cached, Resolved):
-            for g in cached.meta.groups:
-                for s in g.segments:
-                    if s.worker == worker:
-                        return s.key
-    return "?.?"
-
-
-def _settle(call: Call, exc: BaseException) -> None:
-    if not call.result.done():
-        call.result.set_exception(_detach(exc))
-
-
-def _detach(exc: BaseException) -> BaseException:
-    """``exc`` without tracebacks (their frames would keep the call's inputs, and
-    through them shards, alive for as long as anyone holds the error)."""
-    stack, seen = [exc], set()
-    while stack:
-        e = stack.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        e.__traceback__ = None
-        stack.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return exc
 
 
 def _quiet(fut: asyncio.Future[Any]) -> None:

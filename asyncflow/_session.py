@@ -24,12 +24,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from asyncflow._errors import SessionClosedError
+from asyncflow._errors import RemoteStageError, SessionClosedError
 from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec, check_placement, check_resources
 from asyncflow._proxy import Roles
 from asyncflow._runtime import Runtime
 from asyncflow._transport import RayTransport
-from channels import ConfigError, Layout
+from channels import AsyncflowError, ConfigError, Layout
 from workers import CONCURRENCY_GROUPS, StoreServer, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,7 @@ class Session(Runtime):
         check_resources(pools, device, ray.cluster_resources())
         ranks = await self._create_workers(pools, device)
         await self._init_groups(pools, ranks, roles, layouts)
-        await asyncio.gather(*(actor.add_role.remote(name, spec.cls, spec.config, layouts[name])
-                               for name, spec in roles.items() for actor in self._pool_actors(ranks, spec.pool)))
+        await self._add_roles(ranks, roles, layouts)
         await self._init_rdt(device)
         return self._start(RayTransport(self._actors, self._actor_ids, self._rdt), ranks, roles, layouts)
 
@@ -186,6 +185,16 @@ class Session(Runtime):
                 layouts[n] for n, s in roles.items() if s.pool.name == p.name)))
             for p in pools for a in self._pool_actors(ranks, p)))
 
+    async def _add_roles(self, ranks: Mapping[str, list[int]], roles: Mapping[str, RoleSpec],
+                         layouts: Mapping[str, Layout]) -> None:
+        jobs = [(name, spec.pool.name, rank, actor.add_role.remote(name, spec.cls, spec.config, layouts[name]))
+                for name, spec in roles.items() for rank, actor in enumerate(self._pool_actors(ranks, spec.pool))]
+        for name, pool, rank, ref in jobs:
+            try:
+                await ref
+            except ray.exceptions.RayTaskError as e:
+                raise _role_start_error(name, pool, rank, e) from None
+
     async def _init_rdt(self, device: str) -> None:
         choice = self._transport_choice
         if choice == "object_store":
@@ -208,6 +217,17 @@ class Session(Runtime):
         """The Ray actor handle of ``rank`` of ``pool`` (for tests and tools)."""
         assert self._scheduler is not None
         return self._actors[self._scheduler.pools[pool].workers[rank]]
+
+
+def _role_start_error(role: str, pool: str, rank: int, e: ray.exceptions.RayTaskError) -> AsyncflowError:
+    """A role that failed to start, as one error naming it: a configuration error
+    stays a :class:`ConfigError`."""
+    cause = e.cause
+    if isinstance(cause, ConfigError):
+        return ConfigError(f"role {role!r} failed to start on rank {rank} of pool {pool!r}: {cause}")
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+    return RemoteStageError(role=role, method="__init__", rank=rank, pool=pool, cause=text,
+                            remote_traceback=getattr(e, "traceback_str", "") or "")
 
 
 def _quiet_ray_init(address: str | None, cpu_slots: int) -> None:

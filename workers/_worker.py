@@ -41,10 +41,11 @@ from channels import (
     StoreStats,
     assemble,
 )
-from workers import _groups
+from workers import _groups, _meshes
+from workers._binding import bind_gloo_to_node
 from workers._call import CallSpec, RankError
 from workers._register import Endpoint, endpoints
-from workers._rendezvous import RayStore, bind_gloo_to_node
+from workers._rendezvous import RayStore
 from workers._role import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -122,10 +123,10 @@ class WorkerProcess:
         """
         if self.pool_size == 1:
             return
-        self._pool_group = _groups.new_reconnectable_group(tuple(ranks), self._timeout)
+        self._pool_group = _meshes.new_reconnectable_group(tuple(ranks), self._timeout)
         for layout in layouts:
             grid = torch.tensor(list(ranks)).view(layout.p, layout.d, layout.t)
-            self._meshes[layout] = _groups.mesh_from_groups(grid, MESH_DIMS, self.device.type, self._timeout)
+            self._meshes[layout] = _meshes.mesh_from_groups(grid, MESH_DIMS, self.device.type, self._timeout)
 
     def add_role(self, name: str, cls: type, config: Any, layout: Layout) -> None:
         """Construct role ``name`` in this process."""
@@ -161,7 +162,7 @@ class WorkerProcess:
             return self._execute(spec, kwargs, transforms, pieces)
         except Exception as e:
             peer = _groups.is_peer_failure(e)
-            _groups.poison_all()
+            _meshes.poison_all()
             raise RankError.from_exception(e, peer_failure=peer) from None
 
     def _execute(self, spec: CallSpec, kwargs: Mapping[str, Any],
@@ -185,12 +186,12 @@ class WorkerProcess:
         """Drop the pool's group connections (peers blocked on this rank fail now).
 
         The driver calls it on every rank that finished a failed call."""
-        _groups.poison_all()
+        _meshes.poison_all()
 
     @ray.method(concurrency_group="compute")
     def heal(self, epoch: int) -> None:
         """Reconnect the pool's groups; collective over the pool (same ``epoch``)."""
-        _groups.heal_all(epoch)
+        _meshes.heal_all(epoch)
 
     def _gather(self, plan: Any, fetched: Sequence[Any]) -> Batch:
         parts = []

@@ -39,3 +39,18 @@ def test_killed_worker_surfaces_quickly_naming_role_and_rank() -> None:
     assert "died" in str(err)
     assert elapsed < 30  # bounded by wait_for above; a hang would fail there
     assert len(still) == 1
+
+
+def test_a_role_that_fails_to_start_is_named() -> None:
+    from workers.roles import ReferenceConfig, ReferenceWorker
+
+    async def main():
+        async with af.Session(cpu_slots=8) as session:
+            pool = ResourcePool(name="p", devices=1)
+            with pytest.raises(af.ConfigError) as info:
+                await session.spawn({"ref": RoleSpec(cls=ReferenceWorker, pool=pool,
+                                                     config=ReferenceConfig(model_dir="/no/such/model"))})
+            return info.value
+
+    err = asyncio.run(asyncio.wait_for(main(), 120))
+    assert "role 'ref' failed to start on rank 0 of pool 'p'" in str(err) and "/no/such/model" in str(err)

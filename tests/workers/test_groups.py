@@ -29,16 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from channels import ConfigError
-from workers._groups import (
-    GroupPoisonedError,
-    ReconnectableGroup,
-    heal_all,
-    is_peer_failure,
-    local_groups,
-    mesh_from_groups,
-    new_reconnectable_group,
-    poison_all,
-)
+from workers._groups import GroupPoisonedError, ReconnectableGroup, is_peer_failure, local_groups
+from workers._meshes import heal_all, mesh_from_groups, new_reconnectable_group, poison_all
 from workers.engines import MESH_DIM_NAMES, PolicyLoss, TrainingConfig, TrainingEngine
 from workers.models import TinyModelConfig, build_tiny_model
 

@@ -28,15 +28,8 @@ from hypothesis import strategies as st
 
 from channels import ConfigError
 from support import probe_with_tcpstore_clients, tcp_listeners
-from workers._rendezvous import (
-    GLOO_SOCKET_IFNAME,
-    RayStore,
-    RendezvousError,
-    RendezvousTimeoutError,
-    StoreServer,
-    bind_gloo_to_node,
-    gloo_interface_for,
-)
+from workers._binding import GLOO_SOCKET_IFNAME, bind_gloo_to_node, gloo_interface_for
+from workers._rendezvous import RayStore, RendezvousError, RendezvousTimeoutError, StoreServer
 
 # The rank actors below live in this file, which Ray workers cannot import.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

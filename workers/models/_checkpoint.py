@@ -24,11 +24,11 @@ def check_supported_checkpoint(path: Path) -> PretrainedConfig:
         The checkpoint's transformers config.
 
     Raises:
-        FileNotFoundError: If ``path`` has no ``config.json``.
+        ConfigError: If ``path`` has no ``config.json``.
         ValueError: If its ``model_type`` is not in :data:`SUPPORTED_ARCHITECTURES`.
     """
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+        raise ConfigError(
             f"{path} has no config.json; pass a local Hugging Face checkpoint directory "
             "(save_tiny_model writes one)"
         )

@@ -236,7 +236,7 @@ def load_model(
         A transformers causal LM, or a :class:`ValueModel`.
 
     Raises:
-        FileNotFoundError: If ``directory`` has no ``config.json``.
+        ConfigError: If ``directory`` has no ``config.json``.
         ValueError: If the architecture is not supported, ``kind`` is unknown, or a
             value-model directory is loaded as a causal LM.
     """

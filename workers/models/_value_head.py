@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from channels import ConfigError
+
 from ._checkpoint import check_supported_checkpoint
 
 __all__ = ["VALUE_HEAD_FILE", "ValueModel"]
@@ -117,13 +119,13 @@ class ValueModel(nn.Module):
             A float32 value model in eval mode.
 
         Raises:
-            FileNotFoundError: If the directory has no value head.
+            ConfigError: If the directory has no value head.
             ValueError: If the architecture is not supported or the head does not
                 match the backbone.
         """
         path = Path(directory)
         if not (path / VALUE_HEAD_FILE).is_file():
-            raise FileNotFoundError(
+            raise ConfigError(
                 f"{path} has no {VALUE_HEAD_FILE}; to start a value model from a causal "
                 "LM use ValueModel.from_causal_lm(path) or load_model(path, kind='value')"
             )

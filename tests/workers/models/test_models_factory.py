@@ -16,6 +16,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from channels import ConfigError
 from workers.models import (
     CharTokenizer,
     TinyModelConfig,
@@ -97,7 +98,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 def test_missing_directory_and_bad_kind(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         load_model(tmp_path)
     directory = save_tiny_model(tmp_path / "m", TinyModelConfig(num_hidden_layers=1))
     with pytest.raises(ValueError, match="kind"):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from channels import ConfigError
 from workers.models import (
     VALUE_HEAD_FILE,
     TinyModelConfig,
@@ -78,7 +79,7 @@ def test_gradients_reach_head_and_backbone(causal_dir: Path) -> None:
 
 
 def test_misuse_is_explained(causal_dir: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="from_causal_lm"):
+    with pytest.raises(ConfigError, match="from_causal_lm"):
         ValueModel.from_pretrained(causal_dir)
     with pytest.raises(ValueError, match="base model"):
         ValueModel(build_tiny_model(TinyModelConfig(num_hidden_layers=1)))

@@ -103,7 +103,7 @@ def test_a_ppo_step_through_every_role(env) -> None:
         batch = af.merge(rollout, old, ref, values, scores).map(outcome_advantages)
         a, c = await af.gather(roles.actor.update(batch), roles.critic.update(batch))
         after = roles.actor.generate(src, params=GREEDY)
-        rows = await af.merge(rollout, old, ref, values, scores, rm, cost).fetch()
+        rows = await af.merge(rollout, old, ref, values, scores, rm.rename(scores="rm_scores"), cost).fetch()
         return (rows, await before.fetch(), await after.fetch(),
                 await roles.actor.log_prob(before).fetch(), await roles.actor.log_prob(after).fetch(), a, c)
 
@@ -116,7 +116,7 @@ def test_a_ppo_step_through_every_role(env) -> None:
                         ("rollout_logprobs", torch.float32), ("old_logprobs", torch.float32),
                         ("ref_logprobs", torch.float32), ("values", torch.float32)]:
         assert rows[name].shape == (count, R) and rows[name].dtype == dtype, name
-    for name in ("scores", "costs"):
+    for name in ("scores", "rm_scores", "costs"):
         assert rows[name].shape == (count,) and rows[name].dtype == torch.float32, name
     assert set(rows["scores"].tolist()) <= {0.0, 1.0}
     # FSDP training engine over 2 ranks and the full-copy rollout engines agree.
