@@ -295,6 +295,7 @@ def test_1000_calls_between_two_pools_with_100_failing_leak_nothing(env) -> None
     lt.run(iterate(1000), timeout=900)
     gc.collect()
     grown = psutil.Process().memory_info().rss - rss
+    print(f"driver RSS growth over 1000 calls: {grown / 2**20:.1f} MB")
     stats = lt.run(session.store_stats())
     assert [s.shards for _, _, s in stats] == [0] * len(stats)
     assert grown < 20 * 2**20, f"driver RSS grew {grown / 2**20:.1f} MB"
