@@ -8,6 +8,10 @@ The names below load on first use (PEP 562), so that ``import asyncflow.cli``
 imports no Ray: the command sets Ray's environment before Ray is imported.
 """
 
+# The imports under TYPE_CHECKING are for type checkers only; the names reach users
+# through __getattr__ below.
+# ruff: noqa: F401
+
 from __future__ import annotations
 
 import importlib
@@ -27,14 +31,7 @@ _EXPORTS = {
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    "CPU_SLOT", "DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "CallInfo", "ConfigError",
-    "DataFuture", "Layout", "Metrics", "MicroDP", "MissingFieldError", "OneToAll", "PoolBrokenError",
-    "RankZero", "RemoteStageError", "ResourcePool", "Role", "RoleGroup", "RoleSpec", "Roles", "SchemaError",
-    "Session", "SessionClosedError", "TransferProtocol", "TransportError", "WorkerContext", "WorkerDiedError",
-    "gather", "merge", "register", "shutdown_ray", "transform",
-]
-assert sorted(__all__) == sorted(_WHERE), "asyncflow.__all__ and its lazy exports disagree"
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:

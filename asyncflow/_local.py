@@ -116,7 +116,8 @@ class LocalSession(Runtime):
 
     def __init__(self) -> None:
         super().__init__()
-        self.transport: LocalTransport | None = None
+        self.local: LocalTransport | None = None
+        """The in-process transport (tests call ``local.kill(worker)`` and read ``local.log``)."""
 
     async def __aenter__(self) -> LocalSession:
         return self
@@ -140,8 +141,8 @@ class LocalSession(Runtime):
         for name, spec in roles.items():
             for i in ranks[spec.pool.name]:
                 workers[i].add_role(name, spec.cls, spec.config, layouts[name])
-        self.transport = LocalTransport(workers)
-        return self._start(self.transport, ranks, roles, layouts)
+        self.local = LocalTransport(workers)
+        return self._start(self.local, ranks, roles, layouts)
 
     async def close(self) -> None:
         """Settle every call and stop the worker threads. Idempotent."""
@@ -149,5 +150,5 @@ class LocalSession(Runtime):
             return
         self._closed = True
         await self._stop()
-        if self.transport is not None:
-            self.transport.close()
+        if self.local is not None:
+            self.local.close()

@@ -138,11 +138,13 @@ class Scheduler:
 
         Calls not started never run; a running one finishes and its rows are freed.
         """
-        doomed_futs, doomed_calls = {id(fut)}, set(fut._calls if fut._call_id is not None else ())
+        doomed_calls: set[int] = set()
         if fut._call_id is None:
-            fut._mark_cancelled()
-        live = sorted(self._live(), key=lambda c: c.call_id)
-        for call in live:
+            fut._mark_cancelled()  # a derived future: only the calls consuming it go
+        else:
+            doomed_calls.add(fut._call_id)
+        doomed_futs = {id(fut)}
+        for call in sorted(self._live(), key=lambda c: c.call_id):  # a call depends on earlier ones only
             if call.call_id in doomed_calls or call.depends_on(doomed_futs, doomed_calls):
                 doomed_calls.add(call.call_id)
                 call.result.cancel()

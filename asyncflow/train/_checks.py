@@ -12,7 +12,6 @@ Ray starts rather than as a worker's start-up error.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 from asyncflow.algos import PolicyConfig, RolloutConfig, SafeRLHFConfig
 from channels import ConfigError
 from workers.models import check_supported_checkpoint
+from workers.rewards import load_reward_fn
 
 MODEL_ROLES = ("actor", "ref", "critic", "cost_critic")
 """Roles that load the policy's model (and so may split it by tensor parallelism)."""
@@ -181,56 +181,23 @@ def check_tensor_parallel(role: str, t: int, heads: tuple[int, int], model: str)
 
 # ----- reward functions -----
 
-def split_function(key: str, spec: str) -> tuple[str, str]:
-    """Split ``module:function``.
-
-    Raises:
-        ConfigError: ``spec`` is not of that form.
-    """
-    module_name, sep, attr_path = spec.partition(":")
-    if not (sep and module_name and attr_path) or ":" in attr_path:
-        raise ConfigError(f"{key} must be 'module:function', got {spec!r}; "
-                          "e.g. 'workers.tasks:exact_match_reward'")
-    return module_name, attr_path
-
-
 def load_score_function(key: str, spec: str) -> Callable[..., Any]:
-    """Import a ``module:function`` reward (or cost) function in the driver.
+    """Import a ``module:function`` reward (or cost) function in the driver, as the
+    reward workers will (:func:`workers.rewards.load_reward_fn`).
 
-    The workers import it again; they find modules on their own ``sys.path`` and in
-    the driver's working directory (Ray adds it), so the driver looks there too.
-
-    Args:
-        key: the config key (``reward.function``).
-        spec: ``module:function``; ``function`` may be dotted (``Class.method``).
-
-    Returns:
-        The function.
+    The workers find modules on their own ``sys.path`` and in the driver's working
+    directory (Ray adds it), so the driver looks there too.
 
     Raises:
-        ConfigError: malformed, the module does not import, the attribute is missing or
-            not callable.
+        ConfigError: naming ``key``: malformed, the module does not import, the
+            attribute is missing or not callable.
     """
-    module_name, attr_path = split_function(key, spec)
     cwd = os.path.abspath(os.curdir)
     added = cwd not in sys.path
     if added:
         sys.path.append(cwd)
     try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as e:  # the module's own code failing is the user's error too
-        raise ConfigError(f"{key} = {spec!r}: cannot import {module_name!r}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}; make the module importable "
-                          "(PYTHONPATH or the working directory)") from None
+        return load_reward_fn(spec, key=key)
     finally:
         if added:
             sys.path.remove(cwd)
-    for part in attr_path.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{key} = {spec!r}: {getattr(target, '__name__', target)!r} has no attribute "
-                              f"{part!r}; check the name after ':'")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"{key} = {spec!r} names a {type(target).__name__}, not a function "
-                          "fn(prompts, responses, answers) -> list[float]")
-    return target

@@ -25,9 +25,9 @@ from asyncflow.train._checks import (
     check_tensor_parallel,
     load_score_function,
     model_heads,
-    split_function,
 )
 from channels import ConfigError
+from workers.rewards import split_function_spec
 from workers.tasks import ArithmeticTaskConfig, SFTConfig
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
@@ -132,7 +132,7 @@ class ScoreSection(msgspec.Struct, **_CFG):
 
     def __post_init__(self) -> None:
         if self.function:  # imported by validate, for the roles the run needs
-            split_function("ScoreSection.function", self.function)
+            split_function_spec(self.function, key="ScoreSection.function")
 
 
 class PoolSection(msgspec.Struct, **_CFG):

@@ -69,7 +69,7 @@ def test_raising_rank_fails_the_call_at_once_names_it_and_the_pool_heals() -> No
         with pytest.raises(af.RemoteStageError) as dep:
             await dependent
         after = await roles.consumer3.echo(made)  # the same pool takes the next call
-        return info.value, dep.value, after, list(session.transport.log)
+        return info.value, dep.value, after, list(session.local.log)
 
     err, dep, after, log = run(main)
     assert (err.role, err.method, err.rank, err.pool) == ("faulty", "boom", 1, "c3")
@@ -127,7 +127,7 @@ def test_cancel_a_queued_call_cancels_its_dependents_and_allocates_nothing() -> 
             await second
         assert (await other).num_rows == 8
         assert not first.cancel()  # already done
-        executed = [w for op, w in session.transport.log if op == "execute"]
+        executed = [w for op, w in session.local.log if op == "execute"]
         del src, blocker, other
         gc.collect()
         return executed, await session.store_stats()
@@ -159,7 +159,7 @@ def test_killed_worker_fails_running_and_queued_calls_then_the_pool_refuses() ->
         running = roles.sleeper2.work(5.0)
         queued = roles.sleeper2.work(0.1)
         await asyncio.sleep(0.3)
-        session.transport.kill(5)  # rank 1 of c2
+        session.local.kill(5)  # rank 1 of c2
         with pytest.raises(af.WorkerDiedError) as run_err:
             await running
         with pytest.raises(af.WorkerDiedError) as queued_err:
@@ -180,7 +180,7 @@ def test_a_producer_dying_is_reported_as_the_producers_death() -> None:
     async def main(session, roles):
         made = await _made(session, roles, 8)
         await made
-        session.transport.kill(2)  # rank 2 of the producer pool
+        session.local.kill(2)  # rank 2 of the producer pool
         with pytest.raises(af.WorkerDiedError) as info:
             await roles.consumer2.echo(made)
         await asyncio.sleep(0.1)

@@ -25,6 +25,7 @@ from workers.rewards._rule import (
     arithmetic_reward,
     load_reward_fn,
     reward_fn_name,
+    split_function_spec,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "load_reward_fn",
     "masked_token_lists",
     "reward_fn_name",
+    "split_function_spec",
 ]

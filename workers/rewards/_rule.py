@@ -61,45 +61,57 @@ def arithmetic_reward(prompts: list[str], responses: list[str], answers: list[st
     return [float(r.strip() == a.strip()) for r, a in zip(responses, answers, strict=True)]
 
 
-def load_reward_fn(spec: str | RewardFn) -> RewardFn:
+def split_function_spec(spec: object, *, key: str = "RuleRewardConfig.fn") -> tuple[str, str]:
+    """``"module:function"`` as ``(module, function)``.
+
+    Args:
+        spec: the string.
+        key: how the caller names the setting in messages (a config key).
+
+    Raises:
+        ConfigError: ``spec`` is not a ``module:function`` string.
+    """
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ConfigError(f"{key} must be a 'module:function' string, got {spec!r}; e.g. {DEFAULT_REWARD_FN!r}")
+    module_name, attr_path = spec.split(":")
+    return module_name, attr_path
+
+
+def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") -> RewardFn:
     """Resolve a reward function given as ``"module:function"`` (or return a callable).
 
     ``function`` may be dotted (``"pkg.mod:Class.method"``).
 
     Args:
         spec: the import path, or the function itself.
+        key: how the caller names the setting in messages (a config key).
 
     Returns:
         The callable.
 
     Raises:
-        ConfigError: the string is malformed, the module cannot be imported, the
-            attribute does not exist or is not callable.
+        ConfigError: the string is malformed, the module cannot be imported (or
+            raises while importing), the attribute does not exist or is not callable.
     """
     if callable(spec):
         return spec
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(
-            f"RuleRewardConfig.fn must be a callable or a 'module:function' string, got {spec!r}; "
-            f"e.g. {DEFAULT_REWARD_FN!r}"
-        )
-    module_name, attr_path = spec.split(":")
+    module_name, attr_path = split_function_spec(spec, key=key)
     try:
         target: Any = importlib.import_module(module_name)
-    except ImportError as e:
+    except Exception as e:  # the module's own code failing is the user's error too
+        first = str(e).splitlines()[0] if str(e) else ""
         raise ConfigError(
-            f"RuleRewardConfig.fn={spec!r}: cannot import module {module_name!r} "
-            f"({type(e).__name__}: {e}); make it importable on the workers"
+            f"{key} = {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {first}; "
+            "make the module importable (PYTHONPATH or the working directory)"
         ) from None
     for part in attr_path.split("."):
         if not hasattr(target, part):
-            raise ConfigError(
-                f"RuleRewardConfig.fn={spec!r}: {getattr(target, '__name__', target)!r} has no "
-                f"attribute {part!r}"
-            )
+            raise ConfigError(f"{key} = {spec!r}: {getattr(target, '__name__', target)!r} has no "
+                              f"attribute {part!r}; check the name after ':'")
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"RuleRewardConfig.fn={spec!r} names a {type(target).__name__}, not a function")
+        raise ConfigError(f"{key} = {spec!r} names a {type(target).__name__}, not a function "
+                          "fn(prompts, responses, answers) -> list[float]")
     return target
 
 
@@ -125,11 +137,7 @@ class RuleRewardConfig:
                 f"RuleRewardConfig.tokenizer_dir must be a directory path string, got {self.tokenizer_dir!r}"
             )
         if isinstance(self.fn, str):
-            if self.fn.count(":") != 1 or not all(self.fn.split(":")):
-                raise ConfigError(
-                    f"RuleRewardConfig.fn must be 'module:function', got {self.fn!r}; "
-                    f"e.g. {DEFAULT_REWARD_FN!r}"
-                )
+            split_function_spec(self.fn)
         elif not callable(self.fn):
             raise ConfigError(f"RuleRewardConfig.fn must be a callable or a string, got {self.fn!r}")
 

@@ -39,7 +39,7 @@ class TrainedRole(Role):
     """A role that trains a model with a :class:`TrainingEngine`: checkpoints and
     export, shared by the actor and the critic.
 
-    Subclasses set ``self.engine`` (built with ``process_group=ctx.process_group``),
+    Subclasses set ``self.engine`` (built with ``process_group=engine_group(ctx)``),
     ``self._shuffle`` (the mini-batch generator) and ``self.config.model_dir``, and
     implement :meth:`_save_export`.
     """
