@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "asyncflow._datastream": ("DataStream", "StreamOptions", "collect"),
     "asyncflow._errors": ("PoolBrokenError", "RemoteStageError", "SessionClosedError", "WorkerDiedError"),
     "asyncflow._future": ("DataFuture", "gather", "transform"),
     "asyncflow._ops": ("merge",),
@@ -27,7 +28,8 @@ _EXPORTS = {
     "channels": ("DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError", "Layout", "Metrics",
                  "MicroDP", "MissingFieldError", "OneToAll", "RankZero", "SchemaError", "TransferProtocol",
                  "TransportError"),
-    "workers": ("CallInfo", "Role", "WorkerContext", "register"),
+    "workers": ("Adopt", "CallInfo", "Chunk", "Finish", "Handoff", "Role", "Step", "Tail", "WorkerContext",
+                "register"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -48,6 +50,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from asyncflow._datastream import DataStream, StreamOptions, collect
     from asyncflow._errors import (
         PoolBrokenError,
         RemoteStageError,
@@ -76,4 +79,15 @@ if TYPE_CHECKING:
         TransferProtocol,
         TransportError,
     )
-    from workers import CallInfo, Role, WorkerContext, register
+    from workers import (
+        Adopt,
+        CallInfo,
+        Chunk,
+        Finish,
+        Handoff,
+        Role,
+        Step,
+        Tail,
+        WorkerContext,
+        register,
+    )

@@ -32,6 +32,15 @@ class Call:
     data_args: dict[str, DataFuture[Any]]
     kwargs: dict[str, Any]
     result: asyncio.Future[Any]
+    rank_local: bool = False
+    """The method uses no other rank (``Role.rank_local``): it may run on some of
+    the pool's ranks only."""
+    stream: Any = None
+    """The call's ``StreamOptions`` when it streams its rows."""
+    stream_out: Any = None
+    """The ``DataStream`` a streamed call feeds."""
+    inputs: dict[str, Any] | None = None
+    """The data arguments' resolved metadata, once they exist."""
 
     @property
     def method(self) -> str:
@@ -55,7 +64,8 @@ class Call:
 
 
 def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: Layout,
-              args: Sequence[Any], kwargs: Mapping[str, Any], loop: asyncio.AbstractEventLoop) -> Call:
+              args: Sequence[Any], kwargs: Mapping[str, Any], loop: asyncio.AbstractEventLoop,
+              rank_local: bool = False) -> Call:
     """Bind a proxy call's arguments and check its inputs' fields.
 
     Raises:
@@ -73,7 +83,7 @@ def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: L
     plain = {k: v for k, v in arguments.items() if k not in data}
     contract = spec.contract(CallInfo(config=config, arguments=arguments), data)
     call = Call(call_id=next(_call_ids), role=role, endpoint=endpoint, layout=layout, contract=contract,
-                data_args=data, kwargs=plain, result=loop.create_future())
+                data_args=data, kwargs=plain, result=loop.create_future(), rank_local=rank_local)
     _check_known_fields(call)
     return call
 

@@ -114,6 +114,8 @@ class DataFuture(Generic[T]):
             *(p._calls for p in parents))
         self._cached: Any = None
         self._cancelled = False
+        self._row_ids: tuple[int, ...] | None = None
+        """Per row, its id in the stream it came from (micro-batches of a stream only)."""
         if source is not None:
             # A failure nobody awaits must not log "exception was never retrieved":
             # the error reaches whoever awaits this future or a dependent one.
@@ -223,8 +225,10 @@ class DataFuture(Generic[T]):
             return Resolved(meta=base.meta, row_lengths=base.row_lengths, leases=base.leases,
                             transforms=(*base.transforms, t))
 
-        return DataFuture(label=label, fields=fields, origins=origins, runtime=self._runtime,
-                          derive=derive, parents=(self,))
+        out: DataFuture[BatchMeta] = DataFuture(label=label, fields=fields, origins=origins,
+                                                runtime=self._runtime, derive=derive, parents=(self,))
+        out._row_ids = self._row_ids
+        return out
 
 
 def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[BatchMeta]:
@@ -240,8 +244,11 @@ def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[B
         return Resolved(meta=base.meta.rename(mapping), row_lengths=base.row_lengths, leases=base.leases)
 
     args = ", ".join(f"{k}={v!r}" for k, v in mapping.items())
-    return DataFuture(label=f"{parent.label}.rename({args})", fields=fields, origins=origins,
-                      runtime=parent._runtime, derive=derive, parents=(parent,))
+    out: DataFuture[BatchMeta] = DataFuture(label=f"{parent.label}.rename({args})", fields=fields,
+                                            origins=origins, runtime=parent._runtime, derive=derive,
+                                            parents=(parent,))
+    out._row_ids = parent._row_ids
+    return out
 
 
 async def gather(*awaitables: Awaitable[Any]) -> tuple[Any, ...]:

@@ -11,7 +11,8 @@ collectives) need the real :class:`~asyncflow.Session`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -21,7 +22,7 @@ from asyncflow._pool import RoleSpec, check_placement
 from asyncflow._proxy import Roles
 from asyncflow._runtime import Runtime
 from asyncflow._transport import Transforms, WorkerGone
-from channels import Piece, RankResult, StoreStats
+from channels import Piece, RankResult, StoreStats, StreamItem, open_channel
 from workers import WorkerProcess
 
 T = TypeVar("T")
@@ -101,10 +102,54 @@ class LocalTransport:
     async def stats(self, worker: int) -> StoreStats:
         return self.workers[worker].stats()
 
+    async def open_stream(self, worker: int, call_id: int, capacity: int) -> _Receiver:
+        loop = asyncio.get_running_loop()
+        send, receive = open_channel[StreamItem](math.inf)
+        dead = self._dead[worker]
+
+        class Sink:
+            def send(self, item: StreamItem) -> None:
+                loop.call_soon_threadsafe(send.send_nowait, item)
+
+            def close(self) -> None:
+                loop.call_soon_threadsafe(send.close)
+
+        self.workers[worker].attach_stream(call_id, Sink())
+
+        async def receiving() -> AsyncIterator[StreamItem]:
+            async with receive:
+                async for item in receive:
+                    if dead.is_set():
+                        raise WorkerGone(worker, "killed")
+                    yield item
+        return _Receiver(receiving())
+
+    async def stream_control(self, worker: int, call_id: int, action: str, count: int) -> bool:
+        return bool(self.workers[worker].stream_control(call_id, action, count))
+
+    async def stream_adopt(self, worker: int, call_id: int, piece: Piece | None, group_size: int) -> None:
+        columns = None if piece is None else self._piece(worker, piece)
+        if piece is not None and columns is None:  # the tail is in the target's own store
+            columns = self.workers[worker].slice(piece.key, piece.lo, piece.hi, piece.fields)
+        self.workers[worker].stream_adopt(call_id, group_size, columns)
+
     def close(self) -> None:
         """Stop the worker threads."""
         for ex in self._compute:
             ex.shutdown(wait=False, cancel_futures=True)
+
+
+class _Receiver:
+    """An async iterator with ``aclose`` (what the scheduler expects of a stream's receive end)."""
+
+    def __init__(self, gen: AsyncIterator[StreamItem]) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> AsyncIterator[StreamItem]:
+        return self._gen
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()  # type: ignore[attr-defined]
 
 
 class LocalSession(Runtime):
@@ -138,11 +183,13 @@ class LocalSession(Runtime):
                 workers.append(WorkerProcess(index=len(workers), pool=pool.name, rank=rank,
                                              pool_size=pool.devices, world=world, device="cpu",
                                              num_threads=torch.get_num_threads()))
+        local: dict[str, frozenset[str]] = {}
         for name, spec in roles.items():
             for i in ranks[spec.pool.name]:
-                workers[i].add_role(name, spec.cls, spec.config, layouts[name])
+                methods = frozenset(workers[i].add_role(name, spec.cls, spec.config, layouts[name]))
+                local[name] = local[name] & methods if name in local else methods
         self.local = LocalTransport(workers)
-        return self._start(self.local, ranks, roles, layouts)
+        return self._start(self.local, ranks, roles, layouts, local)
 
     async def close(self) -> None:
         """Settle every call and stop the worker threads. Idempotent."""

@@ -1,26 +1,49 @@
-"""Operations on data futures that move no rows: ``merge``."""
+"""Operations on data futures that move no rows: ``merge`` (of futures or of streams)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from asyncflow._datastream import DataStream, template, zip_into
 from asyncflow._future import DataFuture, Resolved, Transform
 from channels import BatchMeta, ConfigError, SchemaError, merge_meta
 
 
-def merge(*futures: DataFuture[Any]) -> DataFuture[BatchMeta]:
+def merge(*futures: Any) -> Any:
     """A future of the union of the columns of ``futures`` (same rows, same order).
 
     A column may appear in several futures only when it is the same column of the
     same producer (e.g. ``merge(a, a.map(f))``); two different columns with one
     name are an error (rename one first).
 
+    Given :class:`DataStream` s (all of them streams derived from one streamed
+    call), returns a stream that merges them micro-batch by micro-batch, matching
+    rows by their identity.
+
     Raises:
-        ConfigError: no futures, futures of different sessions, or one name for
-            two different columns (when known at call time).
+        ConfigError: no futures, futures of different sessions, a mix of streams
+            and futures, or one name for two different columns (when known at
+            call time).
     """
     if not futures:
         raise ConfigError("merge needs at least one future")
+    streams = [f for f in futures if isinstance(f, DataStream)]
+    if streams:
+        if len(streams) != len(futures):
+            raise ConfigError("merge takes futures or streams, not both: collect() the streams first")
+        return _merge_streams(streams)
+    return _merge_futures(futures)
+
+
+def _merge_streams(streams: list[DataStream[Any]]) -> DataStream[BatchMeta]:
+    probe = _merge_futures(tuple(template(s) for s in streams))
+    out: DataStream[BatchMeta] = DataStream(label=probe.label, fields=probe.fields, origins=probe._origins,
+                                            runtime=streams[0]._runtime, spawn=streams[0]._spawn)
+    out._spawn(zip_into(out, streams, lambda futs: _merge_futures(tuple(futs))), f"asyncflow-{probe.label}")
+    return out
+
+
+def _merge_futures(futures: tuple[DataFuture[Any], ...]) -> DataFuture[BatchMeta]:
     if len({id(f._runtime) for f in futures}) != 1:
         raise ConfigError("merge needs futures of one session")
     _check_origins(futures)
@@ -44,8 +67,12 @@ def merge(*futures: DataFuture[Any]) -> DataFuture[BatchMeta]:
                         transforms=_merged_transforms(parts))
 
     label = "merge(" + ", ".join(f.label for f in futures) + ")"
-    return DataFuture(label=label, fields=fields, origins=origins, runtime=futures[0]._runtime,
-                      derive=derive, parents=futures)
+    out: DataFuture[BatchMeta] = DataFuture(label=label, fields=fields, origins=origins,
+                                            runtime=futures[0]._runtime, derive=derive, parents=futures)
+    ids = {f._row_ids for f in futures}
+    if len(ids) == 1:
+        out._row_ids = ids.pop()
+    return out
 
 
 def _check_origins(futures: tuple[DataFuture[Any], ...]) -> None:

@@ -6,22 +6,25 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from asyncflow._future import DataFuture
 from asyncflow._pool import ResourcePool, RoleSpec
 from channels import Layout
 from workers import Endpoint, endpoints
 
-Submit = Callable[["RoleGroup", Endpoint[Any, Any], tuple[Any, ...], Mapping[str, Any]], DataFuture[Any]]
+Submit = Callable[["RoleGroup", Endpoint[Any, Any], tuple[Any, ...], Mapping[str, Any]], Any]
 """Submits a call of a group's method (the session's)."""
 
 
 class RoleGroup:
     """The driver-side proxy of one role: ``group.method(...)`` submits the call to
-    every rank of the role's pool and returns a :class:`DataFuture` at once."""
+    every rank of the role's pool and returns a :class:`DataFuture` at once (a
+    ``DataStream`` when an argument is a stream or the call has ``stream=...``)."""
 
-    def __init__(self, submit: Submit, name: str, spec: RoleSpec, layout: Layout) -> None:
+    def __init__(self, submit: Submit, name: str, spec: RoleSpec, layout: Layout,
+                 rank_local: frozenset[str] = frozenset()) -> None:
         self._submit, self._name, self._spec, self._layout = submit, name, spec, layout
         self._endpoints = endpoints(spec.cls)
+        self.rank_local = rank_local
+        """Methods that use no other rank: they may run on some of the pool's ranks."""
 
     @property
     def name(self) -> str:
@@ -53,7 +56,7 @@ class RoleGroup:
                 f"it has {sorted(self._endpoints)}"
             )
 
-        def submit(*args: Any, **kwargs: Any) -> DataFuture[Any]:
+        def submit(*args: Any, **kwargs: Any) -> Any:
             return self._submit(self, endpoint, args, kwargs)
 
         submit.__doc__ = endpoint.__doc__

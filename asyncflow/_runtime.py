@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncflow._calls import bind_call, output_fields
+from asyncflow._datastream import DataStream, StreamOptions, template, zip_into
 from asyncflow._errors import SessionClosedError
 from asyncflow._future import DataFuture, Resolved
 from asyncflow._ledger import ShardLedger
@@ -46,8 +47,10 @@ class Runtime:
         self._puts = 0
 
     def _start(self, transport: Transport, pools: Mapping[str, list[int]], roles: Mapping[str, RoleSpec],
-               layouts: Mapping[str, Layout]) -> Roles:
-        """Start the call loops over ``transport`` and return the role proxies."""
+               layouts: Mapping[str, Layout], rank_local: Mapping[str, frozenset[str]] | None = None) -> Roles:
+        """Start the call loops over ``transport`` and return the role proxies.
+
+        ``rank_local``: per role, the methods that use no other rank (``Role.rank_local``)."""
         self._loop = asyncio.get_running_loop()
         self._transport = transport
         self._ledger = ShardLedger(transport.free)
@@ -56,7 +59,9 @@ class Runtime:
         for name, workers in pools.items():
             self._scheduler.add_pool(name, workers)
         self._scheduler.start()
-        self._roles = Roles({n: RoleGroup(self._submit, n, s, layouts[n]) for n, s in roles.items()})
+        local = rank_local or {}
+        self._roles = Roles({n: RoleGroup(self._submit, n, s, layouts[n], local.get(n, frozenset()))
+                             for n, s in roles.items()})
         return self._roles
 
     async def _stop(self) -> bool:
@@ -83,17 +88,65 @@ class Runtime:
     # ----- calls -----
 
     def _submit(self, group: RoleGroup, endpoint: Endpoint[Any, Any], args: tuple[Any, ...],
-                kwargs: Mapping[str, Any]) -> DataFuture[Any]:
+                kwargs: Mapping[str, Any]) -> Any:
         if self._closed or self._scheduler is None or self._loop is None:
             raise SessionClosedError("the session is closed")
+        kwargs = dict(kwargs)
+        options = _stream_options(group, endpoint, kwargs)
         for value in (*args, *kwargs.values()):
-            if isinstance(value, DataFuture) and value._runtime is not self:
+            if isinstance(value, DataFuture | DataStream) and value._runtime is not self:
                 raise ConfigError(f"{group.name}: {value.label} belongs to another session")
+        streams = [v for v in (*args, *kwargs.values()) if isinstance(v, DataStream)]
+        if streams:
+            if options is not None:
+                raise ConfigError(f"{group.name}.{endpoint.spec.name}: a streamed call takes futures, not "
+                                  "streams; collect() the stream first")
+            return self._submit_on_streams(group, endpoint, args, kwargs, streams)
         call = bind_call(role=group.name, config=group.config, endpoint=endpoint, layout=group.layout,
-                         args=args, kwargs=kwargs, loop=self._loop)
+                         args=args, kwargs=kwargs, loop=self._loop,
+                         rank_local=endpoint.spec.name in group.rank_local)
+        if options is not None:
+            call.stream = options
+            out: DataStream[Any] = DataStream(label=call.label, fields=output_fields(call), runtime=self,
+                                              spawn=self._spawn)
+            call.stream_out = out
+            self._scheduler.submit(call, group.pool.name)
+            return out
         self._scheduler.submit(call, group.pool.name)
         return DataFuture(label=call.label, fields=output_fields(call), runtime=self, source=call.result,
                           call_id=call.call_id)
+
+    def _submit_on_streams(self, group: RoleGroup, endpoint: Endpoint[Any, Any], args: tuple[Any, ...],
+                           kwargs: Mapping[str, Any], streams: list[DataStream[Any]]) -> DataStream[Any]:
+        """One call per micro-batch of ``streams`` (zipped), as their futures arrive."""
+        assert self._loop is not None
+        position = {id(s): i for i, s in enumerate(streams)}
+
+        def substitute(futs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            def one(v: Any) -> Any:
+                return futs[position[id(v)]] if isinstance(v, DataStream) else v
+            return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+        # Checked now, against the streams' fields, so a missing field fails at call time.
+        probe_args, probe_kwargs = substitute([template(s) for s in streams])
+        probe = bind_call(role=group.name, config=group.config, endpoint=endpoint, layout=group.layout,
+                          args=probe_args, kwargs=probe_kwargs, loop=self._loop)
+        label = f"{group.name}.{endpoint.spec.name}({', '.join(s.label for s in streams)})"
+        out: DataStream[Any] = DataStream(label=label, fields=output_fields(probe), runtime=self,
+                                          spawn=self._spawn)
+
+        def each(futs: Any) -> DataFuture[Any]:
+            a, kw = substitute(futs)
+            fut: DataFuture[Any] = self._submit(group, endpoint, a, kw)
+            return fut
+        self._spawn(zip_into(out, streams, each), f"asyncflow-{label}")
+        return out
+
+    def _spawn(self, coro: Any, name: str) -> Any:
+        if self._scheduler is None:
+            coro.close()
+            raise SessionClosedError("the session is closed")
+        return self._scheduler.spawn(coro, name)
 
     def cancel(self, fut: DataFuture[Any]) -> bool:
         """Cancel ``fut`` and the calls depending on it (``DataFuture.cancel``)."""
@@ -160,3 +213,21 @@ class Runtime:
             stats = await asyncio.gather(*(self._transport.stats(w) for w in pool.workers))
             out.extend((pool.name, rank, s) for rank, s in enumerate(stats))
         return out
+
+
+def _stream_options(group: RoleGroup, endpoint: Endpoint[Any, Any], kwargs: dict[str, Any]) -> StreamOptions | None:
+    """Pop the driver-side ``stream`` argument of a call (unless the method itself
+    takes one) and check that the method can stream."""
+    if "stream" in endpoint.spec.signature.parameters or "stream" not in kwargs:
+        return None
+    value = kwargs.pop("stream")
+    if value is None or value is False:
+        return None
+    if not endpoint.spec.streams:
+        raise ConfigError(f"{group.name}.{endpoint.spec.name} cannot stream: only generator methods "
+                          "(that yield Chunk and Step) can; call it without stream=")
+    if value is True:
+        return StreamOptions()
+    if not isinstance(value, StreamOptions):
+        raise ConfigError(f"stream must be True, False or a StreamOptions, got {value!r}")
+    return value

@@ -1,18 +1,25 @@
-"""Running group calls: one loop per pool, and what happens when something fails.
+"""Running group calls: one dispatcher per pool, and what happens when something fails.
 
-Every call to a role on a pool goes into that pool's channel; the pool's loop runs
-the calls one at a time in call order: wait for the inputs' metadata, plan which
-rows each rank pulls from which producer, submit the call to every rank, collect.
-Pools have separate loops, so calls on different pools overlap while calls on one
-pool time-share it.
+Every call to a role on a pool joins that pool's queue. A call runs on every rank
+of the pool, in call order: once its inputs' metadata exist, the driver plans which
+rows each rank pulls from which producer, submits the call to every rank and
+collects. Pools have separate dispatchers, so calls on different pools overlap
+while calls on one pool time-share it.
+
+Ranks are lanes. A *rank-local* call (a method that uses no other rank,
+``Role.rank_local``) may run on whichever ranks are free, its rows split over
+them, and may pass queued calls of other roles; a streamed call gives each rank
+back as soon as that rank is done (e.g. after handing its long tail to another
+rank). So inference placed on the actor's pool runs on the ranks generation freed
+while the tail finishes.
 
 Failures are decided from facts, never from how long a rank takes:
 
 - A rank whose method raises fails the call at once. It has poisoned its pool's
   groups on the way out, and the driver poisons every other rank as it finishes,
   so ranks blocked in a collective with it fail within moments too (their errors
-  are *peer failures*, reported only when nothing better is known). Once every
-  rank returned, the ranks heal their groups and the pool takes the next call.
+  are *peer failures*, reported only when nothing better is known). Before the
+  pool's next call that uses every rank, the ranks heal their groups.
 - A worker process's death is known from Ray (a call to it, or its ``watch``
   sentinel, fails with an actor-death error). Its pool is broken: its running and
   queued calls fail with :class:`WorkerDiedError`, later ones with
@@ -27,7 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,37 +46,35 @@ from asyncflow._errors import PoolBrokenError, SessionClosedError, WorkerDiedErr
 from asyncflow._failures import peer_error, primary_error, producer_of, settle
 from asyncflow._future import DataFuture, Resolved
 from asyncflow._ledger import ShardLedger
+from asyncflow._observed import Observed
 from asyncflow._transport import Transport, WorkerGone
-from channels import (
-    Collected,
-    MissingFieldError,
-    Piece,
-    RankResult,
-    ReceiveChannel,
-    SendChannel,
-    open_channel,
-    plan_pull,
-)
-from workers import CallSpec, DataArg
+from channels import Collected, Layout, MissingFieldError, Piece, RankResult, plan_pull
+from workers import CallSpec, DataArg, StreamSpec
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, kw_only=True)
 class PoolState:
-    """A pool's workers, its call channel and whether it can still take calls."""
+    """A pool's workers, its queue, its free ranks and whether it can still take calls."""
 
     name: str
     workers: list[int]
     """Session-wide worker index of each rank."""
-    send: SendChannel[Call]
-    receive: ReceiveChannel[Call]
     died: asyncio.Future[WorkerDiedError]
     """Resolved when one of the pool's worker processes died."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the dispatcher may be able to start something."""
     epoch: int = 0
     """How many times the pool's groups were healed."""
-    running: Call | None = None
-    queued: dict[int, Call] = field(default_factory=dict)
+    pending: list[Call] = field(default_factory=list)
+    """Calls not started yet, in call order."""
+    running: dict[int, Call] = field(default_factory=dict)
+    free: set[int] = field(default_factory=set)
+    """Ranks running nothing."""
+    needs_heal: bool = False
+    """A call failed: the groups must be reconnected before the next call that uses them."""
+    healing: bool = False
 
     @property
     def broken(self) -> WorkerDiedError | None:
@@ -86,7 +92,7 @@ class _Ranks:
 
 
 class Scheduler:
-    """The pools' call loops over a :class:`Transport`.
+    """The pools' dispatchers over a :class:`Transport`.
 
     Args:
         transport: how calls reach the workers.
@@ -99,25 +105,33 @@ class Scheduler:
         self.pools: dict[str, PoolState] = {}
         self._where: dict[int, tuple[PoolState, int]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._jobs: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self.observed = Observed()
 
     # ----- set-up -----
 
     def add_pool(self, name: str, workers: Sequence[int]) -> None:
         """Register a pool whose ranks are ``workers`` (session-wide indices)."""
-        send, receive = open_channel[Call](float("inf"))
         died: asyncio.Future[WorkerDiedError] = asyncio.get_running_loop().create_future()
-        pool = PoolState(name=name, workers=list(workers), send=send, receive=receive, died=died)
+        pool = PoolState(name=name, workers=list(workers), died=died, free=set(range(len(workers))))
         self.pools[name] = pool
         for rank, w in enumerate(workers):
             self._where[w] = (pool, rank)
 
     def start(self) -> None:
-        """Start every pool's loop and every worker's death watch."""
+        """Start every pool's dispatcher and every worker's death watch."""
         for pool in self.pools.values():
             self._tasks.append(asyncio.create_task(self._pool_loop(pool), name=f"asyncflow-pool-{pool.name}"))
         for w in self._where:
             self._tasks.append(asyncio.create_task(self._watch(w), name=f"asyncflow-watch-{w}"))
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task the scheduler owns (cancelled at close)."""
+        task = asyncio.create_task(coro, name=name)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+        return task
 
     # ----- submitting, cancelling, closing -----
 
@@ -130,8 +144,23 @@ class Scheduler:
         if self._closed:
             raise SessionClosedError(f"{call.label}: the session is closed")
         state = self.pools[pool]
-        state.queued[call.call_id] = call
-        state.send.send_nowait(call)
+        state.pending.append(call)
+        self.spawn(self._resolve_inputs(state, call), f"asyncflow-inputs-{call.label}")
+
+    async def _resolve_inputs(self, pool: PoolState, call: Call) -> None:
+        try:
+            inputs = {name: await fut._resolve() for name, fut in call.data_args.items()}
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the session is closing
+            call.result.cancel()  # an input was cancelled: so is this call
+        except Exception as e:  # an input failed: this call fails with the same error
+            settle(call, e)
+        else:
+            call.inputs = inputs
+        finally:
+            pool.wake.set()
 
     def cancel(self, fut: DataFuture[Any]) -> bool:
         """Cancel ``fut`` and every queued or running call that depends on it.
@@ -148,94 +177,165 @@ class Scheduler:
             if call.call_id in doomed_calls or call.depends_on(doomed_futs, doomed_calls):
                 doomed_calls.add(call.call_id)
                 call.result.cancel()
+        for pool in self.pools.values():
+            pool.wake.set()
         return True
 
     def _live(self) -> Iterable[Call]:
         for pool in self.pools.values():
-            yield from pool.queued.values()
-            if pool.running is not None:
-                yield pool.running
+            yield from pool.pending
+            yield from pool.running.values()
 
     async def close(self) -> None:
-        """Stop the loops; every call not finished fails with :class:`SessionClosedError`."""
+        """Stop the dispatchers; every call not finished fails with :class:`SessionClosedError`."""
         if self._closed:
             return
         self._closed = True
         unsettled = list(self._live())
-        for pool in self.pools.values():
-            pool.send.close()
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._jobs]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for call in unsettled:
             if not call.result.done():
                 call.result.set_exception(SessionClosedError(f"{call.label} did not finish: the session was closed"))
+            if call.stream_out is not None:
+                call.stream_out._finish(call.result.exception() if not call.result.cancelled() else None)
         for pool in self.pools.values():
-            pool.queued.clear()
+            pool.pending.clear()
+            pool.running.clear()
 
-    # ----- the pool loop -----
+    # ----- the dispatcher -----
 
     async def _pool_loop(self, pool: PoolState) -> None:
-        async with pool.receive:
-            async for call in pool.receive:
-                try:
-                    await self._serve(pool, call)
-                finally:
-                    del call  # drop the inputs' leases as soon as the call is over
+        while True:
+            await pool.wake.wait()
+            pool.wake.clear()
+            self._dispatch(pool)
 
-    async def _serve(self, pool: PoolState, call: Call) -> None:
-        if call.result.done():  # cancelled, or failed by a death while queued
-            pool.queued.pop(call.call_id, None)
-            return
+    def _dispatch(self, pool: PoolState) -> None:
+        """Start every call that can start now (see the module docstring)."""
+        earlier = False  # an earlier call is still waiting
+        gang_ahead = False  # an earlier call that needs every rank is waiting
+        blocked_roles: set[str] = set()
+        held_by_gang = any(not c.rank_local for c in pool.running.values())
+        for call in list(pool.pending):
+            if call.result.done():  # cancelled, or failed by a death or an input
+                pool.pending.remove(call)
+                self._end_stream(call)
+                continue
+            if pool.broken is not None:
+                pool.pending.remove(call)
+                self._refuse(pool, call)
+                continue
+            startable = call.inputs is not None and not pool.healing
+            if not call.rank_local:
+                if startable and not earlier and not pool.running:
+                    if pool.needs_heal:
+                        self._start_heal(pool)
+                        return
+                    self._start(pool, call, sorted(pool.free))
+                    continue
+                earlier = gang_ahead = True
+                blocked_roles.add(call.role)
+                continue
+            lanes = sorted(pool.free)
+            # Lanes go to rank-local calls past a waiting whole-pool call only while a
+            # whole-pool call holds ranks anyway (else the waiting one would starve).
+            if startable and lanes and call.role not in blocked_roles and (not gang_ahead or held_by_gang):
+                self._start(pool, call, lanes)
+                continue
+            earlier = True
+            blocked_roles.add(call.role)
+
+    def _refuse(self, pool: PoolState, call: Call) -> None:
         broken = pool.broken
-        if broken is not None:
-            pool.queued.pop(call.call_id, None)
-            during = f" during {broken.role}.{broken.method}" if broken.role else ""
-            call.result.set_exception(PoolBrokenError(
-                f"{call.label} was not run: pool {pool.name!r} lost rank {broken.rank} ({broken.cause}{during})",
-                pool=pool.name, cause=broken))
-            return
-        pool.running = pool.queued.pop(call.call_id, call)
+        assert broken is not None
+        during = f" during {broken.role}.{broken.method}" if broken.role else ""
+        settle(call, PoolBrokenError(
+            f"{call.label} was not run: pool {pool.name!r} lost rank {broken.rank} ({broken.cause}{during})",
+            pool=pool.name, cause=broken))
+        self._end_stream(call)
+
+    def _start(self, pool: PoolState, call: Call, lanes: list[int]) -> None:
+        pool.pending.remove(call)
+        pool.running[call.call_id] = call
+        pool.free.difference_update(lanes)
+        self.spawn(self._run(pool, call, lanes), f"asyncflow-call-{call.label}")
+
+    def _start_heal(self, pool: PoolState) -> None:
+        pool.healing = True
+        pool.free.clear()
+
+        async def heal() -> None:
+            try:
+                await self._heal(pool)
+            finally:
+                pool.healing = pool.needs_heal = False
+                pool.free = set(range(len(pool.workers)))
+                pool.wake.set()
+        self.spawn(heal(), f"asyncflow-heal-{pool.name}")
+
+    def _end_stream(self, call: Call) -> None:
+        if call.stream_out is not None and call.result.done():
+            call.stream_out._finish(None if call.result.cancelled() else call.result.exception())
+
+    # ----- running one call -----
+
+    async def _run(self, pool: PoolState, call: Call, lanes: list[int]) -> None:
+        held = set(lanes)
+
+        def release(rank: int) -> None:
+            if rank in held:
+                held.discard(rank)
+                pool.free.add(rank)
+                pool.wake.set()
         try:
-            await self._run(pool, call)
+            if call.result.done():
+                return
+            layout = call.layout if not call.rank_local else Layout(d=len(lanes))
+            workers = [pool.workers[r] for r in lanes]
+            try:
+                specs, assignment = self._plan(call, layout, workers)
+            except Exception as e:
+                settle(call, e)
+                return
+            transforms = {n: [(t.fn, t.kwargs) for t in r.transforms]
+                          for n, r in (call.inputs or {}).items() if r.transforms}
+            if call.stream is not None:
+                from asyncflow._streamcall import StreamedCall
+                run = StreamedCall(self, pool, call, lanes, workers)
+                tasks = await run.start(specs, transforms)
+                await self._await_ranks(pool, call, tasks, assignment, lanes, release, run)
+                await run.finish()
+                return
+            started = time.monotonic()
+            tasks = [asyncio.ensure_future(self.transport.execute(w, spec, call.kwargs, transforms, pieces))
+                     for w, (spec, pieces) in zip(workers, specs, strict=True)]
+            await self._await_ranks(pool, call, tasks, assignment, lanes, None, None)
+            if call.rank_local:
+                self.observed.record_call(pool.name, call, len(lanes), time.monotonic() - started)
         finally:
-            pool.running = None
+            pool.running.pop(call.call_id, None)
+            call.inputs = None  # drop the inputs' leases as soon as the call is over
+            for rank in list(held):
+                release(rank)
+            self._end_stream(call)
+            pool.wake.set()
 
-    async def _run(self, pool: PoolState, call: Call) -> None:
-        try:
-            inputs = {name: await fut._resolve() for name, fut in call.data_args.items()}
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # the session is closing
-            call.result.cancel()  # an input was cancelled: so is this call
-            return
-        except Exception as e:  # an input failed: this call fails with the same error
-            settle(call, e)
-            return
-        if call.result.done():
-            return
-        try:
-            specs, assignment = self._plan(pool, call, inputs)
-        except Exception as e:
-            settle(call, e)
-            return
-        transforms = {n: [(t.fn, t.kwargs) for t in r.transforms] for n, r in inputs.items() if r.transforms}
-        tasks = [asyncio.ensure_future(self.transport.execute(w, spec, call.kwargs, transforms, pieces))
-                 for w, (spec, pieces) in zip(pool.workers, specs, strict=True)]
-        await self._await_ranks(pool, call, tasks, assignment)
-
-    def _plan(self, pool: PoolState, call: Call, inputs: Mapping[str, Any]
+    def _plan(self, call: Call, layout: Layout, workers: Sequence[int]
               ) -> tuple[list[tuple[bytes, list[Piece]]], Any]:
+        inputs = call.inputs or {}
         for name, r in inputs.items():
             if not isinstance(r, Resolved):
                 raise MissingFieldError(f"{call.label}: argument {name!r} ({call.data_args[name].label}) "
                                         "is a value, not rows")
         protocol = call.endpoint.spec.protocol
         pulls = {name: pull_fields(call, name, r) for name, r in inputs.items()}
-        assignments = {name: protocol.distribute(r.meta, call.layout, r.row_lengths) for name, r in inputs.items()}
+        assignments = {name: protocol.distribute(r.meta, layout, r.row_lengths) for name, r in inputs.items()}
+        stream = None if call.stream is None else StreamSpec(micro_batch=call.stream.micro_batch)
         specs = []
-        for rank in range(len(pool.workers)):
+        for rank in range(len(workers)):
             data_args: list[DataArg] = []
             pieces: list[Piece] = []
             for name, r in inputs.items():
@@ -244,14 +344,15 @@ class Scheduler:
                 data_args.append(DataArg(name=name, plan=plan))
                 pieces.extend(plan.pieces if plan is not None else ())
             cs = CallSpec(call_id=call.call_id, role=call.role, method=call.method, out_key=call.out_key,
-                          data_args=tuple(data_args))
+                          data_args=tuple(data_args), stream=stream)
             specs.append((msgspec.msgpack.encode(cs), pieces))
         return specs, next(iter(assignments.values()), None)
 
     # ----- waiting for the ranks -----
 
     async def _await_ranks(self, pool: PoolState, call: Call, tasks: Sequence[asyncio.Future[RankResult]],
-                           assignment: Any) -> None:
+                           assignment: Any, lanes: Sequence[int], release: Callable[[int], None] | None,
+                           stream: Any) -> None:
         ranks = _Ranks()
         rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
         pending: set[asyncio.Future[Any]] = set(tasks)
@@ -266,38 +367,45 @@ class Scheduler:
                 pending.discard(t)
                 exc = t.exception()
                 if exc is None:
-                    result = cast(RankResult, t.result())
-                    ranks.results[rank_of[t]] = result
+                    ranks.results[rank_of[t]] = cast(RankResult, t.result())
+                    if release is not None and not ranks.failures:
+                        release(lanes[rank_of[t]])
+                    if stream is not None:
+                        stream.rank_returned(rank_of[t])
                 else:
                     ranks.failures[rank_of[t]] = exc
             if ranks.failures:
-                self._poison_finished(pool, ranks)
-                primary = primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call))
+                self._poison_finished(pool, ranks, lanes)
+                primary = primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
                 if primary is not None and not call.result.done():
                     call.result.set_exception(primary)
         if not ranks.failures:
-            self._complete(call, [ranks.results[r] for r in range(len(tasks))], assignment)
+            if stream is None:
+                # Protocols index results by position in the layout they ran on.
+                results = [msgspec.structs.replace(ranks.results[i], rank=i) for i in range(len(tasks))]
+                self._complete(call, results, assignment, Layout(d=len(lanes)) if call.rank_local else call.layout)
             return
         self._release(ranks.results.values())
         if not call.result.done():
-            best = (primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call))
+            best = (primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
                     or peer_error(call, pool.name, ranks.failures))
             call.result.set_exception(best)
         if pool.broken is None:
-            await self._heal(pool)
+            pool.needs_heal = True
 
-    def _poison_finished(self, pool: PoolState, ranks: _Ranks) -> None:
+    def _poison_finished(self, pool: PoolState, ranks: _Ranks, lanes: Sequence[int]) -> None:
         # A rank that returned cannot be in a collective any more: dropping its
         # connections releases peers still blocked on it.
-        for rank in (set(ranks.results) | set(ranks.failures)) - ranks.poisoned:
-            ranks.poisoned.add(rank)
-            fut = asyncio.ensure_future(self.transport.poison(pool.workers[rank]))
+        for i in (set(ranks.results) | set(ranks.failures)) - ranks.poisoned:
+            ranks.poisoned.add(i)
+            fut = asyncio.ensure_future(self.transport.poison(pool.workers[lanes[i]]))
             fut.add_done_callback(_quiet)
 
-    def _gone_error(self, pool: PoolState, call: Call) -> Callable[[int, WorkerGone], WorkerDiedError]:
+    def _gone_error(self, pool: PoolState, call: Call, lanes: Sequence[int]
+                    ) -> Callable[[int, WorkerGone], WorkerDiedError]:
         """Maps a rank's :class:`WorkerGone` to the public error (and breaks the dead
         worker's pool)."""
-        return lambda rank, exc: self._gone(pool, call, rank, exc)
+        return lambda i, exc: self._gone(pool, call, lanes[i], exc)
 
     def _gone(self, pool: PoolState, call: Call, rank: int, exc: WorkerGone) -> WorkerDiedError:
         self._worker_died(exc.worker, exc.detail)
@@ -315,10 +423,10 @@ class Scheduler:
         return WorkerDiedError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,
                                cause=d.cause, detail=d.detail)
 
-    def _complete(self, call: Call, results: list[RankResult], assignment: Any) -> None:
+    def _complete(self, call: Call, results: list[RankResult], assignment: Any, layout: Layout) -> None:
         produced = {(r.worker, r.key) for r in results if r.key is not None}
         try:
-            out = call.endpoint.spec.protocol.collect(results, call.layout, assignment)
+            out = call.endpoint.spec.protocol.collect(results, layout, assignment)
         except Exception as e:
             self.ledger.release_now(produced)
             settle(call, e)
@@ -372,14 +480,15 @@ class Scheduler:
         pool, rank = self._where[worker]
         if pool.died.done():
             return
-        running = pool.running
+        running = next(iter(sorted(pool.running.values(), key=lambda c: c.rank_local)), None)
         err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
                               rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
         pool.died.set_result(err)
-        for call in list(pool.queued.values()):
+        for call in list(pool.pending):
             settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
                                           cause=f"rank {rank}'s worker process died before the call ran",
                                           detail=detail))
+        pool.wake.set()
 
 
 def _quiet(fut: asyncio.Future[Any]) -> None:

@@ -137,9 +137,10 @@ class Session(Runtime):
         check_resources(pools, device, ray.cluster_resources())
         ranks = await self._create_workers(pools, device)
         await self._init_groups(pools, ranks, roles, layouts)
-        await self._add_roles(ranks, roles, layouts)
+        rank_local = await self._add_roles(ranks, roles, layouts)
         await self._init_rdt(device)
-        return self._start(RayTransport(self._actors, self._actor_ids, self._rdt), ranks, roles, layouts)
+        return self._start(RayTransport(self._actors, self._actor_ids, self._rdt), ranks, roles, layouts,
+                           rank_local)
 
     async def _create_workers(self, pools: list[ResourcePool], device: str) -> dict[str, list[int]]:
         world = sum(p.devices for p in pools)
@@ -186,14 +187,18 @@ class Session(Runtime):
             for p in pools for a in self._pool_actors(ranks, p)))
 
     async def _add_roles(self, ranks: Mapping[str, list[int]], roles: Mapping[str, RoleSpec],
-                         layouts: Mapping[str, Layout]) -> None:
+                         layouts: Mapping[str, Layout]) -> dict[str, frozenset[str]]:
+        """Host the roles; returns each role's rank-local methods (on every rank)."""
         jobs = [(name, spec.pool.name, rank, actor.add_role.remote(name, spec.cls, spec.config, layouts[name]))
                 for name, spec in roles.items() for rank, actor in enumerate(self._pool_actors(ranks, spec.pool))]
+        local: dict[str, frozenset[str]] = {}
         for name, pool, rank, ref in jobs:
             try:
-                await ref
+                methods = frozenset(await ref or ())
             except ray.exceptions.RayTaskError as e:
                 raise _role_start_error(name, pool, rank, e) from None
+            local[name] = local[name] & methods if name in local else methods
+        return local
 
     async def _init_rdt(self, device: str) -> None:
         choice = self._transport_choice

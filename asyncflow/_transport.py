@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import ray
 import torch
 
-from channels import Piece, RankResult, StoreStats
+from channels import Piece, RankResult, StoreStats, open_receiver
 from workers import RankError
 
 Transforms = Mapping[str, Sequence[tuple[Any, Mapping[str, Any]]]]
@@ -80,6 +80,22 @@ class Transport(Protocol):
 
     async def stats(self, worker: int) -> StoreStats:
         """``worker``'s shard-store counters."""
+        ...
+
+    async def open_stream(self, worker: int, call_id: int, capacity: int) -> Any:
+        """Open streamed call ``call_id``'s channel on ``worker`` (before the call
+        runs); returns its receive end: an async iterator of
+        :class:`~channels.StreamItem` with ``aclose()``, raising when ``worker``
+        dies."""
+        ...
+
+    async def stream_control(self, worker: int, call_id: int, action: str, count: int) -> bool:
+        """``"handoff"`` or ``"expect"`` (``count`` tails) to a running streamed call;
+        False when the call is over on ``worker``."""
+        ...
+
+    async def stream_adopt(self, worker: int, call_id: int, piece: Piece | None, group_size: int) -> None:
+        """Deliver a tail (pulled by ``worker`` straight from its producer), or None."""
         ...
 
 
@@ -150,6 +166,20 @@ class RayTransport:
     async def stats(self, worker: int) -> StoreStats:
         result: StoreStats = await self._call(worker, self._actors[worker].stats.remote())
         return result
+
+    async def open_stream(self, worker: int, call_id: int, capacity: int) -> Any:
+        address = await self._call(worker, self._actors[worker].open_stream.remote(call_id, capacity))
+        return open_receiver(address)
+
+    async def stream_control(self, worker: int, call_id: int, action: str, count: int) -> bool:
+        ok: bool = await self._call(worker, self._actors[worker].stream_control.remote(call_id, action, count))
+        return ok
+
+    async def stream_adopt(self, worker: int, call_id: int, piece: Piece | None, group_size: int) -> None:
+        rows = None if piece is None else (None if piece.worker == worker else self._slice(piece))
+        if piece is not None and rows is None:  # the tail is in the target's own store
+            rows = self._actors[worker].slice.remote(piece.key, piece.lo, piece.hi, piece.fields)
+        await self._call(worker, self._actors[worker].stream_adopt.remote(call_id, group_size, rows))
 
 
 def _first_lines(text: str, n: int = 6) -> str:

@@ -12,6 +12,7 @@ from channels._errors import (
     EndOfStream,
     MissingFieldError,
     SchemaError,
+    SenderDiedError,
     TransportError,
     WouldBlock,
 )
@@ -31,6 +32,14 @@ from channels._protocols import (
     split_rows,
 )
 from channels._pull import GroupPlan, Piece, PullPlan, assemble, plan_pull
+from channels._remote import (
+    CHANNEL_CONCURRENCY_GROUPS,
+    BlockingSendChannel,
+    ChannelAddress,
+    ChannelHost,
+    open_remote_channel,
+)
+from channels._remote_receive import RemoteReceiveChannel, open_receiver
 from channels._schema import (
     BatchMeta,
     ColumnGroup,
@@ -42,14 +51,17 @@ from channels._schema import (
     runs_length,
 )
 from channels._store import ShardStore, StoreStats
+from channels._stream import ROW_ID_BITS, StreamItem, collect_parts, row_id
 
 __all__ = [
-    "DP", "AllToAll", "Assignment", "AsyncflowError", "Batch", "BatchMeta", "BrokenResourceError",
-    "ChannelError", "ChannelStatistics", "ClosedResourceError", "Collected", "ColumnGroup",
-    "ConfigError", "Coords", "EndOfStream", "FieldSpec", "GroupPlan", "Layout", "Metrics",
-    "MicroDP", "MissingFieldError", "OneToAll", "Piece", "PullPlan", "RankResult", "RankZero",
-    "ReceiveChannel", "RowRuns", "SchemaError", "Segment", "SendChannel", "ShardStore",
-    "StoreStats", "TransferProtocol", "TransportError", "WouldBlock", "assemble", "dtype_name",
-    "merge_meta", "open_channel", "plan_pull", "reduce_metrics", "runs_from_indices",
-    "runs_length", "split_rows",
+    "CHANNEL_CONCURRENCY_GROUPS", "DP", "ROW_ID_BITS", "AllToAll", "Assignment", "AsyncflowError",
+    "Batch", "BatchMeta", "BlockingSendChannel", "BrokenResourceError", "ChannelAddress",
+    "ChannelError", "ChannelHost", "ChannelStatistics", "ClosedResourceError", "Collected",
+    "ColumnGroup", "ConfigError", "Coords", "EndOfStream", "FieldSpec", "GroupPlan", "Layout",
+    "Metrics", "MicroDP", "MissingFieldError", "OneToAll", "Piece", "PullPlan", "RankResult",
+    "RankZero", "ReceiveChannel", "RemoteReceiveChannel", "RowRuns", "SchemaError", "Segment",
+    "SendChannel", "SenderDiedError", "ShardStore", "StoreStats", "StreamItem", "TransferProtocol",
+    "TransportError", "WouldBlock", "assemble", "collect_parts", "dtype_name", "merge_meta",
+    "open_channel", "open_receiver", "open_remote_channel", "plan_pull", "reduce_metrics", "row_id",
+    "runs_from_indices", "runs_length", "split_rows",
 ]

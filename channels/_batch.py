@@ -112,10 +112,10 @@ class Batch(Mapping[str, torch.Tensor]):
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
-        """Rows of ``batches`` one after another (same columns required).
+        """Rows of ``batches`` one after another (same columns and group size required).
 
         Raises:
-            SchemaError: the batches have different columns.
+            SchemaError: the batches have different columns or group sizes.
         """
         if not batches:
             return Batch()
@@ -123,6 +123,9 @@ class Batch(Mapping[str, torch.Tensor]):
         for b in batches[1:]:
             if list(b) != names and set(b) != set(names):
                 raise SchemaError(f"cannot concat batches with columns {names} and {list(b)}")
+        sizes = {b.group_size for b in batches}
+        if len(sizes) != 1:
+            raise SchemaError(f"cannot concat batches with group sizes {sorted(sizes)}")
         if len(batches) == 1:
             return batches[0]
-        return Batch({n: torch.cat([b[n] for b in batches]) for n in names})
+        return Batch({n: torch.cat([b[n] for b in batches]) for n in names}, group_size=sizes.pop())

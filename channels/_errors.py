@@ -39,7 +39,8 @@ class ClosedResourceError(ChannelError):
 
 
 class BrokenResourceError(ChannelError):
-    """The other side of the channel is gone (every receiver closed)."""
+    """The other side of the channel is gone: every receiver closed (or, for a remote
+    channel, its process died), or the sending process died (:class:`SenderDiedError`)."""
 
 
 class EndOfStream(ChannelError):
@@ -48,3 +49,8 @@ class EndOfStream(ChannelError):
 
 class WouldBlock(ChannelError):
     """A ``*_nowait`` operation could not complete without waiting."""
+
+
+class SenderDiedError(BrokenResourceError):
+    """The process that owns a remote channel's buffer (its sending side) died; the
+    message carries Ray's account of the death."""

@@ -18,6 +18,7 @@ import ray
 import torch
 
 from asyncflow import DP, AllToAll, Batch, Metrics, OneToAll, Role, register
+from asyncflow import transform as af_transform
 
 T = TypeVar("T")
 
@@ -211,3 +212,72 @@ _PROBE = textwrap.dedent("""
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
 """)
+
+
+class Ticker(Role):
+    """A streaming method in miniature: row ``i`` needs ``steps[i]`` steps (one
+    step for every row in progress at a time, ``delay`` seconds each) and is
+    reported when done; unfinished rows can be handed to another rank."""
+
+    @register(protocol=DP(), reads=("idx", "steps"), writes=("idx", "steps", "value", "done_by"),
+              row_lengths="steps")
+    def tick(self, batch: Batch, *, delay: float = 0.0, fail_after: int = -1):
+        from asyncflow import Adopt, Chunk, Finish, Handoff, Step, Tail
+        from channels import row_id
+
+        # Per row in progress: [row id, idx, steps, steps left]
+        left = {row_id(self.ctx.rank, i): [int(x), int(s), int(s)]
+                for i, (x, s) in enumerate(zip(batch["idx"].tolist(), batch["steps"].tolist(), strict=True))}
+        yield Chunk(rows=self._rows([], []), ids=())  # the schema, for a rank without rows
+        done = 0
+        while True:
+            control = yield Step(pending=len(left))
+            if isinstance(control, Finish):
+                return
+            if isinstance(control, Handoff):
+                ids = list(left)
+                yield Tail(rows=Batch({"rid": torch.tensor(ids, dtype=torch.int64),
+                                       "state": torch.tensor([left[i] for i in ids], dtype=torch.int64).view(-1, 3)}))
+                return
+            if isinstance(control, Adopt):
+                for rid, state in zip(control.rows["rid"].tolist(), control.rows["state"].tolist(), strict=True):
+                    left[rid] = state
+                continue
+            time.sleep(delay)
+            finished = []
+            for rid, state in left.items():
+                state[2] -= 1
+                if state[2] <= 0:
+                    finished.append(rid)
+            for rid in sorted(finished):
+                done += 1
+                if done == fail_after:
+                    raise RuntimeError(f"ticker failed after {done} rows")
+                yield Chunk(rows=self._rows([left.pop(rid)], [rid]), ids=(rid,))
+
+    def _rows(self, states: list[list[int]], ids: list[int]) -> Batch:
+        idx = torch.tensor([s[0] for s in states], dtype=torch.int64)
+        steps = torch.tensor([s[1] for s in states], dtype=torch.int64)
+        return Batch({"idx": idx, "steps": steps, "value": idx.double() * 10 + steps,
+                      "done_by": torch.full((len(states),), self.ctx.rank, dtype=torch.int64)})
+
+
+class Scorer(Role):
+    """A rank-local method (no collective): scores rows, says which rank did and when."""
+
+    def rank_local(self) -> frozenset[str]:
+        return frozenset({"score"})
+
+    @register(protocol=DP(), reads=("idx", "value"), writes=("score", "scored_by", "scored_at"))
+    def score(self, batch: Batch, *, delay: float = 0.0) -> dict[str, torch.Tensor]:
+        time.sleep(delay)
+        n = batch.num_rows
+        return {"score": batch["value"] * 2, "scored_by": torch.full((n,), self.ctx.rank, dtype=torch.int64),
+                "scored_at": torch.full((n,), time.monotonic(), dtype=torch.float64)}
+
+
+@af_transform(reads=("response_mask",), writes=("idx", "value"))
+def value_of_length(batch: Batch) -> dict[str, torch.Tensor]:
+    """Scorer inputs from rollout rows: ``value`` = response length."""
+    n = batch.num_rows
+    return {"idx": torch.arange(n), "value": batch["response_mask"].sum(1).double()}

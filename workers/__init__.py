@@ -1,13 +1,16 @@
 """Compute: Ray worker processes, roles, and the ``register`` decorator.
 Imports ``channels`` and ``hybrid_engine`` only."""
 
-from workers._call import CallSpec, DataArg, RankError
+from workers._call import CallSpec, DataArg, RankError, StreamSpec
 from workers._register import CallInfo, Endpoint, FieldContract, MethodSpec, endpoints, register
 from workers._rendezvous import RayStore, StoreServer
 from workers._role import Role, WorkerContext
-from workers._worker import CONCURRENCY_GROUPS, WorkerProcess, check_role_class
+from workers._streaming import Adopt, Chunk, Finish, Handoff, Step, StreamControl, Tail
+from workers._worker import CONCURRENCY_GROUPS, StreamSink, WorkerProcess, check_role_class
 
 __all__ = [
-    "CONCURRENCY_GROUPS", "CallInfo", "CallSpec", "DataArg", "Endpoint", "FieldContract", "MethodSpec",
-    "RankError", "RayStore", "Role", "StoreServer", "WorkerContext", "WorkerProcess", "check_role_class", "endpoints", "register",
+    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallSpec", "Chunk", "DataArg", "Endpoint", "FieldContract",
+    "Finish", "Handoff", "MethodSpec", "RankError", "RayStore", "Role", "Step", "StoreServer", "StreamControl",
+    "StreamSink", "StreamSpec", "Tail", "WorkerContext", "WorkerProcess", "check_role_class", "endpoints",
+    "register",
 ]

@@ -19,6 +19,13 @@ class DataArg(msgspec.Struct, **_WIRE):
     plan: PullPlan | None
 
 
+class StreamSpec(msgspec.Struct, **_WIRE):
+    """How a streamed call reports its rows (see ``workers._streaming``)."""
+
+    micro_batch: int
+    """Rows (at least; whole chunks) per reported micro-batch."""
+
+
 class CallSpec(msgspec.Struct, **_WIRE):
     """One rank's part of a group call.
 
@@ -32,6 +39,8 @@ class CallSpec(msgspec.Struct, **_WIRE):
     method: str
     out_key: str
     data_args: tuple[DataArg, ...] = ()
+    stream: StreamSpec | None = None
+    """Set when the call streams (its channel was opened by ``open_stream``)."""
 
 
 class RankError(Exception):

@@ -5,7 +5,8 @@ reads and writes, keeping the method's signature for type checkers.
         @register(protocol=DP(), reads=("input_ids", "attention_mask"), writes=("values",))
         def values(self, batch: Batch) -> Batch: ...
 
-Inside a worker the method is an ordinary method. Through a group proxy on the
+Inside a worker the method is an ordinary method (a streaming one, called
+directly, runs to the end and returns its rows). Through a group proxy on the
 driver, ``group.values(fut)`` returns a ``DataFuture`` at once; the driver checks
 the declared fields against the input futures before anything runs and pulls only
 the columns the method reads.
@@ -17,6 +18,7 @@ an update whose loss reads ``ref_logprobs`` only when it has a KL term.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +92,9 @@ class MethodSpec:
     (used by ``DP(balance="tokens")``)."""
     signature: inspect.Signature
     """The method's signature, for argument checks at call time."""
+    streams: bool = False
+    """Whether the method is a generator that reports rows as they finish (see
+    ``workers._streaming``): it can then be called with ``stream=...``."""
 
     def contract(self, info: CallInfo, data_args: Iterable[str]) -> FieldContract:
         """The fields of one call, with computed declarations evaluated.
@@ -149,9 +154,15 @@ class Endpoint(Generic[P, R]):
     def __get__(self, obj: object | None, objtype: type | None = None) -> Any:
         if obj is None:
             return self
+        if self.spec.streams:  # called in-process, a streaming method returns its rows
+            return functools.partial(self.__call__, obj)
         return self.fn.__get__(obj, objtype)
 
     def __call__(self, role: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self.spec.streams:
+            from workers._streaming import drain
+
+            return drain(self.fn(role, *args, **kwargs))  # type: ignore[arg-type,return-value]
         return self.fn(role, *args, **kwargs)
 
     def __repr__(self) -> str:
@@ -184,6 +195,10 @@ def register(
         row_lengths: an output column (e.g. ``"attention_mask"``) whose per-row
             sum is published with the rows' metadata for token balancing.
 
+    A generator method streams: it yields ``Chunk`` s of finished rows and
+    ``Step`` s (see ``workers.Chunk``); callers may pass ``stream=True`` to get
+    the rows micro-batch by micro-batch as they finish.
+
     Returns:
         A decorator producing an :class:`Endpoint`.
 
@@ -209,6 +224,7 @@ def register(
             name=fn.__name__, protocol=proto, reads=_frozen(reads), optional=_frozen(optional),
             writes=writes if writes is None or callable(writes) else tuple(writes),
             carries=carries, row_lengths=row_lengths, signature=sig,
+            streams=inspect.isgeneratorfunction(fn),
         )
         return Endpoint(fn, spec)
 

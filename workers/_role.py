@@ -54,3 +54,9 @@ class Role:
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
+
+    def rank_local(self) -> frozenset[str]:
+        """Registered methods that use no other rank of the pool (no collective):
+        the driver may run them on some of the pool's ranks only, e.g. on ranks
+        that long-tail migration freed while others still generate. Default none."""
+        return frozenset()

@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import ray
@@ -31,7 +31,10 @@ import torch
 import torch.distributed as dist
 
 from channels import (
+    CHANNEL_CONCURRENCY_GROUPS,
     Batch,
+    ChannelAddress,
+    ChannelHost,
     ConfigError,
     Layout,
     MissingFieldError,
@@ -39,7 +42,9 @@ from channels import (
     SchemaError,
     ShardStore,
     StoreStats,
+    StreamItem,
     assemble,
+    open_remote_channel,
 )
 from workers import _groups, _meshes
 from workers._binding import bind_gloo_to_node
@@ -47,10 +52,11 @@ from workers._call import CallSpec, RankError
 from workers._register import Endpoint, endpoints
 from workers._rendezvous import RayStore
 from workers._role import WorkerContext
+from workers._streaming import StreamControl, drain, run_streamed
 
 logger = logging.getLogger(__name__)
 
-CONCURRENCY_GROUPS = {"io": 4, "compute": 1, "watch": 1}
+CONCURRENCY_GROUPS = {"io": 4, "compute": 1, "watch": 1, **CHANNEL_CONCURRENCY_GROUPS}
 """Ray concurrency groups of :class:`WorkerProcess`."""
 
 Transform = tuple[Any, Mapping[str, Any]]
@@ -59,7 +65,19 @@ Transform = tuple[Any, Mapping[str, Any]]
 MESH_DIMS = ("pp", "dp", "tp")
 
 
-class WorkerProcess:
+class StreamSink(Protocol):
+    """Where a streamed call's items go (a channel's send end)."""
+
+    def send(self, item: StreamItem) -> None:
+        """Send ``item``, waiting while the receiver is behind."""
+        ...
+
+    def close(self) -> None:
+        """End of stream."""
+        ...
+
+
+class WorkerProcess(ChannelHost):
     """Hosts the roles of one rank of one pool. Created by the control plane with
     ``ray.remote(concurrency_groups=CONCURRENCY_GROUPS)``.
 
@@ -86,6 +104,8 @@ class WorkerProcess:
         self._meshes: dict[Layout, Any] = {}
         self._timeout = timedelta(seconds=600)
         self._alive = threading.Event()
+        self._streams: dict[int, tuple[StreamSink, StreamControl]] = {}
+        self._streams_lock = threading.Lock()
 
     # ----- set-up (default concurrency group, before any call) -----
 
@@ -128,15 +148,18 @@ class WorkerProcess:
             grid = torch.tensor(list(ranks)).view(layout.p, layout.d, layout.t)
             self._meshes[layout] = _meshes.mesh_from_groups(grid, MESH_DIMS, self.device.type, self._timeout)
 
-    def add_role(self, name: str, cls: type, config: Any, layout: Layout) -> None:
-        """Construct role ``name`` in this process."""
+    def add_role(self, name: str, cls: type, config: Any, layout: Layout) -> list[str]:
+        """Construct role ``name`` in this process; returns its rank-local methods
+        (``Role.rank_local``)."""
         ctx = WorkerContext(
             role=name, pool=self.pool, rank=self.rank, world_size=self.pool_size,
             global_rank=self.index, layout=layout, device=self.device,
             process_group=self._pool_group, mesh=self._meshes.get(layout),
         )
-        self.roles[name] = cls(ctx) if config is None else cls(ctx, config)
+        role = self.roles[name] = cls(ctx) if config is None else cls(ctx, config)
         self._endpoints[name] = endpoints(cls)
+        local = getattr(role, "rank_local", None)
+        return sorted(local()) if callable(local) else []
 
     # ----- compute -----
 
@@ -178,8 +201,36 @@ class WorkerProcess:
             i += n
         role = self.roles[spec.role]
         endpoint = self._endpoints[spec.role][spec.method]
-        out = endpoint.fn(role, **args)
-        return self._result(spec, endpoint, out)
+        if not endpoint.spec.streams:
+            return self._result(spec, endpoint, endpoint.fn(role, **args))
+        if spec.stream is None:
+            return self._result(spec, endpoint, drain(endpoint.fn(role, **args)))
+        with self._streams_lock:
+            sink, control = self._streams[spec.call_id]
+        try:
+            run_streamed(endpoint.fn(role, **args), control, self._emitter(spec, endpoint, sink),
+                         micro_batch=spec.stream.micro_batch)
+        finally:
+            with self._streams_lock:
+                self._streams.pop(spec.call_id, None)
+            sink.close()
+        return RankResult(rank=self.rank, worker=self.index)
+
+    def _emitter(self, spec: CallSpec, endpoint: Endpoint[Any, Any], sink: StreamSink
+                 ) -> Callable[[str, Batch | None, tuple[int, ...], int], None]:
+        seq = iter(range(1 << 62))
+
+        def emit(kind: str, rows: Batch | None, ids: tuple[int, ...], pending: int) -> None:
+            if rows is None:
+                sink.send(StreamItem(kind="progress", rank=self.rank, worker=self.index, pending=pending))
+                return
+            key = f"{spec.out_key}/{self.rank}.{next(seq)}"
+            self.store.put(key, rows)
+            lengths = self._row_lengths(endpoint, rows) if kind == "rows" else None
+            sink.send(StreamItem(kind=kind, rank=self.rank, worker=self.index, key=key,  # type: ignore[arg-type]
+                                 num_rows=rows.num_rows, fields=rows.field_specs(), row_ids=ids,
+                                 row_lengths=lengths, group_size=rows.group_size, pending=pending))
+        return emit
 
     @ray.method(concurrency_group="compute")
     def poison(self) -> None:
@@ -235,14 +286,53 @@ class WorkerProcess:
                 )
         if self.device.type != "cpu":
             rows = Batch({k: v.detach().cpu() for k, v in rows.items()}, group_size=rows.group_size)
-        lengths = None
-        if endpoint.spec.row_lengths is not None:
-            col = rows[endpoint.spec.row_lengths]
-            per_row = col.flatten(start_dim=1).sum(dim=1) if col.dim() > 1 else col
-            lengths = tuple(int(x) for x in per_row.tolist())
+        lengths = self._row_lengths(endpoint, rows)
         self.store.put(spec.out_key, rows)
         return RankResult(rank=self.rank, worker=self.index, key=spec.out_key, num_rows=rows.num_rows,
                           fields=rows.field_specs(), row_lengths=lengths, group_size=rows.group_size)
+
+    @staticmethod
+    def _row_lengths(endpoint: Endpoint[Any, Any], rows: Batch) -> tuple[int, ...] | None:
+        if endpoint.spec.row_lengths is None:
+            return None
+        col = rows[endpoint.spec.row_lengths]
+        per_row = col.flatten(start_dim=1).sum(dim=1) if col.dim() > 1 else col
+        return tuple(int(x) for x in per_row.tolist())
+
+    # ----- streams (io group: controls reach a method while it runs) -----
+
+    @ray.method(concurrency_group="io")
+    def open_stream(self, call_id: int, capacity: int) -> ChannelAddress[StreamItem]:
+        """Open the channel of streamed call ``call_id`` (before it runs); the
+        driver receives from the returned address."""
+        send, address = open_remote_channel(StreamItem, capacity)
+        self.attach_stream(call_id, send)
+        return address
+
+    def attach_stream(self, call_id: int, sink: StreamSink) -> None:
+        """Send streamed call ``call_id``'s items to ``sink`` (in-process workers)."""
+        with self._streams_lock:
+            self._streams[call_id] = (sink, StreamControl())
+
+    @ray.method(concurrency_group="io")
+    def stream_control(self, call_id: int, action: str, count: int = 0) -> bool:
+        """Long-tail migration of streamed call ``call_id``: ``"handoff"`` (give up
+        the unfinished work) or ``"expect"`` (``count`` tails will be delivered).
+        False: the call is over on this rank (or never streamed here)."""
+        with self._streams_lock:
+            entry = self._streams.get(call_id)
+        if entry is None:
+            return False
+        control = entry[1]
+        return control.handoff() if action == "handoff" else control.expect(count)
+
+    @ray.method(concurrency_group="io")
+    def stream_adopt(self, call_id: int, group_size: int, columns: Mapping[str, torch.Tensor] | None) -> None:
+        """Deliver one announced tail (None: its source had nothing left)."""
+        with self._streams_lock:
+            entry = self._streams.get(call_id)
+        if entry is not None:
+            entry[1].deliver(None if columns is None else Batch(columns, group_size=group_size))
 
     # ----- data plane (io group: served while compute runs) -----
 
@@ -277,8 +367,6 @@ class WorkerProcess:
         """Block while the process lives: the driver's pending call fails exactly
         when the process dies (Ray's actor-death signal), with no polling."""
         self._alive.wait()
-
-
 
 
 def _as_rows(out: Any) -> Batch | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from asyncflow._datastream import DataStream, collect
 from channels import ConfigError
 from workers.engines import PolicyLoss
 from workers.rollout import SamplingParams
@@ -68,3 +69,10 @@ def require_roles(roles: Mapping[str, Any], algo: str, *names: str) -> None:
     missing = [n for n in names if n not in roles]
     if missing:
         raise ConfigError(f"{algo} needs roles {list(names)}; missing {missing} (placed: {sorted(roles)})")
+
+
+def whole(rows: Any) -> Any:
+    """Every row of ``rows`` as one future: a stream collected (in row order), a
+    future as is. Stages that need the whole batch (GAE's whitening-free
+    per-row math is fine either way; updates shuffle mini-batches) take this."""
+    return collect(rows) if isinstance(rows, DataStream) else rows

@@ -7,9 +7,10 @@ from typing import Any
 
 import msgspec
 
+from asyncflow._datastream import StreamOptions
 from asyncflow._future import DataFuture, gather
 from asyncflow._ops import merge
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles, whole
 from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
 from workers.roles import score_summary
 
@@ -30,13 +31,16 @@ class PPOConfig(msgspec.Struct, **_CFG):
 
 
 async def ppo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: PPOConfig, *,
-                   seed: int | None = None) -> dict[str, float]:
+                   seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
     """One PPO step: rollout, reference log-probs, values and scores (each on its
     role's pool, so stages on different pools overlap), GAE on the consumers'
-    ranks, then the actor and critic updates side by side."""
+    ranks, then the actor and critic updates side by side. With ``stream``, the
+    inference calls run per micro-batch as samples finish; the updates get the
+    same rows."""
     use_ref = config.reward_kl_coef > 0 or config.policy.kl_coef > 0
     require_roles(roles, "PPO", "actor", "critic", "reward", *(["ref"] if use_ref else []))
-    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
+    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed),
+                                      stream=stream)
     old = roles["actor"].log_prob(rollout)
     values = roles["critic"].values(rollout)
     scores = roles["reward"].score(rollout)
@@ -45,7 +49,7 @@ async def ppo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: P
         batch = batch.map(kl_penalised_rewards, kl_coef=config.reward_kl_coef)
     else:
         batch = merge(rollout, old, values, scores).map(token_rewards)
-    batch = batch.map(gae, gamma=config.gamma, lam=config.lam)
+    batch = whole(batch).map(gae, gamma=config.gamma, lam=config.lam)
     actor, critic, stats = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
-                                        roles["critic"].update(batch), roles["reward"].stats(scores))
+                                        roles["critic"].update(batch), roles["reward"].stats(whole(scores)))
     return actor | critic | score_summary(stats)

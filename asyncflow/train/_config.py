@@ -70,6 +70,16 @@ class TrainSection(msgspec.Struct, **_CFG):
     kl_metric: bool = True
     """Place a reference policy to report the actor's KL to its starting point
     (``actor/kl_to_ref``) even when no KL term is in the loss."""
+    stream: bool = False
+    """Stream finished samples from generation into the inference calls (GRPO and
+    PPO): stages on other pools start on the first micro-batch instead of the
+    whole batch. The updated model is the same as without streaming."""
+    stream_micro_batch: int = 16
+    """Rows per streamed micro-batch (whole prompt groups)."""
+    migrate: int | Literal["auto"] = "auto"
+    """Long-tail migration while streaming: move the samples still generating onto
+    fewer actor ranks once at most this many remain (0: never); ``"auto"`` picks
+    the threshold with the simulator from the previous step's response lengths."""
 
     def __post_init__(self) -> None:
         # "TrainSection.steps ... - at `$.train`" reaches the user as "train.steps ..."
@@ -79,6 +89,9 @@ class TrainSection(msgspec.Struct, **_CFG):
         for name in ("checkpoint_every", "eval_every"):
             at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
         at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
+        at_least("TrainSection.stream_micro_batch", self.stream_micro_batch, 1)
+        if self.migrate != "auto":
+            at_least("TrainSection.migrate", self.migrate, 0, '0 turns it off; "auto" picks it')
 
 
 class OptimSection(msgspec.Struct, **_CFG):
@@ -346,6 +359,9 @@ def _check_algorithms(config: RunConfig) -> None:
     at_least("ppo.reward_kl_coef", config.ppo.reward_kl_coef, 0, "0 turns the KL penalty off")
     check_gae("ppo", config.ppo.gamma, config.ppo.lam)
     check_safe_rlhf("safe_rlhf", config.safe_rlhf)
+    if config.train.stream and config.algorithm not in ("grpo", "ppo"):
+        raise ConfigError(f"train.stream = true works with grpo and ppo, not {config.algorithm}; "
+                          "set train.stream = false")
     if config.grpo.rollout.n < 2:
         raise ConfigError(f"grpo.rollout.n must be >= 2, got {config.grpo.rollout.n}: GRPO compares the "
                           "samples of one prompt; 8 is usual")

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from asyncflow._datastream import StreamOptions
 from asyncflow._errors import PoolBrokenError, WorkerDiedError
 from asyncflow._future import DataFuture
 from asyncflow._proxy import Roles
@@ -212,10 +213,13 @@ class Trainer:
     async def _step(self, roles: Roles, prompts: DataFuture[Any], safe: SafeRLHFState, *, seed: int
                     ) -> dict[str, float]:
         c = self.config
+        stream = None
+        if c.train.stream:
+            stream = StreamOptions(micro_batch=c.train.stream_micro_batch, migrate=c.train.migrate)
         if c.algorithm == "grpo":
-            return await grpo_step(roles, prompts, c.grpo, seed=seed)
+            return await grpo_step(roles, prompts, c.grpo, seed=seed, stream=stream)
         if c.algorithm == "ppo":
-            return await ppo_step(roles, prompts, c.ppo, seed=seed)
+            return await ppo_step(roles, prompts, c.ppo, seed=seed, stream=stream)
         if c.algorithm == "remax":
             return await remax_step(roles, prompts, c.remax, seed=seed)
         return await safe_rlhf_step(roles, prompts, c.safe_rlhf, safe, seed=seed)

@@ -18,17 +18,13 @@ from torch import Tensor, nn
 
 from channels import DP, Batch, ConfigError, Metrics, MicroDP
 from workers import CallInfo, WorkerContext, register
+from workers._streaming import StreamMethod
 from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine, kl_k3
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
-from workers.roles._rollout import (
-    RolloutConfig,
-    build_rollout,
-    params_for_rank,
-    rollout_rows,
-    unpadded_prompts,
-)
+from workers.roles._generation import stream_rollout
+from workers.roles._rollout import RolloutConfig, build_rollout, params_for_rank
 from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
@@ -103,13 +99,18 @@ class ActorWorker(TrainedRole):
 
     @register(protocol=MicroDP(tg=1), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
               writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
-    def generate(self, prompts: Batch, *, n: int = 1,
-                 params: SamplingParams | None = None) -> Batch:
+    def generate(self, prompts: Batch, *, n: int = 1, params: SamplingParams | None = None) -> StreamMethod:
         """Sample ``n`` responses per prompt with the rollout engine.
 
         Every rank generates its own share of the prompts with full weights (the
         hybrid engine's micro-DP layout with ``tg=1``). Every prompt column (ids,
         ``uid``, answers, any user column) is carried along into the output rows.
+
+        It streams: called with ``stream=True`` (or ``StreamOptions``), each
+        prompt's group of ``n`` rows is reported as soon as its last sample
+        finishes, and unfinished samples can migrate to another rank (long-tail
+        migration); called without, it returns all rows at once. The rows are the
+        same either way.
 
         Args:
             prompts: ``prompt_ids``/``prompt_mask`` plus any columns to carry along
@@ -133,11 +134,8 @@ class ActorWorker(TrainedRole):
         require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where="actor.generate")
         chosen = params_for_rank(params or self.config.sampling, eos_token_id=self._eos,
                                  rank=self.ctx.rank)
-        lists = unpadded_prompts(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
-        repeated = [p for p in lists for _ in range(n)]
-        out = self.rollout.generate(repeated, chosen) if repeated else None
         # A prompt's n samples are one group: data-parallel splits keep them together.
-        return Batch(rollout_rows(prompts, out, n=n, params=chosen), group_size=n)
+        return (yield from stream_rollout(self.rollout, prompts, n=n, params=chosen, rank=self.ctx.rank))
 
     @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.OLD_LOGPROBS, F.ENTROPY))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:

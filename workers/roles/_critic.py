@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from channels import DP, Batch, Metrics
+from channels import DP, Batch, ConfigError, Metrics
 from workers import WorkerContext, register
 from workers.engines import TrainingConfig, TrainingEngine, ValueHead, ValueLoss
 from workers.models import load_model
@@ -46,6 +46,11 @@ class CriticConfig:
     """Epochs and mini-batches of one update call."""
     seed: int = 0
     """Seeds torch's global RNG and the mini-batch shuffling."""
+    replicate: bool = False
+    """Keep a full copy of the model on every rank (no sharding): ``values`` then
+    needs no other rank and may run on any free ranks of the pool. A replicated
+    critic on more than one rank serves values only (its ``update`` refuses: the
+    copies would drift apart)."""
 
     def __post_init__(self) -> None:
         check_model_dir("CriticConfig", self.model_dir)
@@ -68,10 +73,15 @@ class CriticWorker(TrainedRole):
         self.config = config
         torch.manual_seed(config.seed)
         model = load_model(config.model_dir, kind="value", head_seed=config.head_seed)
+        replicate = config.replicate
         self.engine = TrainingEngine(model.to(ctx.device), config=config.training,
-                                     mesh=engine_mesh(ctx), head=ValueHead(), loss=config.loss,
-                                     process_group=engine_group(ctx))
+                                     mesh=engine_mesh(ctx, replicate=replicate), head=ValueHead(),
+                                     loss=config.loss, process_group=engine_group(ctx, replicate=replicate))
         self._shuffle = shuffle_generator(config.seed, ctx)
+
+    def rank_local(self) -> frozenset[str]:
+        """``values`` when the model is replicated (see ``CriticConfig.replicate``)."""
+        return frozenset({"values"}) if self.config.replicate else frozenset()
 
     @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.VALUES,))
     def values(self, batch: Batch) -> dict[str, Tensor]:
@@ -106,6 +116,9 @@ class CriticWorker(TrainedRole):
             ConfigError: the batch (all ranks' rows) has fewer rows than
                 ``schedule.mini_batches``.
         """
+        if self.config.replicate and self.ctx.world_size > 1:
+            raise ConfigError("critic.update: a replicated critic (CriticConfig.replicate) on more than one "
+                              "rank serves values only; set replicate=False to train it")
         require_fields(batch, (*F.SEQUENCE, F.VALUES, F.RETURNS), where="critic.update")
         columns = {**batch, OLD_VALUES: batch[F.VALUES]}
         loss = loss if loss is not None else self.config.loss

@@ -36,6 +36,11 @@ class ReferenceConfig:
     applies: the reference is never trained."""
     seed: int = 0
     """Seeds torch's global RNG."""
+    replicate: bool = False
+    """Keep a full copy of the model on every rank instead of sharding it (FSDP):
+    ``log_prob`` then needs no other rank, so the driver may run it on any free
+    ranks of the pool, e.g. ranks that long-tail migration freed while the actor
+    finishes its tail. Costs a full model's memory per rank."""
 
     def __post_init__(self) -> None:
         check_model_dir("ReferenceConfig", self.model_dir)
@@ -60,8 +65,13 @@ class ReferenceWorker(Role):
         model = load_model(config.model_dir)
         # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
         nn.Module.to(model, ctx.device)
-        self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
-                                     head=CausalLMHead(), process_group=engine_group(ctx))
+        self.engine = TrainingEngine(model, config=config.training,
+                                     mesh=engine_mesh(ctx, replicate=config.replicate), head=CausalLMHead(),
+                                     process_group=engine_group(ctx, replicate=config.replicate))
+
+    def rank_local(self) -> frozenset[str]:
+        """``log_prob`` when the model is replicated (see ``ReferenceConfig.replicate``)."""
+        return frozenset({"log_prob"}) if self.config.replicate else frozenset()
 
     @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.REF_LOGPROBS,))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:

@@ -63,6 +63,10 @@ class _ScoringRole(Role):
         torch.manual_seed(config.seed)
         self.scorer: Scorer = config.scorer.build(ctx.device)
 
+    def rank_local(self) -> frozenset[str]:
+        """Every method: each rank scores its own rows with its own scorer."""
+        return frozenset({"score", "stats"})
+
     def _score(self, batch: Mapping[str, Tensor], *, where: str) -> Tensor:
         require_fields(batch, F.SEQUENCE, where=where)
         if batch[F.PROMPT_IDS].shape[0] == 0:  # a rank's empty share: nothing to score

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from workers.roles import _fields as F
 from workers.rollout import (
+    GenerationRun,
     NativeRolloutConfig,
     NativeRolloutEngine,
     RolloutOutput,
@@ -43,6 +44,10 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
         """One response per prompt."""
+        ...
+
+    def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationRun:
+        """A run the caller steps (streaming, migration)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> object:

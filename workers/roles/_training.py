@@ -65,15 +65,17 @@ def check_types(owner: str, config: object, expected: Mapping[str, type | tuple[
                               f"got {type(value).__name__}")
 
 
-def engine_mesh(ctx: WorkerContext) -> Any:
-    """The DeviceMesh a training engine of this role uses (None on a 1-rank pool)."""
-    return ctx.mesh if ctx.world_size > 1 else None
+def engine_mesh(ctx: WorkerContext, *, replicate: bool = False) -> Any:
+    """The DeviceMesh a training engine of this role uses (None on a 1-rank pool,
+    or when every rank keeps a full copy of the model: ``replicate``)."""
+    return ctx.mesh if ctx.world_size > 1 and not replicate else None
 
 
-def engine_group(ctx: WorkerContext) -> dist.ProcessGroup | None:
+def engine_group(ctx: WorkerContext, *, replicate: bool = False) -> dist.ProcessGroup | None:
     """The group a training engine of this role checkpoints over: the pool's own
-    (None on a 1-rank pool), never the session's default group, which spans every pool."""
-    return ctx.process_group if ctx.world_size > 1 else None
+    (None on a 1-rank pool or when replicated), never the session's default group,
+    which spans every pool."""
+    return ctx.process_group if ctx.world_size > 1 and not replicate else None
 
 
 def shuffle_generator(seed: int, ctx: WorkerContext) -> torch.Generator:

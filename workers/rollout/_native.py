@@ -1,38 +1,43 @@
 """Native rollout engine: continuous-batching generation on a transformers causal LM.
 
-The engine keeps one decode batch of at most ``max_batch_size`` rows. Every step it
-first admits waiting prompts into the free rows (their prefill runs as a separate
-left-padded forward pass, then their KV cache joins the decode batch), then decodes
-one token for every row. A row leaves the batch as soon as it samples EOS or reaches
-``max_new_tokens``, and its :class:`FinishedSample` is yielded at once, so streaming
-consumers see each sample when it completes, not when its batch does.
+:meth:`NativeRolloutEngine.start` opens a run that keeps one decode batch of at most
+``max_batch_size`` rows. Every step first prefills waiting samples into the free rows
+(a separate left-padded forward pass whose KV cache then joins the decode batch),
+then decodes one token for every row. A row leaves the batch as soon as it samples
+EOS or reaches ``max_new_tokens``, and its :class:`FinishedSample` is reported in that
+step, so streaming consumers see each sample when it completes, not when its batch
+does. ``generate`` and ``generate_stream`` step such a run to its end.
 
-Rows stay right-aligned: each row's KV cache is ``[padding..., real tokens...]``, with
-an attention mask of zeros on the padding and positions counted over real tokens
-only (``cumsum(mask) - 1``). That is the convention of :mod:`._types`, so the
-training engine's forward pass over ``prompt_ids ++ response_ids`` reproduces the
-log-probs reported here.
-
-Sampling is reproducible per sample: row ``i`` draws from its own generator, seeded
-from ``(SamplingParams.seed, i)``, so results do not depend on ``max_batch_size``
-nor on which rows happen to share a step.
+Unfinished samples leave a run as :class:`PartialSample` (``export``) and continue in
+another run, on this engine or another one (``admit``): their prompt and response so
+far are prefilled again and their random stream goes on where it stopped. The KV
+cache layout lives in :mod:`._kv_batch`, the per-sample random streams in
+:mod:`._sampling`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 
 from channels import ConfigError
 
-from ._types import FinishedSample, RolloutOutput, SamplingParams
+from ._kv_batch import KVBatch, decode, prefill
+from ._sampling import generator_state, restore_generator, row_generator, sample_tokens
+from ._types import (
+    FinishedSample,
+    GenerationRun,
+    PartialSample,
+    RolloutOutput,
+    SamplingParams,
+    check_admissible,
+    drain,
+    resolve_indices,
+)
 
 __all__ = ["NativeRolloutConfig", "NativeRolloutEngine"]
 
@@ -56,93 +61,168 @@ class NativeRolloutConfig:
             raise ConfigError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
 
 
-@dataclass(kw_only=True)
-class _Request:
-    """One ``generate`` call: its prompts, parameters and the samples so far."""
+@dataclass(kw_only=True, eq=False)
+class _Row:
+    """One sample of a run: its prompt, its response so far and its random stream."""
 
-    prompts: list[list[int]]
-    params: SamplingParams
-    seed: int
-    device: torch.device
-    responses: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    index: int
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]
+    generator: torch.Generator | None
+    """None when sampling is greedy."""
 
-    def start(self, index: int) -> None:
-        """Open the response of prompt ``index`` (and its generator when sampling)."""
-        self.responses[index] = []
-        self.logprobs[index] = []
-        if not self.params.greedy:
-            entropy = [self.seed & 0xFFFF_FFFF_FFFF_FFFF, index]
-            row_seed = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])
-            generator = torch.Generator(device=self.device)
-            self.generators[index] = generator.manual_seed(row_seed)
+    def finished(self) -> FinishedSample:
+        return FinishedSample(index=self.index, response_ids=self.response, logprobs=self.logprobs)
 
-    def finish(self, index: int) -> FinishedSample:
-        """Close the response of prompt ``index`` and report it."""
-        self.generators.pop(index, None)
-        return FinishedSample(
-            index=index,
-            response_ids=self.responses.pop(index),
-            logprobs=self.logprobs.pop(index),
+    def partial(self) -> PartialSample:
+        state = None if self.generator is None else generator_state(self.generator)
+        return PartialSample(
+            index=self.index,
+            prompt=self.prompt,
+            response_ids=self.response,
+            logprobs=self.logprobs,
+            rng_state=state,
         )
 
 
-@dataclass(kw_only=True)
-class _Batch:
-    """Rows decoding together: their KV cache, attention mask and next inputs.
+class _NativeRun:
+    """The :class:`~._types.GenerationRun` of a :class:`NativeRolloutEngine`.
 
-    Invariant: every row is right-aligned (its mask is zeros then ones), and the
-    cache, ``mask`` and the row tensors all hold ``len(indices)`` rows."""
+    One decode batch of at most ``max_batch_size`` rows: each step first prefills
+    waiting samples into the free rows (as a separate left-padded forward pass whose
+    KV cache then joins the batch; a migrated sample prefills its prompt and its
+    response so far), then decodes one token for every row. A row leaves as soon as
+    it samples EOS or reaches ``max_new_tokens``.
+    """
 
-    indices: list[int]
-    cache: DynamicCache
-    mask: torch.Tensor
-    """[B, L] int64 over the cached tokens."""
-    next_positions: torch.Tensor
-    """[B] position of the token fed at the next step."""
-    next_tokens: torch.Tensor
-    """[B] the token fed at the next step (the last one sampled)."""
+    def __init__(self, engine: NativeRolloutEngine, params: SamplingParams, seed: int) -> None:
+        self._engine = engine
+        self._params = params
+        self._seed = seed
+        self._weights_version = engine._weights_version
+        self._rows: dict[int, _Row] = {}
+        """Every pending sample by index, waiting or running."""
+        self._waiting: deque[_Row] = deque()
+        self._running: KVBatch | None = None
+        self._closed = False
 
-    def __len__(self) -> int:
-        return len(self.indices)
+    @property
+    def pending(self) -> int:
+        """Samples not finished yet (waiting or running)."""
+        return len(self._rows)
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (positions in this batch), dropping padding nobody needs."""
-        if len(rows) == len(self.indices):
-            return
-        select = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.indices = [self.indices[row] for row in rows]
-        mask = self.mask.index_select(0, select)
-        # Rows are right-aligned, so the longest row says how many columns are needed.
-        start = mask.shape[1] - int(mask.sum(dim=1).max()) if rows else mask.shape[1]
-        self.mask = mask[:, start:]
-        self.next_positions = self.next_positions.index_select(0, select)
-        self.next_tokens = self.next_tokens.index_select(0, select)
-        for layer, keys, values in _kv_tensors(self.cache):
-            layer.keys = keys.index_select(0, select)[:, :, start:]
-            layer.values = values.index_select(0, select)[:, :, start:]
+    def step(self) -> list[FinishedSample]:
+        """One scheduling step; the samples that finished in it, in completion order."""
+        self._check_usable("step")
+        # Grad mode is off inside each model call only (prefill and decode), so a
+        # consumer stepping the run keeps its own grad mode.
+        model = self._engine.model
+        finished: list[FinishedSample] = []
+        running = self._running
+        free = self._engine.config.max_batch_size - (len(running) if running is not None else 0)
+        if self._waiting and free > 0:
+            joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            fresh, logits = prefill(
+                model,
+                [row.prompt + row.response for row in joining],
+                [row.index for row in joining],
+                pad_token_id=self._params.pad_token_id,
+            )
+            finished += self._advance(fresh, logits)
+            if running is None:
+                running = fresh
+            elif len(fresh):
+                running.extend(fresh)
+        if running is not None and len(running):
+            finished += self._advance(running, decode(model, running))
+        self._running = running if running is not None and len(running) else None
+        return finished
 
-    def extend(self, other: _Batch) -> None:
-        """Append the rows of ``other``, left-padding whichever cache is shorter."""
-        length = max(self.mask.shape[1], other.mask.shape[1])
-        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(other.mask, length)])
-        self.indices = self.indices + other.indices
-        self.next_positions = torch.cat([self.next_positions, other.next_positions])
-        self.next_tokens = torch.cat([self.next_tokens, other.next_tokens])
-        for (layer, keys, values), (_, more_keys, more_values) in zip(
-            _kv_tensors(self.cache), _kv_tensors(other.cache), strict=True
+    def export(self) -> list[PartialSample]:
+        """Remove every unfinished sample and return it, in the order they joined."""
+        exported = [row.partial() for row in self._rows.values()]
+        self._rows.clear()
+        self._waiting.clear()
+        self._running = None
+        return exported
+
+    def admit(self, samples: Sequence[PartialSample]) -> None:
+        """Queue ``samples`` to continue here, with their carried random streams."""
+        self._check_usable("admit")
+        check_admissible(samples, self._params, self._rows)
+        engine, rows = self._engine, []
+        for partial in samples:
+            where = f"PartialSample index={partial.index}"
+            prompt = engine._checked_prompt(partial.prompt, self._params, where)
+            response = engine._checked_tokens(partial.response_ids, f"{where} response_ids")
+            logprobs = list(partial.logprobs)
+            rows.append(self._row(partial.index, prompt, response, logprobs, partial.rng_state))
+        self._queue(rows)
+
+    def close(self) -> None:
+        """Drop every pending sample; later steps and admits raise. Idempotent."""
+        self.export()
+        self._closed = True
+
+    def _row(
+        self,
+        index: int,
+        prompt: list[int],
+        response: list[int],
+        logprobs: list[float],
+        rng_state: bytes | None = None,
+    ) -> _Row:
+        """A row of checked tokens, with its generator when sampling."""
+        generator, device = None, self._engine._device
+        if not self._params.greedy and rng_state is not None:
+            generator = restore_generator(rng_state, device, index=index)
+        elif not self._params.greedy:
+            generator = row_generator(self._seed, index, device, skip=len(response))
+        return _Row(
+            index=index, prompt=prompt, response=response, logprobs=logprobs, generator=generator
+        )
+
+    def _queue(self, rows: list[_Row]) -> None:
+        for row in rows:
+            self._rows[row.index] = row
+        self._waiting.extend(rows)
+
+    def _advance(self, batch: KVBatch, logits: torch.Tensor) -> list[FinishedSample]:
+        """Sample one token per row, record it, and drop the rows that finished."""
+        params = self._params
+        rows = [self._rows[index] for index in batch.indices]
+        tokens, logprobs = sample_tokens(logits, params, [row.generator for row in rows])
+        batch.next_tokens = tokens
+        finished, keep = [], []
+        for position, (row, token, logprob) in enumerate(
+            zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)
         ):
-            layer.keys = torch.cat([_left_pad(keys, length), _left_pad(more_keys, length)])
-            layer.values = torch.cat([_left_pad(values, length), _left_pad(more_values, length)])
+            row.response.append(token)
+            row.logprobs.append(logprob)
+            if token == params.eos_token_id or len(row.response) >= params.max_new_tokens:
+                finished.append(self._rows.pop(row.index).finished())
+            else:
+                keep.append(position)
+        batch.keep(keep)
+        return finished
+
+    def _check_usable(self, action: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"cannot {action}: this run is closed; start a new one")
+        if self._weights_version != self._engine._weights_version:
+            raise RuntimeError(
+                f"cannot {action}: the engine's weights changed since this run started; "
+                "export() its unfinished samples and admit them into a new run"
+            )
 
 
 class NativeRolloutEngine:
     """Generates responses with a transformers causal LM, a KV cache and continuous batching.
 
-    Not thread-safe: use one engine from one thread, and do not call
-    :meth:`update_weights` while a :meth:`generate_stream` iterator is open (rows
-    already in flight would mix old and new weights).
+    Not thread-safe: use one engine from one thread. Runs opened by :meth:`start`
+    (and :meth:`generate_stream` iterators) stay valid until :meth:`update_weights`;
+    then they refuse to step (rows in flight would mix old and new weights).
 
     Args:
         model: A transformers causal LM (e.g. ``LlamaForCausalLM``); the engine puts
@@ -166,6 +246,7 @@ class NativeRolloutEngine:
         self._vocab_size = int(model.config.vocab_size)
         self._max_length = int(model.config.max_position_embeddings)
         self._generator = torch.Generator().manual_seed(config.seed)
+        self._weights_version = 0
 
     @property
     def model(self) -> PreTrainedModel:
@@ -193,9 +274,12 @@ class NativeRolloutEngine:
                 is too long for ``max_new_tokens`` more tokens within the model's
                 ``max_position_embeddings``.
         """
-        prompt_lists = self._validate(prompts, params)
-        samples = {sample.index: sample for sample in self._stream(prompt_lists, params)}
-        return _assemble(prompt_lists, [samples[i] for i in range(len(prompt_lists))], params)
+        run = self.start(prompts, params)
+        samples = {sample.index: sample for sample in drain(run)}
+        prompt_lists = [list(prompt) for prompt in prompts]
+        return RolloutOutput.from_samples(
+            prompt_lists, [samples[i] for i in range(len(prompt_lists))], params
+        )
 
     def generate_stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -203,7 +287,7 @@ class NativeRolloutEngine:
         """Generate one response per prompt, yielding each as soon as it completes.
 
         Prompts are validated before this returns; generation advances as the
-        iterator is consumed (one decode step of the whole batch per pull at most).
+        iterator is consumed (one step of :meth:`start`'s run per pull at most).
 
         Args:
             prompts: Token ids of each prompt (no padding).
@@ -216,10 +300,59 @@ class NativeRolloutEngine:
         Raises:
             ValueError: As :meth:`generate`.
         """
-        return self._stream(self._validate(prompts, params), params)
+        return drain(self.start(prompts, params))
+
+    def start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        indices: Sequence[int] | None = None,
+    ) -> GenerationRun:
+        """Open a run that generates one response per prompt as the caller steps it.
+
+        Sampled sample ``i`` draws from a generator seeded from ``(seed, indices[i])``,
+        so with the default indices the run's samples are :meth:`generate`'s rows.
+        An exported sample carries its generator's state: admitted into a run on an
+        engine with the same weights, it gets the tokens it would have had
+        uninterrupted, with log-probs equal up to float rounding (the prefill sums
+        in another order than the decode steps it replaces). A sample admitted
+        without ``rng_state`` is re-seeded from ``(seed, index, tokens so far)``.
+        The run stays valid until :meth:`update_weights`.
+
+        Args:
+            prompts: Token ids of each prompt (no padding); may be empty (a run that
+                takes admitted samples only).
+            params: How to sample; with ``seed`` None, the engine's generator draws one.
+            indices: The caller's id of each prompt (:attr:`FinishedSample.index`);
+                ``0..len(prompts)-1`` by default.
+
+        Returns:
+            The run; nothing is computed before its first step.
+
+        Raises:
+            ValueError: As :meth:`generate`, or if ``indices`` does not give one
+                distinct id per prompt.
+        """
+        self._check_params(params)
+        prompt_lists = [
+            self._checked_prompt(p, params, f"prompts[{i}]") for i, p in enumerate(prompts)
+        ]
+        caller_indices = resolve_indices(indices, len(prompt_lists))
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=self._generator))
+        run = _NativeRun(self, params, seed)
+        run._queue(
+            [
+                run._row(index, prompt, [], [])
+                for index, prompt in zip(caller_indices, prompt_lists, strict=True)
+            ]
+        )
+        return run
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy new weights into the model in place.
+        """Copy new weights into the model in place; open runs stop being valid.
 
         Tensors are copied as they arrive; when one fails, those before it are loaded.
 
@@ -233,6 +366,7 @@ class NativeRolloutEngine:
         Raises:
             ValueError: If a name is not one of the model's or a shape differs.
         """
+        self._weights_version += 1
         targets = self._model.state_dict(keep_vars=True)
         loaded = 0
         with torch.no_grad():
@@ -253,9 +387,7 @@ class NativeRolloutEngine:
                 loaded += 1
         return loaded
 
-    def _validate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[list[int]]:
+    def _check_params(self, params: SamplingParams) -> None:
         for name in ("pad_token_id", "eos_token_id"):
             token = getattr(params, name)
             if token is not None and not 0 <= token < self._vocab_size:
@@ -263,199 +395,31 @@ class NativeRolloutEngine:
                     f"SamplingParams.{name}={token} is outside the model's vocabulary "
                     f"[0, {self._vocab_size})"
                 )
-        checked = []
-        for index, prompt in enumerate(prompts):
-            ids = [int(token) for token in prompt]
-            if not ids:
-                raise ConfigError(f"prompts[{index}] is empty; every prompt needs >= 1 token")
-            bad = next((t for t in ids if not 0 <= t < self._vocab_size), None)
-            if bad is not None:
-                raise ConfigError(
-                    f"prompts[{index}] holds token id {bad}, outside the model's vocabulary "
-                    f"[0, {self._vocab_size})"
-                )
-            if len(ids) + params.max_new_tokens > self._max_length:
-                raise ConfigError(
-                    f"prompts[{index}] has {len(ids)} tokens; with max_new_tokens="
-                    f"{params.max_new_tokens} that is {len(ids) + params.max_new_tokens} > the "
-                    f"model's max_position_embeddings={self._max_length}; shorten the prompt "
-                    "or lower SamplingParams.max_new_tokens"
-                )
-            checked.append(ids)
-        return checked
 
-    def _stream(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[FinishedSample]:
-        # Grad mode is switched off inside each model call only, never across a yield:
-        # a generator's `with torch.no_grad()` would leak into the consumer's code.
-        seed = params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), generator=self._generator))
-        request = _Request(prompts=prompts, params=params, seed=seed, device=self._device)
-        waiting = deque(range(len(prompts)))
-        running: _Batch | None = None
-        while waiting or running is not None:
-            free = self._config.max_batch_size - (len(running) if running is not None else 0)
-            if waiting and free > 0:
-                joining = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-                fresh, logits = self._prefill(joining, request)
-                yield from self._advance(fresh, logits, request)
-                if running is None:
-                    running = fresh
-                elif len(fresh):
-                    running.extend(fresh)
-            if running is not None and len(running):
-                yield from self._advance(running, self._decode(running), request)
-            if running is not None and not len(running):
-                running = None
+    def _checked_tokens(self, tokens: Sequence[int], where: str) -> list[int]:
+        """``tokens`` as a list of ints, all within the vocabulary."""
+        ids = [int(token) for token in tokens]
+        bad = next((t for t in ids if not 0 <= t < self._vocab_size), None)
+        if bad is not None:
+            raise ConfigError(
+                f"{where} holds token id {bad}, outside the model's vocabulary "
+                f"[0, {self._vocab_size})"
+            )
+        return ids
 
-    @torch.no_grad()
-    def _prefill(self, indices: list[int], request: _Request) -> tuple[_Batch, torch.Tensor]:
-        """Run the prompts of ``indices`` through the model as one left-padded batch."""
-        prompts = [request.prompts[i] for i in indices]
-        length = max(len(prompt) for prompt in prompts)
-        ids = torch.full((len(prompts), length), request.params.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), length), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, length - len(prompt) :] = 1
-        ids, mask = ids.to(self._device), mask.to(self._device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        output = self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=DynamicCache(config=self._model.config),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        for index in indices:
-            request.start(index)
-        batch = _Batch(
-            indices=list(indices),
-            cache=output.past_key_values,
-            mask=mask,
-            next_positions=mask.sum(dim=1),
-            next_tokens=torch.zeros(len(indices), dtype=torch.long, device=self._device),
-        )
-        return batch, output.logits[:, -1, :].float()
-
-    @torch.no_grad()
-    def _decode(self, batch: _Batch) -> torch.Tensor:
-        """Feed every row its last sampled token; return the next-token logits [B, V]."""
-        ones = torch.ones((len(batch), 1), dtype=batch.mask.dtype, device=batch.mask.device)
-        batch.mask = torch.cat([batch.mask, ones], dim=1)
-        output = self._model(
-            input_ids=batch.next_tokens[:, None],
-            attention_mask=batch.mask,
-            position_ids=batch.next_positions[:, None],
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        batch.next_positions = batch.next_positions + 1
-        return output.logits[:, -1, :].float()
-
-    def _advance(
-        self, batch: _Batch, logits: torch.Tensor, request: _Request
-    ) -> list[FinishedSample]:
-        """Sample one token per row, record it, and drop the rows that finished."""
-        params = request.params
-        generators = [request.generators.get(index) for index in batch.indices]
-        tokens, logprobs = _sample(logits, params, generators)
-        batch.next_tokens = tokens
-        finished, keep = [], []
-        for row, (index, token, logprob) in enumerate(
-            zip(batch.indices, tokens.tolist(), logprobs.tolist(), strict=True)
-        ):
-            response = request.responses[index]
-            response.append(token)
-            request.logprobs[index].append(logprob)
-            if token == params.eos_token_id or len(response) >= params.max_new_tokens:
-                finished.append(request.finish(index))
-            else:
-                keep.append(row)
-        batch.keep(keep)
-        return finished
-
-
-@torch.no_grad()
-def _sample(
-    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return it and its raw log-prob (temperature 1, unfiltered)."""
-    raw_logprobs = F.log_softmax(logits, dim=-1)
-    if params.greedy:
-        tokens = logits.argmax(dim=-1)
-    else:
-        probs = _filtered_probs(logits, params)
-        picks = []
-        for row, generator in enumerate(generators):
-            picks.append(torch.multinomial(probs[row], 1, generator=generator))
-        tokens = torch.cat(picks)
-    return tokens, raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling distribution after temperature, then top-k, then top-p."""
-    scores = logits / params.temperature
-    if 0 < params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Drop a token once the more likely ones already reach top_p; the first stays.
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def _kv_tensors(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
-    """Each layer of a full-attention cache with its keys and values ``[B, H, L, D]``."""
-    entries = []
-    for layer in cache.layers:
-        # The constructor rejects non-full-attention models, so every layer is dynamic.
-        assert isinstance(layer, DynamicLayer), type(layer)
-        assert layer.keys is not None and layer.values is not None
-        entries.append((layer, layer.keys, layer.values))
-    return entries
-
-
-def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    """Zero-pad the sequence dimension (last for masks, -2 for caches) on the left."""
-    dim = 1 if tensor.dim() == 2 else 2
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
-def _assemble(
-    prompts: list[list[int]], samples: list[FinishedSample], params: SamplingParams
-) -> RolloutOutput:
-    """Pad prompts (left) and responses (right) into the tensors of a RolloutOutput."""
-    rows, width = len(prompts), max((len(p) for p in prompts), default=0)
-    pad = params.pad_token_id
-    prompt_ids = torch.full((rows, width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((rows, width), dtype=torch.long)
-    response_ids = torch.full((rows, params.max_new_tokens), pad, dtype=torch.long)
-    response_mask = torch.zeros((rows, params.max_new_tokens), dtype=torch.long)
-    logprobs = torch.zeros((rows, params.max_new_tokens), dtype=torch.float32)
-    for row, (prompt, sample) in enumerate(zip(prompts, samples, strict=True)):
-        if prompt:
-            prompt_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            prompt_mask[row, width - len(prompt) :] = 1
-        count = len(sample.response_ids)
-        response_ids[row, :count] = torch.tensor(sample.response_ids, dtype=torch.long)
-        response_mask[row, :count] = 1
-        logprobs[row, :count] = torch.tensor(sample.logprobs, dtype=torch.float32)
-    return RolloutOutput(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        logprobs=logprobs,
-    )
+    def _checked_prompt(
+        self, prompt: Sequence[int], params: SamplingParams, where: str
+    ) -> list[int]:
+        """``prompt`` as a list, checked: not empty, in the vocabulary, short enough."""
+        if not prompt:
+            raise ConfigError(f"{where} is empty; every prompt needs >= 1 token")
+        ids = self._checked_tokens(prompt, where)
+        length = len(ids)
+        if length + params.max_new_tokens > self._max_length:
+            raise ConfigError(
+                f"{where} has {length} tokens; with max_new_tokens="
+                f"{params.max_new_tokens} that is {length + params.max_new_tokens} > the "
+                f"model's max_position_embeddings={self._max_length}; shorten the prompt "
+                "or lower SamplingParams.max_new_tokens"
+            )
+        return ids

@@ -11,11 +11,19 @@ Conventions (the training engine relies on them):
 - ``logprobs`` are the log-probabilities of the sampled tokens under the model's raw
   distribution (``log_softmax(logits)`` at temperature 1, before top-k/top-p), which
   is what the training engine recomputes; padding positions hold 0.
+
+Besides ``generate``, every engine's ``start`` opens a :class:`GenerationRun`: the
+caller steps generation, receives each :class:`FinishedSample` in the step it
+completes (streaming), and can move unfinished samples as :class:`PartialSample`
+(prompt and tokens so far) from one engine to another (long-tail migration), where
+they are prefilled again and continue.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import torch
@@ -79,13 +87,186 @@ class RolloutOutput:
         """[B] number of generated tokens per row."""
         return self.response_mask.sum(dim=1)
 
+    @classmethod
+    def from_samples(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        samples: Sequence[FinishedSample],
+        params: SamplingParams,
+    ) -> RolloutOutput:
+        """Pad prompts (left) and responses (right) into one batch.
+
+        Args:
+            prompts: Token ids of each prompt, no padding.
+            samples: The response of each prompt, in the same order.
+            params: Give the padding id and the response width (``max_new_tokens``).
+
+        Returns:
+            The batch, row ``i`` holding ``prompts[i]`` and ``samples[i]``.
+        """
+        rows, width = len(prompts), max((len(p) for p in prompts), default=0)
+        pad, length = params.pad_token_id, params.max_new_tokens
+        prompt_ids = torch.full((rows, width), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((rows, width), dtype=torch.long)
+        response_ids = torch.full((rows, length), pad, dtype=torch.long)
+        response_mask = torch.zeros((rows, length), dtype=torch.long)
+        logprobs = torch.zeros((rows, length), dtype=torch.float32)
+        for row, (prompt, sample) in enumerate(zip(prompts, samples, strict=True)):
+            if prompt:
+                prompt_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+                prompt_mask[row, width - len(prompt) :] = 1
+            count = len(sample.response_ids)
+            response_ids[row, :count] = torch.tensor(sample.response_ids, dtype=torch.long)
+            response_mask[row, :count] = 1
+            logprobs[row, :count] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            logprobs=logprobs,
+        )
+
 
 class FinishedSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """One response, reported by an engine as soon as it completes (for streaming)."""
 
     index: int
-    """Row of the prompt in the request."""
+    """The caller's id of the sample: the prompt's row, or the index given to
+    ``start`` or carried by an admitted :class:`PartialSample`."""
     response_ids: list[int]
-    """Generated tokens (EOS included, no padding)."""
+    """Generated tokens (EOS included, no padding); for a migrated sample, the tokens
+    it carried followed by the new ones."""
     logprobs: list[float]
     """Raw log-prob of each generated token."""
+
+
+class PartialSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
+    """An unfinished sample taken out of a :class:`GenerationRun`, to continue elsewhere."""
+
+    index: int
+    """The caller's id of the sample, kept through migration."""
+    prompt: list[int]
+    """Token ids of the prompt, no padding."""
+    response_ids: list[int]
+    """Tokens generated so far (empty for a sample that never started)."""
+    logprobs: list[float]
+    """Raw log-prob of each token of ``response_ids``."""
+    rng_state: bytes | None = None
+    """The sample's sampler state, when the engine that exported it can carry it
+    (the native engine's ``torch.Generator.get_state()``); None otherwise."""
+
+
+class GenerationRun(Protocol):
+    """Generation that the caller steps, as returned by an engine's ``start``.
+
+    A run belongs to its engine and stays valid only until the engine's weights
+    change (``update_weights``; on vLLM also ``sleep``): after that, :meth:`step`
+    and :meth:`admit` raise, while :meth:`export` still hands out the unfinished
+    samples (their tokens so far came from the old weights). Not thread-safe.
+    """
+
+    def step(self) -> list[FinishedSample]:
+        """Run one scheduling step: admit waiting samples, decode one token each.
+
+        Returns:
+            The samples that finished in this step, in completion order (often none).
+
+        Raises:
+            RuntimeError: If the run is closed or its engine's weights changed.
+        """
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Samples not reported yet (waiting or running); 0 when the run is done."""
+        ...
+
+    def export(self) -> list[PartialSample]:
+        """Remove every unfinished sample from the run and return its state.
+
+        Samples that never started come back with an empty response. Afterwards
+        :attr:`pending` is 0 and the run can still :meth:`admit` samples.
+        """
+        ...
+
+    def admit(self, samples: Sequence[PartialSample]) -> None:
+        """Continue ``samples`` in this run: prompt and response so far are prefilled
+        again and generation goes on under the run's :class:`SamplingParams`. Each
+        one's :class:`FinishedSample` carries the whole response (carried tokens
+        first) and all log-probs.
+
+        Raises:
+            ValueError: If a sample is finished already (``max_new_tokens`` reached,
+                or EOS generated), malformed, too long for the engine, or its index
+                is pending in this run.
+            RuntimeError: If the run is closed or its engine's weights changed.
+        """
+        ...
+
+    def close(self) -> None:
+        """Drop whatever is left (vLLM: abort its requests). Idempotent."""
+        ...
+
+
+def drain(run: GenerationRun) -> Iterator[FinishedSample]:
+    """Step ``run`` until it has reported every sample, yielding each as it finishes."""
+    while run.pending:
+        yield from run.step()
+
+
+def resolve_indices(indices: Sequence[int] | None, count: int) -> list[int]:
+    """The caller's ids of ``count`` prompts: ``indices`` checked, or 0..count-1.
+
+    Raises:
+        ValueError: If ``indices`` has another length or repeats an id.
+    """
+    if indices is None:
+        return list(range(count))
+    resolved = [int(index) for index in indices]
+    if len(resolved) != count:
+        raise ConfigError(
+            f"start got {count} prompts but {len(resolved)} indices; give one index per prompt"
+        )
+    if len(set(resolved)) != count:
+        raise ConfigError("start got repeated indices; each sample needs its own index")
+    return resolved
+
+
+def check_admissible(
+    samples: Sequence[PartialSample], params: SamplingParams, pending: Iterable[int]
+) -> None:
+    """Refuse samples that cannot continue under ``params`` in a run.
+
+    Args:
+        samples: The samples to admit.
+        params: The run's sampling parameters.
+        pending: The indices the run still holds.
+
+    Raises:
+        ValueError: Naming the sample and why (finished, malformed, index taken).
+    """
+    taken = set(pending)
+    for sample in samples:
+        where = f"PartialSample index={sample.index}"
+        response = sample.response_ids
+        if sample.index in taken:
+            raise ConfigError(f"{where} is already pending in this run; indices must be unique")
+        taken.add(sample.index)
+        if not sample.prompt:
+            raise ConfigError(f"{where} has an empty prompt; every prompt needs >= 1 token")
+        if len(sample.logprobs) != len(response):
+            raise ConfigError(
+                f"{where} has {len(response)} response tokens but {len(sample.logprobs)} "
+                "log-probs; give one log-prob per token"
+            )
+        if len(response) >= params.max_new_tokens:
+            raise ConfigError(
+                f"{where} is finished: it has {len(response)} tokens and max_new_tokens is "
+                f"{params.max_new_tokens}; report it instead of admitting it"
+            )
+        if params.eos_token_id is not None and params.eos_token_id in response:
+            raise ConfigError(
+                f"{where} is finished: its response holds eos_token_id={params.eos_token_id}; "
+                "report it instead of admitting it"
+            )

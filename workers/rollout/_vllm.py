@@ -29,6 +29,12 @@ keeps the two apart: vLLM starts and shuts down against a one-rank default group
 its own, under its own group names, and the host's default group is back in place
 the rest of the time (a one-rank vLLM engine makes no collective call while it runs).
 
+Generation is stepped by the engine itself rather than by ``LLM.generate``: a
+run (:mod:`._vllm_run`) adds its requests to ``llm.llm_engine`` with
+``RequestOutputKind.DELTA``, keeps each sample's tokens so far from the deltas that
+every ``llm_engine.step()`` returns, and aborts requests to export their samples.
+``generate`` steps such a run to its end.
+
 Other side effects of the in-process CPU engine on its host process (vLLM's): it
 seeds the global RNGs with ``config.seed`` and binds the process's memory to its
 NUMA node. It also replaces ``torch.set_num_threads`` with a function that ignores
@@ -39,6 +45,7 @@ control of its threads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -52,7 +59,14 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from channels import ConfigError
-from workers.rollout._types import RolloutOutput, SamplingParams
+from workers.rollout._types import (
+    GenerationRun,
+    RolloutOutput,
+    SamplingParams,
+    drain,
+    resolve_indices,
+)
+from workers.rollout._vllm_run import RequestRouter, Tracked
 
 __all__ = ["VLLMRolloutConfig", "VLLMRolloutEngine"]
 
@@ -351,7 +365,8 @@ class VLLMRolloutEngine:
     """Generates responses with vLLM and takes new weights while running.
 
     Calls are synchronous and not thread-safe: one caller drives the engine (the
-    rollout worker's compute group).
+    rollout worker's compute group). Runs opened by :meth:`start` stay valid until
+    :meth:`update_weights` or :meth:`sleep`, which abort their requests.
 
     Args:
         model_dir: A Hugging Face model directory (config and safetensors; no
@@ -401,6 +416,12 @@ class VLLMRolloutEngine:
         # An engine dropped without close() must still shut down through the strategy:
         # vLLM's own finalizer would destroy every process group of the host.
         self._finalizer = weakref.finalize(self, self._sync.shutdown, self._llm)
+        # The router must not refer to the engine: the finalizer above runs when the
+        # engine's last reference goes, which a cycle would postpone to a GC pass.
+        self._runs = RequestRouter(
+            self._llm.llm_engine,
+            check_prompt=functools.partial(_check_prompt, max_model_len=config.max_model_len),
+        )
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
         """Sample one response per prompt.
@@ -419,31 +440,67 @@ class VLLMRolloutEngine:
             RuntimeError: If the engine is asleep or closed.
         """
         self._check_awake(needs=_SLEEP_TAGS, action="generate")
-        prompt_lists = [list(p) for p in prompts]
-        self._check_prompts(prompt_lists, params)
-        if not prompt_lists:
-            return _pad([], [], [], params)
-        from vllm.inputs import TokensPrompt
+        run = self.start(prompts, params)
+        try:
+            samples = {sample.index: sample for sample in drain(run)}
+        finally:
+            run.close()
+        prompt_lists = [list(prompt) for prompt in prompts]
+        return RolloutOutput.from_samples(
+            prompt_lists, [samples[i] for i in range(len(prompt_lists))], params
+        )
 
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompt_lists]
-        sampling = [self._vllm_params(params, row) for row in range(len(prompt_lists))]
-        outputs = self._llm.generate(inputs, sampling, use_tqdm=False)
-        responses: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        for out in outputs:
-            completion = out.outputs[0]
-            tokens = list(completion.token_ids)
-            responses.append(tokens)
-            logprobs.append(
-                [step[tok].logprob for step, tok in zip(completion.logprobs, tokens, strict=True)]
-            )
-        return _pad(prompt_lists, responses, logprobs, params)
+    def start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        indices: Sequence[int] | None = None,
+    ) -> GenerationRun:
+        """Open a run that generates one response per prompt as the caller steps it.
+
+        Each prompt becomes a vLLM request seeded as in :meth:`generate` (``seed`` plus
+        the caller's index), so a run stepped to its end with the default indices
+        gives :meth:`generate`'s rows. Samples admitted with tokens already
+        generated are re-seeded (vLLM cannot resume a request's random stream): a
+        migrated sampled sample continues differently than it would have
+        uninterrupted, a greedy one identically.
+
+        The run stays valid until :meth:`update_weights` or :meth:`sleep`.
+
+        Args:
+            prompts: Token ids of each prompt (non-empty lists); may be empty (a run
+                that takes admitted samples only).
+            params: How to sample, for every sample of the run.
+            indices: The caller's id of each prompt (:attr:`FinishedSample.index`);
+                ``0..len(prompts)-1`` by default.
+
+        Returns:
+            The run; its requests are queued in vLLM and advance as it is stepped.
+
+        Raises:
+            ValueError: As :meth:`generate`, or if ``indices`` does not give one
+                distinct id per prompt.
+            RuntimeError: If the engine is asleep or closed.
+        """
+        self._check_awake(needs=_SLEEP_TAGS, action="start")
+        prompt_lists = [list(p) for p in prompts]
+        for i, prompt in enumerate(prompt_lists):
+            _check_prompt(prompt, params, f"prompts[{i}]", max_model_len=self.config.max_model_len)
+        caller_indices = resolve_indices(indices, len(prompt_lists))
+        samples = [
+            Tracked(index=index, prompt=prompt, response=[], logprobs=[])
+            for index, prompt in zip(caller_indices, prompt_lists, strict=True)
+        ]
+        return self._runs.start(params, samples)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights into the running engine (no disk, no restart).
 
         Also drops vLLM's prefix cache: its KV blocks were computed with the old
-        weights and would otherwise be reused for prompts seen before.
+        weights and would otherwise be reused for prompts seen before. Open runs'
+        requests are aborted first; the runs then refuse to step but still export
+        their unfinished samples.
 
         Args:
             named_tensors: ``(name, tensor)`` pairs with Hugging Face parameter names
@@ -456,6 +513,7 @@ class VLLMRolloutEngine:
                 the engine is closed.
         """
         self._check_awake(needs={"weights"}, action="update_weights")
+        self._runs.invalidate()
         self._sync.update_weights(self._llm, named_tensors)
         self._llm.reset_prefix_cache()
 
@@ -464,12 +522,14 @@ class VLLMRolloutEngine:
 
         On GPU this is vLLM's sleep mode at ``config.sleep_level``; on CPU vLLM has no
         sleep mode and only the state is recorded. Either way, :meth:`generate` is
-        refused until :meth:`wake_up`.
+        refused until :meth:`wake_up`, and open runs are aborted (as by
+        :meth:`update_weights`).
 
         Raises:
             RuntimeError: If the engine is closed.
         """
         self._check_open()
+        self._runs.invalidate()
         if not self._asleep:
             self._sync.sleep(self._llm, self.config.sleep_level)
         self._asleep = set(_SLEEP_TAGS)
@@ -505,6 +565,7 @@ class VLLMRolloutEngine:
         """Shut the engine down and free its memory; later calls raise. Idempotent."""
         if getattr(self, "_llm", None) is None:
             return
+        self._runs.detach()
         self._llm = None
         self._finalizer()
         gc.collect()
@@ -514,36 +575,6 @@ class VLLMRolloutEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _vllm_params(self, params: SamplingParams, row: int) -> Any:
-        from vllm import SamplingParams as VLLMSamplingParams
-
-        greedy = params.greedy
-        return VLLMSamplingParams(
-            n=1,
-            max_tokens=params.max_new_tokens,
-            temperature=0.0 if greedy else params.temperature,
-            top_p=1.0 if greedy else params.top_p,
-            top_k=0 if greedy else params.top_k,
-            seed=None if params.seed is None else params.seed + row,
-            logprobs=0,  # only the sampled token's log-prob
-            # EOS handling is ours: stop on params.eos_token_id only (kept in the output).
-            ignore_eos=True,
-            stop_token_ids=None if params.eos_token_id is None else [params.eos_token_id],
-            detokenize=False,
-        )
-
-    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        limit = self.config.max_model_len
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ConfigError(f"prompts[{i}] is empty; every prompt needs at least one token")
-            if len(prompt) + params.max_new_tokens > limit:
-                raise ConfigError(
-                    f"prompts[{i}] has {len(prompt)} tokens and max_new_tokens is "
-                    f"{params.max_new_tokens}, more than VLLMRolloutConfig.max_model_len="
-                    f"{limit}; raise max_model_len or shorten the prompt"
-                )
 
     def _check_open(self) -> None:
         if self._llm is None:
@@ -557,31 +588,15 @@ class VLLMRolloutEngine:
             )
 
 
-def _pad(
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    logprobs: list[list[float]],
-    params: SamplingParams,
-) -> RolloutOutput:
-    """Left-pad prompts and right-pad responses into a :class:`RolloutOutput`."""
-    batch, width = len(prompts), max((len(p) for p in prompts), default=0)
-    pad = params.pad_token_id
-    prompt_ids = torch.full((batch, width), pad, dtype=torch.int64)
-    prompt_mask = torch.zeros((batch, width), dtype=torch.int64)
-    response_ids = torch.full((batch, params.max_new_tokens), pad, dtype=torch.int64)
-    response_mask = torch.zeros((batch, params.max_new_tokens), dtype=torch.int64)
-    response_logprobs = torch.zeros((batch, params.max_new_tokens), dtype=torch.float32)
-    for i, (prompt, tokens, lps) in enumerate(zip(prompts, responses, logprobs, strict=True)):
-        prompt_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.int64)
-        prompt_mask[i, width - len(prompt) :] = 1
-        n = len(tokens)
-        response_ids[i, :n] = torch.tensor(tokens, dtype=torch.int64)
-        response_mask[i, :n] = 1
-        response_logprobs[i, :n] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutOutput(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        logprobs=response_logprobs,
-    )
+def _check_prompt(
+    prompt: Sequence[int], params: SamplingParams, where: str, *, max_model_len: int
+) -> None:
+    """Refuse a prompt that is empty or leaves no room for ``max_new_tokens``."""
+    if not prompt:
+        raise ConfigError(f"{where} is empty; every prompt needs at least one token")
+    if len(prompt) + params.max_new_tokens > max_model_len:
+        raise ConfigError(
+            f"{where} has {len(prompt)} tokens and max_new_tokens is "
+            f"{params.max_new_tokens}, more than VLLMRolloutConfig.max_model_len="
+            f"{max_model_len}; raise max_model_len or shorten the prompt"
+        )

@@ -1,16 +1,26 @@
-"""Native rollout engine on real tiny models: log-probs, continuous batching, EOS, seeds."""
+"""Native rollout engine on real tiny models: log-probs, continuous batching, EOS, seeds,
+and generation runs (stepping, completion order, migration of unfinished samples)."""
 
 from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model
-from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, RolloutOutput, SamplingParams
+from workers.rollout import (
+    FinishedSample,
+    GenerationRun,
+    NativeRolloutConfig,
+    NativeRolloutEngine,
+    PartialSample,
+    RolloutOutput,
+    SamplingParams,
+)
 
 torch.set_num_threads(1)
 
@@ -208,3 +218,127 @@ def test_update_weights_changes_greedy_output() -> None:
         engine.update_weights([("lm_head.bias", torch.zeros(19))])
     with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
         engine.update_weights([("lm_head.weight", torch.zeros(2, 2))])
+
+
+# Generation runs: stepping, streaming order, export/admit (migration between engines).
+
+
+def _step_to_end(run: GenerationRun) -> tuple[dict[int, FinishedSample], dict[int, int]]:
+    """Step ``run`` until done: each sample, and the step (1-based) that reported it."""
+    samples: dict[int, FinishedSample] = {}
+    steps: dict[int, int] = {}
+    count = 0
+    while run.pending:
+        count += 1
+        for sample in run.step():
+            assert sample.index not in samples, "a sample was reported twice"
+            samples[sample.index], steps[sample.index] = sample, count
+    return samples, steps
+
+
+def _rows(
+    prompts: list[list[int]], samples: dict[int, FinishedSample], params: SamplingParams
+) -> RolloutOutput:
+    return RolloutOutput.from_samples(prompts, [samples[i] for i in range(len(prompts))], params)
+
+
+@pytest.mark.parametrize("params", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_stepping_a_run_gives_the_rows_of_generate(
+    model: PreTrainedModel, params: SamplingParams
+) -> None:
+    engine = _engine(model, max_batch_size=3)
+    expected = engine.generate(PROMPTS, params)
+    run = engine.start(PROMPTS, params)
+    assert run.pending == len(PROMPTS)
+    samples, _ = _step_to_end(run)
+    _assert_same(_rows(PROMPTS, samples, params), expected)
+    # The caller's indices are reported back; greedy rows do not depend on them.
+    if params.greedy:
+        ids = [100 + 3 * i for i in range(len(PROMPTS))]
+        relabelled, _ = _step_to_end(engine.start(PROMPTS, params, indices=ids))
+        assert sorted(relabelled) == ids
+        for row, index in enumerate(ids):
+            assert relabelled[index].response_ids == samples[row].response_ids
+    with pytest.raises(ValueError, match="indices"):
+        engine.start(PROMPTS, params, indices=[0] * len(PROMPTS))
+
+
+def test_a_short_sample_is_reported_in_an_earlier_step_than_a_long_one(
+    model: PreTrainedModel,
+) -> None:
+    long_prompt, short_prompt, eos = _long_and_short(model)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_id=eos)
+    samples, steps = _step_to_end(_engine(model).start([long_prompt, short_prompt], params))
+    assert len(samples[1].response_ids) == 1 and len(samples[0].response_ids) == 12
+    assert steps[1] < steps[0]
+
+
+def _same_weights(model: PreTrainedModel) -> PreTrainedModel:
+    """Another model object with ``model``'s weights (another engine's, say another process's)."""
+    twin = build_tiny_model(TinyModelConfig(), seed=7)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SAMPLED, GREEDY, SamplingParams(max_new_tokens=16, eos_token_id=9)],
+    ids=["sampled", "greedy", "unseeded"],
+)
+def test_exported_samples_continue_on_another_engine_as_if_uninterrupted(
+    model: PreTrainedModel, params: SamplingParams
+) -> None:
+    expected = _engine(model, max_batch_size=3, seed=4).generate(PROMPTS, params)
+    source = _engine(model, max_batch_size=3, seed=4).start(PROMPTS, params)
+    finished: dict[int, FinishedSample] = {}
+    for _ in range(4):
+        finished.update((sample.index, sample) for sample in source.step())
+    moved = source.export()
+    assert source.pending == 0 and source.step() == []
+    # Some samples were decoding (tokens so far), some still waiting (none yet).
+    assert any(p.response_ids for p in moved) and any(not p.response_ids for p in moved)
+    assert all((p.rng_state is None) == params.greedy for p in moved)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(moved), type=list[PartialSample])
+
+    # Another engine, another seed: the samples carry their own random streams.
+    target = _engine(_same_weights(model), max_batch_size=2, seed=99).start([], params)
+    target.admit(wire)
+    assert target.pending == len(moved)
+    resumed, _ = _step_to_end(target)
+    assert set(resumed).isdisjoint(finished)
+    out = _rows(PROMPTS, finished | resumed, params)
+    assert torch.equal(out.response_ids, expected.response_ids)
+    assert torch.equal(out.response_mask, expected.response_mask)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=0)
+
+
+def test_export_empties_the_run_and_finished_samples_are_refused(model: PreTrainedModel) -> None:
+    long_prompt, short_prompt, eos = _long_and_short(model)
+    params = SamplingParams(max_new_tokens=6, eos_token_id=eos, seed=3)
+    engine = _engine(model)
+    run = engine.start([long_prompt, short_prompt], params)
+    run.step()
+    (partial,) = (p for p in run.export() if p.index == 0)
+    assert run.pending == 0
+    full = msgspec.structs.replace(partial, response_ids=[5] * 6, logprobs=[-1.0] * 6)
+    with pytest.raises(ValueError, match=r"index=0 is finished: it has 6 tokens"):
+        run.admit([full])
+    ended = msgspec.structs.replace(partial, response_ids=[5, eos], logprobs=[-1.0, -1.0])
+    with pytest.raises(ValueError, match=r"index=0 is finished: its response holds eos"):
+        run.admit([ended])
+    with pytest.raises(ValueError, match=r"not a cpu torch.Generator state"):
+        run.admit([msgspec.structs.replace(partial, rng_state=b"\0" * 8)])
+    run.admit([partial])
+    with pytest.raises(ValueError, match=r"index=0 is already pending"):
+        run.admit([partial])
+    assert run.pending == 1
+
+    # New weights end the run; its samples can still leave it.
+    engine.update_weights(model.state_dict().items())
+    with pytest.raises(RuntimeError, match=r"weights changed.*export\(\)"):
+        run.step()
+    assert [p.index for p in run.export()] == [0]
+    run.close()
+    run.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        run.admit([partial])

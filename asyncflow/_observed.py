@@ -1,0 +1,75 @@
+"""What the runtime observed of past calls, for ``StreamOptions(migrate="auto")``.
+
+Per streamed method, the last call's per-row lengths and timings; per pool, the
+seconds one rank spends per row in each rank-local method (a moving average).
+:func:`auto_migration` feeds them to the simulator (``asyncflow._migration``) and
+picks the migration threshold and targets that it predicts fastest: RLHFuse's
+approach, refined as new samples come in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncflow._migration import StepCost, Workload, choose_migration
+
+
+@dataclass(kw_only=True)
+class StreamRecord:
+    """What one streamed call showed."""
+
+    lengths: list[int]
+    """Per row, its ``row_lengths`` value (response tokens for ``generate``)."""
+    initial: list[int]
+    """Samples each rank started with."""
+    rank_done_s: list[float | None]
+    """Seconds from the start until each rank returned."""
+
+
+@dataclass
+class Observed:
+    """The runtime's observations (see the module docstring)."""
+
+    streams: dict[tuple[str, str], StreamRecord] = field(default_factory=dict)
+    row_s: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    """Per pool, per (role, method): seconds of one rank per row."""
+
+    def record_call(self, pool: str, call: Any, lanes: int, seconds: float) -> None:
+        """A rank-local call on ``lanes`` ranks took ``seconds``."""
+        metas = [getattr(r, "meta", None) for r in (call.inputs or {}).values()]
+        rows = max((m.num_rows for m in metas if m is not None), default=0)
+        if rows <= 0:
+            return
+        per_row = seconds * lanes / rows
+        costs = self.row_s.setdefault(pool, {})
+        key = (call.role, call.method)
+        costs[key] = per_row if key not in costs else 0.7 * costs[key] + 0.3 * per_row
+
+    def record_stream(self, role: str, method: str, record: StreamRecord) -> None:
+        """A streamed call of ``role.method`` ended."""
+        if record.lengths:
+            self.streams[(role, method)] = record
+
+
+def auto_migration(observed: Observed, *, pool: str, role: str, method: str, ranks: int,
+                   micro_batch: int) -> tuple[int, int]:
+    """``(threshold, targets)`` for the next streamed ``role.method`` on ``pool``
+    (``(0, 1)``: no migration, e.g. before anything was observed)."""
+    record = observed.streams.get((role, method))
+    inference = sum(observed.row_s.get(pool, {}).values())
+    if record is None or ranks < 2 or inference <= 0:
+        return 0, 1
+    done = [t for t in record.rank_done_s if t is not None]
+    longest = max(record.lengths)
+    if not done or longest <= 0:
+        return 0, 1
+    # Decode steps cost about the same whatever the batch (the tail's steps are
+    # what streaming hides): one step ~ the slowest rank's time / the longest sample.
+    step = StepCost(base_s=max(done) / longest, per_sample_s=0.0)
+    workload = Workload(lengths=tuple(record.lengths), instances=ranks,
+                        max_batch=max(1, max(record.initial)), step=step,
+                        inference_s_per_sample=inference, micro_batch=micro_batch)
+    choice = choose_migration(workload)
+    return choice.threshold, choice.targets
+

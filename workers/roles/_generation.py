@@ -1,0 +1,164 @@
+"""The actor's ``generate`` as a streaming method: groups reported as they finish,
+unfinished samples handed to another rank and adopted from one.
+
+Output row ``k`` of a rank is sample ``k % n`` of its prompt ``k // n`` (what the
+batch ``generate`` returns), and its row id is ``channels.row_id(rank, k)``. A
+prompt's ``n`` samples are one group: a group is reported when its last sample
+finishes, so micro-batches hold whole groups.
+
+A :class:`~workers.Tail` holds, per sample of every group not yet reported, the
+prompt's columns plus ``_tail_*`` columns: row id, tokens and log-probs so far,
+whether the sample is already finished, and the sampler state when the engine
+carries one. The adopting rank re-prefills the unfinished ones and reports the
+groups under their original row ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from channels import ROW_ID_BITS, Batch, row_id
+from workers._streaming import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
+from workers._streaming import Step as StepEvent
+from workers.roles import _fields as F
+from workers.roles._rollout import RolloutEngine, rollout_rows, unpadded_prompts
+from workers.rollout import FinishedSample, PartialSample, RolloutOutput, SamplingParams
+
+_ID, _TOKENS, _LOGPROBS, _LENGTH, _DONE, _RNG, _RNG_LEN = (
+    "_tail_id", "_tail_tokens", "_tail_logprobs", "_tail_length", "_tail_done", "_tail_rng", "_tail_rng_length")
+_TAIL = (_ID, _TOKENS, _LOGPROBS, _LENGTH, _DONE, _RNG, _RNG_LEN)
+_LOCAL_MASK = (1 << ROW_ID_BITS) - 1
+
+
+@dataclass(eq=False)
+class _Group:
+    """A prompt's samples: its columns (one row) and the members finished so far."""
+
+    columns: dict[str, Tensor]
+    prompt: list[int]
+    done: dict[int, FinishedSample] = field(default_factory=dict)
+
+
+class _Rollout:
+    """The bookkeeping of one streamed ``generate`` on one rank."""
+
+    def __init__(self, engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams,
+                 rank: int) -> None:
+        self.n, self.params = n, params
+        self.prompt_names = list(prompts)
+        lists = unpadded_prompts(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
+        self.groups: dict[int, _Group] = {}
+        for g, prompt in enumerate(lists):
+            cols = {k: v[g:g + 1] for k, v in prompts.items()}
+            self.groups[row_id(rank, g * n)] = _Group(columns=cols, prompt=prompt)
+        # The engine's own sample indices (0..N-1, what batch generate seeds by) and
+        # adopted samples' indices map to row ids.
+        self.ids = [row_id(rank, k) for k in range(len(lists) * n)]
+        self.run = engine.start([p for p in lists for _ in range(n)], params)
+
+    def group_of(self, rid: int) -> int:
+        return rid - ((rid & _LOCAL_MASK) % self.n)
+
+    def finished(self, samples: Sequence[FinishedSample]) -> list[Chunk]:
+        """Record finished samples; the groups they complete, as chunks."""
+        chunks = []
+        for s in samples:
+            rid = self.ids[s.index]
+            group = self.groups[self.group_of(rid)]
+            group.done[rid] = s
+            if len(group.done) == self.n:
+                chunks.append(self._chunk(self.groups.pop(self.group_of(rid))))
+        return chunks
+
+    def _chunk(self, group: _Group) -> Chunk:
+        members = sorted(group.done)
+        out = RolloutOutput.from_samples([group.prompt] * self.n, [group.done[m] for m in members], self.params)
+        rows = rollout_rows(group.columns, out, n=self.n, params=self.params)
+        return Chunk(rows=Batch(rows, group_size=self.n), ids=tuple(members))
+
+    def tail(self) -> Batch:
+        """Everything not reported yet, as tail rows (the run is emptied)."""
+        partial = {self.ids[p.index]: p for p in self.run.export()}
+        width = self.params.max_new_tokens
+        rows: list[tuple[_Group, int, list[int], list[float], bool, bytes]] = []
+        for key, group in self.groups.items():
+            for rid in range(key, key + self.n):
+                if rid in group.done:
+                    s = group.done[rid]
+                    rows.append((group, rid, s.response_ids, s.logprobs, True, b""))
+                elif rid in partial:
+                    p = partial[rid]
+                    rows.append((group, rid, p.response_ids, p.logprobs, False, p.rng_state or b""))
+        self.groups.clear()
+        rng_width = max((len(r[5]) for r in rows), default=0)
+        cols: dict[str, Tensor] = {name: torch.cat([r[0].columns[name] for r in rows]) if rows
+                                   else torch.zeros(0) for name in self.prompt_names}
+        cols[_ID] = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+        cols[_TOKENS] = _padded([r[2] for r in rows], width, torch.int64, self.params.pad_token_id)
+        cols[_LOGPROBS] = _padded([r[3] for r in rows], width, torch.float32, 0)
+        cols[_LENGTH] = torch.tensor([len(r[2]) for r in rows], dtype=torch.int64)
+        cols[_DONE] = torch.tensor([r[4] for r in rows], dtype=torch.bool)
+        cols[_RNG] = _padded([list(r[5]) for r in rows], rng_width, torch.uint8, 0)
+        cols[_RNG_LEN] = torch.tensor([len(r[5]) for r in rows], dtype=torch.int64)
+        return Batch(cols)
+
+    def adopt(self, tail: Batch) -> None:
+        """Continue another rank's tail rows here."""
+        partial: list[PartialSample] = []
+        for i, rid in enumerate(tail[_ID].tolist()):
+            key = self.group_of(rid)
+            if key not in self.groups:
+                cols = {k: tail[k][i:i + 1] for k in self.prompt_names}
+                prompt = unpadded_prompts(cols[F.PROMPT_IDS], cols[F.PROMPT_MASK])[0]
+                self.groups[key] = _Group(columns=cols, prompt=prompt)
+            length = int(tail[_LENGTH][i])
+            tokens = tail[_TOKENS][i, :length].tolist()
+            logprobs = tail[_LOGPROBS][i, :length].tolist()
+            index = len(self.ids)
+            self.ids.append(rid)
+            if bool(tail[_DONE][i]):
+                self.groups[key].done[rid] = FinishedSample(index=index, response_ids=tokens, logprobs=logprobs)
+                continue
+            rng = bytes(tail[_RNG][i, :int(tail[_RNG_LEN][i])].tolist()) or None
+            partial.append(PartialSample(index=index, prompt=self.groups[key].prompt, response_ids=tokens,
+                                         logprobs=logprobs, rng_state=rng))
+        if partial:
+            self.run.admit(partial)
+
+
+def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams,
+                   rank: int) -> StreamMethod:
+    """Generate ``n`` samples per prompt, reporting each prompt's group when its last
+    sample finishes (see the module docstring); obeys handoff and adopt controls."""
+    empty = Batch(rollout_rows({k: v[:0] for k, v in prompts.items()}, None, n=n, params=params), group_size=n)
+    yield Chunk(rows=empty, ids=())  # the schema, for a rank without prompts
+    state = _Rollout(engine, prompts, n=n, params=params, rank=rank)
+    try:
+        while True:
+            control = yield StepEvent(pending=state.run.pending)
+            if isinstance(control, Finish):
+                return
+            if isinstance(control, Handoff):
+                yield Tail(rows=state.tail())
+                return
+            if isinstance(control, Adopt):
+                state.adopt(control.rows)
+                continue
+            if state.run.pending:
+                for chunk in state.finished(state.run.step()):  # noqa: UP028 (controls come at Steps only)
+                    yield chunk
+    finally:
+        state.run.close()
+
+
+def _padded(values: Sequence[Sequence[float]] | Sequence[Sequence[int]], width: int, dtype: torch.dtype,
+            pad: float) -> Tensor:
+    out = torch.full((len(values), width), pad, dtype=dtype)
+    for i, v in enumerate(values):
+        if len(v):
+            out[i, :len(v)] = torch.tensor(list(v), dtype=dtype)
+    return out

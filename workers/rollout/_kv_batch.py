@@ -1,0 +1,157 @@
+"""The native engine's decode batch: rows that share one KV cache, and the two model calls.
+
+Rows stay right-aligned: each row's KV cache is ``[padding..., real tokens...]``, with
+an attention mask of zeros on the padding and positions counted over real tokens
+only (``cumsum(mask) - 1``). That is the convention of :mod:`._types`, so the
+training engine's forward pass over ``prompt_ids ++ response_ids`` reproduces the
+log-probs the engine reports. :func:`prefill` builds a batch from token sequences,
+:func:`decode` extends every row by one token, and :class:`KVBatch` drops finished
+rows and merges batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+__all__ = ["KVBatch", "decode", "prefill"]
+
+
+@dataclass(kw_only=True)
+class KVBatch:
+    """Rows decoding together: their KV cache, attention mask and next inputs.
+
+    Invariant: every row is right-aligned (its mask is zeros then ones), and the
+    cache, ``mask`` and the row tensors all hold ``len(indices)`` rows."""
+
+    indices: list[int]
+    """The caller's id of each row."""
+    cache: DynamicCache
+    mask: torch.Tensor
+    """[B, L] int64 over the cached tokens."""
+    next_positions: torch.Tensor
+    """[B] position of the token fed at the next step."""
+    next_tokens: torch.Tensor
+    """[B] the token fed at the next step (the last one sampled)."""
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (positions in this batch), dropping padding nobody needs."""
+        if len(rows) == len(self.indices):
+            return
+        select = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        self.indices = [self.indices[row] for row in rows]
+        mask = self.mask.index_select(0, select)
+        # Rows are right-aligned, so the longest row says how many columns are needed.
+        start = mask.shape[1] - int(mask.sum(dim=1).max()) if rows else mask.shape[1]
+        self.mask = mask[:, start:]
+        self.next_positions = self.next_positions.index_select(0, select)
+        self.next_tokens = self.next_tokens.index_select(0, select)
+        for layer, keys, values in _kv_tensors(self.cache):
+            layer.keys = keys.index_select(0, select)[:, :, start:]
+            layer.values = values.index_select(0, select)[:, :, start:]
+
+    def extend(self, other: KVBatch) -> None:
+        """Append the rows of ``other``, left-padding whichever cache is shorter."""
+        length = max(self.mask.shape[1], other.mask.shape[1])
+        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(other.mask, length)])
+        self.indices = self.indices + other.indices
+        self.next_positions = torch.cat([self.next_positions, other.next_positions])
+        self.next_tokens = torch.cat([self.next_tokens, other.next_tokens])
+        for (layer, keys, values), (_, more_keys, more_values) in zip(
+            _kv_tensors(self.cache), _kv_tensors(other.cache), strict=True
+        ):
+            layer.keys = torch.cat([_left_pad(keys, length), _left_pad(more_keys, length)])
+            layer.values = torch.cat([_left_pad(values, length), _left_pad(more_values, length)])
+
+
+@torch.no_grad()
+def prefill(
+    model: PreTrainedModel,
+    sequences: Sequence[Sequence[int]],
+    indices: list[int],
+    *,
+    pad_token_id: int,
+) -> tuple[KVBatch, torch.Tensor]:
+    """Run ``sequences`` through ``model`` as one left-padded batch.
+
+    Args:
+        model: A causal LM whose layers all use full attention.
+        sequences: Token ids of each row (a prompt, or a prompt and the response so
+            far for a migrated sample); none empty.
+        indices: The caller's id of each row.
+        pad_token_id: Fills the padding (masked out, so its value does not matter).
+
+    Returns:
+        The batch (its rows' ``next_tokens`` still to be sampled) and the logits of
+        each row's next token, ``[B, V]`` float32.
+    """
+    device = next(model.parameters()).device
+    length = max(len(sequence) for sequence in sequences)
+    ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, length - len(sequence) :] = torch.tensor(sequence, dtype=torch.long)
+        mask[row, length - len(sequence) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    output = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=DynamicCache(config=model.config),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    batch = KVBatch(
+        indices=list(indices),
+        cache=output.past_key_values,
+        mask=mask,
+        next_positions=mask.sum(dim=1),
+        next_tokens=torch.zeros(len(indices), dtype=torch.long, device=device),
+    )
+    return batch, output.logits[:, -1, :].float()
+
+
+@torch.no_grad()
+def decode(model: PreTrainedModel, batch: KVBatch) -> torch.Tensor:
+    """Feed every row its last sampled token; return the next-token logits ``[B, V]``."""
+    ones = torch.ones((len(batch), 1), dtype=batch.mask.dtype, device=batch.mask.device)
+    batch.mask = torch.cat([batch.mask, ones], dim=1)
+    output = model(
+        input_ids=batch.next_tokens[:, None],
+        attention_mask=batch.mask,
+        position_ids=batch.next_positions[:, None],
+        past_key_values=batch.cache,
+        use_cache=True,
+    )
+    batch.next_positions = batch.next_positions + 1
+    return output.logits[:, -1, :].float()
+
+
+def _kv_tensors(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
+    """Each layer of a full-attention cache with its keys and values ``[B, H, L, D]``."""
+    entries = []
+    for layer in cache.layers:
+        # The engine rejects non-full-attention models, so every layer is dynamic.
+        assert isinstance(layer, DynamicLayer), type(layer)
+        assert layer.keys is not None and layer.values is not None
+        entries.append((layer, layer.keys, layer.values))
+    return entries
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad the sequence dimension (last for masks, -2 for caches) on the left."""
+    dim = 1 if tensor.dim() == 2 else 2
+    missing = length - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
