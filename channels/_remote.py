@@ -17,11 +17,14 @@ contract is that of :func:`channels.open_channel`:
   every item was received; :class:`BrokenResourceError` for senders once every
   receive handle closed (buffered items are then dropped).
 
-Processes add two ways for a side to go: the death of a receiving actor process
-closes its receive handles (the owner watches it with one ``channel_watch`` call),
-and the death of the owner makes receives raise :class:`SenderDiedError`. A
-receiver in the driver is not watched: Ray ends the actors with their driver.
-How receives stay cancellation-safe is told in ``channels._remote_buffer``.
+Processes add two ways for a side to go. The death of a receiving actor process
+closes its receive handles (the owner watches each such process with one
+``channel_watch`` call); the items they had fetched and not acked go back to the
+channel, so an item the dead process had received may be received again (at
+least once). A receiver in the driver is not watched: Ray ends the actors with
+their driver. The death of the owner makes receives raise
+:class:`SenderDiedError`. How receives stay cancellation-safe is told in
+``channels._remote_buffer``.
 """
 
 from __future__ import annotations

@@ -157,7 +157,9 @@ class Buffer:
                 return TakeReply(status="closed")
             if take_id <= r.abandoned_through or take_id < r.newest_take:
                 return TakeReply(status="stale")
-            r.newest_take = take_id
+            if take_id > r.newest_take:  # an older take still waiting was abandoned: free its thread
+                r.newest_take = take_id
+                self.cond.notify_all()
             if r.claims or self.items:
                 return self._claim(r, take_id, max_items)
             if self.open_send == 0 and self.claimed == 0:  # others' claims may come back

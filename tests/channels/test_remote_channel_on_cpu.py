@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 import ray
+from remote_channel_items import Item, Other
 
 from channels import (
     CHANNEL_CONCURRENCY_GROUPS,
@@ -33,7 +34,6 @@ from channels import (
     open_receiver,
     open_remote_channel,
 )
-from remote_channel_items import Item, Other
 from support import LoopThread
 
 # The actors below live in this file, which Ray workers cannot import.
@@ -65,8 +65,8 @@ class Owner(ChannelHost):
         self.sends[name], address = open_remote_channel(Item, capacity)
         return address
 
-    def open_error(self, capacity: float) -> str:
-        return _error(lambda: open_remote_channel(Item, capacity))
+    def open_error(self, capacity: float, item_type: Any = Item) -> str:
+        return _error(lambda: open_remote_channel(item_type, capacity))
 
     @ray.method(concurrency_group="compute")
     def send(self, name: str, ns: list[int], *, size: int = 0, close: bool = False) -> dict[str, Any]:
@@ -146,6 +146,14 @@ class Consumer(ChannelHost):
         return self.loop.run(receive(), timeout=seconds + 30)
 
 
+@ray.remote(num_cpus=0)
+class Plain:
+    """An actor that is no ChannelHost: its death could not be watched."""
+
+    def open_error(self, address: ChannelAddress[Item]) -> str:
+        return _error(lambda: open_receiver(address))
+
+
 @pytest.fixture(scope="module")
 def ray_env() -> Iterator[None]:
     # Workers import the item types by name (see remote_channel_items).
@@ -182,7 +190,15 @@ def test_open_outside_an_actor_or_with_a_bad_capacity_is_refused(owner: Any) -> 
     with pytest.raises(ConfigError, match="inside a Ray actor"):
         open_remote_channel(Item, 4)
     assert ray.get([owner.open_error.remote(c) for c in (0, -1, 1.5, float("nan"))]) == ["ConfigError"] * 4
+    assert ray.get(owner.open_error.remote(4, item_type="Item")) == "ConfigError"
     assert ray.get(owner.open_error.remote(float("inf"))) == "ok"
+
+
+def test_receiving_in_an_actor_that_is_no_channel_host_is_refused(owner: Any) -> None:
+    address = ray.get(owner.open.remote("unwatched", 4))
+    plain = Plain.remote()
+    assert ray.get(plain.open_error.remote(address)) == "ConfigError"
+    ray.kill(plain)
 
 
 def test_send_after_close(owner: Any) -> None:
@@ -345,5 +361,4 @@ def test_a_slow_consumer_keeps_at_most_capacity_items_buffered(owner: Any, loop_
     assert result["error"] is None
     assert max(result["used"]) <= 4
     growth = max(result["private"]) - result["private"][20]  # after warm-up
-    print(f"GROWTH {growth / MB:.1f} MB", max(result["used"]))
     assert growth < 50 * MB, f"the owner grew by {growth / MB:.0f} MB while 200 MB went through"

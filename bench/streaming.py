@@ -1,0 +1,222 @@
+"""Streaming generation into inference, with and without long-tail migration.
+
+Run as ``python -m bench.streaming --json PATH`` (a Markdown table goes to stdout).
+
+One pool of two ranks (one core each) hosts the actor (native rollout engine) and
+the three inference roles of PPO, each with its own model: the reference
+(``ReferenceWorker``), the reward model (``RewardWorker`` with a value model) and
+the critic (``CriticWorker``), the inference roles replicated so that their calls
+need no other rank (RLHFuse's colocated setting). One step is: generate ``n``
+responses per prompt, then reference log-probs, values and rewards of every row.
+
+- ``batch``: inference starts when the whole batch is generated.
+- ``stream``: groups flow into inference as they finish; a rank that finished its
+  share of generation runs inference on finished micro-batches.
+- ``stream_migrate``: as ``stream``, and when few samples are left the runtime
+  moves them onto one rank (threshold and targets chosen by its simulator from
+  the previous step's lengths and the measured inference cost), freeing the
+  other for inference.
+
+Response lengths are long-tailed with a fixed seed (lognormal, p99 >= 8x the
+median): each prompt carries its response budget in a ``max_new_tokens`` column
+and EOS is off, so every sample generates exactly its budget with the real model.
+The inference models are sized so that batch-mode inference takes at least half
+of generation's time (reported as ``inference_over_generation``). The three modes
+alternate within each repeat, and the medians are reported. The simulator's
+predictions for 8, 32 and 128 generation instances use the lengths and costs
+measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import asyncflow as af
+from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect, merge
+from asyncflow._migration import StepCost, long_tail_lengths, predicted_speedups
+from workers.models import TinyModelConfig, save_tiny_model
+from workers.rewards import ModelRewardConfig
+from workers.roles import (
+    ActorConfig,
+    ActorWorker,
+    CriticConfig,
+    CriticWorker,
+    ReferenceConfig,
+    ReferenceWorker,
+    RewardWorker,
+    ScoreConfig,
+)
+from workers.rollout import NativeRolloutConfig, SamplingParams
+
+ACTOR = TinyModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                        max_position_embeddings=640)
+INFERENCE = TinyModelConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=4,
+                            num_attention_heads=6, num_key_value_heads=6, head_dim=64,
+                            max_position_embeddings=640)
+POOL = ResourcePool(name="main", devices=2)
+
+
+def _specs(actor_dir: str, inference_dir: str, max_new: int) -> dict[str, RoleSpec]:
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0)
+    return {
+        "actor": RoleSpec(cls=ActorWorker, pool=POOL, config=ActorConfig(
+            model_dir=actor_dir, sampling=sampling, rollout=NativeRolloutConfig(max_batch_size=64))),
+        "ref": RoleSpec(cls=ReferenceWorker, pool=POOL,
+                        config=ReferenceConfig(model_dir=inference_dir, replicate=True)),
+        "critic": RoleSpec(cls=CriticWorker, pool=POOL,
+                           config=CriticConfig(model_dir=inference_dir, replicate=True)),
+        "reward": RoleSpec(cls=RewardWorker, pool=POOL,
+                           config=ScoreConfig(scorer=ModelRewardConfig(model_dir=inference_dir))),
+    }
+
+
+def _prompts(lengths: list[int], *, n: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """One prompt per group of ``n`` lengths; a group's budget is its longest."""
+    g = torch.Generator().manual_seed(seed)
+    groups = len(lengths) // n
+    ids = torch.randint(3, vocab, (groups, 8), generator=g)
+    budget = torch.tensor([max(lengths[i * n:(i + 1) * n]) for i in range(groups)], dtype=torch.int64)
+    return {"prompt_ids": ids, "prompt_mask": torch.ones_like(ids), "max_new_tokens": budget}
+
+
+async def _step(roles: Any, src: Any, *, n: int, params: SamplingParams, stream: StreamOptions | None
+                ) -> tuple[float, float]:
+    """One generation + inference step; ``(seconds, generation seconds)``."""
+    start = time.monotonic()
+    rollout = roles.actor.generate(src, n=n, params=params, stream=stream)
+    outs = [roles.ref.log_prob(rollout), roles.critic.values(rollout), roles.reward.score(rollout)]
+    gen_done = asyncio.ensure_future(_done(rollout))
+    batch = collect(merge(rollout, *outs)) if stream is not None else merge(rollout, *outs)
+    await batch
+    gen_s = await gen_done - start
+    return time.monotonic() - start, gen_s
+
+
+async def _done(rows: Any) -> float:
+    if isinstance(rows, af.DataStream):
+        await rows.futures()
+    else:
+        await rows
+    return time.monotonic()
+
+
+async def _inference_only(roles: Any, rollout: Any) -> float:
+    start = time.monotonic()
+    await merge(roles.ref.log_prob(rollout), roles.critic.values(rollout), roles.reward.score(rollout))
+    return time.monotonic() - start
+
+
+async def run(*, prompts: int, n: int, median: int, max_new: int, repeats: int, micro_batch: int,
+              seed: int) -> dict[str, Any]:
+    """Measure the three modes; returns the JSON record (see the module docstring)."""
+    lengths = long_tail_lengths(prompts * n, median=median, p99_ratio=8.0, max_len=max_new, seed=seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        actor_dir = str(save_tiny_model(Path(tmp) / "actor", ACTOR, seed=0))
+        inference_dir = str(save_tiny_model(Path(tmp) / "inference", INFERENCE, seed=1))
+        async with af.Session() as session:
+            roles = await session.spawn(_specs(actor_dir, inference_dir, max_new))
+            columns = _prompts(lengths, n=n, vocab=16, seed=seed)
+            real = columns["max_new_tokens"].repeat_interleave(n).tolist()
+            src = await session.put(columns, pool=POOL, group_size=1)
+            params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed, eos_token_id=None)
+            plain = StreamOptions(micro_batch=micro_batch, migrate=0)
+            auto = StreamOptions(micro_batch=micro_batch, migrate="auto")
+            # Warm-up: one of each (and the observations "auto" migration needs).
+            await _step(roles, src, n=n, params=params, stream=None)
+            await _step(roles, src, n=n, params=params, stream=plain)
+            inference_s = await _inference_only(roles, roles.actor.generate(src, n=n, params=params))
+            times: dict[str, list[float]] = {"batch": [], "stream": [], "stream_migrate": []}
+            gen: list[float] = []
+            for _ in range(repeats):
+                total, gen_s = await _step(roles, src, n=n, params=params, stream=None)
+                times["batch"].append(total)
+                gen.append(gen_s)
+                times["stream"].append((await _step(roles, src, n=n, params=params, stream=plain))[0])
+                times["stream_migrate"].append((await _step(roles, src, n=n, params=params, stream=auto))[0])
+            observed = session._scheduler.observed if session._scheduler is not None else None
+            threshold = _last_threshold(observed, n_ranks=POOL.devices, micro_batch=micro_batch)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gen_s = statistics.median(gen)
+    step = StepCost(base_s=gen_s / max(real), per_sample_s=0.0)
+    per_sample = inference_s * POOL.devices / len(real)
+    sims = predicted_speedups(real, instances=[8, 32, 128], samples_per_instance=len(real) // POOL.devices,
+                              step=step, inference_s_per_sample=per_sample, max_batch=64,
+                              micro_batch=micro_batch, seed=seed)
+    ordered = sorted(real)
+    return {
+        "batch_s": med["batch"], "stream_s": med["stream"], "stream_migrate_s": med["stream_migrate"],
+        "stream_over_batch": med["stream"] / med["batch"],
+        "stream_migrate_over_batch": med["stream_migrate"] / med["batch"],
+        "generation_s": gen_s, "inference_s": inference_s, "inference_over_generation": inference_s / gen_s,
+        "threshold": threshold[0], "targets": threshold[1],
+        **{f"sim_{k}_speedup": v.speedup for k, v in sims.items()},
+        **{f"sim_{k}_threshold": v.threshold for k, v in sims.items()},
+        "lengths": {"median": statistics.median(ordered), "p99": ordered[int(0.99 * (len(ordered) - 1))],
+                    "max": ordered[-1], "samples": len(ordered)},
+        "runs": times, "repeats": repeats, "prompts": prompts, "n": n, "micro_batch": micro_batch,
+        "models": {"actor": _params(ACTOR), "inference": _params(INFERENCE)},
+        "load_avg": os.getloadavg(),
+    }
+
+
+def _last_threshold(observed: Any, *, n_ranks: int, micro_batch: int) -> tuple[int, int]:
+    from asyncflow._observed import auto_migration
+
+    if observed is None:
+        return 0, 1
+    return auto_migration(observed, pool=POOL.name, role="actor", method="generate", ranks=n_ranks,
+                          micro_batch=micro_batch)
+
+
+def _params(shape: TinyModelConfig) -> str:
+    return (f"{shape.num_hidden_layers} layers x {shape.hidden_size} wide, "
+            f"MLP {shape.intermediate_size}")
+
+
+def table(r: dict[str, Any]) -> str:
+    """The record as a Markdown table."""
+    lines = ["| mode | seconds (median) | vs batch |", "|---|---|---|"]
+    for k in ("batch", "stream", "stream_migrate"):
+        lines.append(f"| {k} | {r[k + '_s']:.2f} | {r[k + '_s'] / r['batch_s']:.2f} |")
+    lines += ["", f"generation {r['generation_s']:.2f} s, batch inference {r['inference_s']:.2f} s "
+              f"(ratio {r['inference_over_generation']:.2f}); lengths median {r['lengths']['median']}, "
+              f"p99 {r['lengths']['p99']}, max {r['lengths']['max']}; migration threshold "
+              f"{r['threshold']} samples onto {r['targets']} rank(s)", "",
+              "| instances (simulated) | predicted speed-up | threshold |", "|---|---|---|"]
+    for k in (8, 32, 128):
+        lines.append(f"| {k} | {r[f'sim_{k}_speedup']:.2f} | {r[f'sim_{k}_threshold']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the record here")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--median", type=int, default=24, help="median response length")
+    parser.add_argument("--max-new", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args(argv)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    record = asyncio.run(run(prompts=a.prompts, n=a.n, median=a.median, max_new=a.max_new,
+                             repeats=a.repeats, micro_batch=a.micro_batch, seed=a.seed))
+    print(table(record))
+    if a.json is not None:
+        a.json.write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
