@@ -79,6 +79,19 @@ class DataStream(Generic[T]):
         self._end: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._end.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._changed: asyncio.Future[None] | None = None
+        self._report: asyncio.Future[Any] | None = None
+
+    async def report(self) -> Any:
+        """What the streamed call behind this stream observed, once it ended: a
+        ``StreamStats`` (rows, per-rank finish times, the migration threshold,
+        samples migrated and when); None for a stream derived from another.
+
+        Raises:
+            the call's error, if it failed.
+        """
+        if self._report is None:
+            return None
+        return await asyncio.shield(self._report)
 
     @property
     def label(self) -> str:

@@ -110,6 +110,7 @@ class Runtime:
             out: DataStream[Any] = DataStream(label=call.label, fields=output_fields(call), runtime=self,
                                               spawn=self._spawn)
             call.stream_out = out
+            out._report = call.result
             self._scheduler.submit(call, group.pool.name)
             return out
         self._scheduler.submit(call, group.pool.name)

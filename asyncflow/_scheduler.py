@@ -35,20 +35,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
 from asyncflow._calls import Call, pull_fields
+from asyncflow._completion import CallCompletion
 from asyncflow._errors import PoolBrokenError, SessionClosedError, WorkerDiedError
-from asyncflow._failures import peer_error, primary_error, producer_of, settle
+from asyncflow._failures import settle
 from asyncflow._future import DataFuture, Resolved
 from asyncflow._ledger import ShardLedger
 from asyncflow._observed import Observed
 from asyncflow._transport import Transport, WorkerGone
-from channels import Collected, Layout, MissingFieldError, Piece, RankResult, plan_pull
+from channels import Layout, MissingFieldError, Piece, plan_pull
 from workers import CallSpec, DataArg, StreamSpec
 
 logger = logging.getLogger(__name__)
@@ -82,16 +83,7 @@ class PoolState:
         return self.died.result() if self.died.done() else None
 
 
-@dataclass(eq=False)
-class _Ranks:
-    """What the ranks of one running call reported so far."""
-
-    results: dict[int, RankResult] = field(default_factory=dict)
-    failures: dict[int, BaseException] = field(default_factory=dict)
-    poisoned: set[int] = field(default_factory=set)
-
-
-class Scheduler:
+class Scheduler(CallCompletion):
     """The pools' dispatchers over a :class:`Transport`.
 
     Args:
@@ -348,110 +340,6 @@ class Scheduler:
             specs.append((msgspec.msgpack.encode(cs), pieces))
         return specs, next(iter(assignments.values()), None)
 
-    # ----- waiting for the ranks -----
-
-    async def _await_ranks(self, pool: PoolState, call: Call, tasks: Sequence[asyncio.Future[RankResult]],
-                           assignment: Any, lanes: Sequence[int], release: Callable[[int], None] | None,
-                           stream: Any) -> None:
-        ranks = _Ranks()
-        rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
-        pending: set[asyncio.Future[Any]] = set(tasks)
-        while pending:
-            done, _ = await asyncio.wait(pending | {pool.died}, return_when=asyncio.FIRST_COMPLETED)
-            if pool.died in done:  # one of this pool's processes died: nothing to heal
-                settle(call, self._died_during(pool, call))
-                self._abandon(pending)
-                self._release(ranks.results.values())
-                return
-            for t in done:
-                pending.discard(t)
-                exc = t.exception()
-                if exc is None:
-                    ranks.results[rank_of[t]] = cast(RankResult, t.result())
-                    if release is not None and not ranks.failures:
-                        release(lanes[rank_of[t]])
-                    if stream is not None:
-                        stream.rank_returned(rank_of[t])
-                else:
-                    ranks.failures[rank_of[t]] = exc
-            if ranks.failures:
-                self._poison_finished(pool, ranks, lanes)
-                primary = primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
-                if primary is not None and not call.result.done():
-                    call.result.set_exception(primary)
-        if not ranks.failures:
-            if stream is None:
-                # Protocols index results by position in the layout they ran on.
-                results = [msgspec.structs.replace(ranks.results[i], rank=i) for i in range(len(tasks))]
-                self._complete(call, results, assignment, Layout(d=len(lanes)) if call.rank_local else call.layout)
-            return
-        self._release(ranks.results.values())
-        if not call.result.done():
-            best = (primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
-                    or peer_error(call, pool.name, ranks.failures))
-            call.result.set_exception(best)
-        if pool.broken is None:
-            pool.needs_heal = True
-
-    def _poison_finished(self, pool: PoolState, ranks: _Ranks, lanes: Sequence[int]) -> None:
-        # A rank that returned cannot be in a collective any more: dropping its
-        # connections releases peers still blocked on it.
-        for i in (set(ranks.results) | set(ranks.failures)) - ranks.poisoned:
-            ranks.poisoned.add(i)
-            fut = asyncio.ensure_future(self.transport.poison(pool.workers[lanes[i]]))
-            fut.add_done_callback(_quiet)
-
-    def _gone_error(self, pool: PoolState, call: Call, lanes: Sequence[int]
-                    ) -> Callable[[int, WorkerGone], WorkerDiedError]:
-        """Maps a rank's :class:`WorkerGone` to the public error (and breaks the dead
-        worker's pool)."""
-        return lambda i, exc: self._gone(pool, call, lanes[i], exc)
-
-    def _gone(self, pool: PoolState, call: Call, rank: int, exc: WorkerGone) -> WorkerDiedError:
-        self._worker_died(exc.worker, exc.detail)
-        if exc.worker == pool.workers[rank] or exc.worker not in self._where:
-            return WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
-                                   cause="its worker process died", detail=exc.detail)
-        producer, prank = self._where[exc.worker]
-        role, _, method = producer_of(call, exc.worker).partition(".")
-        return WorkerDiedError(role=role, method=method.split("#")[0], rank=prank, pool=producer.name,
-                               cause=f"its worker process died while {call.label} pulled rows from it",
-                               detail=exc.detail)
-
-    def _died_during(self, pool: PoolState, call: Call) -> WorkerDiedError:
-        d = pool.died.result()
-        return WorkerDiedError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,
-                               cause=d.cause, detail=d.detail)
-
-    def _complete(self, call: Call, results: list[RankResult], assignment: Any, layout: Layout) -> None:
-        produced = {(r.worker, r.key) for r in results if r.key is not None}
-        try:
-            out = call.endpoint.spec.protocol.collect(results, layout, assignment)
-        except Exception as e:
-            self.ledger.release_now(produced)
-            settle(call, e)
-            return
-        if not isinstance(out, Collected):
-            self.ledger.release_now(produced)
-            if not call.result.done():
-                call.result.set_result(out)
-            return
-        kept = out.meta.shard_keys()
-        self.ledger.release_now(produced - kept)
-        leases = tuple(self.ledger.lease(w, k) for w, k in sorted(kept))
-        if not call.result.done():  # else cancelled while running: the leases go now
-            call.result.set_result(Resolved(meta=out.meta, row_lengths=out.row_lengths, leases=leases))
-
-    def _release(self, results: Iterable[RankResult]) -> None:
-        self.ledger.release_now({(r.worker, r.key) for r in results if r.key is not None})
-
-    def _abandon(self, pending: Iterable[asyncio.Future[Any]]) -> None:
-        def late(t: asyncio.Future[Any]) -> None:
-            if not t.cancelled() and t.exception() is None and t.result().key is not None:
-                self.ledger.release_now({(t.result().worker, t.result().key)})
-        for t in pending:
-            t.add_done_callback(late)
-
     async def _heal(self, pool: PoolState) -> None:
         pool.epoch += 1
         results = await asyncio.gather(*(self.transport.heal(w, pool.epoch) for w in pool.workers),
@@ -489,8 +377,3 @@ class Scheduler:
                                           cause=f"rank {rank}'s worker process died before the call ran",
                                           detail=detail))
         pool.wake.set()
-
-
-def _quiet(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        logger.debug("poisoning a rank's groups failed: %s", fut.exception())

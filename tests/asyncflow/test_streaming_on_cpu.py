@@ -17,7 +17,7 @@ from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect, merge
 from support import Scorer, Ticker, value_of_length
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker
-from workers.rollout import SamplingParams
+from workers.rollout import NativeRolloutConfig, SamplingParams
 from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
@@ -36,6 +36,9 @@ def env(loop_thread, tmp_path_factory):
     session = af.Session(collective_timeout_s=120)
     roles = loop_thread.run(_start(session, {
         "actor": RoleSpec(cls=ActorWorker, pool=GEN, config=ActorConfig(model_dir=model)),
+        # Two sequences per decode batch: generation lasts long enough to migrate.
+        "slow_actor": RoleSpec(cls=ActorWorker, pool=GEN, config=ActorConfig(
+            model_dir=model, rollout=NativeRolloutConfig(max_batch_size=2))),
         "scorer": RoleSpec(cls=Scorer, pool=GEN),
         "remote_scorer": RoleSpec(cls=Scorer, pool=INF),
         "ticker": RoleSpec(cls=Ticker, pool=TOY),
@@ -100,14 +103,15 @@ def test_actor_tail_migrates_between_ranks_with_identical_rows(env) -> None:
 
     async def main():
         src = await session.put(prompts, pool=GEN)
-        whole = await roles.actor.generate(src, n=4, params=PARAMS).fetch()
+        whole = await roles.slow_actor.generate(src, n=4, params=PARAMS).fetch()
         opts = StreamOptions(micro_batch=4, migrate=24, targets=1)
-        rollout = roles.actor.generate(src, n=4, params=PARAMS, stream=opts)
+        rollout = roles.slow_actor.generate(src, n=4, params=PARAMS, stream=opts)
         scored = roles.scorer.score(rollout.map(value_of_length))  # rank-local on the actor's pool
         merged = await collect(merge(rollout.map(value_of_length), scored)).fetch()
-        return whole, merged
+        return whole, merged, await rollout.report()
 
-    whole, merged = _guarded(lt, main())
+    whole, merged, report = _guarded(lt, main())
+    assert report.migrated > 0 and report.targets and report.threshold == 24, report
     for k in ("response_ids", "response_mask", "prompt_ids"):
         assert torch.equal(whole[k], merged[k]), k
     # Re-prefilled samples' log-probs differ from decoded ones by float rounding only.

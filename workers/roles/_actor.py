@@ -106,6 +106,12 @@ class ActorWorker(TrainedRole):
         hybrid engine's micro-DP layout with ``tg=1``). Every prompt column (ids,
         ``uid``, answers, any user column) is carried along into the output rows.
 
+        An optional prompt column ``max_new_tokens`` (int64, one value per prompt
+        row) gives that prompt's own token budget, in ``1..params.max_new_tokens``:
+        each of its ``n`` samples stops there at the latest (exactly there with
+        ``SamplingParams(ignore_eos=True)``), a migrated sample included. Responses
+        keep the width ``params.max_new_tokens``.
+
         It streams: called with ``stream=True`` (or ``StreamOptions``), each
         prompt's group of ``n`` rows is reported as soon as its last sample
         finishes, and unfinished samples can migrate to another rank (long-tail
@@ -113,8 +119,8 @@ class ActorWorker(TrainedRole):
         same either way.
 
         Args:
-            prompts: ``prompt_ids``/``prompt_mask`` plus any columns to carry along
-                (``uid``, ``answer_ids``, ...).
+            prompts: ``prompt_ids``/``prompt_mask``, optionally ``max_new_tokens``,
+                plus any columns to carry along (``uid``, ``answer_ids``, ...).
             n: samples per prompt; a prompt's samples are consecutive rows.
             params: sampling settings; None uses ``config.sampling``.
 
@@ -124,7 +130,9 @@ class ActorWorker(TrainedRole):
             ``rollout_logprobs`` (float32 ``[R]``, raw log-probs).
 
         Raises:
-            ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams.
+            ConfigError: ``n`` < 1, ``params`` is not a SamplingParams, or a
+                ``max_new_tokens`` value is not an int in ``1..params.max_new_tokens``
+                (naming the row).
             MissingFieldError: the prompts lack ``prompt_ids`` or ``prompt_mask``.
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -10,7 +10,9 @@ A :class:`~workers.Tail` holds, per sample of every group not yet reported, the
 prompt's columns plus ``_tail_*`` columns: row id, tokens and log-probs so far,
 whether the sample is already finished, and the sampler state when the engine
 carries one. The adopting rank re-prefills the unfinished ones and reports the
-groups under their original row ids.
+groups under their original row ids. A prompt's own token budget (its optional
+``max_new_tokens`` column) travels as one of its columns and stays the budget of
+its samples on the adopting rank.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from channels import ROW_ID_BITS, Batch, row_id
 from workers._streaming import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
 from workers._streaming import Step as StepEvent
 from workers.roles import _fields as F
-from workers.roles._rollout import RolloutEngine, rollout_rows, unpadded_prompts
+from workers.roles._rollout import RolloutEngine, prompt_budgets, rollout_rows, unpadded_prompts
 from workers.rollout import FinishedSample, PartialSample, RolloutOutput, SamplingParams
 
 _ID, _TOKENS, _LOGPROBS, _LENGTH, _DONE, _RNG, _RNG_LEN = (
@@ -40,6 +42,8 @@ class _Group:
 
     columns: dict[str, Tensor]
     prompt: list[int]
+    budget: int | None
+    """The prompt's own token budget (its ``max_new_tokens`` column); None: the params'."""
     done: dict[int, FinishedSample] = field(default_factory=dict)
 
 
@@ -51,14 +55,17 @@ class _Rollout:
         self.n, self.params = n, params
         self.prompt_names = list(prompts)
         lists = unpadded_prompts(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
+        budgets = prompt_budgets(prompts, params)
         self.groups: dict[int, _Group] = {}
         for g, prompt in enumerate(lists):
             cols = {k: v[g:g + 1] for k, v in prompts.items()}
-            self.groups[row_id(rank, g * n)] = _Group(columns=cols, prompt=prompt)
+            budget = None if budgets is None else budgets[g]
+            self.groups[row_id(rank, g * n)] = _Group(columns=cols, prompt=prompt, budget=budget)
         # The engine's own sample indices (0..N-1, what batch generate seeds by) and
         # adopted samples' indices map to row ids.
         self.ids = [row_id(rank, k) for k in range(len(lists) * n)]
-        self.run = engine.start([p for p in lists for _ in range(n)], params)
+        per_sample = None if budgets is None else [b for b in budgets for _ in range(n)]
+        self.run = engine.start([p for p in lists for _ in range(n)], params, max_new_tokens=per_sample)
 
     def group_of(self, rid: int) -> int:
         return rid - ((rid & _LOCAL_MASK) % self.n)
@@ -114,7 +121,9 @@ class _Rollout:
             if key not in self.groups:
                 cols = {k: tail[k][i:i + 1] for k in self.prompt_names}
                 prompt = unpadded_prompts(cols[F.PROMPT_IDS], cols[F.PROMPT_MASK])[0]
-                self.groups[key] = _Group(columns=cols, prompt=prompt)
+                budgets = prompt_budgets(cols, self.params)
+                budget = None if budgets is None else budgets[0]
+                self.groups[key] = _Group(columns=cols, prompt=prompt, budget=budget)
             length = int(tail[_LENGTH][i])
             tokens = tail[_TOKENS][i, :length].tolist()
             logprobs = tail[_LOGPROBS][i, :length].tolist()
@@ -124,8 +133,9 @@ class _Rollout:
                 self.groups[key].done[rid] = FinishedSample(index=index, response_ids=tokens, logprobs=logprobs)
                 continue
             rng = bytes(tail[_RNG][i, :int(tail[_RNG_LEN][i])].tolist()) or None
-            partial.append(PartialSample(index=index, prompt=self.groups[key].prompt, response_ids=tokens,
-                                         logprobs=logprobs, rng_state=rng))
+            group = self.groups[key]
+            partial.append(PartialSample(index=index, prompt=group.prompt, response_ids=tokens,
+                                         logprobs=logprobs, rng_state=rng, max_new_tokens=group.budget))
         if partial:
             self.run.admit(partial)
 

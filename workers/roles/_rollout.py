@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from channels import ConfigError
 from workers.roles import _fields as F
 from workers.rollout import (
     GenerationRun,
@@ -39,14 +40,21 @@ SEED_STRIDE = 1 << 20
 """Per-rank offset of sampling seeds, so ranks do not draw the same random streams."""
 
 
+MAX_NEW_TOKENS = "max_new_tokens"
+"""Optional prompt column, int64 ``[]``: the prompt's own token budget, for every one of
+its samples, in ``1..params.max_new_tokens`` (responses keep that width)."""
+
+
 class RolloutEngine(Protocol):
     """What the actor needs of a rollout engine (native and vLLM both fit)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
-        """One response per prompt."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 max_new_tokens: Sequence[int] | None = None) -> RolloutOutput:
+        """One response per prompt, each within its own budget when given."""
         ...
 
-    def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> GenerationRun:
+    def start(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+              max_new_tokens: Sequence[int] | None = None) -> GenerationRun:
         """A run the caller steps (streaming, migration)."""
         ...
 
@@ -79,6 +87,31 @@ def unpadded_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]
     """Each row's real prompt tokens (the mask's ones), without the left padding."""
     keep = prompt_mask.to(torch.bool).cpu()
     return [row[k].tolist() for row, k in zip(prompt_ids.cpu(), keep, strict=True)]
+
+
+def prompt_budgets(prompts: Mapping[str, Tensor], params: SamplingParams) -> list[int] | None:
+    """Each prompt row's token budget, from its ``max_new_tokens`` column (None without one).
+
+    Raises:
+        ConfigError: the column is not an integer ``[rows]`` tensor, or a value is
+            outside ``1..params.max_new_tokens`` (naming the row and its ``uid``).
+    """
+    column = prompts.get(MAX_NEW_TOKENS)
+    if column is None:
+        return None
+    if column.dim() != 1 or column.dtype.is_floating_point or column.dtype in (torch.bool, torch.uint8) \
+            or column.dtype.is_complex:
+        raise ConfigError(f"actor.generate: prompt column {MAX_NEW_TOKENS!r} must be int64 [rows] (one budget "
+                          f"per prompt), got {column.dtype} of shape {tuple(column.shape)}")
+    budgets = [int(b) for b in column.tolist()]
+    for row, budget in enumerate(budgets):
+        if not 1 <= budget <= params.max_new_tokens:
+            uid = f" (uid {prompts[F.UID][row].tolist()})" if F.UID in prompts else ""
+            raise ConfigError(
+                f"actor.generate: prompt row {row}{uid} has {MAX_NEW_TOKENS}={budget}; a prompt's budget must "
+                f"be in 1..{params.max_new_tokens} (SamplingParams.max_new_tokens, the response width): "
+                f"lower it or raise SamplingParams.max_new_tokens")
+    return budgets
 
 
 def params_for_rank(params: SamplingParams, *, eos_token_id: int | None, rank: int) -> SamplingParams:

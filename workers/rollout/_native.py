@@ -4,20 +4,20 @@
 ``max_batch_size`` rows. Every step first prefills waiting samples into the free rows
 (a separate left-padded forward pass whose KV cache then joins the decode batch),
 then decodes one token for every row. A row leaves the batch as soon as it samples
-EOS or reaches ``max_new_tokens``, and its :class:`FinishedSample` is reported in that
-step, so streaming consumers see each sample when it completes, not when its batch
-does. ``generate`` and ``generate_stream`` step such a run to its end.
+EOS (unless ``ignore_eos``) or reaches its token budget (``max_new_tokens``, or the
+prompt's own), and its :class:`FinishedSample` is reported in that step, so streaming
+consumers see each sample when it completes, not when its batch does. ``generate``
+and ``generate_stream`` step such a run to its end.
 
 Unfinished samples leave a run as :class:`PartialSample` (``export``) and continue in
 another run, on this engine or another one (``admit``): their prompt and response so
-far are prefilled again and their random stream goes on where it stopped. The KV
-cache layout lives in :mod:`._kv_batch`, the per-sample random streams in
-:mod:`._sampling`.
+far are prefilled again, their random stream goes on where it stopped and their
+budget stays theirs. The run lives in :mod:`._native_run`, the KV cache layout in
+:mod:`._kv_batch`, the per-sample random streams in :mod:`._sampling`.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,16 +26,14 @@ from transformers import PreTrainedModel
 
 from channels import ConfigError
 
-from ._kv_batch import KVBatch, decode, prefill
-from ._sampling import generator_state, restore_generator, row_generator, sample_tokens
+from ._native_run import NativeRun
 from ._types import (
     FinishedSample,
     GenerationRun,
-    PartialSample,
     RolloutOutput,
     SamplingParams,
-    check_admissible,
     drain,
+    resolve_budgets,
     resolve_indices,
 )
 
@@ -59,162 +57,6 @@ class NativeRolloutConfig:
             )
         if not isinstance(self.seed, int):
             raise ConfigError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
-
-
-@dataclass(kw_only=True, eq=False)
-class _Row:
-    """One sample of a run: its prompt, its response so far and its random stream."""
-
-    index: int
-    prompt: list[int]
-    response: list[int]
-    logprobs: list[float]
-    generator: torch.Generator | None
-    """None when sampling is greedy."""
-
-    def finished(self) -> FinishedSample:
-        return FinishedSample(index=self.index, response_ids=self.response, logprobs=self.logprobs)
-
-    def partial(self) -> PartialSample:
-        state = None if self.generator is None else generator_state(self.generator)
-        return PartialSample(
-            index=self.index,
-            prompt=self.prompt,
-            response_ids=self.response,
-            logprobs=self.logprobs,
-            rng_state=state,
-        )
-
-
-class _NativeRun:
-    """The :class:`~._types.GenerationRun` of a :class:`NativeRolloutEngine`.
-
-    One decode batch of at most ``max_batch_size`` rows: each step first prefills
-    waiting samples into the free rows (as a separate left-padded forward pass whose
-    KV cache then joins the batch; a migrated sample prefills its prompt and its
-    response so far), then decodes one token for every row. A row leaves as soon as
-    it samples EOS or reaches ``max_new_tokens``.
-    """
-
-    def __init__(self, engine: NativeRolloutEngine, params: SamplingParams, seed: int) -> None:
-        self._engine = engine
-        self._params = params
-        self._seed = seed
-        self._weights_version = engine._weights_version
-        self._rows: dict[int, _Row] = {}
-        """Every pending sample by index, waiting or running."""
-        self._waiting: deque[_Row] = deque()
-        self._running: KVBatch | None = None
-        self._closed = False
-
-    @property
-    def pending(self) -> int:
-        """Samples not finished yet (waiting or running)."""
-        return len(self._rows)
-
-    def step(self) -> list[FinishedSample]:
-        """One scheduling step; the samples that finished in it, in completion order."""
-        self._check_usable("step")
-        # Grad mode is off inside each model call only (prefill and decode), so a
-        # consumer stepping the run keeps its own grad mode.
-        model = self._engine.model
-        finished: list[FinishedSample] = []
-        running = self._running
-        free = self._engine.config.max_batch_size - (len(running) if running is not None else 0)
-        if self._waiting and free > 0:
-            joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-            fresh, logits = prefill(
-                model,
-                [row.prompt + row.response for row in joining],
-                [row.index for row in joining],
-                pad_token_id=self._params.pad_token_id,
-            )
-            finished += self._advance(fresh, logits)
-            if running is None:
-                running = fresh
-            elif len(fresh):
-                running.extend(fresh)
-        if running is not None and len(running):
-            finished += self._advance(running, decode(model, running))
-        self._running = running if running is not None and len(running) else None
-        return finished
-
-    def export(self) -> list[PartialSample]:
-        """Remove every unfinished sample and return it, in the order they joined."""
-        exported = [row.partial() for row in self._rows.values()]
-        self._rows.clear()
-        self._waiting.clear()
-        self._running = None
-        return exported
-
-    def admit(self, samples: Sequence[PartialSample]) -> None:
-        """Queue ``samples`` to continue here, with their carried random streams."""
-        self._check_usable("admit")
-        check_admissible(samples, self._params, self._rows)
-        engine, rows = self._engine, []
-        for partial in samples:
-            where = f"PartialSample index={partial.index}"
-            prompt = engine._checked_prompt(partial.prompt, self._params, where)
-            response = engine._checked_tokens(partial.response_ids, f"{where} response_ids")
-            logprobs = list(partial.logprobs)
-            rows.append(self._row(partial.index, prompt, response, logprobs, partial.rng_state))
-        self._queue(rows)
-
-    def close(self) -> None:
-        """Drop every pending sample; later steps and admits raise. Idempotent."""
-        self.export()
-        self._closed = True
-
-    def _row(
-        self,
-        index: int,
-        prompt: list[int],
-        response: list[int],
-        logprobs: list[float],
-        rng_state: bytes | None = None,
-    ) -> _Row:
-        """A row of checked tokens, with its generator when sampling."""
-        generator, device = None, self._engine._device
-        if not self._params.greedy and rng_state is not None:
-            generator = restore_generator(rng_state, device, index=index)
-        elif not self._params.greedy:
-            generator = row_generator(self._seed, index, device, skip=len(response))
-        return _Row(
-            index=index, prompt=prompt, response=response, logprobs=logprobs, generator=generator
-        )
-
-    def _queue(self, rows: list[_Row]) -> None:
-        for row in rows:
-            self._rows[row.index] = row
-        self._waiting.extend(rows)
-
-    def _advance(self, batch: KVBatch, logits: torch.Tensor) -> list[FinishedSample]:
-        """Sample one token per row, record it, and drop the rows that finished."""
-        params = self._params
-        rows = [self._rows[index] for index in batch.indices]
-        tokens, logprobs = sample_tokens(logits, params, [row.generator for row in rows])
-        batch.next_tokens = tokens
-        finished, keep = [], []
-        for position, (row, token, logprob) in enumerate(
-            zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)
-        ):
-            row.response.append(token)
-            row.logprobs.append(logprob)
-            if token == params.eos_token_id or len(row.response) >= params.max_new_tokens:
-                finished.append(self._rows.pop(row.index).finished())
-            else:
-                keep.append(position)
-        batch.keep(keep)
-        return finished
-
-    def _check_usable(self, action: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"cannot {action}: this run is closed; start a new one")
-        if self._weights_version != self._engine._weights_version:
-            raise RuntimeError(
-                f"cannot {action}: the engine's weights changed since this run started; "
-                "export() its unfinished samples and admit them into a new run"
-            )
 
 
 class NativeRolloutEngine:
@@ -258,12 +100,22 @@ class NativeRolloutEngine:
         """The engine's settings."""
         return self._config
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+    ) -> RolloutOutput:
         """Generate one response per prompt and return them as padded tensors.
 
         Args:
             prompts: Token ids of each prompt (no padding).
             params: How to sample.
+            max_new_tokens: Each prompt's own token budget, in
+                ``1..params.max_new_tokens``; None gives every prompt
+                ``params.max_new_tokens``. Responses are padded to
+                ``params.max_new_tokens`` either way.
 
         Returns:
             The responses, row ``i`` answering ``prompts[i]``, in the conventions of
@@ -271,10 +123,11 @@ class NativeRolloutEngine:
 
         Raises:
             ValueError: If a prompt is empty, holds an id outside the vocabulary, or
-                is too long for ``max_new_tokens`` more tokens within the model's
-                ``max_position_embeddings``.
+                is too long for its budget of new tokens within the model's
+                ``max_position_embeddings``, or a budget is out of range (naming
+                the prompt).
         """
-        run = self.start(prompts, params)
+        run = self.start(prompts, params, max_new_tokens=max_new_tokens)
         samples = {sample.index: sample for sample in drain(run)}
         prompt_lists = [list(prompt) for prompt in prompts]
         return RolloutOutput.from_samples(
@@ -282,7 +135,11 @@ class NativeRolloutEngine:
         )
 
     def generate_stream(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> Iterator[FinishedSample]:
         """Generate one response per prompt, yielding each as soon as it completes.
 
@@ -292,6 +149,7 @@ class NativeRolloutEngine:
         Args:
             prompts: Token ids of each prompt (no padding).
             params: How to sample.
+            max_new_tokens: Each prompt's own token budget, as in :meth:`generate`.
 
         Returns:
             An iterator over the finished samples in completion order; each prompt's
@@ -300,7 +158,7 @@ class NativeRolloutEngine:
         Raises:
             ValueError: As :meth:`generate`.
         """
-        return drain(self.start(prompts, params))
+        return drain(self.start(prompts, params, max_new_tokens=max_new_tokens))
 
     def start(
         self,
@@ -308,6 +166,7 @@ class NativeRolloutEngine:
         params: SamplingParams,
         *,
         indices: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> GenerationRun:
         """Open a run that generates one response per prompt as the caller steps it.
 
@@ -326,6 +185,9 @@ class NativeRolloutEngine:
             params: How to sample; with ``seed`` None, the engine's generator draws one.
             indices: The caller's id of each prompt (:attr:`FinishedSample.index`);
                 ``0..len(prompts)-1`` by default.
+            max_new_tokens: Each prompt's own token budget, in
+                ``1..params.max_new_tokens``; None gives every prompt
+                ``params.max_new_tokens``. An exported sample carries its budget.
 
         Returns:
             The run; nothing is computed before its first step.
@@ -335,18 +197,20 @@ class NativeRolloutEngine:
                 distinct id per prompt.
         """
         self._check_params(params)
+        budgets = resolve_budgets(max_new_tokens, len(prompts), params)
         prompt_lists = [
-            self._checked_prompt(p, params, f"prompts[{i}]") for i, p in enumerate(prompts)
+            self._checked_prompt(p, budget, f"prompts[{i}]")
+            for i, (p, budget) in enumerate(zip(prompts, budgets, strict=True))
         ]
         caller_indices = resolve_indices(indices, len(prompt_lists))
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), generator=self._generator))
-        run = _NativeRun(self, params, seed)
-        run._queue(
+        run = NativeRun(self, params, seed)
+        run.queue(
             [
-                run._row(index, prompt, [], [])
-                for index, prompt in zip(caller_indices, prompt_lists, strict=True)
+                run.row(index, prompt, [], [], budget)
+                for index, prompt, budget in zip(caller_indices, prompt_lists, budgets, strict=True)
             ]
         )
         return run
@@ -407,19 +271,17 @@ class NativeRolloutEngine:
             )
         return ids
 
-    def _checked_prompt(
-        self, prompt: Sequence[int], params: SamplingParams, where: str
-    ) -> list[int]:
-        """``prompt`` as a list, checked: not empty, in the vocabulary, short enough."""
+    def _checked_prompt(self, prompt: Sequence[int], budget: int, where: str) -> list[int]:
+        """``prompt`` as a list, checked: not empty, in the vocabulary, and short
+        enough for ``budget`` more tokens."""
         if not prompt:
             raise ConfigError(f"{where} is empty; every prompt needs >= 1 token")
         ids = self._checked_tokens(prompt, where)
         length = len(ids)
-        if length + params.max_new_tokens > self._max_length:
+        if length + budget > self._max_length:
             raise ConfigError(
-                f"{where} has {length} tokens; with max_new_tokens="
-                f"{params.max_new_tokens} that is {length + params.max_new_tokens} > the "
-                f"model's max_position_embeddings={self._max_length}; shorten the prompt "
-                "or lower SamplingParams.max_new_tokens"
+                f"{where} has {length} tokens; with max_new_tokens={budget} that is "
+                f"{length + budget} > the model's max_position_embeddings="
+                f"{self._max_length}; shorten the prompt or lower its max_new_tokens"
             )
         return ids

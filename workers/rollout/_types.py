@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
+import numpy as np
 import torch
 
 from channels import ConfigError
@@ -35,7 +36,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """How to sample responses."""
 
     max_new_tokens: int = 32
-    """Most tokens generated per response (EOS included)."""
+    """Most tokens generated per response (EOS included), and the width responses
+    are padded to; a prompt may be given a smaller budget of its own."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy."""
     top_p: float = 1.0
@@ -43,7 +45,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     top_k: int = 0
     """Keep only the k most likely tokens; 0 disables it."""
     eos_token_id: int | None = None
-    """A response ends after this token (it is kept and masked in)."""
+    """A response ends after this token (it is kept and masked in), unless
+    ``ignore_eos``."""
+    ignore_eos: bool = False
+    """Keep generating past ``eos_token_id`` (vLLM's meaning): every response runs to
+    its token budget (``max_new_tokens``, or the prompt's own budget given to
+    ``start``/``generate``), whatever it samples. For benchmarks and tests that need
+    responses of known lengths; ``eos_token_id`` still must be a valid id when set."""
     pad_token_id: int = 0
     """Token used to pad prompts (left) and responses (right)."""
     seed: int | None = None
@@ -155,6 +163,10 @@ class PartialSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True, 
     rng_state: bytes | None = None
     """The sample's sampler state, when the engine that exported it can carry it
     (the native engine's ``torch.Generator.get_state()``); None otherwise."""
+    max_new_tokens: int | None = None
+    """The sample's token budget (response tokens in all, carried ones included);
+    None means the admitting run's ``SamplingParams.max_new_tokens``. Engines set it
+    on export, so a migrated sample keeps its budget."""
 
 
 class GenerationRun(Protocol):
@@ -196,10 +208,13 @@ class GenerationRun(Protocol):
         one's :class:`FinishedSample` carries the whole response (carried tokens
         first) and all log-probs.
 
+        A sample's budget is its own ``max_new_tokens`` when set, else the run's.
+
         Raises:
-            ValueError: If a sample is finished already (``max_new_tokens`` reached,
-                or EOS generated), malformed, too long for the engine, or its index
-                is pending in this run.
+            ValueError: If a sample is finished already (its budget reached, or EOS
+                generated without ``ignore_eos``), its budget is outside
+                ``1..params.max_new_tokens``, it is malformed, too long for the
+                engine, or its index is pending in this run.
             RuntimeError: If the run is closed or its engine's weights changed.
         """
         ...
@@ -233,6 +248,52 @@ def resolve_indices(indices: Sequence[int] | None, count: int) -> list[int]:
     return resolved
 
 
+def resolve_budgets(
+    max_new_tokens: Sequence[int] | None, count: int, params: SamplingParams
+) -> list[int]:
+    """The token budget of each of ``count`` prompts: ``max_new_tokens`` checked, or
+    ``params.max_new_tokens`` for all.
+
+    Raises:
+        ValueError: If ``max_new_tokens`` has another length than the prompts, or a
+            budget is not an int in ``1..params.max_new_tokens`` (naming the prompt).
+    """
+    if max_new_tokens is None:
+        return [params.max_new_tokens] * count
+    budgets = list(max_new_tokens)
+    if len(budgets) != count:
+        raise ConfigError(
+            f"got {count} prompts but {len(budgets)} max_new_tokens; give one budget per prompt"
+        )
+    for i, budget in enumerate(budgets):
+        check_budget(budget, params, f"max_new_tokens[{i}] (prompt {i})")
+    return [int(budget) for budget in budgets]
+
+
+def check_budget(budget: object, params: SamplingParams, where: str) -> None:
+    """Refuse a token budget that is not an int in ``1..params.max_new_tokens``."""
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, int | np.integer)
+        or not 1 <= int(budget) <= params.max_new_tokens
+    ):
+        raise ConfigError(
+            f"{where} is {budget!r}; a budget must be an int in 1..{params.max_new_tokens} "
+            "(SamplingParams.max_new_tokens, the response width): lower the budget or "
+            "raise SamplingParams.max_new_tokens"
+        )
+
+
+def budget_of(sample: PartialSample, params: SamplingParams) -> int:
+    """``sample``'s token budget in a run sampling with ``params``."""
+    return params.max_new_tokens if sample.max_new_tokens is None else sample.max_new_tokens
+
+
+def ends_response(token: int, length: int, budget: int, params: SamplingParams) -> bool:
+    """Whether a response of ``length`` tokens whose last is ``token`` is finished."""
+    return length >= budget or (not params.ignore_eos and token == params.eos_token_id)
+
+
 def check_admissible(
     samples: Sequence[PartialSample], params: SamplingParams, pending: Iterable[int]
 ) -> None:
@@ -244,7 +305,8 @@ def check_admissible(
         pending: The indices the run still holds.
 
     Raises:
-        ValueError: Naming the sample and why (finished, malformed, index taken).
+        ValueError: Naming the sample and why (finished, malformed, budget outside
+            ``1..params.max_new_tokens``, index taken).
     """
     taken = set(pending)
     for sample in samples:
@@ -260,12 +322,16 @@ def check_admissible(
                 f"{where} has {len(response)} response tokens but {len(sample.logprobs)} "
                 "log-probs; give one log-prob per token"
             )
-        if len(response) >= params.max_new_tokens:
+        if sample.max_new_tokens is not None:
+            check_budget(sample.max_new_tokens, params, f"{where} max_new_tokens")
+        budget = budget_of(sample, params)
+        if len(response) >= budget:
             raise ConfigError(
-                f"{where} is finished: it has {len(response)} tokens and max_new_tokens is "
-                f"{params.max_new_tokens}; report it instead of admitting it"
+                f"{where} is finished: it has {len(response)} tokens and its budget "
+                f"(max_new_tokens) is {budget}; report it instead of admitting it"
             )
-        if params.eos_token_id is not None and params.eos_token_id in response:
+        eos = params.eos_token_id
+        if not params.ignore_eos and eos is not None and eos in response:
             raise ConfigError(
                 f"{where} is finished: its response holds eos_token_id={params.eos_token_id}; "
                 "report it instead of admitting it"

@@ -6,28 +6,9 @@ model directory. It takes token-id prompts and returns the padded
 raw (temperature-1, pre-top-k/top-p) log-probabilities of the sampled tokens, which is
 vLLM's ``logprobs_mode="raw_logprobs"``.
 
-Weights are updated in the running engine, never by reloading from disk. How depends
-on the platform the installed vLLM build targets, so it lives in a strategy object:
-
-- CPU (:class:`_InProcessCPUSync`): the engine core runs in this process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the worker's ``reload_weights`` is called
-  through ``collective_rpc`` with the tensors themselves. Across vLLM's process
-  boundary the same call pickles the tensors and, on the CPU build, loads mangled
-  values; in-process nothing is copied before the load. vLLM's CPU worker has no
-  sleep mode, so sleep/wake only track state there.
-- CUDA (:class:`_CudaIPCSync`): vLLM's weight-transfer API with the ``ipc`` backend
-  (``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` driven by
-  vLLM's trainer-side IPC engine), and vLLM's sleep mode.
-
-The in-process CPU engine shares ``torch.distributed`` with its host. vLLM builds
-its groups on whatever default group the process has and, on shutdown, destroys the
-default group, which tears down every group of the process. An asyncflow worker joins
-the session-wide gloo world before hosting roles, so left alone vLLM would hang in
-``new_group`` (a collective over the whole session world that only this rank calls)
-and its shutdown would destroy the session's groups. :class:`_PrivateVLLMWorld`
-keeps the two apart: vLLM starts and shuts down against a one-rank default group of
-its own, under its own group names, and the host's default group is back in place
-the rest of the time (a one-rank vLLM engine makes no collective call while it runs).
+Weights are updated in the running engine, never by reloading from disk, by a
+platform-specific strategy (:mod:`._vllm_sync`), which also keeps vLLM's
+``torch.distributed`` set-up apart from the host's process groups.
 
 Generation is stepped by the engine itself rather than by ``LLM.generate``: a
 run (:mod:`._vllm_run`) adds its requests to ``llm.llm_engine`` with
@@ -44,19 +25,15 @@ control of its threads.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
-import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 import msgspec
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
 from channels import ConfigError
 from workers.rollout._types import (
@@ -64,13 +41,13 @@ from workers.rollout._types import (
     RolloutOutput,
     SamplingParams,
     drain,
+    resolve_budgets,
     resolve_indices,
 )
 from workers.rollout._vllm_run import RequestRouter, Tracked
+from workers.rollout._vllm_sync import weight_sync_for_platform
 
 __all__ = ["VLLMRolloutConfig", "VLLMRolloutEngine"]
-
-logger = logging.getLogger(__name__)
 
 _SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
@@ -107,260 +84,6 @@ class VLLMRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
                 raise ConfigError(f"VLLMRolloutConfig.{name} must be >= 1, got {value}")
 
 
-_VLLM_GROUP_NAMES_START = 1 << 40
-"""First number of the names torch gives vLLM's process groups (see _PrivateVLLMWorld)."""
-
-
-class _PrivateVLLMWorld:
-    """Runs vLLM's ``torch.distributed`` set-up and teardown apart from the host's groups.
-
-    torch names a process group after a per-process counter (``"0"``, ``"1"``, ...),
-    and ranks find each other's groups by that name, so the counter must advance the
-    same way on every rank of the host's world. Only the ranks that host a vLLM engine
-    create vLLM's groups: their names are therefore drawn from a range of their own
-    (from 2**40 on), and the host's counter is put back afterwards. Reading and
-    setting the counter uses torch's private ``distributed_c10d._world``; the default
-    group is swapped through the public ``GroupMember.WORLD``.
-
-    Not thread-safe: create and close engines from one thread.
-    """
-
-    _next_name = _VLLM_GROUP_NAMES_START
-
-    def __init__(self) -> None:
-        self._group: Any = None
-
-    @contextlib.contextmanager
-    def setting_up(self) -> Iterator[None]:
-        """Let vLLM initialise its own one-rank default group inside the block.
-
-        On exit the host's default group (or none) is current again and vLLM's group
-        stays alive under the names it was given; vLLM keeps its own references.
-        """
-        host_world = distributed_c10d.GroupMember.WORLD
-        host_names = distributed_c10d._world.group_count
-        distributed_c10d.GroupMember.WORLD = None
-        distributed_c10d._world.group_count = _PrivateVLLMWorld._next_name
-        failed = True
-        try:
-            yield
-            failed = False
-        finally:
-            self._group = distributed_c10d.GroupMember.WORLD
-            _PrivateVLLMWorld._next_name = distributed_c10d._world.group_count
-            distributed_c10d.GroupMember.WORLD = host_world
-            distributed_c10d._world.group_count = host_names
-            if failed:  # vLLM may have created its group before failing
-                self._destroy_group()
-
-    def shutdown(self, llm: Any) -> None:
-        """Shut ``llm`` down, then destroy vLLM's default group and nothing else.
-
-        vLLM's teardown destroys its subgroups one by one, then calls
-        ``destroy_process_group()`` on "the" default group when one is current, which
-        shuts down every group of the process. With no default group current, that
-        last call is skipped and vLLM's own default group is destroyed here alone.
-        """
-        host_world = distributed_c10d.GroupMember.WORLD
-        distributed_c10d.GroupMember.WORLD = None
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        finally:
-            distributed_c10d.GroupMember.WORLD = host_world
-            self._destroy_group()
-
-    def _destroy_group(self) -> None:
-        group, self._group = self._group, None
-        if group is not None and group is not distributed_c10d.GroupMember.WORLD:
-            dist.destroy_process_group(group)
-
-
-class _WeightSync(Protocol):
-    """The platform-specific part of the engine (see the module docstring)."""
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Extra ``vllm.LLM`` arguments this strategy needs."""
-        ...
-
-    def start(self, build: Callable[[], Any]) -> Any:
-        """Call ``build`` (which creates the ``vllm.LLM``) and return its engine."""
-        ...
-
-    def shutdown(self, llm: Any) -> None:
-        """Shut the engine down, leaving the host's process groups alone."""
-        ...
-
-    def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load ``named_tensors`` (Hugging Face names) into the running engine."""
-        ...
-
-    def sleep(self, llm: Any, level: int) -> None:
-        """Release the engine's device memory."""
-        ...
-
-    def wake_up(self, llm: Any, tags: Sequence[str]) -> None:
-        """Restore the memory named by ``tags`` (``"weights"``, ``"kv_cache"``)."""
-        ...
-
-
-def _reload_weights_on_worker(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
-    """Run inside vLLM's worker (via ``collective_rpc``): reload weights in place.
-
-    ``Worker.reload_weights`` reruns the model's own ``load_weights`` (which fuses
-    q/k/v and gate/up the way the checkpoint loader does) on the live parameters.
-    Layers that get no tensor keep their current values: vLLM logs "Failed to load
-    weights" for the rotary embedding, whose cache is not a checkpoint weight.
-    """
-    worker.reload_weights(weights_iterator=iter(items))
-
-
-class _InProcessCPUSync:
-    """CPU: engine core in this process, weights reloaded through ``collective_rpc``."""
-
-    def __init__(self) -> None:
-        self._world = _PrivateVLLMWorld()
-
-    def start(self, build: Callable[[], Any]) -> Any:
-        with self._world.setting_up():
-            return build()
-
-    def shutdown(self, llm: Any) -> None:
-        self._world.shutdown(llm)
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        # vLLM reads this variable when the engine is built and caches its
-        # environment once an engine has started, so it must be set before the first
-        # engine of the process; a cached "1" cannot be undone and is reported.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        import vllm.envs
-
-        if vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-            raise RuntimeError(
-                "VLLMRolloutEngine on CPU needs vLLM's engine in-process, but this process "
-                "already started a vLLM engine with VLLM_ENABLE_V1_MULTIPROCESSING=1 and "
-                "vLLM has cached that value; set VLLM_ENABLE_V1_MULTIPROCESSING=0 before "
-                "the first vLLM engine of the process"
-            )
-        return {}
-
-    def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        items = [(name, tensor.detach().to("cpu")) for name, tensor in named_tensors]
-        llm.collective_rpc(_reload_weights_on_worker, args=(items,))
-
-    def sleep(self, llm: Any, level: int) -> None:
-        # vLLM's CPUWorker.sleep only logs "not supported" (its memory is plain host
-        # memory, not a device pool to share), and LLM.sleep would still pause the
-        # scheduler and drop the prefix cache for nothing.
-        del llm, level
-
-    def wake_up(self, llm: Any, tags: Sequence[str]) -> None:
-        del llm, tags
-
-
-def _list_source() -> Any:
-    """A vLLM ``WeightSource`` whose ``items`` the caller sets before each update.
-
-    Defined on first use so that importing this module does not import vLLM."""
-    from vllm.distributed.weight_transfer import ParamMeta, WeightSource
-
-    class ListSource(WeightSource):
-        def __init__(self) -> None:
-            self.items: list[tuple[str, torch.Tensor]] = []
-
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.items]
-
-        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return iter(self.items)
-
-    return ListSource()
-
-
-class _LLMSyncClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over an in-process ``vllm.LLM``.
-
-    ``LLM`` takes request objects where the protocol passes bare info dicts."""
-
-    def __init__(self, llm: Any) -> None:
-        self._llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
-
-    def start_weight_update(self) -> None:
-        self._llm.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._llm.finish_weight_update(weight_version)
-
-
-class _CudaIPCSync:
-    """CUDA: vLLM's weight-transfer API over CUDA IPC, and vLLM's sleep mode.
-
-    The engine core stays in its own process (vLLM's default), which CUDA IPC needs.
-    Unpacked IPC shares each (contiguous, on-GPU) tensor as it is, without a staging
-    buffer: colocated training weights are already on the device."""
-
-    def __init__(self) -> None:
-        self._source: Any = None
-        self._trainer: Any = None
-
-    def start(self, build: Callable[[], Any]) -> Any:
-        # The engine core and its process groups live in vLLM's own processes.
-        return build()
-
-    def shutdown(self, llm: Any) -> None:
-        llm.llm_engine.engine_core.shutdown()
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        return {"enable_sleep_mode": True, "weight_transfer_config": {"backend": "ipc"}}
-
-    def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        if self._trainer is None:
-            self._source = _list_source()
-            self._trainer = WeightTransferTrainerFactory.trainer_init(
-                IPCTrainerInitInfo(rank=0, packed=False),
-                client=_LLMSyncClient(llm),
-                source=self._source,
-            )
-        device = torch.device("cuda", torch.cuda.current_device())
-        self._source.items = [(n, t.detach().to(device)) for n, t in named_tensors]
-        try:
-            self._trainer.send_weights()
-        finally:
-            self._source.items = []
-
-    def sleep(self, llm: Any, level: int) -> None:
-        llm.sleep(level=level)
-
-    def wake_up(self, llm: Any, tags: Sequence[str]) -> None:
-        llm.wake_up(tags=list(tags))
-
-
-def _weight_sync_for_platform() -> _WeightSync:
-    """Pick the strategy for the platform the installed vLLM build targets."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return _InProcessCPUSync()
-    if current_platform.is_cuda():
-        return _CudaIPCSync()
-    raise NotImplementedError(
-        f"VLLMRolloutEngine supports vLLM's CPU and CUDA platforms, not "
-        f"{current_platform.device_name!r}"
-    )
-
-
 class VLLMRolloutEngine:
     """Generates responses with vLLM and takes new weights while running.
 
@@ -382,7 +105,7 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_dir: str | os.PathLike[str], *, config: VLLMRolloutConfig) -> None:
         self.config = config
-        self._sync = _weight_sync_for_platform()
+        self._sync = weight_sync_for_platform()
         self._asleep: set[str] = set()
         kwargs = self._sync.engine_kwargs()
 
@@ -423,24 +146,36 @@ class VLLMRolloutEngine:
             check_prompt=functools.partial(_check_prompt, max_model_len=config.max_model_len),
         )
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        max_new_tokens: Sequence[int] | None = None,
+    ) -> RolloutOutput:
         """Sample one response per prompt.
 
         Args:
             prompts: Token ids of each prompt (non-empty lists).
             params: How to sample. With ``seed`` set, row i uses seed ``seed + i``, so
                 equal prompts still get different samples.
+            max_new_tokens: Each prompt's own token budget (its request's
+                ``max_tokens``), in ``1..params.max_new_tokens``; None gives every
+                prompt ``params.max_new_tokens``. Responses are padded to
+                ``params.max_new_tokens`` either way.
 
         Returns:
             The padded batch (see :class:`RolloutOutput` for the conventions), with the
             raw log-probs of the sampled tokens.
 
         Raises:
-            ValueError: If a prompt is empty or too long for ``config.max_model_len``.
+            ValueError: If a prompt is empty or too long for its budget within
+                ``config.max_model_len``, or a budget is out of range (naming the
+                prompt).
             RuntimeError: If the engine is asleep or closed.
         """
         self._check_awake(needs=_SLEEP_TAGS, action="generate")
-        run = self.start(prompts, params)
+        run = self.start(prompts, params, max_new_tokens=max_new_tokens)
         try:
             samples = {sample.index: sample for sample in drain(run)}
         finally:
@@ -456,6 +191,7 @@ class VLLMRolloutEngine:
         params: SamplingParams,
         *,
         indices: Sequence[int] | None = None,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> GenerationRun:
         """Open a run that generates one response per prompt as the caller steps it.
 
@@ -474,6 +210,8 @@ class VLLMRolloutEngine:
             params: How to sample, for every sample of the run.
             indices: The caller's id of each prompt (:attr:`FinishedSample.index`);
                 ``0..len(prompts)-1`` by default.
+            max_new_tokens: Each prompt's own token budget, as in :meth:`generate`.
+                An exported sample carries its budget.
 
         Returns:
             The run; its requests are queued in vLLM and advance as it is stepped.
@@ -485,12 +223,13 @@ class VLLMRolloutEngine:
         """
         self._check_awake(needs=_SLEEP_TAGS, action="start")
         prompt_lists = [list(p) for p in prompts]
-        for i, prompt in enumerate(prompt_lists):
-            _check_prompt(prompt, params, f"prompts[{i}]", max_model_len=self.config.max_model_len)
+        budgets = resolve_budgets(max_new_tokens, len(prompt_lists), params)
+        for i, (prompt, budget) in enumerate(zip(prompt_lists, budgets, strict=True)):
+            _check_prompt(prompt, budget, f"prompts[{i}]", max_model_len=self.config.max_model_len)
         caller_indices = resolve_indices(indices, len(prompt_lists))
         samples = [
-            Tracked(index=index, prompt=prompt, response=[], logprobs=[])
-            for index, prompt in zip(caller_indices, prompt_lists, strict=True)
+            Tracked(index=index, prompt=prompt, response=[], logprobs=[], budget=budget)
+            for index, prompt, budget in zip(caller_indices, prompt_lists, budgets, strict=True)
         ]
         return self._runs.start(params, samples)
 
@@ -588,15 +327,13 @@ class VLLMRolloutEngine:
             )
 
 
-def _check_prompt(
-    prompt: Sequence[int], params: SamplingParams, where: str, *, max_model_len: int
-) -> None:
-    """Refuse a prompt that is empty or leaves no room for ``max_new_tokens``."""
+def _check_prompt(prompt: Sequence[int], budget: int, where: str, *, max_model_len: int) -> None:
+    """Refuse a prompt that is empty or leaves no room for ``budget`` new tokens."""
     if not prompt:
         raise ConfigError(f"{where} is empty; every prompt needs at least one token")
-    if len(prompt) + params.max_new_tokens > max_model_len:
+    if len(prompt) + budget > max_model_len:
         raise ConfigError(
-            f"{where} has {len(prompt)} tokens and max_new_tokens is "
-            f"{params.max_new_tokens}, more than VLLMRolloutConfig.max_model_len="
-            f"{max_model_len}; raise max_model_len or shorten the prompt"
+            f"{where} has {len(prompt)} tokens and max_new_tokens is {budget}, more than "
+            f"VLLMRolloutConfig.max_model_len={max_model_len}; raise max_model_len or "
+            "shorten the prompt"
         )

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._types import FinishedSample, PartialSample, SamplingParams, check_admissible
+from ._types import FinishedSample, PartialSample, SamplingParams, budget_of, check_admissible
 
 __all__ = ["RequestRouter", "Tracked", "VLLMRun"]
 
@@ -43,10 +43,16 @@ class Tracked:
     prompt: list[int]
     response: list[int]
     logprobs: list[float]
+    budget: int
+    """Most response tokens (carried ones included)."""
 
     def partial(self) -> PartialSample:
         return PartialSample(
-            index=self.index, prompt=self.prompt, response_ids=self.response, logprobs=self.logprobs
+            index=self.index,
+            prompt=self.prompt,
+            response_ids=self.response,
+            logprobs=self.logprobs,
+            max_new_tokens=self.budget,
         )
 
 
@@ -59,15 +65,16 @@ class RequestRouter:
 
     Args:
         llm_engine: ``vllm.LLM(...).llm_engine``.
-        check_prompt: Called with ``(prompt, params, where)`` for every admitted
-            sample; raises if the prompt does not fit the engine.
+        check_prompt: Called with ``(prompt, budget, where)`` for every admitted
+            sample; raises if the prompt does not fit the engine with ``budget``
+            new tokens.
     """
 
     def __init__(
         self,
         llm_engine: Any,
         *,
-        check_prompt: Callable[[Sequence[int], SamplingParams, str], None],
+        check_prompt: Callable[[Sequence[int], int, str], None],
     ) -> None:
         self._llm_engine = llm_engine
         self.check_prompt = check_prompt
@@ -177,25 +184,26 @@ class VLLMRun:
     def admit(self, samples: Sequence[PartialSample]) -> None:
         """Continue ``samples`` as new requests of prompt + response so far.
 
-        ``max_tokens`` is what is left of ``max_new_tokens``. vLLM cannot resume a
+        ``max_tokens`` is what is left of the sample's budget (its own
+        ``max_new_tokens``, else the run's). vLLM cannot resume a
         request's random stream, so a migrated sampled sample is re-seeded (from the
         run's seed, its index and its length; ``rng_state`` is ignored): it continues
         differently than it would have uninterrupted. Greedy samples are identical.
         """
         self._check_usable("admit")
         check_admissible(samples, self.params, (t.index for t in self._live.values()))
-        for sample in samples:
-            self._router.check_prompt(
-                sample.prompt, self.params, f"PartialSample index={sample.index}"
-            )
+        budgets = [budget_of(sample, self.params) for sample in samples]
+        for sample, budget in zip(samples, budgets, strict=True):
+            self._router.check_prompt(sample.prompt, budget, f"PartialSample index={sample.index}")
         tracked = [
             Tracked(
                 index=sample.index,
                 prompt=list(sample.prompt),
                 response=list(sample.response_ids),
                 logprobs=list(sample.logprobs),
+                budget=budget,
             )
-            for sample in samples
+            for sample, budget in zip(samples, budgets, strict=True)
         ]
         self._router.add(self, tracked)
 
@@ -242,17 +250,19 @@ def _vllm_params(params: SamplingParams, sample: Tracked) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     greedy = params.greedy
+    stop = None if params.ignore_eos else params.eos_token_id
     return VLLMSamplingParams(
         n=1,
-        max_tokens=params.max_new_tokens - len(sample.response),
+        max_tokens=sample.budget - len(sample.response),
         temperature=0.0 if greedy else params.temperature,
         top_p=1.0 if greedy else params.top_p,
         top_k=0 if greedy else params.top_k,
         seed=_request_seed(params.seed, sample.index, len(sample.response)),
         logprobs=0,  # only the sampled token's log-prob
-        # EOS handling is ours: stop on params.eos_token_id only (kept in the output).
+        # EOS handling is ours: stop on params.eos_token_id only (kept in the output),
+        # and not at all with params.ignore_eos.
         ignore_eos=True,
-        stop_token_ids=None if params.eos_token_id is None else [params.eos_token_id],
+        stop_token_ids=None if stop is None else [stop],
         detokenize=False,
         # Every step reports the tokens new since the last one.
         output_kind=RequestOutputKind.DELTA,
