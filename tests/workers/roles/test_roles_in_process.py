@@ -10,6 +10,7 @@ import torch
 from roles_testlib import TINY, advantages_for, local_ctx, prompt_columns
 
 from channels import Batch, ConfigError, MissingFieldError
+from workers import Adopt, Chunk, Finish, Handoff, Tail
 from workers.engines import PolicyLoss, TrainingConfig
 from workers.models import load_model, save_tiny_model
 from workers.roles import (
@@ -58,6 +59,66 @@ def test_generate_returns_n_consecutive_samples_per_prompt_with_the_contract_fie
     assert torch.all((last == actor._eos) | (lengths == R))
     assert not torch.equal(out["response_ids"][0], out["response_ids"][1]) or not torch.equal(
         out["response_ids"][1], out["response_ids"][2])  # samples of one prompt differ
+
+
+def _streamed_with_handoff(actor: ActorWorker, prompts: Batch, *, n: int, params: SamplingParams,
+                           steps: int) -> dict[str, torch.Tensor]:
+    """``actor.generate`` driven as the streaming runtime drives it: this rank steps ``steps``
+    times and hands its unfinished samples off; a second call (the adopting rank, no prompts
+    of its own) adopts and finishes them. Every reported row, in row-id order."""
+    chunks: list[Chunk] = []
+    source = ActorWorker.generate.fn(actor, prompts, n=n, params=params)
+    out, taken, tail = next(source), 0, None
+    while tail is None:
+        if isinstance(out, Chunk):
+            chunks.append(out)
+            out = next(source)
+        elif isinstance(out, Tail):
+            tail = out.rows
+        else:
+            taken += 1
+            out = source.send(Handoff() if taken > steps else None)
+    source.close()
+    assert tail.num_rows, "nothing was left to migrate; take fewer steps"
+    adopter = ActorWorker.generate.fn(actor, Batch({k: v[:0] for k, v in prompts.items()}), n=n, params=params)
+    out, adopted = next(adopter), False
+    try:
+        while True:
+            if isinstance(out, Chunk):
+                chunks.append(out)
+                out = next(adopter)
+            elif adopted and out.pending == 0:
+                out = adopter.send(Finish())
+            else:
+                out = adopter.send(None if adopted else Adopt(tail))
+                adopted = True
+    except StopIteration:
+        pass
+    rows = Batch.concat([c.rows for c in chunks])
+    order = torch.argsort(torch.tensor([i for c in chunks for i in c.ids]))
+    return {name: rows[name][order] for name in rows}
+
+
+def test_generate_gives_each_prompt_its_max_new_tokens_column_batch_and_streamed(model_dir: str) -> None:
+    actor = _actor(model_dir)
+    budgets = torch.tensor([1, 6, 3, 2, 5])
+    prompts = Batch({**prompt_columns(), "max_new_tokens": budgets})
+    params = SamplingParams(max_new_tokens=R, temperature=1.0, seed=5, ignore_eos=True)
+    out = actor.generate(prompts, n=2, params=params)
+    assert out["response_ids"].shape == (10, R)
+    assert out["response_mask"].sum(1).tolist() == budgets.repeat_interleave(2).tolist()
+    assert torch.equal(out["max_new_tokens"], budgets.repeat_interleave(2))
+    # Streamed with long-tail migration after two steps: the same rows.
+    streamed = _streamed_with_handoff(actor, prompts, n=2, params=params, steps=2)
+    assert set(streamed) == set(out)
+    for name in out:
+        if name == "rollout_logprobs":  # re-prefilled: equal up to float rounding
+            torch.testing.assert_close(streamed[name], out[name], atol=1e-5, rtol=0)
+        else:
+            assert torch.equal(streamed[name], out[name]), name
+    with pytest.raises(ConfigError, match=r"prompt row 1 \(uid 11\) has max_new_tokens=7"):
+        actor.generate(Batch({**prompt_columns(), "max_new_tokens": torch.tensor([1, 7, 3, 2, 5])}),
+                       params=params)
 
 
 def test_log_prob_matches_the_rollout_logprobs(model_dir: str) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from channels import ConfigError
 from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model
 from workers.rollout import (
     FinishedSample,
@@ -342,3 +343,124 @@ def test_export_empties_the_run_and_finished_samples_are_refused(model: PreTrain
     run.close()
     with pytest.raises(RuntimeError, match="closed"):
         run.admit([partial])
+
+
+# ignore_eos and per-prompt token budgets (max_new_tokens), through migration too.
+
+BUDGETS = [1, 16, 5, 9, 2, 12, 7]
+
+
+def _cut_at_eos(tokens: list[int], eos: int) -> int:
+    """Length of ``tokens`` up to and including its first ``eos`` (all when none)."""
+    return tokens.index(eos) + 1 if eos in tokens else len(tokens)
+
+
+@pytest.mark.parametrize("params", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_ignore_eos_runs_every_response_to_its_budget(
+    model: PreTrainedModel, params: SamplingParams
+) -> None:
+    engine = _engine(model, max_batch_size=3)
+    free = engine.generate(PROMPTS, params)  # no EOS: every response has 16 tokens
+    eos = int(free.response_ids[0, 2])
+    ignoring = msgspec.structs.replace(params, eos_token_id=eos, ignore_eos=True)
+    out = engine.generate(PROMPTS, ignoring)
+    assert out.response_lengths.tolist() == [16] * len(PROMPTS)
+    _assert_same(out, free)
+    # Without ignore_eos the same EOS ends row 0 after its third token at the latest.
+    stopped = engine.generate(PROMPTS, msgspec.structs.replace(params, eos_token_id=eos))
+    for row in range(len(PROMPTS)):
+        count = _cut_at_eos(free.response_ids[row].tolist(), eos)
+        assert int(stopped.response_lengths[row]) == count
+    assert int(stopped.response_lengths[0]) <= 3
+
+    # Runs honour it too, and admit a sample whose response already holds EOS.
+    samples, _ = _step_to_end(engine.start(PROMPTS, ignoring))
+    _assert_same(_rows(PROMPTS, samples, ignoring), free)
+    run = engine.start([], ignoring)
+    carried = free.response_ids[0, :3].tolist()
+    run.admit([PartialSample(index=0, prompt=PROMPTS[0], response_ids=carried,
+                             logprobs=free.logprobs[0, :3].tolist())])
+    (resumed,) = _step_to_end(run)[0].values()
+    assert len(resumed.response_ids) == 16 and resumed.response_ids[:3] == carried
+    assert eos in carried
+
+
+@pytest.mark.parametrize("params", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_per_prompt_budgets_give_those_lengths(
+    model: PreTrainedModel, params: SamplingParams
+) -> None:
+    engine = _engine(model, max_batch_size=3)
+    free = engine.generate(PROMPTS, params)
+    eos = int(free.response_ids[1, 2])  # row 1 (budget 16) would stop at its third token
+    ignoring = msgspec.structs.replace(params, eos_token_id=eos, ignore_eos=True)
+    exact = engine.generate(PROMPTS, ignoring, max_new_tokens=BUDGETS)
+    assert exact.response_ids.shape == (len(PROMPTS), 16)  # still padded to the params' width
+    assert exact.response_lengths.tolist() == BUDGETS
+    for row, budget in enumerate(BUDGETS):  # a budget ends a response, it does not change it
+        assert exact.response_ids[row, :budget].tolist() == free.response_ids[row, :budget].tolist()
+    torch.testing.assert_close(exact.logprobs, free.logprobs * exact.response_mask, atol=1e-5, rtol=0)
+    streamed = {s.index: s for s in engine.generate_stream(PROMPTS, ignoring, max_new_tokens=BUDGETS)}
+    assert [len(streamed[i].response_ids) for i in range(len(PROMPTS))] == BUDGETS
+
+    # Without ignore_eos a response stops at its budget or its first EOS, never later.
+    capped = engine.generate(
+        PROMPTS, msgspec.structs.replace(params, eos_token_id=eos), max_new_tokens=BUDGETS
+    )
+    for row, budget in enumerate(BUDGETS):
+        count = _cut_at_eos(free.response_ids[row, :budget].tolist(), eos)
+        assert int(capped.response_lengths[row]) == count <= budget
+    assert int(capped.response_lengths[1]) <= 3
+
+
+@pytest.mark.parametrize("params", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_a_migrated_sample_keeps_its_budget(model: PreTrainedModel, params: SamplingParams) -> None:
+    ignoring = msgspec.structs.replace(params, eos_token_id=9, ignore_eos=True)
+    expected = _engine(model, max_batch_size=3, seed=4).generate(
+        PROMPTS, ignoring, max_new_tokens=BUDGETS
+    )
+    source = _engine(model, max_batch_size=3, seed=4).start(
+        PROMPTS, ignoring, max_new_tokens=BUDGETS
+    )
+    finished: dict[int, FinishedSample] = {}
+    for _ in range(4):
+        finished.update((sample.index, sample) for sample in source.step())
+    moved = source.export()
+    assert any(p.response_ids for p in moved) and any(not p.response_ids for p in moved)
+    assert {p.index: p.max_new_tokens for p in moved} == {p.index: BUDGETS[p.index] for p in moved}
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(moved), type=list[PartialSample])
+
+    target = _engine(_same_weights(model), max_batch_size=2, seed=99).start([], ignoring)
+    target.admit(wire)
+    resumed, _ = _step_to_end(target)
+    out = _rows(PROMPTS, finished | resumed, ignoring)
+    assert out.response_lengths.tolist() == BUDGETS
+    assert torch.equal(out.response_ids, expected.response_ids)
+    torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-4, rtol=0)
+
+
+def test_bad_budgets_are_refused_naming_the_prompt(model: PreTrainedModel) -> None:
+    engine = _engine(model)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    for bad in (0, 9, -1, True, 2.0):
+        with pytest.raises(ConfigError, match=rf"max_new_tokens\[1\] \(prompt 1\) is {bad!r}"):
+            engine.generate(PROMPTS[:2], params, max_new_tokens=[3, bad])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"2 prompts but 3 max_new_tokens"):
+        engine.start(PROMPTS[:2], params, max_new_tokens=[1, 2, 3])
+    with pytest.raises(ConfigError, match=r"max_new_tokens\[0\] \(prompt 0\) is 0"):
+        engine.generate_stream(PROMPTS[:1], params, max_new_tokens=[0])
+    # A prompt needs room for its own budget only.
+    fits = engine.generate([[4] * 250], SamplingParams(max_new_tokens=10), max_new_tokens=[6])
+    assert fits.response_ids.shape == (1, 10) and int(fits.response_lengths[0]) <= 6
+    with pytest.raises(ConfigError, match=r"prompts\[0\] has 251 tokens; with max_new_tokens=6"):
+        engine.generate([[4] * 251], SamplingParams(max_new_tokens=10), max_new_tokens=[6])
+
+    # Admitted samples: a budget wider than the run's responses, or already reached.
+    run = engine.start([], params)
+    partial = PartialSample(index=0, prompt=PROMPTS[0], response_ids=[5, 6], logprobs=[-1.0, -1.0])
+    with pytest.raises(ConfigError, match=r"index=0 max_new_tokens is 9; .* 1\.\.8"):
+        run.admit([msgspec.structs.replace(partial, max_new_tokens=9)])
+    with pytest.raises(ConfigError, match=r"index=0 is finished: it has 2 tokens and its budget"):
+        run.admit([msgspec.structs.replace(partial, max_new_tokens=2)])
+    run.admit([msgspec.structs.replace(partial, max_new_tokens=3)])
+    (resumed,) = _step_to_end(run)[0].values()
+    assert len(resumed.response_ids) == 3

@@ -25,12 +25,14 @@ pytest.importorskip("vllm")
 
 from transformers import PreTrainedModel
 
+from channels import ConfigError
 from workers.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from workers.rollout import (
     FinishedSample,
     GenerationRun,
     NativeRolloutConfig,
     NativeRolloutEngine,
+    PartialSample,
     RolloutOutput,
     SamplingParams,
     VLLMRolloutConfig,
@@ -371,6 +373,97 @@ def test_export_empties_the_run_and_finished_samples_are_refused(
         _rows(prompts, resumed, params).response_ids.tolist()
         == engine.generate(prompts, params).response_ids.tolist()
     )
+
+
+# ignore_eos and per-prompt token budgets (max_new_tokens), through migration too.
+
+
+def _cut_at_eos(tokens: list[int], eos: int) -> int:
+    """Length of ``tokens`` up to and including its first ``eos`` (all when none)."""
+    return tokens.index(eos) + 1 if eos in tokens else len(tokens)
+
+
+def test_ignore_eos_and_per_prompt_budgets(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(6, lo=3, hi=12, seed=8)
+    budgets = [1, 10, 4, 7, 2, 9]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    free = engine.generate(prompts, greedy)  # no EOS: every response has 10 tokens
+    eos = int(free.response_ids[1, 2])
+    ignoring = msgspec.structs.replace(greedy, eos_token_id=eos, ignore_eos=True)
+    stopping = msgspec.structs.replace(greedy, eos_token_id=eos)
+
+    # ignore_eos: every response runs to its budget, past the EOS it samples.
+    out = engine.generate(prompts, ignoring)
+    assert out.response_ids.tolist() == free.response_ids.tolist()
+    assert out.response_lengths.tolist() == [10] * len(prompts)
+    assert int(engine.generate(prompts, stopping).response_lengths[1]) <= 3
+
+    # Per-prompt budgets: exactly those lengths with ignore_eos, padded to the params' width.
+    exact = engine.generate(prompts, ignoring, max_new_tokens=budgets)
+    assert exact.response_ids.shape == (len(prompts), 10)
+    assert exact.response_lengths.tolist() == budgets
+    for row, budget in enumerate(budgets):
+        assert exact.response_ids[row, :budget].tolist() == free.response_ids[row, :budget].tolist()
+    samples, _ = _step_to_end(engine.start(prompts, ignoring, max_new_tokens=budgets))
+    assert [len(samples[i].response_ids) for i in range(len(prompts))] == budgets
+    # ... and never longer without it: the budget or the first EOS ends a response.
+    capped = engine.generate(prompts, stopping, max_new_tokens=budgets)
+    for row, budget in enumerate(budgets):
+        count = _cut_at_eos(free.response_ids[row, :budget].tolist(), eos)
+        assert int(capped.response_lengths[row]) == count <= budget
+    assert int(capped.response_lengths[1]) <= 3
+
+    # Bad budgets are refused, naming the prompt.
+    for bad in (0, 11):
+        with pytest.raises(ConfigError, match=rf"max_new_tokens\[2\] \(prompt 2\) is {bad}"):
+            engine.generate(prompts[:3], greedy, max_new_tokens=[1, 2, bad])
+    with pytest.raises(ConfigError, match=r"3 prompts but 2 max_new_tokens"):
+        engine.start(prompts[:3], greedy, max_new_tokens=[1, 2])
+
+
+def test_a_migrated_sample_keeps_its_budget(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    _load(engine, models["a"])
+    prompts = _prompts(6, lo=3, hi=12, seed=9)
+    budgets = [12, 3, 9, 16, 6, 14]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, eos_token_id=VOCAB - 1, ignore_eos=True)
+    expected = engine.generate(prompts, params, max_new_tokens=budgets)
+    assert expected.response_lengths.tolist() == budgets
+    source = engine.start(prompts, params, max_new_tokens=budgets)
+    finished: dict[int, FinishedSample] = {}
+    for _ in range(5):
+        finished.update((sample.index, sample) for sample in source.step())
+    moved = source.export()
+    assert moved and all(0 < len(p.response_ids) < budgets[p.index] for p in moved)
+    assert {p.index: p.max_new_tokens for p in moved} == {p.index: budgets[p.index] for p in moved}
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(moved), type=list[PartialSample])
+
+    # Into another run of this engine, and into another engine (native, same weights).
+    target = engine.start([], params)
+    target.admit(wire)
+    resumed, _ = _step_to_end(target)
+    assert _rows(prompts, finished | resumed, params).response_ids.tolist() == (
+        expected.response_ids.tolist()
+    )
+    native = NativeRolloutEngine(models["a"], config=NativeRolloutConfig()).start([], params)
+    native.admit(wire)
+    resumed, _ = _step_to_end(native)
+    out = _rows(prompts, finished | resumed, params)
+    assert out.response_lengths.tolist() == budgets
+    assert out.response_ids.tolist() == expected.response_ids.tolist()
+
+    # A budget wider than the run's responses, or one already reached, is refused.
+    run = engine.start([], params)
+    with pytest.raises(ConfigError, match=r"max_new_tokens is 17"):
+        run.admit([msgspec.structs.replace(moved[0], max_new_tokens=17)])
+    reached = len(moved[0].response_ids)
+    with pytest.raises(ConfigError, match=rf"is finished: it has {reached} tokens"):
+        run.admit([msgspec.structs.replace(moved[0], max_new_tokens=reached)])
+    run.close()
 
 
 # A rank of a two-rank gloo world; rank 1 hosts a vLLM engine, rank 0 does not, as an
