@@ -76,7 +76,8 @@ class DataStream(Generic[T]):
         self._origins = dict(origins) if origins is not None else (
             None if fields is None else dict.fromkeys(fields, label))
         self._items: list[DataFuture[Any]] = []
-        self._end: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop: asyncio.AbstractEventLoop = runtime._loop
+        self._end: asyncio.Future[None] = self._loop.create_future()
         self._end.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._changed: asyncio.Future[None] | None = None
         self._report: asyncio.Future[Any] | None = None
@@ -145,7 +146,7 @@ class DataStream(Generic[T]):
                 self._end.result()  # raises the producer's error
                 return
             if self._changed is None:
-                self._changed = asyncio.get_running_loop().create_future()
+                self._changed = self._loop.create_future()
             # wait() leaves the shared future alone when this consumer is cancelled.
             await asyncio.wait([self._changed])
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,17 +113,39 @@ class Scheduler(CallCompletion):
 
     def start(self) -> None:
         """Start every pool's dispatcher and every worker's death watch."""
+        self._loop = asyncio.get_running_loop()
         for pool in self.pools.values():
             self._tasks.append(asyncio.create_task(self._pool_loop(pool), name=f"asyncflow-pool-{pool.name}"))
         for w in self._where:
             self._tasks.append(asyncio.create_task(self._watch(w), name=f"asyncflow-watch-{w}"))
 
-    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        """Run ``coro`` as a task the scheduler owns (cancelled at close)."""
-        task = asyncio.create_task(coro, name=name)
+    def spawn(self, coro: Any, name: str) -> None:
+        """Run ``coro`` as a task the scheduler owns (cancelled at close). Callable
+        from any thread (proxies may be called off the session's loop)."""
+        def now() -> None:
+            if self._closed:
+                coro.close()
+                return
+            self.task(coro, name)
+        self._on_loop(now)
+
+    def task(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """Like :meth:`spawn`, on the session's loop only; returns the task."""
+        task = self._loop.create_task(coro, name=name)
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
         return task
+
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the session's loop: now when called there, else soon."""
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            here = False
+        if here:
+            fn()
+        else:
+            self._loop.call_soon_threadsafe(fn)
 
     # ----- submitting, cancelling, closing -----
 
@@ -136,8 +158,11 @@ class Scheduler(CallCompletion):
         if self._closed:
             raise SessionClosedError(f"{call.label}: the session is closed")
         state = self.pools[pool]
-        state.pending.append(call)
-        self.spawn(self._resolve_inputs(state, call), f"asyncflow-inputs-{call.label}")
+
+        def queue() -> None:
+            state.pending.append(call)
+            self.spawn(self._resolve_inputs(state, call), f"asyncflow-inputs-{call.label}")
+        self._on_loop(queue)
 
     async def _resolve_inputs(self, pool: PoolState, call: Call) -> None:
         try:
@@ -170,7 +195,7 @@ class Scheduler(CallCompletion):
                 doomed_calls.add(call.call_id)
                 call.result.cancel()
         for pool in self.pools.values():
-            pool.wake.set()
+            self._on_loop(pool.wake.set)
         return True
 
     def _live(self) -> Iterable[Call]:

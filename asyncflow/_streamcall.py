@@ -68,7 +68,7 @@ class StreamedCall:
         receivers = await asyncio.gather(*(t.open_stream(w, self._call.call_id, self._options.buffer)
                                            for w in self._workers))
         for i, r in enumerate(receivers):
-            self._pumps.append(self._sched.spawn(self._pump(i, r), f"asyncflow-stream-{self._call.label}-{i}"))
+            self._pumps.append(self._sched.task(self._pump(i, r), f"asyncflow-stream-{self._call.label}-{i}"))
         return [asyncio.ensure_future(t.execute(w, spec, self._call.kwargs, transforms, pieces))
                 for w, (spec, pieces) in zip(self._workers, specs, strict=True)]
 

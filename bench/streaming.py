@@ -29,10 +29,14 @@ measured here.
 
 from __future__ import annotations
 
+import os
+
+# Ray binds its listeners to the loopback interface when this is set before import.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -129,7 +133,7 @@ async def run(*, prompts: int, n: int, median: int, max_new: int, repeats: int, 
             columns = _prompts(lengths, n=n, vocab=16, seed=seed)
             real = columns["max_new_tokens"].repeat_interleave(n).tolist()
             src = await session.put(columns, pool=POOL, group_size=1)
-            params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed, eos_token_id=None)
+            params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed, ignore_eos=True)
             plain = StreamOptions(micro_batch=micro_batch, migrate=0)
             auto = StreamOptions(micro_batch=micro_batch, migrate="auto")
             # Warm-up: one of each (and the observations "auto" migration needs).
@@ -202,15 +206,14 @@ def table(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the record here")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--median", type=int, default=24, help="median response length")
     parser.add_argument("--max-new", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     record = asyncio.run(run(prompts=a.prompts, n=a.n, median=a.median, max_new=a.max_new,
                              repeats=a.repeats, micro_batch=a.micro_batch, seed=a.seed))
     print(table(record))
