@@ -120,10 +120,14 @@ class DataStream(Generic[T]):
         self._notify()
 
     def _finish(self, error: BaseException | None = None) -> None:
+        """End the stream: complete, failed with ``error``, or cancelled (a
+        ``CancelledError``: consumers then get ``CancelledError``)."""
         if self._end.done():
             return
         if error is None:
             self._end.set_result(None)
+        elif isinstance(error, asyncio.CancelledError):
+            self._end.cancel()
         else:
             self._end.set_exception(error)
         self._notify()

@@ -216,8 +216,7 @@ class Scheduler(CallCompletion):
         for call in unsettled:
             if not call.result.done():
                 call.result.set_exception(SessionClosedError(f"{call.label} did not finish: the session was closed"))
-            if call.stream_out is not None:
-                call.stream_out._finish(call.result.exception() if not call.result.cancelled() else None)
+            self._end_stream(call)
         for pool in self.pools.values():
             pool.pending.clear()
             pool.running.clear()
@@ -295,7 +294,8 @@ class Scheduler(CallCompletion):
 
     def _end_stream(self, call: Call) -> None:
         if call.stream_out is not None and call.result.done():
-            call.stream_out._finish(None if call.result.cancelled() else call.result.exception())
+            call.stream_out._finish(asyncio.CancelledError() if call.result.cancelled()
+                                    else call.result.exception())
 
     # ----- running one call -----
 
