@@ -72,7 +72,7 @@ class CallCompletion:
                     if release is not None and not ranks.failures:
                         release(lanes[rank_of[t]])
                     if stream is not None:
-                        stream.rank_returned(rank_of[t])
+                        stream.rank_returned(rank_of[t], ranks.results[rank_of[t]])
                 else:
                     ranks.failures[rank_of[t]] = exc
             if ranks.failures:

@@ -25,6 +25,8 @@ class StreamRecord:
     """Samples each rank started with."""
     rank_done_s: list[float | None]
     """Seconds from the start until each rank returned."""
+    step_s: list[tuple[int, float]] = field(default_factory=list)
+    """``(samples in progress, mean seconds of a step)`` reported by the ranks."""
 
 
 @dataclass
@@ -64,9 +66,13 @@ def auto_migration(observed: Observed, *, pool: str, role: str, method: str, ran
     longest = max(record.lengths)
     if not done or longest <= 0:
         return 0, 1
-    # Decode steps cost about the same whatever the batch (the tail's steps are
-    # what streaming hides): one step ~ the slowest rank's time / the longest sample.
-    step = StepCost(base_s=max(done) / longest, per_sample_s=0.0)
+    # The ranks timed their steps by how many samples were in progress; without
+    # two sizes to fit, one step ~ the slowest rank's time / the longest sample.
+    sizes = {b for b, _ in record.step_s}
+    if len(sizes) >= 2:
+        step = StepCost.fit(record.step_s)
+    else:
+        step = StepCost(base_s=max(done) / longest, per_sample_s=0.0)
     workload = Workload(lengths=tuple(record.lengths), instances=ranks,
                         max_batch=max(1, max(record.initial)), step=step,
                         inference_s_per_sample=inference, micro_batch=micro_batch)

@@ -274,6 +274,7 @@ class Scheduler(CallCompletion):
         self._end_stream(call)
 
     def _start(self, pool: PoolState, call: Call, lanes: list[int]) -> None:
+        logger.debug("%.3f start %s on %s lanes %s", time.monotonic(), call.label, pool.name, lanes)
         pool.pending.remove(call)
         pool.running[call.call_id] = call
         pool.free.difference_update(lanes)
@@ -312,16 +313,18 @@ class Scheduler(CallCompletion):
                 return
             layout = call.layout if not call.rank_local else Layout(d=len(lanes))
             workers = [pool.workers[r] for r in lanes]
+            run = None
+            if call.stream is not None:
+                from asyncflow._streamcall import StreamedCall
+                run = StreamedCall(self, pool, call, lanes, workers)
             try:
-                specs, assignment = self._plan(call, layout, workers)
+                specs, assignment = self._plan(call, layout, workers, run.threshold() if run else 0)
             except Exception as e:
                 settle(call, e)
                 return
             transforms = {n: [(t.fn, t.kwargs) for t in r.transforms]
                           for n, r in (call.inputs or {}).items() if r.transforms}
-            if call.stream is not None:
-                from asyncflow._streamcall import StreamedCall
-                run = StreamedCall(self, pool, call, lanes, workers)
+            if run is not None:
                 tasks = await run.start(specs, transforms)
                 await self._await_ranks(pool, call, tasks, assignment, lanes, release, run)
                 await run.finish()
@@ -333,6 +336,7 @@ class Scheduler(CallCompletion):
             if call.rank_local:
                 self.observed.record_call(pool.name, call, len(lanes), time.monotonic() - started)
         finally:
+            logger.debug("%.3f end %s", time.monotonic(), call.label)
             pool.running.pop(call.call_id, None)
             call.inputs = None  # drop the inputs' leases as soon as the call is over
             for rank in list(held):
@@ -340,7 +344,7 @@ class Scheduler(CallCompletion):
             self._end_stream(call)
             pool.wake.set()
 
-    def _plan(self, call: Call, layout: Layout, workers: Sequence[int]
+    def _plan(self, call: Call, layout: Layout, workers: Sequence[int], progress_below: int = 0
               ) -> tuple[list[tuple[bytes, list[Piece]]], Any]:
         inputs = call.inputs or {}
         for name, r in inputs.items():
@@ -350,7 +354,8 @@ class Scheduler(CallCompletion):
         protocol = call.endpoint.spec.protocol
         pulls = {name: pull_fields(call, name, r) for name, r in inputs.items()}
         assignments = {name: protocol.distribute(r.meta, layout, r.row_lengths) for name, r in inputs.items()}
-        stream = None if call.stream is None else StreamSpec(micro_batch=call.stream.micro_batch)
+        stream = None if call.stream is None else StreamSpec(micro_batch=call.stream.micro_batch,
+                                                             progress_below=progress_below)
         specs = []
         for rank in range(len(workers)):
             data_args: list[DataArg] = []

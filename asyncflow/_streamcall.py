@@ -72,9 +72,11 @@ class StreamedCall:
         return [asyncio.ensure_future(t.execute(w, spec, self._call.kwargs, transforms, pieces))
                 for w, (spec, pieces) in zip(self._workers, specs, strict=True)]
 
-    def rank_returned(self, i: int) -> None:
-        """Rank ``i``'s part of the call returned."""
+    def rank_returned(self, i: int, result: RankResult) -> None:
+        """Rank ``i``'s part of the call returned (with its step timings)."""
         self.stats.rank_done_s[i] = time.monotonic() - self._started
+        value = result.value if isinstance(result.value, dict) else {}
+        self.stats.step_s.extend((int(b), float(t)) for b, t in value.get("steps", ()))
 
     async def finish(self) -> None:
         """After the ranks settled: drain the channels (or drop them if the call
@@ -91,7 +93,8 @@ class StreamedCall:
             else:
                 self.stats.total_s = time.monotonic() - self._started
                 self._sched.observed.record_stream(call.role, call.method, StreamRecord(
-                    lengths=self.stats.lengths, initial=self._initial, rank_done_s=self.stats.rank_done_s))
+                    lengths=self.stats.lengths, initial=self._initial, rank_done_s=self.stats.rank_done_s,
+                    step_s=self.stats.step_s))
                 call.result.set_result(self.stats)
 
     # ----- receiving -----
@@ -139,6 +142,10 @@ class StreamedCall:
         out._push(fut)
 
     # ----- long-tail migration -----
+
+    def threshold(self) -> int:
+        """Samples left at which the tail migrates (0: never)."""
+        return self._auto[0] if self._options.migrate == "auto" else self._options.migrate or 0
 
     def _threshold(self) -> tuple[int, int]:
         """``(threshold, targets)`` for this call (0: no migration)."""
@@ -212,6 +219,8 @@ class StreamStats:
         """Samples handed from one rank to another."""
         self.targets: list[int] = []
         self.threshold = 0
+        self.step_s: list[tuple[int, float]] = []
+        """``(samples in progress, mean seconds of a decode step)`` seen by the ranks."""
 
     def __repr__(self) -> str:
         return (f"StreamStats(rows={len(self.lengths)}, total_s={self.total_s:.3f}, "

@@ -24,6 +24,10 @@ class StreamSpec(msgspec.Struct, **_WIRE):
 
     micro_batch: int
     """Rows (at least; whole chunks) per reported micro-batch."""
+    progress_below: int = 0
+    """Report progress (the pending count without rows) only while at most this
+    many samples are pending on the rank: the driver needs exact counts only near
+    its migration threshold (0: only the first count)."""
 
 
 class CallSpec(msgspec.Struct, **_WIRE):

@@ -22,6 +22,7 @@ io threads to the method's thread.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -161,13 +162,22 @@ Emit = Callable[[str, Batch | None, tuple[int, ...], int], None]
 """``emit(kind, rows, ids, pending)``: store rows and report them to the driver."""
 
 
-def run_streamed(gen: StreamMethod, control: StreamControl, emit: Emit, *, micro_batch: int) -> None:
+def run_streamed(gen: StreamMethod, control: StreamControl, emit: Emit, *, micro_batch: int,
+                 progress_below: int = 0) -> list[tuple[int, float]]:
     """Run a streaming method, emitting a ``"rows"`` item per ``micro_batch`` finished
     rows (at least; chunks are not split), ``"progress"`` when only the pending count
-    changed, and ``"tail"`` for handed-off work."""
+    changed (the first count, then only at ``progress_below`` or fewer), and
+    ``"tail"`` for handed-off work.
+
+    Returns:
+        ``(samples in progress, mean seconds of a step)`` per count seen: the step
+        cost the driver's migration simulator fits.
+    """
     buffered: list[Chunk] = []
     reported = -1
     sent: Control = None
+    steps: dict[int, list[float]] = {}
+    last: tuple[int, float] | None = None
     try:
         while True:
             try:
@@ -184,16 +194,23 @@ def run_streamed(gen: StreamMethod, control: StreamControl, emit: Emit, *, micro
                 _flush(buffered, emit, 0)
                 emit("tail", out.rows, (), 0)
             else:
+                now = time.perf_counter()
+                if last is not None and last[0]:
+                    took = steps.setdefault(last[0], [0.0, 0.0])
+                    took[0] += now - last[1]
+                    took[1] += 1
                 if buffered and (out.pending == 0 or _rows(buffered) >= micro_batch):
                     _flush(buffered, emit, out.pending)
-                elif out.pending != reported:
+                elif out.pending != reported and (reported < 0 or out.pending <= progress_below):
                     emit("progress", None, (), out.pending)
                 reported = out.pending
                 sent = control.poll() if out.pending else control.idle()
+                last = (out.pending, time.perf_counter()) if sent is None else None
         _flush(buffered, emit, 0)
     finally:
         control.close()
         gen.close()
+    return [(b, total / count) for b, (total, count) in sorted(steps.items())]
 
 
 def _rows(buffered: list[Chunk]) -> int:

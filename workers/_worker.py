@@ -208,13 +208,13 @@ class WorkerProcess(ChannelHost):
         with self._streams_lock:
             sink, control = self._streams[spec.call_id]
         try:
-            run_streamed(endpoint.fn(role, **args), control, self._emitter(spec, endpoint, sink),
-                         micro_batch=spec.stream.micro_batch)
+            steps = run_streamed(endpoint.fn(role, **args), control, self._emitter(spec, endpoint, sink),
+                                 micro_batch=spec.stream.micro_batch, progress_below=spec.stream.progress_below)
         finally:
             with self._streams_lock:
                 self._streams.pop(spec.call_id, None)
             sink.close()
-        return RankResult(rank=self.rank, worker=self.index)
+        return RankResult(rank=self.rank, worker=self.index, value={"steps": steps})
 
     def _emitter(self, spec: CallSpec, endpoint: Endpoint[Any, Any], sink: StreamSink
                  ) -> Callable[[str, Batch | None, tuple[int, ...], int], None]:

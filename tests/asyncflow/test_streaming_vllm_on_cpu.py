@@ -33,7 +33,8 @@ def env(loop_thread, tmp_path_factory):
     model = str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
     ray.init(num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session(collective_timeout_s=240)
-    rollout = VLLMRolloutConfig(kv_cache_bytes=64 << 20, max_num_seqs=64)
+    # Two sequences at a time: generation lasts long enough for the tail to migrate.
+    rollout = VLLMRolloutConfig(kv_cache_bytes=64 << 20, max_num_seqs=2)
     roles = loop_thread.run(_start(session, {
         "actor": RoleSpec(cls=ActorWorker, pool=GEN, config=ActorConfig(model_dir=model, rollout=rollout)),
     }), timeout=600)
@@ -56,7 +57,7 @@ def _guarded(lt, coro):
 def test_vllm_streamed_generate_equals_batch_and_greedy_migration_keeps_the_tokens(env) -> None:
     lt, session, roles, prompts = env
     sampled = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3)
-    greedy = SamplingParams(max_new_tokens=20, temperature=0.0)
+    greedy = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
     async def main():
         src = await session.put(prompts, pool=GEN)
