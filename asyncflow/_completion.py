@@ -25,7 +25,7 @@ from asyncflow._transport import Transport, WorkerGone
 from channels import Collected, Layout, RankResult
 
 if TYPE_CHECKING:
-    from asyncflow._scheduler import PoolState
+    from asyncflow._lanes import PoolState
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from asyncflow._calls import bind_call, output_fields
 from asyncflow._datastream import DataStream, StreamOptions, template, zip_into
 from asyncflow._errors import SessionClosedError
 from asyncflow._future import DataFuture, Resolved
+from asyncflow._lanes import Slot
 from asyncflow._ledger import ShardLedger
 from asyncflow._pool import ResourcePool, RoleSpec
 from asyncflow._proxy import RoleGroup, Roles
@@ -88,7 +89,7 @@ class Runtime:
     # ----- calls -----
 
     def _submit(self, group: RoleGroup, endpoint: Endpoint[Any, Any], args: tuple[Any, ...],
-                kwargs: Mapping[str, Any]) -> Any:
+                kwargs: Mapping[str, Any], *, slot: Slot | None = None) -> Any:
         if self._closed or self._scheduler is None or self._loop is None:
             raise SessionClosedError("the session is closed")
         kwargs = dict(kwargs)
@@ -113,7 +114,7 @@ class Runtime:
             out._report = call.result
             self._scheduler.submit(call, group.pool.name)
             return out
-        self._scheduler.submit(call, group.pool.name)
+        self._scheduler.submit(call, group.pool.name, slot=slot)
         return DataFuture(label=call.label, fields=output_fields(call), runtime=self, source=call.result,
                           call_id=call.call_id)
 
@@ -135,12 +136,22 @@ class Runtime:
         label = f"{group.name}.{endpoint.spec.name}({', '.join(s.label for s in streams)})"
         out: DataStream[Any] = DataStream(label=label, fields=output_fields(probe), runtime=self,
                                           spawn=self._spawn)
+        assert self._scheduler is not None
+        scheduler, pool = self._scheduler, group.pool.name
+        # The per-micro-batch calls take this call's place in the pool's queue.
+        slot = scheduler.open_slot(pool, group.name, rank_local=endpoint.spec.name in group.rank_local)
 
         def each(futs: Any) -> DataFuture[Any]:
             a, kw = substitute(futs)
-            fut: DataFuture[Any] = self._submit(group, endpoint, a, kw)
+            fut: DataFuture[Any] = self._submit(group, endpoint, a, kw, slot=slot)
             return fut
-        self._spawn(zip_into(out, streams, each), f"asyncflow-{label}")
+
+        async def feed() -> None:
+            try:
+                await zip_into(out, streams, each)
+            finally:
+                scheduler.close_slot(pool, slot)
+        self._spawn(feed(), f"asyncflow-{label}")
         return out
 
     def _spawn(self, coro: Any, name: str) -> Any:

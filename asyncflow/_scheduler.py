@@ -36,7 +36,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -46,41 +45,15 @@ from asyncflow._completion import CallCompletion
 from asyncflow._errors import PoolBrokenError, SessionClosedError, WorkerDiedError
 from asyncflow._failures import settle
 from asyncflow._future import DataFuture, Resolved
+from asyncflow._lanes import PoolState, Slot
 from asyncflow._ledger import ShardLedger
 from asyncflow._observed import Observed
+from asyncflow._streamcall import StreamedCall
 from asyncflow._transport import Transport, WorkerGone
 from channels import Layout, MissingFieldError, Piece, plan_pull
 from workers import CallSpec, DataArg, StreamSpec
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False, kw_only=True)
-class PoolState:
-    """A pool's workers, its queue, its free ranks and whether it can still take calls."""
-
-    name: str
-    workers: list[int]
-    """Session-wide worker index of each rank."""
-    died: asyncio.Future[WorkerDiedError]
-    """Resolved when one of the pool's worker processes died."""
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the dispatcher may be able to start something."""
-    epoch: int = 0
-    """How many times the pool's groups were healed."""
-    pending: list[Call] = field(default_factory=list)
-    """Calls not started yet, in call order."""
-    running: dict[int, Call] = field(default_factory=dict)
-    free: set[int] = field(default_factory=set)
-    """Ranks running nothing."""
-    needs_heal: bool = False
-    """A call failed: the groups must be reconnected before the next call that uses them."""
-    healing: bool = False
-
-    @property
-    def broken(self) -> WorkerDiedError | None:
-        """The death that broke the pool, if any."""
-        return self.died.result() if self.died.done() else None
 
 
 class Scheduler(CallCompletion):
@@ -149,8 +122,8 @@ class Scheduler(CallCompletion):
 
     # ----- submitting, cancelling, closing -----
 
-    def submit(self, call: Call, pool: str) -> None:
-        """Queue ``call`` on ``pool``.
+    def submit(self, call: Call, pool: str, *, slot: Slot | None = None) -> None:
+        """Queue ``call`` on ``pool`` (at ``slot``'s place when given: see ``_lanes``).
 
         Raises:
             SessionClosedError: the session is closed.
@@ -160,9 +133,28 @@ class Scheduler(CallCompletion):
         state = self.pools[pool]
 
         def queue() -> None:
-            state.pending.append(call)
+            if slot is not None and slot in state.pending:
+                state.pending.insert(state.pending.index(slot), call)
+            else:
+                state.pending.append(call)
             self.spawn(self._resolve_inputs(state, call), f"asyncflow-inputs-{call.label}")
         self._on_loop(queue)
+
+    def open_slot(self, pool: str, role: str, *, rank_local: bool) -> Slot:
+        """Reserve the place in ``pool``'s queue of the calls a stream will make."""
+        slot = Slot(role=role, rank_local=rank_local)
+        self._on_loop(lambda: self.pools[pool].pending.append(slot))
+        return slot
+
+    def close_slot(self, pool: str, slot: Slot) -> None:
+        """The stream made its last call: its slot stops holding later calls back."""
+        def close() -> None:
+            slot.closed = True
+            state = self.pools[pool]
+            if slot in state.pending:
+                state.pending.remove(slot)
+            state.wake.set()
+        self._on_loop(close)
 
     async def _resolve_inputs(self, pool: PoolState, call: Call) -> None:
         try:
@@ -200,7 +192,7 @@ class Scheduler(CallCompletion):
 
     def _live(self) -> Iterable[Call]:
         for pool in self.pools.values():
-            yield from pool.pending
+            yield from pool.calls()
             yield from pool.running.values()
 
     async def close(self) -> None:
@@ -236,6 +228,11 @@ class Scheduler(CallCompletion):
         blocked_roles: set[str] = set()
         held_by_gang = any(not c.rank_local for c in pool.running.values())
         for call in list(pool.pending):
+            if isinstance(call, Slot):  # calls a stream will make: later calls wait for them
+                earlier = True
+                gang_ahead = gang_ahead or not call.rank_local
+                blocked_roles.add(call.role)
+                continue
             if call.result.done():  # cancelled, or failed by a death or an input
                 pool.pending.remove(call)
                 self._end_stream(call)
@@ -315,7 +312,6 @@ class Scheduler(CallCompletion):
             workers = [pool.workers[r] for r in lanes]
             run = None
             if call.stream is not None:
-                from asyncflow._streamcall import StreamedCall
                 run = StreamedCall(self, pool, call, lanes, workers)
             try:
                 specs, assignment = self._plan(call, layout, workers, run.threshold() if run else 0)
@@ -402,7 +398,7 @@ class Scheduler(CallCompletion):
         err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
                               rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
         pool.died.set_result(err)
-        for call in list(pool.pending):
+        for call in pool.calls():
             settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
                                           cause=f"rank {rank}'s worker process died before the call ran",
                                           detail=detail))

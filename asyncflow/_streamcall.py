@@ -25,7 +25,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncflow._future import DataFuture, Resolved
 from asyncflow._observed import StreamRecord, auto_migration
@@ -33,13 +33,32 @@ from channels import Piece, RankResult, StreamItem
 
 if TYPE_CHECKING:
     from asyncflow._calls import Call
-    from asyncflow._scheduler import PoolState, Scheduler
+    from asyncflow._lanes import PoolState
+    from asyncflow._ledger import ShardLedger
+    from asyncflow._observed import Observed
+    from asyncflow._transport import Transport
+
+
+class Host(Protocol):
+    """What a streamed call needs of the scheduler running it."""
+
+    transport: Transport
+    ledger: ShardLedger
+    observed: Observed
+
+    def task(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task the scheduler owns; returns it."""
+        ...
+
+    def spawn(self, coro: Any, name: str) -> None:
+        """Run ``coro`` as a task the scheduler owns."""
+        ...
 
 
 class StreamedCall:
     """The driver's side of one streamed call (see the module docstring)."""
 
-    def __init__(self, scheduler: Scheduler, pool: PoolState, call: Call, lanes: Sequence[int],
+    def __init__(self, scheduler: Host, pool: PoolState, call: Call, lanes: Sequence[int],
                  workers: Sequence[int]) -> None:
         self._sched, self._pool, self._call = scheduler, pool, call
         self._workers = list(workers)

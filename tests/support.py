@@ -281,3 +281,9 @@ def value_of_length(batch: Batch) -> dict[str, torch.Tensor]:
     """Scorer inputs from rollout rows: ``value`` = response length."""
     n = batch.num_rows
     return {"idx": torch.arange(n), "value": batch["response_mask"].sum(1).double()}
+
+
+@af_transform(reads=("value",), writes=("x",))
+def x_of_value(batch: Batch) -> dict[str, torch.Tensor]:
+    """``x`` for Consumer methods from Ticker rows."""
+    return {"x": batch["value"].float().unsqueeze(1)}

@@ -32,6 +32,10 @@ SFT_ONE_HEAD = {"sft.model.hidden_size": 64, "sft.model.num_attention_heads": 1,
 
 # (id, dotted key -> value set over a valid config, what the one-line message must contain)
 BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+    ("stream-remax", {"algorithm": "remax", "train.stream": True}, ("train.stream", "grpo and ppo")),
+    ("migrate-negative", {"train.migrate": -1}, ("train.migrate", ">= 0")),
+    ("migrate-word", {"train.migrate": "soon"}, ("train.migrate",)),
+    ("stream-micro-batch", {"train.stream_micro_batch": 0}, ("train.stream_micro_batch", ">= 1")),
     ("p-zero", {"placement.actor": {"pool": "main", "p": 0}}, ("placement.actor.p", "pipeline")),
     ("p-two", {"placement.actor": {"pool": "main", "p": 2}},
      ("placement.actor.p", "pipeline parallelism is not supported", "t")),

@@ -15,7 +15,7 @@ import torch
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect, merge
 from asyncflow._local import LocalSession
-from support import Consumer, Scorer, Ticker
+from support import Consumer, Scorer, Ticker, x_of_value
 
 T2 = ResourcePool(name="t2", devices=2)
 C2 = ResourcePool(name="c2", devices=2)
@@ -157,3 +157,18 @@ def test_a_worker_dying_mid_stream_ends_every_consumer() -> None:
 
 
 SPECS_WORKER_OF_T2_RANK1 = 1  # pool t2 is created first: workers 0 and 1
+
+
+def test_a_later_call_needing_a_streams_calls_does_not_block_them() -> None:
+    """``total(collect(echo(stream)))`` on one pool: ``total`` is made before any of
+    the per-micro-batch ``echo`` calls exist, yet they run first (they take the
+    place of ``echo(stream)`` in the queue) and nothing waits forever."""
+    async def main(session, roles, src):
+        stream = roles.ticker.tick(src, delay=0.01, stream=StreamOptions(micro_batch=2)).map(x_of_value)
+        echoed = roles.consumer.echo(stream)
+        total = roles.consumer.total(collect(echoed))
+        return await total, await collect(echoed).fetch()
+
+    total, rows = run(main)
+    assert total["rows"] == len(STEPS) / 2  # a mean over the two ranks
+    assert rows["idx"].tolist() == list(range(len(STEPS)))
