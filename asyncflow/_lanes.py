@@ -41,8 +41,8 @@ class PoolState:
     pending: list[Call | Slot] = field(default_factory=list)
     """Calls not started yet and open slots, in call order."""
     running: dict[int, Call] = field(default_factory=dict)
-    free: set[int] = field(default_factory=set)
-    """Ranks running nothing."""
+    holders: dict[int, list[int]] = field(default_factory=dict)
+    """Per rank, the calls (ids) submitted to it and not finished, in order."""
     needs_heal: bool = False
     """A call failed: the groups must be reconnected before the next call that uses them."""
     healing: bool = False
@@ -51,6 +51,18 @@ class PoolState:
     def broken(self) -> WorkerDiedError | None:
         """The death that broke the pool, if any."""
         return self.died.result() if self.died.done() else None
+
+    @property
+    def free(self) -> list[int]:
+        """Ranks running nothing."""
+        return sorted(r for r, held in self.holders.items() if not held)
+
+    def stackable(self) -> list[int]:
+        """Busy ranks that may take one more rank-local call behind the one they run
+        (it waits in the worker's queue, so the rank does not idle while the driver
+        hears of the first and sends the next)."""
+        return sorted(r for r, held in self.holders.items()
+                      if len(held) == 1 and self.running[held[0]].rank_local)
 
     def calls(self) -> list[Call]:
         """The calls not started yet (no slots), in call order."""

@@ -79,7 +79,8 @@ class Scheduler(CallCompletion):
     def add_pool(self, name: str, workers: Sequence[int]) -> None:
         """Register a pool whose ranks are ``workers`` (session-wide indices)."""
         died: asyncio.Future[WorkerDiedError] = asyncio.get_running_loop().create_future()
-        pool = PoolState(name=name, workers=list(workers), died=died, free=set(range(len(workers))))
+        pool = PoolState(name=name, workers=list(workers), died=died,
+                         holders={r: [] for r in range(len(workers))})
         self.pools[name] = pool
         for rank, w in enumerate(workers):
             self._where[w] = (pool, rank)
@@ -247,12 +248,12 @@ class Scheduler(CallCompletion):
                     if pool.needs_heal:
                         self._start_heal(pool)
                         return
-                    self._start(pool, call, sorted(pool.free))
+                    self._start(pool, call, pool.free)
                     continue
                 earlier = gang_ahead = True
                 blocked_roles.add(call.role)
                 continue
-            lanes = sorted(pool.free)
+            lanes = pool.free or pool.stackable()
             # Lanes go to rank-local calls past a waiting whole-pool call only while a
             # whole-pool call holds ranks anyway (else the waiting one would starve).
             if startable and lanes and call.role not in blocked_roles and (not gang_ahead or held_by_gang):
@@ -274,19 +275,18 @@ class Scheduler(CallCompletion):
         logger.debug("%.3f start %s on %s lanes %s", time.monotonic(), call.label, pool.name, lanes)
         pool.pending.remove(call)
         pool.running[call.call_id] = call
-        pool.free.difference_update(lanes)
+        for r in lanes:
+            pool.holders[r].append(call.call_id)
         self.spawn(self._run(pool, call, lanes), f"asyncflow-call-{call.label}")
 
     def _start_heal(self, pool: PoolState) -> None:
-        pool.healing = True
-        pool.free.clear()
+        pool.healing = True  # no call starts until the groups are back
 
         async def heal() -> None:
             try:
                 await self._heal(pool)
             finally:
                 pool.healing = pool.needs_heal = False
-                pool.free = set(range(len(pool.workers)))
                 pool.wake.set()
         self.spawn(heal(), f"asyncflow-heal-{pool.name}")
 
@@ -303,7 +303,7 @@ class Scheduler(CallCompletion):
         def release(rank: int) -> None:
             if rank in held:
                 held.discard(rank)
-                pool.free.add(rank)
+                pool.holders[rank].remove(call.call_id)
                 pool.wake.set()
         try:
             if call.result.done():

@@ -64,10 +64,10 @@ from workers.roles import (
 )
 from workers.rollout import NativeRolloutConfig, SamplingParams
 
-ACTOR = TinyModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16,
-                        num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+ACTOR = TinyModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                        num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                         max_position_embeddings=1100)
-INFERENCE = TinyModelConfig(hidden_size=384, intermediate_size=768, num_hidden_layers=4,
+INFERENCE = TinyModelConfig(hidden_size=384, intermediate_size=768, num_hidden_layers=3,
                             num_attention_heads=6, num_key_value_heads=6, head_dim=64,
                             max_position_embeddings=1100)
 P99_RATIO = 9.0

@@ -165,7 +165,9 @@ Emit = Callable[[str, Batch | None, tuple[int, ...], int], None]
 def run_streamed(gen: StreamMethod, control: StreamControl, emit: Emit, *, micro_batch: int,
                  progress_below: int = 0) -> list[tuple[int, float]]:
     """Run a streaming method, emitting a ``"rows"`` item per ``micro_batch`` finished
-    rows (at least; chunks are not split), ``"progress"`` when only the pending count
+    rows (at least; chunks are not split; fewer at the end, once the samples still in
+    progress could not fill one, so the tail's rows go out as they finish),
+    ``"progress"`` when only the pending count
     changed (the first count, then only at ``progress_below`` or fewer), and
     ``"tail"`` for handed-off work.
 
@@ -199,7 +201,8 @@ def run_streamed(gen: StreamMethod, control: StreamControl, emit: Emit, *, micro
                     took = steps.setdefault(last[0], [0.0, 0.0])
                     took[0] += now - last[1]
                     took[1] += 1
-                if buffered and (out.pending == 0 or _rows(buffered) >= micro_batch):
+                # Full, or the samples still generating could not fill it: ship it.
+                if buffered and (out.pending < micro_batch or _rows(buffered) >= micro_batch):
                     _flush(buffered, emit, out.pending)
                 elif out.pending != reported and (reported < 0 or out.pending <= progress_below):
                     emit("progress", None, (), out.pending)
