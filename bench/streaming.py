@@ -1,29 +1,36 @@
 """Streaming generation into inference, with and without long-tail migration.
 
-Run as ``python -m bench.streaming --json PATH`` (a Markdown table goes to stdout).
+Run as ``python -m bench.streaming --json PATH`` (Markdown tables go to stdout).
 
-One pool of two ranks (one core each) hosts the actor (native rollout engine) and
-the three inference roles of PPO, each with its own model: the reference
-(``ReferenceWorker``), the reward model (``RewardWorker`` with a value model) and
-the critic (``CriticWorker``), the inference roles replicated so that their calls
-need no other rank (RLHFuse's colocated setting). One step is: generate ``n``
-responses per prompt, then reference log-probs, values and rewards of every row.
+One step is PPO's generation and inference: the actor (native rollout engine)
+generates one response per prompt, then the reference (``ReferenceWorker``), the
+critic (``CriticWorker``) and a reward model (``RewardWorker`` with a value model)
+run a forward pass over every row, each with its own model (the inference models
+are replicated, so their calls need no other rank). Three modes:
 
-- ``batch``: inference starts when the whole batch is generated.
-- ``stream``: groups flow into inference as they finish; a rank that finished its
-  share of generation runs inference on finished micro-batches.
-- ``stream_migrate``: as ``stream``, and when few samples are left the runtime
-  moves them onto one rank (threshold and targets chosen by its simulator from
-  the previous step's lengths and the measured inference cost), freeing the
-  other for inference.
+- ``batch``: inference starts when the whole batch is generated;
+- ``stream``: groups flow into inference as they finish (``stream=True``);
+- ``stream_migrate``: as ``stream`` with ``migrate="auto"``: the runtime's
+  simulator picks the threshold and targets from the previous step's lengths, the
+  ranks' step timings and the measured inference cost (no migration when it
+  predicts no gain, or with a single generation rank).
 
-Response lengths are long-tailed with a fixed seed (lognormal, p99 >= 8x the
-median): each prompt carries its response budget in a ``max_new_tokens`` column
-and EOS is off, so every sample generates exactly its budget with the real model.
-The inference models are sized so that batch-mode inference takes at least half
-of generation's time (reported as ``inference_over_generation``). The three modes
-alternate within each repeat, and the medians are reported. The simulator's
-predictions for 8, 32 and 128 generation instances use the lengths and costs
+Two placements on the machine's two cores, each in its own session:
+
+- ``disaggregated`` (the top-level keys): the actor on a 1-rank pool, the inference
+  roles on another; streaming overlaps inference with generation's long tail.
+- ``colocated`` (RLHFuse's setting): everything on one 2-rank pool; inference runs
+  on the ranks generation freed (a rank whose share is done, or, with migration,
+  a rank whose tail moved to the other).
+
+Response lengths are long-tailed with a fixed seed (lognormal, p99 about 9x the
+median): each prompt carries its budget in a ``max_new_tokens`` column and EOS is
+ignored, so every sample generates exactly its budget with the real model. The
+inference models are sized so that batch-mode inference takes about as long as
+generation (``inference_over_generation``). The modes alternate within each
+repeat and the medians are reported. ``sim_<N>_speedup`` is the simulator's
+predicted speed-up of fused (best threshold) over batch for N generation
+instances on the same length distribution, with the step and inference costs
 measured here.
 """
 
