@@ -40,7 +40,7 @@ class StreamOptions:
     buffer: int = 4
     """Micro-batches a rank may have reported but the driver not yet received
     before the rank waits (its channel's capacity)."""
-    migrate: int | Literal["auto"] | None = None
+    migrate: int | Literal["auto"] | None = "auto"
     """Long-tail migration: when this many samples (or fewer) are still generating,
     move them onto fewer ranks. ``"auto"`` lets the runtime pick the threshold (and
     targets) with its simulator from what it observed of the method's previous
