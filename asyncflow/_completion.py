@@ -1,6 +1,7 @@
 """Waiting for the ranks of a running call, and turning what they report into
 its result: rows collected into one future, or the one error worth reporting
-(a rank's own error or a death before any peer failure; see ``_failures``).
+(a rank's own error or a death before any peer failure; see ``_failures``); and
+what a worker process's death does to its pool.
 
 A mixin of :class:`~asyncflow._scheduler.Scheduler`, kept apart so that the
 dispatcher reads on its own.
@@ -45,9 +46,35 @@ class CallCompletion:
     transport: Transport
     ledger: ShardLedger
     _where: dict[int, tuple[PoolState, int]]
+    _closed: bool
+
+    # ----- deaths -----
+
+    async def _watch(self, worker: int) -> None:
+        try:
+            await self.transport.watch(worker)
+        except WorkerGone as e:
+            if not self._closed:
+                self._worker_died(worker, e.detail)
+        except Exception:  # the transport is going away
+            logger.debug("watch of worker %d ended", worker, exc_info=True)
 
     def _worker_died(self, worker: int, detail: str) -> None:
-        raise NotImplementedError
+        """Break the pool of ``worker``; fail its running and queued calls."""
+        if worker not in self._where or self._closed:
+            return
+        pool, rank = self._where[worker]
+        if pool.died.done():
+            return
+        running = next(iter(sorted(pool.running.values(), key=lambda c: c.rank_local)), None)
+        err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
+                              rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
+        pool.died.set_result(err)
+        for call in pool.calls():
+            settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
+                                          cause=f"rank {rank}'s worker process died before the call ran",
+                                          detail=detail))
+        pool.wake.set()
 
     # ----- waiting for the ranks -----
 

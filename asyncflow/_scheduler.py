@@ -375,31 +375,3 @@ class Scheduler(CallCompletion):
                 self._worker_died(r.worker, r.detail)
             elif isinstance(r, BaseException):
                 self._worker_died(w, f"reconnecting its process groups failed: {r}")
-
-    # ----- deaths -----
-
-    async def _watch(self, worker: int) -> None:
-        try:
-            await self.transport.watch(worker)
-        except WorkerGone as e:
-            if not self._closed:
-                self._worker_died(worker, e.detail)
-        except Exception:  # the transport is going away
-            logger.debug("watch of worker %d ended", worker, exc_info=True)
-
-    def _worker_died(self, worker: int, detail: str) -> None:
-        """Break the pool of ``worker``; fail its running and queued calls."""
-        if worker not in self._where or self._closed:
-            return
-        pool, rank = self._where[worker]
-        if pool.died.done():
-            return
-        running = next(iter(sorted(pool.running.values(), key=lambda c: c.rank_local)), None)
-        err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
-                              rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
-        pool.died.set_result(err)
-        for call in pool.calls():
-            settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
-                                          cause=f"rank {rank}'s worker process died before the call ran",
-                                          detail=detail))
-        pool.wake.set()
