@@ -176,7 +176,7 @@ class DataStream(Generic[T]):
         return self._derive(f"{self._label}.rename(...)", lambda f: f.rename(**mapping))
 
     def _derive(self, label: str, each: Callable[[DataFuture[Any]], DataFuture[Any]]) -> DataStream[BatchMeta]:
-        probe = each(_template(self))
+        probe = each(template(self))
         out: DataStream[BatchMeta] = DataStream(label=label, fields=probe.fields, origins=probe._origins,
                                                 runtime=self._runtime, spawn=self._spawn)
 
@@ -186,8 +186,9 @@ class DataStream(Generic[T]):
         return out
 
 
-def _template(stream: DataStream[Any]) -> DataFuture[Any]:
-    """A stand-in future with the stream's fields, for checks at call time."""
+def template(stream: DataStream[Any]) -> DataFuture[Any]:
+    """A future standing for any micro-batch of ``stream`` (never awaited): lets a
+    call on a stream be checked at call time, before any micro-batch exists."""
     return DataFuture(label=stream.label, fields=stream.fields, origins=stream._origins,
                       runtime=stream._runtime, source=None, derive=_never)
 
@@ -195,11 +196,6 @@ def _template(stream: DataStream[Any]) -> DataFuture[Any]:
 async def _never() -> Resolved:
     raise AssertionError("a stream's template future is never awaited")
 
-
-def template(stream: DataStream[Any]) -> DataFuture[Any]:
-    """A future standing for any micro-batch of ``stream`` (never awaited): lets a
-    call on a stream be checked at call time, before any micro-batch exists."""
-    return _template(stream)
 
 
 async def zip_into(out: DataStream[Any], streams: Sequence[DataStream[Any]],

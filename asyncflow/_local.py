@@ -128,9 +128,7 @@ class LocalTransport:
         return bool(self.workers[worker].stream_control(call_id, action, count))
 
     async def stream_adopt(self, worker: int, call_id: int, piece: Piece | None, group_size: int) -> None:
-        columns = None if piece is None else self._piece(worker, piece)
-        if piece is not None and columns is None:  # the tail is in the target's own store
-            columns = self.workers[worker].slice(piece.key, piece.lo, piece.hi, piece.fields)
+        columns = None if piece is None else self._piece(worker, piece)  # a target is never its own source
         self.workers[worker].stream_adopt(call_id, group_size, columns)
 
     def close(self) -> None:

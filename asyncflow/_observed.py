@@ -16,24 +16,41 @@ from asyncflow._migration import StepCost, Workload, choose_migration
 
 
 @dataclass(kw_only=True)
-class StreamRecord:
-    """What one streamed call showed."""
+class StreamStats:
+    """What one streamed call observed: the result of its call, ``DataStream.report()``,
+    and what ``migrate="auto"`` learns from."""
 
-    lengths: list[int]
-    """Per row, its ``row_lengths`` value (response tokens for ``generate``)."""
-    initial: list[int]
+    lengths: list[int] = field(default_factory=list)
+    """Per finished row, its ``row_lengths`` value (response tokens for ``generate``)."""
+    initial: list[int] = field(default_factory=list)
     """Samples each rank started with."""
-    rank_done_s: list[float | None]
+    rank_done_s: list[float | None] = field(default_factory=list)
     """Seconds from the start until each rank returned."""
     step_s: list[tuple[int, float]] = field(default_factory=list)
     """``(samples in progress, mean seconds of a step)`` reported by the ranks."""
+    total_s: float = 0.0
+    threshold: int = 0
+    """The migration threshold the call used (0: none)."""
+    migrated: int = 0
+    """Samples handed from one rank to another."""
+    migrated_at_s: float | None = None
+    targets: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_ranks(cls, ranks: int) -> StreamStats:
+        """Empty stats of a call on ``ranks`` ranks."""
+        return cls(initial=[0] * ranks, rank_done_s=[None] * ranks)
+
+    def __repr__(self) -> str:
+        return (f"StreamStats(rows={len(self.lengths)}, total_s={self.total_s:.3f}, threshold={self.threshold}, "
+                f"migrated={self.migrated}, migrated_at_s={self.migrated_at_s}, targets={self.targets})")
 
 
 @dataclass
 class Observed:
     """The runtime's observations (see the module docstring)."""
 
-    streams: dict[tuple[str, str], StreamRecord] = field(default_factory=dict)
+    streams: dict[tuple[str, str], StreamStats] = field(default_factory=dict)
     row_s: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
     """Per pool, per (role, method): seconds of one rank per row."""
 
@@ -48,7 +65,7 @@ class Observed:
         key = (call.role, call.method)
         costs[key] = per_row if key not in costs else 0.7 * costs[key] + 0.3 * per_row
 
-    def record_stream(self, role: str, method: str, record: StreamRecord) -> None:
+    def record_stream(self, role: str, method: str, record: StreamStats) -> None:
         """A streamed call of ``role.method`` ended."""
         if record.lengths:
             self.streams[(role, method)] = record

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncflow._future import DataFuture, Resolved
-from asyncflow._observed import StreamRecord, auto_migration
+from asyncflow._observed import StreamStats, auto_migration
 from channels import Piece, RankResult, StreamItem
 
 if TYPE_CHECKING:
@@ -65,14 +65,14 @@ class StreamedCall:
         self._options = call.stream
         self._pumps: list[asyncio.Task[None]] = []
         self._pending: list[int | None] = [None] * len(workers)
-        self._initial: list[int] = [0] * len(workers)
         self._ended = [False] * len(workers)
         self._route: dict[int, int] | None = None
         self._delivered: set[int] = set()
         self._migrating = False
         self._count = 0
         self._started = time.monotonic()
-        self.stats = StreamStats(ranks=len(workers))
+        self.stats = StreamStats.for_ranks(len(workers))
+        self._initial = self.stats.initial
         self._auto = (0, 1)
         if self._options.migrate == "auto":
             self._auto = auto_migration(scheduler.observed, pool=pool.name, role=call.role, method=call.method,
@@ -111,9 +111,7 @@ class StreamedCall:
                 call.result.set_exception(errors[0])
             else:
                 self.stats.total_s = time.monotonic() - self._started
-                self._sched.observed.record_stream(call.role, call.method, StreamRecord(
-                    lengths=self.stats.lengths, initial=self._initial, rank_done_s=self.stats.rank_done_s,
-                    step_s=self.stats.step_s))
+                self._sched.observed.record_stream(call.role, call.method, self.stats)
                 call.result.set_result(self.stats)
 
     # ----- receiving -----
@@ -164,7 +162,7 @@ class StreamedCall:
 
     def threshold(self) -> int:
         """Samples left at which the tail migrates (0: never)."""
-        return self._auto[0] if self._options.migrate == "auto" else self._options.migrate or 0
+        return self._threshold()[0]
 
     def _threshold(self) -> tuple[int, int]:
         """``(threshold, targets)`` for this call (0: no migration)."""
@@ -222,25 +220,3 @@ class StreamedCall:
         finally:
             if item is not None and item.key is not None:
                 self._sched.ledger.release_now({(item.worker, item.key)})
-
-
-class StreamStats:
-    """What a streamed call observed (the result of its call future)."""
-
-    def __init__(self, *, ranks: int) -> None:
-        self.lengths: list[int] = []
-        """Per finished row, its ``row_lengths`` value (e.g. response tokens)."""
-        self.rank_done_s: list[float | None] = [None] * ranks
-        """Seconds from the start until each rank returned."""
-        self.total_s: float = 0.0
-        self.migrated_at_s: float | None = None
-        self.migrated = 0
-        """Samples handed from one rank to another."""
-        self.targets: list[int] = []
-        self.threshold = 0
-        self.step_s: list[tuple[int, float]] = []
-        """``(samples in progress, mean seconds of a decode step)`` seen by the ranks."""
-
-    def __repr__(self) -> str:
-        return (f"StreamStats(rows={len(self.lengths)}, total_s={self.total_s:.3f}, "
-                f"migrated={self.migrated}, migrated_at_s={self.migrated_at_s}, targets={self.targets})")

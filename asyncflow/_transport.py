@@ -176,9 +176,7 @@ class RayTransport:
         return ok
 
     async def stream_adopt(self, worker: int, call_id: int, piece: Piece | None, group_size: int) -> None:
-        rows = None if piece is None else (None if piece.worker == worker else self._slice(piece))
-        if piece is not None and rows is None:  # the tail is in the target's own store
-            rows = self._actors[worker].slice.remote(piece.key, piece.lo, piece.hi, piece.fields)
+        rows = None if piece is None else self._slice(piece)  # a target is never its own source
         await self._call(worker, self._actors[worker].stream_adopt.remote(call_id, group_size, rows))
 
 

@@ -162,14 +162,27 @@ Emit = Callable[[str, Batch | None, tuple[int, ...], int], None]
 """``emit(kind, rows, ids, pending)``: store rows and report them to the driver."""
 
 
+def _drive(gen: StreamMethod, react: Callable[[Yielded], Control]) -> None:
+    """Run ``gen`` to its end, sending back ``react(item)`` for each item it yields."""
+    sent: Control = None
+    try:
+        while True:
+            try:
+                out = gen.send(sent)
+            except StopIteration:
+                return
+            sent = react(out)
+    finally:
+        gen.close()
+
+
 def run_streamed(gen: StreamMethod, control: StreamControl, emit: Emit, *, micro_batch: int,
                  progress_below: int = 0) -> list[tuple[int, float]]:
     """Run a streaming method, emitting a ``"rows"`` item per ``micro_batch`` finished
     rows (at least; chunks are not split; fewer at the end, once the samples still in
     progress could not fill one, so the tail's rows go out as they finish),
-    ``"progress"`` when only the pending count
-    changed (the first count, then only at ``progress_below`` or fewer), and
-    ``"tail"`` for handed-off work.
+    ``"progress"`` when only the pending count changed (the first count, then only
+    at ``progress_below`` or fewer), and ``"tail"`` for handed-off work.
 
     Returns:
         ``(samples in progress, mean seconds of a step)`` per count seen: the step
@@ -177,42 +190,40 @@ def run_streamed(gen: StreamMethod, control: StreamControl, emit: Emit, *, micro
     """
     buffered: list[Chunk] = []
     reported = -1
-    sent: Control = None
     steps: dict[int, list[float]] = {}
-    last: tuple[int, float] | None = None
+    last: tuple[int, float] | None = None  # (pending, when) of a step under way
+
+    def react(out: Yielded) -> Control:
+        nonlocal reported, last
+        if isinstance(out, Chunk):
+            if out.rows.num_rows:
+                buffered.append(out)
+            if _rows(buffered) >= micro_batch:
+                _flush(buffered, emit, max(reported, 0))
+            return None
+        if isinstance(out, Tail):
+            _flush(buffered, emit, 0)
+            emit("tail", out.rows, (), 0)
+            return None
+        if last is not None and last[0]:
+            took = steps.setdefault(last[0], [0.0, 0.0])
+            took[0] += time.perf_counter() - last[1]
+            took[1] += 1
+        # Full, or the samples still generating could not fill it: ship it.
+        if buffered and (out.pending < micro_batch or _rows(buffered) >= micro_batch):
+            _flush(buffered, emit, out.pending)
+        elif out.pending != reported and (reported < 0 or out.pending <= progress_below):
+            emit("progress", None, (), out.pending)
+        reported = out.pending
+        sent = control.poll() if out.pending else control.idle()
+        last = (out.pending, time.perf_counter()) if sent is None else None
+        return sent
+
     try:
-        while True:
-            try:
-                out = gen.send(sent)
-            except StopIteration:
-                break
-            sent = None
-            if isinstance(out, Chunk):
-                if out.rows.num_rows:
-                    buffered.append(out)
-                if _rows(buffered) >= micro_batch:
-                    _flush(buffered, emit, max(reported, 0))
-            elif isinstance(out, Tail):
-                _flush(buffered, emit, 0)
-                emit("tail", out.rows, (), 0)
-            else:
-                now = time.perf_counter()
-                if last is not None and last[0]:
-                    took = steps.setdefault(last[0], [0.0, 0.0])
-                    took[0] += now - last[1]
-                    took[1] += 1
-                # Full, or the samples still generating could not fill it: ship it.
-                if buffered and (out.pending < micro_batch or _rows(buffered) >= micro_batch):
-                    _flush(buffered, emit, out.pending)
-                elif out.pending != reported and (reported < 0 or out.pending <= progress_below):
-                    emit("progress", None, (), out.pending)
-                reported = out.pending
-                sent = control.poll() if out.pending else control.idle()
-                last = (out.pending, time.perf_counter()) if sent is None else None
+        _drive(gen, react)
         _flush(buffered, emit, 0)
     finally:
         control.close()
-        gen.close()
     return [(b, total / count) for b, (total, count) in sorted(steps.items())]
 
 
@@ -236,22 +247,17 @@ def drain(gen: StreamMethod) -> Batch:
         RuntimeError: the method yielded a :class:`Tail` (nobody asked it to).
     """
     chunks: list[Chunk] = []
-    sent: Control = None
-    try:
-        while True:
-            try:
-                out = gen.send(sent)
-            except StopIteration:
-                break
-            sent = None
-            if isinstance(out, Chunk):
-                chunks.append(out)
-            elif isinstance(out, Tail):
-                raise RuntimeError("a streaming method yielded a Tail without a Handoff")
-            elif out.pending == 0:
-                sent = Finish()
-    finally:
-        gen.close()
+
+    def react(out: Yielded) -> Control:
+        if isinstance(out, Chunk):
+            chunks.append(out)
+        elif isinstance(out, Tail):
+            raise RuntimeError("a streaming method yielded a Tail without a Handoff")
+        elif out.pending == 0:
+            return Finish()
+        return None
+
+    _drive(gen, react)
     if not chunks:
         raise RuntimeError("a streaming method must yield at least one Chunk (empty rows give the schema)")
     rows = Batch.concat([c.rows for c in chunks])

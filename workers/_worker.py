@@ -18,6 +18,7 @@ Before the pool's next call the driver has every rank ``heal`` (reconnect) them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -218,7 +219,7 @@ class WorkerProcess(ChannelHost):
 
     def _emitter(self, spec: CallSpec, endpoint: Endpoint[Any, Any], sink: StreamSink
                  ) -> Callable[[str, Batch | None, tuple[int, ...], int], None]:
-        seq = iter(range(1 << 62))
+        seq = itertools.count()
 
         def emit(kind: str, rows: Batch | None, ids: tuple[int, ...], pending: int) -> None:
             if rows is None:

@@ -35,6 +35,7 @@ from ._types import (
     drain,
     resolve_budgets,
     resolve_indices,
+    run_to_output,
 )
 
 __all__ = ["NativeRolloutConfig", "NativeRolloutEngine"]
@@ -127,12 +128,7 @@ class NativeRolloutEngine:
                 ``max_position_embeddings``, or a budget is out of range (naming
                 the prompt).
         """
-        run = self.start(prompts, params, max_new_tokens=max_new_tokens)
-        samples = {sample.index: sample for sample in drain(run)}
-        prompt_lists = [list(prompt) for prompt in prompts]
-        return RolloutOutput.from_samples(
-            prompt_lists, [samples[i] for i in range(len(prompt_lists))], params
-        )
+        return run_to_output(self.start(prompts, params, max_new_tokens=max_new_tokens), prompts, params)
 
     def generate_stream(
         self,

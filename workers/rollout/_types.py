@@ -230,6 +230,17 @@ def drain(run: GenerationRun) -> Iterator[FinishedSample]:
         yield from run.step()
 
 
+def run_to_output(run: GenerationRun, prompts: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    """Step ``run`` (started on ``prompts`` with the default indices) to its end and
+    pad its samples, row ``i`` answering ``prompts[i]``; the run is closed after."""
+    try:
+        samples = {sample.index: sample for sample in drain(run)}
+    finally:
+        run.close()
+    prompt_lists = [list(prompt) for prompt in prompts]
+    return RolloutOutput.from_samples(prompt_lists, [samples[i] for i in range(len(prompt_lists))], params)
+
+
 def resolve_indices(indices: Sequence[int] | None, count: int) -> list[int]:
     """The caller's ids of ``count`` prompts: ``indices`` checked, or 0..count-1.
 

@@ -40,9 +40,9 @@ from workers.rollout._types import (
     GenerationRun,
     RolloutOutput,
     SamplingParams,
-    drain,
     resolve_budgets,
     resolve_indices,
+    run_to_output,
 )
 from workers.rollout._vllm_run import RequestRouter, Tracked
 from workers.rollout._vllm_sync import weight_sync_for_platform
@@ -175,15 +175,7 @@ class VLLMRolloutEngine:
             RuntimeError: If the engine is asleep or closed.
         """
         self._check_awake(needs=_SLEEP_TAGS, action="generate")
-        run = self.start(prompts, params, max_new_tokens=max_new_tokens)
-        try:
-            samples = {sample.index: sample for sample in drain(run)}
-        finally:
-            run.close()
-        prompt_lists = [list(prompt) for prompt in prompts]
-        return RolloutOutput.from_samples(
-            prompt_lists, [samples[i] for i in range(len(prompt_lists))], params
-        )
+        return run_to_output(self.start(prompts, params, max_new_tokens=max_new_tokens), prompts, params)
 
     def start(
         self,
