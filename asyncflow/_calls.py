@@ -41,6 +41,9 @@ class Call:
     """The ``DataStream`` a streamed call feeds."""
     inputs: dict[str, Any] | None = None
     """The data arguments' resolved metadata, once they exist."""
+    place: tuple[int, int] = (0, 0)
+    """Where the call joined its pool's queue, in the session's queue order: its
+    own place, or its stream's slot's place and its number in the stream."""
 
     @property
     def method(self) -> str:

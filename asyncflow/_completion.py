@@ -27,6 +27,7 @@ from channels import Collected, Layout, RankResult
 
 if TYPE_CHECKING:
     from asyncflow._lanes import PoolState
+    from asyncflow._tracer import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class CallCompletion:
 
     transport: Transport
     ledger: ShardLedger
+    tracer: Tracer | None
     _where: dict[int, tuple[PoolState, int]]
     _closed: bool
 
@@ -96,6 +98,8 @@ class CallCompletion:
                 exc = t.exception()
                 if exc is None:
                     ranks.results[rank_of[t]] = cast(RankResult, t.result())
+                    if self.tracer is not None:
+                        self.tracer.rank_returned(call, lanes[rank_of[t]], ranks.results[rank_of[t]])
                     if release is not None and not ranks.failures:
                         release(lanes[rank_of[t]])
                     if stream is not None:

@@ -242,8 +242,11 @@ def collect(stream: DataStream[Any]) -> DataFuture[BatchMeta]:
     if not isinstance(stream, DataStream):
         raise ConfigError(f"collect needs a DataStream, got {type(stream).__name__}")
 
+    late: list[tuple[frozenset[int], frozenset[tuple[int, int]]]] = []
+
     async def derive() -> Resolved:
         futs = await stream.futures()
+        late.append((frozenset().union(*(f._calls for f in futs)), frozenset().union(*(f._parts for f in futs))))
         parts = [await f._resolve() for f in futs]
         for f, p in zip(futs, parts, strict=True):
             if not isinstance(p, Resolved):
@@ -257,8 +260,10 @@ def collect(stream: DataStream[Any]) -> DataFuture[BatchMeta]:
         return Resolved(meta=meta, row_lengths=row_lengths, leases=tuple(le for p in parts for le in p.leases),
                         transforms=_common_transforms(futs, parts))
 
-    return DataFuture(label=f"collect({stream.label})", fields=stream.fields, origins=stream._origins,
-                      runtime=stream._runtime, derive=derive)
+    out: DataFuture[BatchMeta] = DataFuture(label=f"collect({stream.label})", fields=stream.fields,
+                                            origins=stream._origins, runtime=stream._runtime, derive=derive)
+    out._late = late
+    return out
 
 
 def _common_transforms(futs: Sequence[DataFuture[Any]], parts: Sequence[Resolved]) -> tuple[Transform, ...]:

@@ -110,8 +110,11 @@ class DataFuture(Generic[T]):
         self._source = source
         self._derive = derive
         self._call_id = call_id
-        self._calls: frozenset[int] = frozenset([call_id]) if call_id is not None else frozenset().union(
-            *(p._calls for p in parents))
+        self._parents = tuple(parents)
+        self._late: list[tuple[frozenset[int], frozenset[tuple[int, int]]]] = []
+        """Calls and micro-batches learned only once the future resolves (``collect``)."""
+        self._part: tuple[int, int] | None = None
+        """``(call id, number)`` when this future is a micro-batch of a streamed call."""
         self._cached: Any = None
         self._cancelled = False
         self._row_ids: tuple[int, ...] | None = None
@@ -120,6 +123,18 @@ class DataFuture(Generic[T]):
             # A failure nobody awaits must not log "exception was never retrieved":
             # the error reaches whoever awaits this future or a dependent one.
             source.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    @property
+    def _calls(self) -> frozenset[int]:
+        """The calls this future's rows derive from."""
+        own = frozenset([self._call_id]) if self._call_id is not None else frozenset()
+        return own.union(*(p._calls for p in self._parents), *(c for c, _ in self._late))
+
+    @property
+    def _parts(self) -> frozenset[tuple[int, int]]:
+        """The streamed micro-batches (``(call id, number)``) this future's rows derive from."""
+        own = frozenset([self._part]) if self._part is not None else frozenset()
+        return own.union(*(p._parts for p in self._parents), *(m for _, m in self._late))
 
     @property
     def label(self) -> str:

@@ -23,6 +23,8 @@ class Slot:
     rank_local: bool
     closed: bool = False
     """Every call of the stream was made (or the stream ended)."""
+    place: int = 0
+    """Its place in the session's queue order (see ``Call.place``)."""
 
 
 @dataclass(eq=False, kw_only=True)

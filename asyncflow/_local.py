@@ -23,7 +23,7 @@ from asyncflow._proxy import Roles
 from asyncflow._runtime import Runtime
 from asyncflow._transport import Transforms, WorkerGone
 from channels import Piece, RankResult, StoreStats, StreamItem, open_channel
-from workers import WorkerProcess
+from workers import WorkerProcess, pieces_by_worker
 
 T = TypeVar("T")
 
@@ -61,6 +61,11 @@ class LocalTransport:
             raise WorkerGone(worker, "killed")
         return job.result()
 
+    def _slices(self, worker: int, pieces: Sequence[Piece]) -> Any:
+        if self._dead[worker].is_set():
+            raise WorkerGone(worker, "killed")
+        return self.workers[worker].slices(pieces)
+
     def _piece(self, worker: int, p: Piece) -> dict[str, torch.Tensor] | None:
         if p.worker == worker:
             return None
@@ -71,7 +76,7 @@ class LocalTransport:
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
                       pieces: Sequence[Piece]) -> RankResult:
         def run() -> RankResult:
-            fetched = [self._piece(worker, p) for p in pieces]
+            fetched = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
             return self.workers[worker].execute(spec, kwargs, transforms, *fetched)
         return await self._compute_on(worker, "execute", run)
 
@@ -101,6 +106,9 @@ class LocalTransport:
 
     async def stats(self, worker: int) -> StoreStats:
         return self.workers[worker].stats()
+
+    async def clock(self, worker: int) -> float:
+        return float(self.workers[worker].clock())
 
     async def open_stream(self, worker: int, call_id: int, capacity: int) -> _Receiver:
         loop = asyncio.get_running_loop()

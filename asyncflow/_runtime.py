@@ -20,7 +20,9 @@ from asyncflow._ledger import ShardLedger
 from asyncflow._pool import ResourcePool, RoleSpec
 from asyncflow._proxy import RoleGroup, Roles
 from asyncflow._scheduler import Scheduler
+from asyncflow._tracer import Tracer, tracer_for
 from asyncflow._transport import Transport
+from asyncflow.tracing import Trace
 from channels import (
     AllToAll,
     Batch,
@@ -46,6 +48,7 @@ class Runtime:
         self._roles: Roles | None = None
         self._closed = False
         self._puts = 0
+        self._tracer: Tracer | None = None
 
     def _start(self, transport: Transport, pools: Mapping[str, list[int]], roles: Mapping[str, RoleSpec],
                layouts: Mapping[str, Layout], rank_local: Mapping[str, frozenset[str]] | None = None) -> Roles:
@@ -61,6 +64,7 @@ class Runtime:
             self._scheduler.add_pool(name, workers)
         self._scheduler.start()
         local = rank_local or {}
+        self._tracer = tracer_for(pools, roles)
         self._roles = Roles({n: RoleGroup(self._submit, n, s, layouts[n], local.get(n, frozenset()))
                              for n, s in roles.items()})
         return self._roles
@@ -85,6 +89,52 @@ class Runtime:
         if self._roles is None:
             raise ConfigError("no roles yet: call `await session.spawn({...})` first")
         return self._roles
+
+    @property
+    def serial(self) -> bool:
+        """Run one call at a time across every pool, in submission order, as if the
+        driver awaited each call before making the next (no overlap at all): the
+        baseline of the overlap benchmarks and of the planner's profiles, and a
+        way to rule out concurrency when debugging. Off by default."""
+        return self._scheduler is not None and self._scheduler.serial
+
+    @serial.setter
+    def serial(self, on: bool) -> None:
+        if self._scheduler is None:
+            raise ConfigError("no roles yet: call `await session.spawn({...})` first")
+        self._scheduler.serial = bool(on)
+        for pool in self._scheduler.pools.values():
+            pool.wake.set()
+
+    # ----- tracing -----
+
+    async def start_trace(self) -> None:
+        """Record every call submitted from now on, with one span per rank and
+        per pull (see ``asyncflow.tracing``); :meth:`stop_trace` returns the trace.
+
+        Aligns the workers' clocks with the driver's first (a few pings each).
+        """
+        if self._scheduler is None or self._tracer is None or self._transport is None:
+            raise ConfigError("no roles yet: call `await session.spawn({...})` before tracing")
+        await self._tracer.start(self._transport.clock)
+        self._scheduler.tracer = self._tracer
+
+    def mark_step(self) -> None:
+        """The algorithm starts a new step: later calls count in it (and the
+        timeline marks it). Does nothing while not tracing."""
+        if self._tracer is not None and self._tracer.recording:
+            self._tracer.mark_step()
+
+    def stop_trace(self) -> Trace:
+        """Stop recording; returns the calls that ended while recording.
+
+        Raises:
+            ConfigError: no trace was started.
+        """
+        if self._scheduler is None or self._tracer is None or not self._tracer.recording:
+            raise ConfigError("no trace is recording: call `await session.start_trace()` first")
+        self._scheduler.tracer = None
+        return self._tracer.stop()
 
     # ----- calls -----
 

@@ -49,6 +49,7 @@ from asyncflow._lanes import PoolState, Slot
 from asyncflow._ledger import ShardLedger
 from asyncflow._observed import Observed
 from asyncflow._streamcall import StreamedCall
+from asyncflow._tracer import Tracer
 from asyncflow._transport import Transport, WorkerGone
 from channels import Layout, MissingFieldError, Piece, plan_pull
 from workers import CallSpec, DataArg, StreamSpec
@@ -73,6 +74,12 @@ class Scheduler(CallCompletion):
         self._jobs: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.observed = Observed()
+        self.tracer: Tracer | None = None
+        """Set while a trace is recording (``Runtime.start_trace``)."""
+        self._places = 0
+        self.serial = False
+        """Run one call at a time across every pool, in submission order
+        (``Runtime.serial``)."""
 
     # ----- set-up -----
 
@@ -134,17 +141,27 @@ class Scheduler(CallCompletion):
         state = self.pools[pool]
 
         def queue() -> None:
+            self._places += 1
             if slot is not None and slot in state.pending:
                 state.pending.insert(state.pending.index(slot), call)
+                call.place = (slot.place, self._places)
             else:
                 state.pending.append(call)
+                call.place = (self._places, 0)
+            if self.tracer is not None:
+                self.tracer.submitted(call)
             self.spawn(self._resolve_inputs(state, call), f"asyncflow-inputs-{call.label}")
         self._on_loop(queue)
 
     def open_slot(self, pool: str, role: str, *, rank_local: bool) -> Slot:
         """Reserve the place in ``pool``'s queue of the calls a stream will make."""
         slot = Slot(role=role, rank_local=rank_local)
-        self._on_loop(lambda: self.pools[pool].pending.append(slot))
+
+        def reserve() -> None:
+            self._places += 1
+            slot.place = self._places
+            self.pools[pool].pending.append(slot)
+        self._on_loop(reserve)
         return slot
 
     def close_slot(self, pool: str, slot: Slot) -> None:
@@ -228,6 +245,7 @@ class Scheduler(CallCompletion):
         gang_ahead = False  # an earlier call that needs every rank is waiting
         blocked_roles: set[str] = set()
         held_by_gang = any(not c.rank_local for c in pool.running.values())
+        turn = self._serial_turn() if self.serial else None
         for call in list(pool.pending):
             if isinstance(call, Slot):  # calls a stream will make: later calls wait for them
                 earlier = True
@@ -242,7 +260,7 @@ class Scheduler(CallCompletion):
                 pool.pending.remove(call)
                 self._refuse(pool, call)
                 continue
-            startable = call.inputs is not None and not pool.healing
+            startable = call.inputs is not None and not pool.healing and (not self.serial or call.call_id == turn)
             if not call.rank_local:
                 if startable and not earlier and not pool.running:
                     if pool.needs_heal:
@@ -262,6 +280,15 @@ class Scheduler(CallCompletion):
             earlier = True
             blocked_roles.add(call.role)
 
+    def _serial_turn(self) -> int | None:
+        """In serial mode, the one call that may start: the earliest submitted
+        waiting call of any pool, once no call runs anywhere (None: none may)."""
+        if any(p.running for p in self.pools.values()):
+            return None
+        waiting = [c.call_id for p in self.pools.values() for c in p.pending
+                   if not isinstance(c, Slot) and not c.result.done()]
+        return min(waiting, default=None)
+
     def _refuse(self, pool: PoolState, call: Call) -> None:
         broken = pool.broken
         assert broken is not None
@@ -275,6 +302,8 @@ class Scheduler(CallCompletion):
         logger.debug("%.3f start %s on %s lanes %s", time.monotonic(), call.label, pool.name, lanes)
         pool.pending.remove(call)
         pool.running[call.call_id] = call
+        if self.tracer is not None:
+            self.tracer.started(call, pool.name)
         for r in lanes:
             pool.holders[r].append(call.call_id)
         self.spawn(self._run(pool, call, lanes), f"asyncflow-call-{call.label}")
@@ -333,12 +362,15 @@ class Scheduler(CallCompletion):
                 self.observed.record_call(pool.name, call, len(lanes), time.monotonic() - started)
         finally:
             logger.debug("%.3f end %s", time.monotonic(), call.label)
+            if self.tracer is not None:
+                self.tracer.ended(call)
             pool.running.pop(call.call_id, None)
             call.inputs = None  # drop the inputs' leases as soon as the call is over
             for rank in list(held):
                 release(rank)
             self._end_stream(call)
-            pool.wake.set()
+            for other in self.pools.values() if self.serial else (pool,):
+                other.wake.set()
 
     def _plan(self, call: Call, layout: Layout, workers: Sequence[int], progress_below: int = 0
               ) -> tuple[list[tuple[bytes, list[Piece]]], Any]:
@@ -352,6 +384,7 @@ class Scheduler(CallCompletion):
         assignments = {name: protocol.distribute(r.meta, layout, r.row_lengths) for name, r in inputs.items()}
         stream = None if call.stream is None else StreamSpec(micro_batch=call.stream.micro_batch,
                                                              progress_below=progress_below)
+        traced = self.tracer is not None and self.tracer.records(call)
         specs = []
         for rank in range(len(workers)):
             data_args: list[DataArg] = []
@@ -362,7 +395,7 @@ class Scheduler(CallCompletion):
                 data_args.append(DataArg(name=name, plan=plan))
                 pieces.extend(plan.pieces if plan is not None else ())
             cs = CallSpec(call_id=call.call_id, role=call.role, method=call.method, out_key=call.out_key,
-                          data_args=tuple(data_args), stream=stream)
+                          data_args=tuple(data_args), stream=stream, trace=traced)
             specs.append((msgspec.msgpack.encode(cs), pieces))
         return specs, next(iter(assignments.values()), None)
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from asyncflow._lanes import PoolState
     from asyncflow._ledger import ShardLedger
     from asyncflow._observed import Observed
+    from asyncflow._tracer import Tracer
     from asyncflow._transport import Transport
 
 
@@ -45,6 +46,7 @@ class Host(Protocol):
     transport: Transport
     ledger: ShardLedger
     observed: Observed
+    tracer: Tracer | None
 
     def task(self, coro: Any, name: str) -> asyncio.Task[Any]:
         """Run ``coro`` as a task the scheduler owns; returns it."""
@@ -156,6 +158,9 @@ class StreamedCall:
                                           origins=out._origins, runtime=out._runtime, source=done,
                                           call_id=call.call_id)
         fut._row_ids = item.row_ids
+        fut._part = (call.call_id, self._count)
+        if self._sched.tracer is not None:
+            self._sched.tracer.part(call)
         out._push(fut)
 
     # ----- long-tail migration -----

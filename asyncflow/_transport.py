@@ -21,7 +21,7 @@ import ray
 import torch
 
 from channels import Piece, RankResult, StoreStats, open_receiver
-from workers import RankError
+from workers import RankError, pieces_by_worker
 
 Transforms = Mapping[str, Sequence[tuple[Any, Mapping[str, Any]]]]
 """Per data argument, ``(fn, kwargs)`` applied where the rows land."""
@@ -82,6 +82,10 @@ class Transport(Protocol):
         """``worker``'s shard-store counters."""
         ...
 
+    async def clock(self, worker: int) -> float:
+        """``worker``'s ``time.time()`` (to align traced spans)."""
+        ...
+
     async def open_stream(self, worker: int, call_id: int, capacity: int) -> Any:
         """Open streamed call ``call_id``'s channel on ``worker`` (before the call
         runs); returns its receive end: an async iterator of
@@ -119,6 +123,12 @@ class RayTransport:
             method = method.options(tensor_transport=self._rdt)
         return method.remote(p.key, p.lo, p.hi, p.fields)
 
+    def _slices(self, worker: int, pieces: Sequence[Piece]) -> Any:
+        method = self._actors[worker].slices
+        if self._rdt is not None:
+            method = method.options(tensor_transport=self._rdt)
+        return method.remote(list(pieces))
+
     async def _call(self, worker: int, ref: Any) -> Any:
         try:
             return await ref
@@ -138,7 +148,7 @@ class RayTransport:
 
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
                       pieces: Sequence[Piece]) -> RankResult:
-        handles = [None if p.worker == worker else self._slice(p) for p in pieces]
+        handles = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
         result: RankResult = await self._call(
             worker, self._actors[worker].execute.remote(spec, kwargs, transforms, *handles))
         return result
@@ -166,6 +176,10 @@ class RayTransport:
     async def stats(self, worker: int) -> StoreStats:
         result: StoreStats = await self._call(worker, self._actors[worker].stats.remote())
         return result
+
+    async def clock(self, worker: int) -> float:
+        t: float = await self._call(worker, self._actors[worker].clock.remote())
+        return t
 
     async def open_stream(self, worker: int, call_id: int, capacity: int) -> Any:
         address = await self._call(worker, self._actors[worker].open_stream.remote(call_id, capacity))

@@ -1,7 +1,9 @@
 """The ``asyncflow`` command line.
 
-    asyncflow train CONFIG [--resume] [--set key=value ...] [--no-progress] [--debug]
+    asyncflow train CONFIG [--resume] [--set key=value ...] [--trace] [--no-progress] [--debug]
     asyncflow sft CONFIG [--set key=value ...] [--debug]   # only the SFT warm start
+    asyncflow plan CONFIG [--devices N] [--write PATH] [--set key=value ...]   # placement planner
+    asyncflow bench ppo [--json PATH] ...                  # the overlapped-PPO benchmark
 
 The whole configuration is checked before anything starts. An asyncflow error
 (:class:`~channels.AsyncflowError`) ends the command with one line on stderr: a
@@ -24,6 +26,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from channels import AsyncflowError, ConfigError
 
@@ -48,7 +51,10 @@ def _overrides(pairs: Sequence[str]) -> dict[str, object]:
 def _train(args: argparse.Namespace) -> int:
     from asyncflow.train import Trainer, load_config
 
-    config = load_config(args.config, _overrides(args.set))
+    overrides = _overrides(args.set)
+    if args.trace:
+        overrides.setdefault("train.trace_steps", 3)
+    config = load_config(args.config, overrides)
     _say(f"asyncflow train: {config.algorithm} on {config.task.digits}-digit arithmetic "
          f"({'+'.join(config.task.operators)}), output in {config.output_dir}")
     trainer = Trainer(config, resume=args.resume, say=_say, progress_bar=not args.no_progress)
@@ -69,6 +75,40 @@ def _sft(args: argparse.Namespace) -> int:
                           "(examples/arith_grpo.toml has one)")
     path = Trainer(config, say=_say)._model_dir()
     _say(f"SFT model: {path}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from asyncflow.train import load_config
+    from asyncflow.train._plan import current_placement, plan
+
+    config = load_config(args.config, _overrides(args.set))
+    cores = None if args.gpu else (os.cpu_count() or 1)
+    devices = args.devices or sum(p.devices for p in config.pools.values())
+    if cores is not None and not args.devices:
+        devices = max(devices, min(cores, 2 * len(config.pools)))
+    _say(f"asyncflow plan: profiling {config.algorithm}'s roles on {devices} device(s) "
+         f"({'GPUs' if cores is None else f'{cores} CPU cores'}) ...")
+    _, ranked = asyncio.run(plan(config, devices=devices, cores=cores))
+    mine = current_placement(config)
+    _say("\n| rank | placement | predicted s/step |\n|---|---|---|")
+    for i, (placement, prediction) in enumerate(ranked, 1):
+        here = "  (the config's)" if placement == mine else ""
+        _say(f"| {i} | {placement.describe()}{here} | {prediction.step_s:.3f} |")
+    best = ranked[0][0]
+    _say(f"\nbest: {best.describe()}\n\n{best.config_block()}")
+    if args.write is not None:
+        args.write.write_text(best.config_block())
+        _say(f"written to {args.write}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.name != "ppo":
+        raise ConfigError(f"unknown benchmark {args.name!r}; available: ppo")
+    from bench.ppo import main as bench_main
+
+    bench_main(args.rest)
     return 0
 
 
@@ -105,13 +145,28 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=5 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--trace", action="store_true",
+                       help="trace the first steps (train.trace_steps, default 3): timeline.png, trace.json")
     train.set_defaults(run=_train)
     sft = sub.add_parser("sft", help="run only the SFT warm start of a config")
     sft.add_argument("config", help="path to a .toml/.yaml run configuration with an [sft] section")
     sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (repeatable)")
     sft.set_defaults(run=_sft)
-    for command in (train, sft):
+    plan = sub.add_parser("plan", help="profile a config's roles and rank placements on the devices")
+    plan.add_argument("config", help="path to a .toml/.yaml run configuration")
+    plan.add_argument("--devices", type=int, default=0,
+                      help="devices to place on (default: the config's pools' total; on CPU at least the cores)")
+    plan.add_argument("--gpu", action="store_true", help="plan for GPUs (no core sharing between pools)")
+    plan.add_argument("--write", type=Path, metavar="PATH", help="write the best [pools]/[placement] block here")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key (repeatable)")
+    plan.set_defaults(run=_plan)
+    bench = sub.add_parser("bench", help="run a benchmark (bench/): ppo")
+    bench.add_argument("name", help="the benchmark: ppo")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (e.g. --json PATH)")
+    bench.set_defaults(run=_bench)
+    for command in (train, sft, plan, bench):
         command.add_argument("--debug", action="store_true",
                              help="on an error, print the traceback and the whole message (remote tracebacks)")
     return parser

@@ -25,12 +25,15 @@ from channels._protocols import (
     Metrics,
     MicroDP,
     OneToAll,
+    PullTiming,
     RankResult,
+    RankTiming,
     RankZero,
     TransferProtocol,
     reduce_metrics,
     split_rows,
 )
+from channels._pack import Packed, pack, unpack
 from channels._pull import GroupPlan, Piece, PullPlan, assemble, plan_pull
 from channels._remote import (
     CHANNEL_CONCURRENCY_GROUPS,
@@ -58,10 +61,10 @@ __all__ = [
     "Batch", "BatchMeta", "BlockingSendChannel", "BrokenResourceError", "ChannelAddress",
     "ChannelError", "ChannelHost", "ChannelStatistics", "ClosedResourceError", "Collected",
     "ColumnGroup", "ConfigError", "Coords", "EndOfStream", "FieldSpec", "GroupPlan", "Layout",
-    "Metrics", "MicroDP", "MissingFieldError", "OneToAll", "Piece", "PullPlan", "RankResult",
-    "RankZero", "ReceiveChannel", "RemoteReceiveChannel", "RowRuns", "SchemaError", "Segment",
+    "Metrics", "MicroDP", "MissingFieldError", "OneToAll", "Packed", "Piece", "PullPlan", "PullTiming",
+    "RankResult", "RankTiming", "RankZero", "ReceiveChannel", "RemoteReceiveChannel", "RowRuns", "SchemaError", "Segment",
     "SendChannel", "SenderDiedError", "ShardStore", "StoreStats", "StreamItem", "TransferProtocol",
     "TransportError", "WouldBlock", "assemble", "collect_parts", "dtype_name", "merge_meta",
-    "open_channel", "open_receiver", "open_remote_channel", "plan_pull", "reduce_metrics", "row_id",
-    "runs_from_indices", "runs_length", "split_rows",
+    "open_channel", "open_receiver", "open_remote_channel", "pack", "plan_pull", "reduce_metrics", "row_id",
+    "runs_from_indices", "runs_length", "split_rows", "unpack",
 ]

@@ -31,6 +31,30 @@ Assignment = RowRuns | None
 """Rows one rank receives (None: the rank runs without input rows)."""
 
 
+class PullTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """How long a traced rank took to assemble one piece of its input (its own
+    clock)."""
+
+    start: float
+    end: float
+    source: int
+    """Worker the piece came from (the rank's own index: it held the piece)."""
+    rows: int
+    bytes: int
+    """Bytes that travelled (0 for a piece the rank held)."""
+
+
+class RankTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """A traced rank's part of a call, on the rank's own clock (``time.time()``)."""
+
+    start: float
+    end: float
+    rows_in: int = 0
+    """Rows of the largest data argument."""
+    bytes_pulled: int = 0
+    pulls: tuple[PullTiming, ...] = ()
+
+
 class RankResult(msgspec.Struct, frozen=True, kw_only=True):
     """What one rank reports after a call: where its output rows are, or a small value."""
 
@@ -46,6 +70,8 @@ class RankResult(msgspec.Struct, frozen=True, kw_only=True):
     """A small non-row result (e.g. a metrics dict)."""
     group_size: int = 1
     """Consecutive rows that belong together (see ``BatchMeta.group_size``)."""
+    timing: RankTiming | None = None
+    """When the call was traced: the rank's span."""
 
 
 class Collected(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,7 +1,7 @@
 """Compute: Ray worker processes, roles, and the ``register`` decorator.
 Imports ``channels`` and ``hybrid_engine`` only."""
 
-from workers._call import CallSpec, DataArg, RankError, StreamSpec
+from workers._call import CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
 from workers._register import CallInfo, Endpoint, FieldContract, MethodSpec, endpoints, register
 from workers._rendezvous import RayStore, StoreServer
 from workers._role import Role, WorkerContext
@@ -12,5 +12,5 @@ __all__ = [
     "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallSpec", "Chunk", "DataArg", "Endpoint", "FieldContract",
     "Finish", "Handoff", "MethodSpec", "RankError", "RayStore", "Role", "Step", "StoreServer", "StreamControl",
     "StreamSink", "StreamSpec", "Tail", "WorkerContext", "WorkerProcess", "check_role_class", "endpoints",
-    "register",
+    "pieces_by_worker", "register",
 ]

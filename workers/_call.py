@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pickle
 import traceback
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
-from channels import PullPlan
+from channels import Piece, PullPlan
 
 _WIRE = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
 
@@ -45,6 +47,25 @@ class CallSpec(msgspec.Struct, **_WIRE):
     data_args: tuple[DataArg, ...] = ()
     stream: StreamSpec | None = None
     """Set when the call streams (its channel was opened by ``open_stream``)."""
+    trace: bool = False
+    """Time the call and its pulls (``RankResult.timing``)."""
+
+
+def pieces_by_worker(pieces: Sequence[Piece], worker: int) -> dict[int, list[Piece]]:
+    """The pieces ``worker`` must fetch, grouped by the worker holding them (in
+    order of first appearance): one transfer per producer, not one per piece."""
+    groups: dict[int, list[Piece]] = {}
+    for p in pieces:
+        if p.worker != worker:
+            groups.setdefault(p.worker, []).append(p)
+    return groups
+
+
+def ungroup(pieces: Sequence[Piece], worker: int, fetched: Sequence[Sequence[Any]]) -> list[Any]:
+    """Per piece, its fetched columns (None: ``worker`` holds it), from the groups
+    of :func:`pieces_by_worker` in the same order."""
+    queues = {w: iter(group) for w, group in zip(pieces_by_worker(pieces, worker), fetched, strict=True)}
+    return [None if p.worker == worker else next(queues[p.worker]) for p in pieces]
 
 
 class RankError(Exception):

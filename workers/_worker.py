@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -39,17 +40,23 @@ from channels import (
     ConfigError,
     Layout,
     MissingFieldError,
+    Packed,
+    Piece,
+    PullTiming,
     RankResult,
+    RankTiming,
     SchemaError,
     ShardStore,
     StoreStats,
     StreamItem,
     assemble,
     open_remote_channel,
+    pack,
+    unpack,
 )
 from workers import _groups, _meshes
 from workers._binding import bind_gloo_to_node
-from workers._call import CallSpec, RankError
+from workers._call import CallSpec, RankError, ungroup
 from workers._register import Endpoint, endpoints
 from workers._rendezvous import RayStore
 from workers._role import WorkerContext
@@ -166,7 +173,7 @@ class WorkerProcess(ChannelHost):
 
     @ray.method(concurrency_group="compute")
     def execute(self, spec_bytes: bytes, kwargs: Mapping[str, Any],
-                transforms: Mapping[str, Sequence[Transform]], *pieces: Any) -> RankResult:
+                transforms: Mapping[str, Sequence[Transform]], *fetched: tuple[Packed, Mapping[str, torch.Tensor]]) -> RankResult:
         """Run one role method on this rank's rows and store the rows it returns.
 
         Args:
@@ -174,23 +181,31 @@ class WorkerProcess(ChannelHost):
             kwargs: the method's non-data arguments.
             transforms: per data argument, ``(fn, kwargs)`` applied in order to the
                 pulled rows before the method sees them.
-            pieces: fetched pieces of every data argument's plan, in order (None
-                for a piece held in this worker's store).
+            fetched: the pieces of every data argument's plan that this worker
+                does not hold, as ``slices`` packed them: one per producer worker in
+                the order of ``pieces_by_worker`` (one transfer per producer).
 
         Raises:
             RankError: the method (or a transform) raised; the pool's groups are
                 poisoned first so that peers waiting on this rank fail at once.
         """
         spec = msgspec.msgpack.decode(spec_bytes, type=CallSpec)
+        traced = _Traced() if spec.trace else None
         try:
-            return self._execute(spec, kwargs, transforms, pieces)
+            plans = [a.plan for a in spec.data_args if a.plan is not None]
+            pieces = ungroup([p for plan in plans for p in plan.pieces], self.index,
+                             [unpack(layout, buffers) for layout, buffers in fetched])
+            result = self._execute(spec, kwargs, transforms, pieces, traced)
         except Exception as e:
             peer = _groups.is_peer_failure(e)
             _meshes.poison_all()
             raise RankError.from_exception(e, peer_failure=peer) from None
+        if traced is None:
+            return result
+        return msgspec.structs.replace(result, timing=traced.timing())
 
-    def _execute(self, spec: CallSpec, kwargs: Mapping[str, Any],
-                 transforms: Mapping[str, Sequence[Transform]], pieces: Sequence[Any]) -> RankResult:
+    def _execute(self, spec: CallSpec, kwargs: Mapping[str, Any], transforms: Mapping[str, Sequence[Transform]],
+                 pieces: Sequence[Any], traced: _Traced | None) -> RankResult:
         args = dict(kwargs)
         i = 0
         for arg in spec.data_args:
@@ -198,7 +213,8 @@ class WorkerProcess(ChannelHost):
                 args[arg.name] = None
                 continue
             n = len(arg.plan.pieces)
-            args[arg.name] = self._apply(transforms.get(arg.name, ()), self._gather(arg.plan, pieces[i:i + n]))
+            rows = self._gather(arg.plan, pieces[i:i + n], traced)
+            args[arg.name] = self._apply(transforms.get(arg.name, ()), rows)
             i += n
         role = self.roles[spec.role]
         endpoint = self._endpoints[spec.role][spec.method]
@@ -245,17 +261,26 @@ class WorkerProcess(ChannelHost):
         """Reconnect the pool's groups; collective over the pool (same ``epoch``)."""
         _meshes.heal_all(epoch)
 
-    def _gather(self, plan: Any, fetched: Sequence[Any]) -> Batch:
+    def _gather(self, plan: Any, fetched: Sequence[Any], traced: _Traced | None = None) -> Batch:
         parts = []
         received = 0
         for piece, got in zip(plan.pieces, fetched, strict=True):
+            start = time.time() if traced is not None else 0.0
             if got is None:
                 parts.append(self.store.slice(piece.key, piece.lo, piece.hi, piece.fields))
+                size, source = 0, self.index
             else:
-                received += sum(t.numel() * t.element_size() for t in got.values())
+                size, source = sum(t.numel() * t.element_size() for t in got.values()), piece.worker
+                received += size
                 parts.append(got)
+            if traced is not None:
+                traced.pulls.append(PullTiming(start=start, end=time.time(), source=source,
+                                               rows=piece.hi - piece.lo, bytes=size))
         self.store.record_received(received)
         batch = assemble(plan, parts)
+        if traced is not None:
+            traced.rows_in = max(traced.rows_in, batch.num_rows)
+            traced.bytes_pulled += received
         if self.device.type != "cpu":
             batch = Batch({k: v.to(self.device, non_blocking=True) for k, v in batch.items()},
                           group_size=batch.group_size)
@@ -344,6 +369,12 @@ class WorkerProcess(ChannelHost):
         return self.store.slice(key, lo, hi, fields)
 
     @ray.method(concurrency_group="io")
+    def slices(self, pieces: Sequence[Piece]) -> tuple[Packed, dict[str, torch.Tensor]]:
+        """Several pieces of this worker's shards, packed into one buffer per dtype
+        (``channels.pack``): one transfer, a few tensors (see ``slice``)."""
+        return pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces])
+
+    @ray.method(concurrency_group="io")
     def put(self, key: str, columns: Mapping[str, torch.Tensor], group_size: int = 1) -> RankResult:
         """Store rows handed in by the driver (``Session.put``)."""
         batch = Batch(columns, group_size=group_size)
@@ -361,6 +392,11 @@ class WorkerProcess(ChannelHost):
         """The store's counters."""
         return self.store.stats()
 
+    @ray.method(concurrency_group="io")
+    def clock(self) -> float:
+        """This process's ``time.time()``: the driver aligns traced spans with it."""
+        return time.time()
+
     # ----- liveness (watch group) -----
 
     @ray.method(concurrency_group="watch")
@@ -368,6 +404,22 @@ class WorkerProcess(ChannelHost):
         """Block while the process lives: the driver's pending call fails exactly
         when the process dies (Ray's actor-death signal), with no polling."""
         self._alive.wait()
+
+
+class _Traced:
+    """What a traced call records on its rank, on the rank's clock."""
+
+    __slots__ = ("bytes_pulled", "pulls", "rows_in", "start")
+
+    def __init__(self) -> None:
+        self.start = time.time()
+        self.pulls: list[PullTiming] = []
+        self.rows_in = 0
+        self.bytes_pulled = 0
+
+    def timing(self) -> RankTiming:
+        return RankTiming(start=self.start, end=time.time(), rows_in=self.rows_in,
+                          bytes_pulled=self.bytes_pulled, pulls=tuple(self.pulls))
 
 
 def _as_rows(out: Any) -> Batch | None:

@@ -49,6 +49,9 @@ class RolloutConfig(msgspec.Struct, **_CFG):
     """Top-k sampling (0 disables)."""
     max_new_tokens: int = 16
     """Most tokens per response."""
+    ignore_eos: bool = False
+    """Run every response to its budget (``max_new_tokens``, or the prompt's own
+    ``max_new_tokens`` column): fixed response lengths, for benchmarks."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -57,7 +60,7 @@ class RolloutConfig(msgspec.Struct, **_CFG):
     def params(self, *, seed: int | None, greedy: bool = False) -> SamplingParams:
         """The actor's sampling parameters (its EOS comes from the model)."""
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0 if greedy else self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=seed)
+                              top_p=self.top_p, top_k=self.top_k, seed=seed, ignore_eos=self.ignore_eos)
 
 
 def require_roles(roles: Mapping[str, Any], algo: str, *names: str) -> None:

@@ -80,13 +80,17 @@ class TrainSection(msgspec.Struct, **_CFG):
     """Long-tail migration while streaming: move the samples still generating onto
     fewer actor ranks once at most this many remain (0: never); ``"auto"`` picks
     the threshold with the simulator from the previous step's response lengths."""
+    trace_steps: int = 0
+    """Trace the first this many RL steps of the run: ``timeline.png`` (one lane per
+    pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the output
+    directory (0: no trace)."""
 
     def __post_init__(self) -> None:
         # "TrainSection.steps ... - at `$.train`" reaches the user as "train.steps ..."
         # (see load_config).
         for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints"):
             at_least(f"TrainSection.{name}", getattr(self, name), 1)
-        for name in ("checkpoint_every", "eval_every"):
+        for name in ("checkpoint_every", "eval_every", "trace_steps"):
             at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
         at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
         at_least("TrainSection.stream_micro_batch", self.stream_micro_batch, 1)

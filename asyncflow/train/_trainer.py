@@ -179,14 +179,17 @@ class Trainer:
         batches = itertools.islice(batches, start, None)  # the data position of a resumed run
         bar = _bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
+        traced = _TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
         try:
             for step in range(start + 1, c.train.steps + 1):
                 problems = next(batches)
+                await traced.before_step()
                 t = time.monotonic()
                 prompts = await session.put(prompt_batch(problems, tokenizer,
                                                          first_uid=(step - 1) * c.train.prompts_per_step))
                 metrics = await self._step(roles, prompts, safe, seed=c.seed * 1_000_003 + step)
                 metrics["time/step_s"] = time.monotonic() - t
+                traced.after_step()
                 tokens = metrics.get("actor/response_tokens", 0.0)
                 metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
                 if c.train.eval_every and step % c.train.eval_every == 0 and step < c.train.steps:
@@ -201,6 +204,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            traced.close()
         after = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
         log.write(step, {"eval/accuracy": after})
         log.close()
@@ -246,6 +250,38 @@ class Trainer:
                 if not (ckpt / role).exists():
                     raise ConfigError(f"--resume: checkpoint {ckpt} has no {role} (placement changed?)")
                 await roles[role].load_checkpoint(str(ckpt / role))
+
+
+class _TracedSteps:
+    """Traces the first ``steps`` RL steps of a run into ``out``."""
+
+    def __init__(self, session: Session, out: Path, steps: int, *, say: Say) -> None:
+        self.session, self.out, self.left, self.say = session, out, steps, say
+        self.on = False
+
+    async def before_step(self) -> None:
+        if self.left and not self.on:
+            await self.session.start_trace()
+            self.on = True
+        if self.on:
+            self.session.mark_step()
+
+    def after_step(self) -> None:
+        if self.on:
+            self.left -= 1
+            if not self.left:
+                self.close()
+
+    def close(self) -> None:
+        if not self.on:
+            return
+        self.on, self.left = False, 0
+        from asyncflow.tracing import write_chrome_trace, write_timeline_png
+
+        trace = self.session.stop_trace()
+        png = write_timeline_png(trace, self.out / "timeline.png", title=f"{len(trace.steps)} traced RL steps")
+        write_chrome_trace(trace, self.out / "trace.json")
+        self.say(f"trace of {len(trace.steps)} steps: {png} and {self.out / 'trace.json'} (ui.perfetto.dev)")
 
 
 def _bar(enabled: bool, start: int, total: int) -> Any:

@@ -1,0 +1,120 @@
+"""Profiling a job on real workers, then predicting placements from the profile.
+
+:func:`profile` runs a few steps of a job one call at a time (``session.serial``,
+so no call shares the machine with another) under two placements: every role on
+its own 1-device pool, and every role on one pool of all the devices. The traces
+give each call's cost on 1 and on N ranks (:class:`CostModel`) and the job's call
+graph, batch and streamed (:class:`Workload`). :func:`predict` then simulates
+any placement. This module runs Ray (lazily imported); the rest of the package
+is pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from asyncflow.plan._candidates import Placement
+from asyncflow.plan._simulate import Prediction, simulate
+from asyncflow.plan._workload import CostModel, Workload
+
+if TYPE_CHECKING:
+    from asyncflow._session import Session
+    from asyncflow.tracing import Trace
+
+
+class Stepper(Protocol):
+    """A job's roles, spawned in a session."""
+
+    async def step(self, *, stream: bool) -> object:
+        """One step of the algorithm (``stream``: the streamed variant)."""
+        ...
+
+
+class PlanJob(Protocol):
+    """What the planner profiles: roles and an algorithm step."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The job's roles."""
+        ...
+
+    async def start(self, placement: Placement, session: Session) -> Stepper:
+        """Spawn the roles on ``placement`` in ``session`` and put the data."""
+        ...
+
+
+@dataclass(kw_only=True)
+class Profile:
+    """What :func:`profile` measured."""
+
+    costs: CostModel
+    batch: Workload
+    stream: Workload | None
+    traces: dict[str, list[Trace]] = field(default_factory=dict)
+    """Per profiled placement (``"1"`` and ``"<N>"`` devices per pool), its traces."""
+    step_overhead_s: float = 0.0
+    """Driver time per step outside any call (the serial steps' wall time minus
+    their calls' time, per step)."""
+
+
+def profile_placements(roles: Sequence[str], devices: int) -> dict[str, Placement]:
+    """The placements :func:`profile` runs: one pool per role with 1 device, and
+    (with more than one device) one pool of ``devices`` for every role."""
+    out = {"1": Placement(pools={r: 1 for r in roles}, roles={r: r for r in roles})}
+    if devices > 1:
+        out[str(devices)] = Placement(pools={"all": devices}, roles=dict.fromkeys(roles, "all"))
+    return out
+
+
+async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int = 2) -> Profile:
+    """Run ``job`` serially under :func:`profile_placements` and fit its costs.
+
+    Each placement gets its own session: a warm-up step of each kind, then
+    ``steps`` traced batch steps (and ``steps`` streamed ones with ``stream``).
+    """
+    from asyncflow._session import Session, shutdown_ray
+
+    traces: dict[str, list[Trace]] = {}
+    overheads: list[float] = []
+    for name, placement in profile_placements(job.roles, devices).items():
+        async with Session() as session:
+            stepper = await job.start(placement, session)
+            session.serial = True
+            kinds = [False, True] if stream else [False]
+            for kind in kinds:
+                await stepper.step(stream=kind)
+            traces[name] = []
+            for kind in kinds:
+                await session.start_trace()
+                for _ in range(steps):
+                    session.mark_step()
+                    await stepper.step(stream=kind)
+                trace = session.stop_trace()
+                traces[name].append(trace)
+                busy = sum(c.seconds for c in trace.calls)
+                overheads.append(max(0.0, (trace.end - trace.start) - busy) / steps)
+        shutdown_ray()
+    one = traces["1"]
+    return Profile(costs=CostModel.from_traces(*(t for ts in traces.values() for t in ts)),
+                   batch=Workload.from_trace(one[0]), stream=Workload.from_trace(one[1]) if stream else None,
+                   traces=traces, step_overhead_s=min(overheads))
+
+
+def predict(found: Profile, placement: Placement, *, cores: int | None, stream: bool = False,
+            steps: int = 3) -> Prediction:
+    """Seconds per step of the profiled job under ``placement``."""
+    workload = found.stream if stream and found.stream is not None else found.batch
+    return simulate(workload, found.costs, placement, steps=steps, cores=cores,
+                    step_overhead_s=found.step_overhead_s)
+
+
+def sequential_s(found: Profile, placement: Placement) -> float:
+    """Seconds per step with one call at a time: the sum of the calls' predicted
+    costs on their roles' pools, plus the driver's time per step."""
+    total = 0.0
+    for call in found.batch.calls:
+        ranks = placement.pools[placement.roles[call.role]]
+        total += found.costs.predict(call.role, call.method, ranks, call.rows_in)
+    return total / max(1, found.batch.steps) + found.step_overhead_s

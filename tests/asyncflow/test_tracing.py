@@ -1,0 +1,122 @@
+"""Recording traces in the runtime, without Ray: in-process workers
+(``asyncflow._local``), the real scheduler and worker loop.
+
+``test_tracing_on_cpu.py`` records one on Ray and checks the exports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncflow import ConfigError, ResourcePool, RoleSpec, StreamOptions, collect, merge
+from asyncflow._local import LocalSession
+from asyncflow.tracing import check_spans, summarise
+from support import Consumer, Scorer, Ticker, x_of_value
+
+T2 = ResourcePool(name="t2", devices=2)
+C1 = ResourcePool(name="c1", devices=1)
+SPECS = {
+    "ticker": RoleSpec(cls=Ticker, pool=T2),
+    "consumer": RoleSpec(cls=Consumer, pool=C1),
+    "scorer": RoleSpec(cls=Scorer, pool=C1),
+}
+STEPS = [3, 1, 2, 9, 1, 1, 2, 4]
+
+
+def run(main, timeout: float = 60):
+    async def wrapped():
+        async with LocalSession() as session:
+            roles = await session.spawn(SPECS)
+            src = await session.put({"idx": torch.arange(len(STEPS)), "steps": torch.tensor(STEPS)}, pool=T2)
+            return await asyncio.wait_for(main(session, roles, src), timeout)
+    return asyncio.run(wrapped())
+
+
+def test_a_traced_call_has_a_span_per_rank_and_its_dependencies() -> None:
+    async def main(session, roles, src):
+        untraced = roles.ticker.tick(src, delay=0.001)
+        await untraced
+        await session.start_trace()
+        session.mark_step()
+        ticked = roles.ticker.tick(src, delay=0.001)
+        echoed = roles.consumer.echo(ticked.map(x_of_value))
+        await echoed
+        session.mark_step()
+        await roles.consumer.total(echoed)
+        return session.stop_trace()
+
+    trace = run(main)
+    assert trace.pools == {"t2": 2, "c1": 1} and trace.roles["ticker"] == "t2"
+    assert [(c.role, c.method, c.step) for c in trace.calls] == [
+        ("ticker", "tick", 0), ("consumer", "echo", 0), ("consumer", "total", 1)]
+    tick, echo, total = trace.calls
+    assert sorted(s.rank for s in tick.ranks) == [0, 1] and sum(s.rows for s in tick.ranks) == len(STEPS)
+    assert echo.deps == (tick.call_id,) and total.deps == (echo.call_id,)
+    assert echo.ranks[0].rows_in == len(STEPS) and echo.ranks[0].pulls  # pulled both ticker ranks' rows
+    assert {p.source for p in echo.ranks[0].pulls} == {s.worker for s in tick.ranks}
+    for call in trace.calls:
+        assert call.ok and call.submitted <= call.started <= call.finished
+        for span in call.ranks:
+            assert call.started - 0.05 <= span.start <= span.end <= call.finished + 0.05
+    assert echo.started >= tick.finished
+    assert len(trace.steps) == 2
+    check_spans(trace)
+
+
+def test_streamed_consumers_depend_on_micro_batches() -> None:
+    async def main(session, roles, src):
+        await session.start_trace()
+        rollout = roles.ticker.tick(src, delay=0.002, stream=StreamOptions(micro_batch=2, migrate=None))
+        scored = roles.scorer.score(rollout)
+        await collect(merge(rollout, scored))
+        await roles.consumer.echo(collect(rollout).map(x_of_value))
+        return session.stop_trace()
+
+    trace = run(main)
+    tick = next(c for c in trace.calls if c.method == "tick")
+    scores = [c for c in trace.calls if c.method == "score"]
+    echo = next(c for c in trace.calls if c.method == "echo")
+    assert len(tick.part_times) == len(scores) >= 2
+    assert sorted(p for c in scores for p in c.parts) == [(tick.call_id, k) for k in range(1, len(scores) + 1)]
+    assert all(c.deps == () for c in scores)
+    # The collected stream depends on every micro-batch, learned when it resolved.
+    assert {p for p in echo.parts} == {(tick.call_id, k) for k in range(1, len(scores) + 1)}
+    summary = summarise(trace)
+    assert 0 < summary.chain_s <= summary.wall_s + 1e-6
+
+
+def test_nothing_is_recorded_unless_tracing() -> None:
+    async def main(session, roles, src):
+        await roles.ticker.tick(src)
+        with pytest.raises(ConfigError, match="start_trace"):
+            session.stop_trace()
+        await session.start_trace()
+        trace = session.stop_trace()
+        await roles.ticker.tick(src)  # after the stop: not recorded
+        session.mark_step()  # a no-op while not tracing
+        return trace, session._scheduler.tracer
+
+    trace, tracer = run(main)
+    assert trace.calls == [] and tracer is None
+
+
+def test_serial_runs_one_call_at_a_time_across_pools() -> None:
+    async def main(session, roles, src):
+        session.serial = True
+        await session.start_trace()
+        a = roles.ticker.tick(src, delay=0.002)
+        b = roles.consumer.echo(a.map(x_of_value))
+        c = roles.scorer.score(a)  # another role on c1, independent of b
+        d = roles.ticker.tick(src, delay=0.002)  # t2 is free while c1 works: serial keeps it waiting
+        await asyncio.gather(b, c, d)
+        trace = session.stop_trace()
+        session.serial = False
+        return trace
+
+    trace = run(main)
+    calls = sorted(trace.calls, key=lambda c: c.started)
+    assert [c.call_id for c in calls] == sorted(c.call_id for c in calls)  # submission order
+    for before, after in zip(calls, calls[1:], strict=False):
+        assert after.started >= before.finished
