@@ -281,13 +281,20 @@ class Scheduler(CallCompletion):
             blocked_roles.add(call.role)
 
     def _serial_turn(self) -> int | None:
-        """In serial mode, the one call that may start: the earliest submitted
-        waiting call of any pool, once no call runs anywhere (None: none may)."""
+        """In serial mode, the one call that may start: the first waiting call of
+        any pool in queue order (``Call.place``), once no call runs anywhere (None:
+        none may; an open stream slot first in line holds every later call)."""
         if any(p.running for p in self.pools.values()):
             return None
-        waiting = [c.call_id for p in self.pools.values() for c in p.pending
-                   if not isinstance(c, Slot) and not c.result.done()]
-        return min(waiting, default=None)
+        first: tuple[tuple[int, int], int | None] | None = None
+        for pool in self.pools.values():
+            for c in pool.pending:
+                key = ((c.place, 1 << 62), None) if isinstance(c, Slot) else (c.place, c.call_id)
+                if isinstance(c, Call) and c.result.done():
+                    continue
+                if first is None or key[0] < first[0]:
+                    first = key
+        return None if first is None else first[1]
 
     def _refuse(self, pool: PoolState, call: Call) -> None:
         broken = pool.broken

@@ -282,3 +282,18 @@ def test_embedded_ray_listens_on_loopback_unless_joining_a_cluster(tmp_path: Pat
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     main(["sft", str(path)])
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+
+
+def test_trace_steps_is_checked_and_plan_reads_the_placement(tmp_path: Path, model_dir: str) -> None:
+    from asyncflow.plan import Placement
+    from asyncflow.train._plan import TrainPlanJob, current_placement
+
+    with pytest.raises(ConfigError, match="trace_steps"):
+        load_config(_write(tmp_path, model_dir, {"train.trace_steps": -1}))
+    config = load_config(_write(tmp_path, model_dir, {"pools.side": {"devices": 1},
+                                                      "placement.reward": {"pool": "side"}}))
+    assert current_placement(config) == Placement(pools={"main": 2, "side": 1},
+                                                  roles={"actor": "main", "reward": "side", "ref": "main"})
+    split = Placement(pools={"a": 1, "b": 1}, roles={"actor": "a", "ref": "a", "reward": "b"})
+    placed = TrainPlanJob(config, model_dir).placed(split)
+    assert current_placement(placed) == split
