@@ -1,8 +1,8 @@
 """Numbers from a trace: wall, busy and idle time, the dependency chain, the bound.
 
 :func:`summarise` answers "how far is this run from what its dependencies and its
-busiest pool allow": the longest chain of measured call times through the data
-and role-order dependencies (unlimited resources), and the busiest rank of each
+busiest pool allow": the longest chain of measured call times through the data,
+role-order and step dependencies (unlimited resources), and the busiest rank of each
 pool (no overlap at all); the larger of the two is a lower bound on the wall time
 of the same calls. :func:`check_spans` catches traces whose spans cannot be right
 (clock offsets gone wrong, a recorder bug), and :func:`markdown_table` formats
@@ -211,15 +211,21 @@ def _in_submission_order(trace: Trace) -> list[CallRecord]:
 
 
 def _predecessors(calls: list[CallRecord]) -> dict[int, list[_Pred]]:
-    """Each call's predecessors: what it read, and the calls of its role that the
-    pool runs before it (in submission order; rank-local calls of a role may run
-    side by side between two gang calls)."""
+    """Each call's predecessors: what it read, every call of the previous step (the
+    algorithm's loop awaited them before making this step's calls), and the calls
+    of its role that the pool runs before it (in queue order; rank-local calls of a
+    role may run side by side between two gang calls)."""
     ids = {c.call_id for c in calls}
     preds: dict[int, list[_Pred]] = {}
     last_gang: dict[str, int] = {}
     locals_since: dict[str, list[int]] = {}
+    by_step: dict[int, list[int]] = {}
+    for c in calls:
+        by_step.setdefault(c.step, []).append(c.call_id)
     for c in calls:
         mine: list[_Pred] = [(d, None) for d in c.deps if d in ids]
+        # The loop awaits a step's results before it makes the next step's calls.
+        mine += [(d, None) for d in by_step.get(c.step - 1, ())]
         mine += [(d, k) for d, k in c.parts if d in ids]
         if c.role in last_gang:
             mine.append((last_gang[c.role], None))

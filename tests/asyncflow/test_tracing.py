@@ -120,3 +120,16 @@ def test_serial_runs_one_call_at_a_time_across_pools() -> None:
     assert [c.call_id for c in calls] == sorted(c.call_id for c in calls)  # submission order
     for before, after in zip(calls, calls[1:], strict=False):
         assert after.started >= before.finished
+
+
+def test_the_chain_waits_for_the_previous_step() -> None:
+    from asyncflow.tracing import CallRecord, Trace
+
+    def call(cid, role, step, start, end):
+        return CallRecord(call_id=cid, role=role, method="m", pool=role, rank_local=False, deps=(), step=step,
+                          submitted=start, started=start, finished=end)
+
+    trace = Trace(calls=[call(1, "a", 0, 0.0, 1.0), call(2, "b", 0, 0.0, 3.0), call(3, "a", 1, 3.0, 4.0)],
+                  pools={"a": 1, "b": 1}, roles={"a": "a", "b": "b"}, start=0.0, end=4.0, steps=[0.0, 3.0])
+    # Role order alone would let a's second call start at 1; the loop awaited b's call first.
+    assert summarise(trace).chain_s == pytest.approx(4.0)
