@@ -17,6 +17,7 @@ from channels._errors import (
     WouldBlock,
 )
 from channels._layout import Coords, Layout
+from channels._pack import Packed, pack, unpack
 from channels._protocols import (
     DP,
     AllToAll,
@@ -33,7 +34,6 @@ from channels._protocols import (
     reduce_metrics,
     split_rows,
 )
-from channels._pack import Packed, pack, unpack
 from channels._pull import GroupPlan, Piece, PullPlan, assemble, plan_pull
 from channels._remote import (
     CHANNEL_CONCURRENCY_GROUPS,

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_serial_runs_one_call_at_a_time_across_pools() -> None:
     trace = run(main)
     calls = sorted(trace.calls, key=lambda c: c.started)
     assert [c.call_id for c in calls] == sorted(c.call_id for c in calls)  # submission order
-    for before, after in zip(calls, calls[1:], strict=False):
+    for before, after in itertools.pairwise(calls):
         assert after.started >= before.finished
 
 
