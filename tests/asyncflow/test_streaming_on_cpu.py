@@ -27,6 +27,8 @@ INF = ResourcePool(name="inf", devices=1)
 TOY = ResourcePool(name="toy", devices=2)
 HANG_GUARD_S = 120
 PARAMS = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11)
+LONG = SamplingParams(max_new_tokens=64, temperature=1.0, seed=11, ignore_eos=True)
+"""Long enough that the driver's handoff reaches the ranks while they still generate."""
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +105,9 @@ def test_actor_tail_migrates_between_ranks_with_identical_rows(env) -> None:
 
     async def main():
         src = await session.put(prompts, pool=GEN)
-        whole = await roles.slow_actor.generate(src, n=4, params=PARAMS).fetch()
+        whole = await roles.slow_actor.generate(src, n=4, params=LONG).fetch()
         opts = StreamOptions(micro_batch=4, migrate=24, targets=1)
-        rollout = roles.slow_actor.generate(src, n=4, params=PARAMS, stream=opts)
+        rollout = roles.slow_actor.generate(src, n=4, params=LONG, stream=opts)
         scored = roles.scorer.score(rollout.map(value_of_length))  # rank-local on the actor's pool
         merged = await collect(merge(rollout.map(value_of_length), scored)).fetch()
         return whole, merged, await rollout.report()
