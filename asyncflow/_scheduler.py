@@ -283,18 +283,23 @@ class Scheduler(CallCompletion):
     def _serial_turn(self) -> int | None:
         """In serial mode, the one call that may start: the first waiting call of
         any pool in queue order (``Call.place``), once no call runs anywhere (None:
-        none may; an open stream slot first in line holds every later call)."""
+        none may; an open stream slot first in line holds every later call, and the
+        calls made on it sit before it)."""
         if any(p.running for p in self.pools.values()):
             return None
-        first: tuple[tuple[int, int], int | None] | None = None
+        first: tuple[int, int] | None = None
+        turn: int | None = None
         for pool in self.pools.values():
             for c in pool.pending:
-                key = ((c.place, 1 << 62), None) if isinstance(c, Slot) else (c.place, c.call_id)
-                if isinstance(c, Call) and c.result.done():
+                if isinstance(c, Slot):
+                    place, who = (c.place, 1 << 62), None
+                elif c.result.done():
                     continue
-                if first is None or key[0] < first[0]:
-                    first = key
-        return None if first is None else first[1]
+                else:
+                    place, who = c.place, c.call_id
+                if first is None or place < first:
+                    first, turn = place, who
+        return turn
 
     def _refuse(self, pool: PoolState, call: Call) -> None:
         broken = pool.broken

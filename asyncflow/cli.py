@@ -84,9 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, _overrides(args.set))
     cores = None if args.gpu else (os.cpu_count() or 1)
-    devices = args.devices or sum(p.devices for p in config.pools.values())
-    if cores is not None and not args.devices:
-        devices = max(devices, min(cores, 2 * len(config.pools)))
+    devices = args.devices or max(sum(p.devices for p in config.pools.values()), cores or 0)
     _say(f"asyncflow plan: profiling {config.algorithm}'s roles on {devices} device(s) "
          f"({'GPUs' if cores is None else f'{cores} CPU cores'}) ...")
     _, ranked = asyncio.run(plan(config, devices=devices, cores=cores))

@@ -287,3 +287,17 @@ def value_of_length(batch: Batch) -> dict[str, torch.Tensor]:
 def x_of_value(batch: Batch) -> dict[str, torch.Tensor]:
     """``x`` for Consumer methods from Ticker rows."""
     return {"x": batch["value"].float().unsqueeze(1)}
+
+
+def run_local(specs: dict[str, Any], columns: dict[str, torch.Tensor], pool: Any, main: Any,
+              timeout: float = 60) -> Any:
+    """``main(session, roles, src)`` in an in-process session of ``specs``, with
+    ``columns`` put on ``pool`` as ``src``."""
+    from asyncflow._local import LocalSession
+
+    async def wrapped() -> Any:
+        async with LocalSession() as session:
+            roles = await session.spawn(specs)
+            src = await session.put(columns, pool=pool)
+            return await asyncio.wait_for(main(session, roles, src), timeout)
+    return asyncio.run(wrapped())

@@ -11,7 +11,7 @@ sorts them by predicted seconds per step::
     costs = CostModel.from_traces(trace)
     best, prediction = rank(workload, costs, candidates(workload.roles, 2, cores=2),
                             cores=2)[0]
-    print(best.config_block())
+    block = best.config_block()   # [pools] and [placement] TOML
 
 The simulator, the cost model and the enumerator are pure Python (no Ray, no
 torch); :func:`profile` runs the job on Ray (imported when called).

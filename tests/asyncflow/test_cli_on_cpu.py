@@ -77,10 +77,12 @@ def _comparable(row: dict[str, float]) -> dict[str, float]:
 
 def test_resumed_run_repeats_the_uninterrupted_next_step(tmp_path, model_dir, capsys) -> None:
     full = _config(tmp_path, model_dir, steps=3, name="full")
-    assert main(["train", str(full), "--no-progress"]) == 0
+    assert main(["train", str(full), "--no-progress", "--trace"]) == 0  # tracing changes no number
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("accuracy: ")
     assert (tmp_path / "full" / "curves.png").exists()
+    assert (tmp_path / "full" / "timeline.png").exists()
+    assert json.loads((tmp_path / "full" / "trace.json").read_text())["traceEvents"]
 
     part = _config(tmp_path, model_dir, steps=2, name="part")
     assert main(["train", str(part), "--no-progress"]) == 0

@@ -7,15 +7,12 @@ the real actor and both rollout engines."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect, merge
-from asyncflow._local import LocalSession
-from support import Consumer, Scorer, Ticker, x_of_value
+from support import Consumer, Scorer, Ticker, run_local, x_of_value
 
 T2 = ResourcePool(name="t2", devices=2)
 C2 = ResourcePool(name="c2", devices=2)
@@ -29,12 +26,7 @@ STEPS = [3, 1, 2, 9, 1, 1, 2, 4, 1, 3, 2, 12]
 
 
 def run(main, timeout: float = 60):
-    async def wrapped():
-        async with LocalSession() as session:
-            roles = await session.spawn(SPECS)
-            src = await session.put({"idx": torch.arange(len(STEPS)), "steps": torch.tensor(STEPS)}, pool=T2)
-            return await asyncio.wait_for(main(session, roles, src), timeout)
-    return asyncio.run(wrapped())
+    return run_local(SPECS, {"idx": torch.arange(len(STEPS)), "steps": torch.tensor(STEPS)}, T2, main, timeout)
 
 
 def _rows(batch) -> dict[str, list]:

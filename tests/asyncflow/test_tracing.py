@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from asyncflow import ConfigError, ResourcePool, RoleSpec, StreamOptions, collect, merge
-from asyncflow._local import LocalSession
 from asyncflow.tracing import check_spans, summarise
-from support import Consumer, Scorer, Ticker, x_of_value
+from support import Consumer, Scorer, Ticker, run_local, x_of_value
 
 T2 = ResourcePool(name="t2", devices=2)
 C1 = ResourcePool(name="c1", devices=1)
@@ -27,12 +26,7 @@ STEPS = [3, 1, 2, 9, 1, 1, 2, 4]
 
 
 def run(main, timeout: float = 60):
-    async def wrapped():
-        async with LocalSession() as session:
-            roles = await session.spawn(SPECS)
-            src = await session.put({"idx": torch.arange(len(STEPS)), "steps": torch.tensor(STEPS)}, pool=T2)
-            return await asyncio.wait_for(main(session, roles, src), timeout)
-    return asyncio.run(wrapped())
+    return run_local(SPECS, {"idx": torch.arange(len(STEPS)), "steps": torch.tensor(STEPS)}, T2, main, timeout)
 
 
 def test_a_traced_call_has_a_span_per_rank_and_its_dependencies() -> None:
@@ -134,3 +128,15 @@ def test_the_chain_waits_for_the_previous_step() -> None:
                   pools={"a": 1, "b": 1}, roles={"a": "a", "b": "b"}, start=0.0, end=4.0, steps=[0.0, 3.0])
     # Role order alone would let a's second call start at 1; the loop awaited b's call first.
     assert summarise(trace).chain_s == pytest.approx(4.0)
+
+
+def test_serial_mode_runs_streamed_calls_before_later_calls_that_need_them() -> None:
+    async def main(session, roles, src):
+        session.serial = True
+        rollout = roles.ticker.tick(src, delay=0.001, stream=StreamOptions(micro_batch=2, migrate=None))
+        scored = roles.scorer.score(rollout)  # made on the stream: sits in the stream's slot
+        total = roles.consumer.total(collect(rollout).map(x_of_value))  # queued after the slot
+        await collect(scored)
+        return await total
+
+    assert run(main, timeout=30)["sum"] == pytest.approx(sum(i * 10 + s for i, s in enumerate(STEPS)))
