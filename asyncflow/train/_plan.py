@@ -17,7 +17,7 @@ import msgspec
 
 from asyncflow._session import Session
 from asyncflow.algos import SafeRLHFState
-from asyncflow.plan import Placement, Prediction, Profile, candidates, predict, profile
+from asyncflow.plan import Placement, Prediction, Profile, candidates, profile, rank
 from asyncflow.train._config import PlacementSection, PoolSection, RunConfig, needed_roles
 from asyncflow.train._roles import role_specs
 from asyncflow.train._trainer import Trainer
@@ -77,8 +77,7 @@ async def plan(config: RunConfig, *, devices: int, cores: int | None
         if config.sft is not None:
             model_dir = str(save_tiny_model(Path(tmp) / "model", config.sft.model, seed=config.seed))
         found = await profile(TrainPlanJob(config, model_dir), devices=devices, stream=stream)
-    mode = stream and config.train.stream
-    ranked = sorted(((p, predict(found, p, cores=cores, stream=mode))
-                     for p in candidates(list(needed_roles(config)), devices, cores=cores)),
-                    key=lambda pair: pair[1].step_s)
+    workload = found.stream if stream and config.train.stream and found.stream is not None else found.batch
+    ranked = rank(workload, found.costs, candidates(list(needed_roles(config)), devices, cores=cores),
+                  cores=cores, step_overhead_s=found.step_overhead_s)
     return found, ranked
