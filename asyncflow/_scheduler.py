@@ -247,9 +247,11 @@ class Scheduler(CallCompletion):
         held_by_gang = any(not c.rank_local for c in pool.running.values())
         turn = self._serial_turn() if self.serial else None
         for call in list(pool.pending):
-            if isinstance(call, Slot):  # calls a stream will make: later calls wait for them
+            if isinstance(call, Slot):
+                # Calls a stream will make: later whole-pool calls and later calls of
+                # the slot's role wait for them. Rank-local calls of other roles may
+                # pass: nothing of the slot's waits yet, so nothing starves.
                 earlier = True
-                gang_ahead = gang_ahead or not call.rank_local
                 blocked_roles.add(call.role)
                 continue
             if call.result.done():  # cancelled, or failed by a death or an input

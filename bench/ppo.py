@@ -24,7 +24,9 @@ three ways, alternating within each repeat:
 Every run is traced. Per run: seconds per step, generated tokens/s, busy seconds
 per pool and per stage, each pool's idle fraction, and the critical-path bound:
 max(the longest dependency chain of the measured call times, the busiest pool's
-busy time) (``asyncflow.tracing.summarise``). ``--plan`` also profiles the
+busy time, and per step the busiest rank counted from the earliest its inputs
+let it start) (``asyncflow.tracing.summarise``); ``chain_or_busiest_s`` keeps the
+first two only. ``--plan`` also profiles the
 workload and records the planner's predictions (``asyncflow.plan``) beside the
 measurements.
 """
@@ -76,6 +78,8 @@ def describe(job: PPOJob, placement: str, mode: str, wall: float, trace: Trace, 
         "tokens_per_s": job.tokens_per_step() * steps / wall,
         "critical_path_s": s.bound_s / steps,
         "chain_s": s.chain_s / steps,
+        "load_bound_s": s.load_bound_s / steps,
+        "chain_or_busiest_s": max(s.chain_s, max(s.busy_s.values(), default=0.0)) / steps,
         "over_bound": wall / s.bound_s if s.bound_s else None,
         "busy_s": {p: b / steps for p, b in s.busy_s.items()},
         "stage_busy_s": {k: b / steps for k, b in sorted(s.stage_busy_s.items())},
@@ -124,6 +128,7 @@ async def run(job: PPOJob, placements: list[str], *, steps: int, repeats: int, o
         record.update({
             f"{placement}_sequential_s": seq, f"{placement}_overlapped_s": ovl, f"{placement}_stream_s": st,
             f"{placement}_critical_path_s": found["overlapped"]["critical_path_s"],
+            f"{placement}_chain_or_busiest_s": found["overlapped"]["chain_or_busiest_s"],
             f"{placement}_stream_critical_path_s": found["stream"]["critical_path_s"],
             f"{placement}_overlapped_over_bound": found["overlapped"]["over_bound"],
             f"{placement}_stream_over_bound": found["stream"]["over_bound"],

@@ -104,7 +104,8 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
 
 def predict(found: Profile, placement: Placement, *, cores: int | None, stream: bool = False,
             steps: int = 3) -> Prediction:
-    """Seconds per step of the profiled job under ``placement``."""
+    """Seconds per step of the profiled job under ``placement`` (``stream``: the
+    streamed variant, as the algorithm loops run it there, without migration)."""
     workload = found.stream if stream and found.stream is not None else found.batch
     return simulate(workload, found.costs, placement, steps=steps, cores=cores,
                     step_overhead_s=found.step_overhead_s)

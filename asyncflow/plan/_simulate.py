@@ -7,13 +7,18 @@ An event-driven simulation of ``asyncflow._scheduler``'s dispatchers, one per po
   waits and nothing runs on the pool. A rank-local call starts on all the pool's
   free ranks (its rows split over them) once its inputs are ready; it never passes
   a waiting call of its own role, and passes a waiting gang call only while a gang
-  call runs on the pool (else the waiting one could starve).
+  call runs on the pool (else the waiting one could starve). A call on a
+  streamed micro-batch not produced yet is not made yet: it holds back later calls
+  of its role and later gang calls only (the runtime's open stream slot).
 - A streamed call (one that handed out micro-batches) gives each rank back when
   that rank is done, at the fractions of its duration measured for its ranks; a
   call that streams nothing holds all its ranks to its end.
 - Inputs are ready when every dependency finished and every streamed micro-batch
   read was produced: producer start + fraction * producer duration, i.e. when the
   producer's progress reaches the micro-batch's measured fraction.
+- Calls on the micro-batches of a streamed call on the caller's own pool are
+  read as the algorithm loops make them: one call on the whole batch after the
+  streamed call (``Workload.on_placement``).
 - A step's calls are submitted together, when the previous step's last call
   finished plus a fixed driver overhead.
 - On a CPU machine each worker process runs ``max(1, cores // world)`` threads;
@@ -198,6 +203,13 @@ class _Simulation:
                 return False
         return True
 
+    def made(self, call: WorkCall) -> bool:
+        """Whether the runtime would have made the call yet: a call on a streamed
+        micro-batch is made when the micro-batch is out."""
+        return all(p.call in self.finished or (p.call in self.running
+                                               and self.running[p.call].progress_reached(p.fraction))
+                   for p in call.parts)
+
     def dispatch(self, pool: _Pool) -> None:
         """Start every call that can start now (as ``Scheduler._dispatch`` does)."""
         earlier = False  # an earlier call is still waiting
@@ -205,6 +217,10 @@ class _Simulation:
         blocked_roles: set[str] = set()
         held_by_gang = any(not r.call.rank_local for r in pool.running)
         for call in list(pool.queue):
+            if not self.made(call):  # the runtime's open slot: holds its role and gang calls
+                earlier = True
+                blocked_roles.add(call.role)
+                continue
             ready = self.ready(call)
             if not call.rank_local:
                 if ready and not earlier and not pool.running:
@@ -263,7 +279,7 @@ def _lane_fractions(release: tuple[float, ...], lanes: int) -> list[float]:
 
 
 def simulate(workload: Workload, costs: CostModel, placement: Placement, *, steps: int = 3,
-             cores: int | None = None, step_overhead_s: float = 0.0) -> Prediction:
+             cores: int | None = None, step_overhead_s: float = 0.0, migrate: bool = False) -> Prediction:
     """Predict how long the workload's steps take under ``placement``.
 
     Args:
@@ -275,6 +291,8 @@ def simulate(workload: Workload, costs: CostModel, placement: Placement, *, step
             docstring), or ``None`` on GPUs (no sharing).
         step_overhead_s: the driver's time between a step's end and the next
             step's calls (also before the first step).
+        migrate: the streamed calls migrate their long tail (rank-local calls on
+            their micro-batches stay per micro-batch on the producer's pool).
 
     Returns:
         The prediction, with every simulated call in ``spans``.
@@ -295,6 +313,7 @@ def simulate(workload: Workload, costs: CostModel, placement: Placement, *, step
         raise ValueError(f"cores must be >= 1 (or None for GPUs), got {cores}")
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
+    workload = workload.on_placement(placement.roles, placement.pools, migrate=migrate)
     sim = _Simulation(workload.repeat(steps), costs, placement, cores=cores,
                       step_overhead_s=step_overhead_s)
     sim.run()

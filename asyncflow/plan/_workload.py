@@ -11,7 +11,7 @@ the first under a placement, timing each call with the second.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -142,6 +142,53 @@ class Workload:
                      step=c.step + r * self.steps)
             for r in range(n) for c in self.calls)
         return Workload(calls=calls, steps=self.steps * n)
+
+    def on_placement(self, pool_of: Mapping[str, str], devices: Mapping[str, int], *,
+                     migrate: bool = False) -> Workload:
+        """This workload as the algorithm loops run it on a placement
+        (``asyncflow.algos.call_on_rollout``): a role's calls on the micro-batches
+        of a streamed call on the role's own pool become one call on the whole
+        batch, after the streamed call. With ``migrate`` (the tail may leave some
+        ranks), rank-local calls on a pool of several ranks stay per micro-batch.
+
+        Args:
+            pool_of: each role's pool.
+            devices: each pool's devices.
+            migrate: the streamed calls migrate their long tail.
+        """
+        groups: dict[tuple[int, str, str], list[WorkCall]] = {}
+        for c in self.calls:
+            producers = {p.call for p in c.parts}
+            if len(producers) != 1:
+                continue
+            source = self.calls[producers.pop()]
+            pool = pool_of[c.role]
+            if pool != pool_of[source.role] or (migrate and c.rank_local and devices[pool] > 1):
+                continue
+            groups.setdefault((source.index, c.role, c.method), []).append(c)
+        if not groups:
+            return self
+        # Each group becomes one call, in its first member's place in the queue.
+        merged = {members[0].index: (producer, members) for (producer, _, _), members in groups.items()}
+        head = {m.index: members[0].index for members in groups.values() for m in members}
+        kept = [c for c in self.calls if head.get(c.index, c.index) == c.index]
+        index = {c.index: i for i, c in enumerate(kept)}
+
+        def renumber(deps: Iterable[int]) -> tuple[int, ...]:
+            return tuple(sorted({index[head.get(d, d)] for d in deps}))
+
+        calls = []
+        for c in kept:
+            if c.index in merged:
+                producer, members = merged[c.index]
+                calls.append(WorkCall(index=index[c.index], role=c.role, method=c.method, rank_local=c.rank_local,
+                                      rows_in=sum(m.rows_in for m in members), step=c.step,
+                                      deps=renumber([producer, *(d for m in members for d in m.deps)])))
+            else:
+                calls.append(WorkCall(index=index[c.index], role=c.role, method=c.method, rank_local=c.rank_local,
+                                      rows_in=c.rows_in, deps=renumber(c.deps), release=c.release, step=c.step,
+                                      parts=tuple(p._replace(call=index[p.call]) for p in c.parts)))
+        return Workload(calls=tuple(calls), steps=self.steps)
 
 
 def rows_in(call: CallRecord) -> int:

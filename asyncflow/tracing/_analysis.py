@@ -2,9 +2,10 @@
 
 :func:`summarise` answers "how far is this run from what its dependencies and its
 busiest pool allow": the longest chain of measured call times through the data,
-role-order and step dependencies (unlimited resources), and the busiest rank of each
-pool (no overlap at all); the larger of the two is a lower bound on the wall time
-of the same calls. :func:`check_spans` catches traces whose spans cannot be right
+role-order and step dependencies (unlimited resources), the busiest rank of each
+pool (no overlap at all), and per step the busiest rank counted from the earliest
+its inputs let it start; the largest is a lower bound on the wall time of the
+same calls. :func:`check_spans` catches traces whose spans cannot be right
 (clock offsets gone wrong, a recorder bug), and :func:`markdown_table` formats
 rows for reports.
 
@@ -46,7 +47,12 @@ class TraceSummary:
             the trace spans no time); negative means spans outlast the wall time.
         chain_s: the longest dependency chain of the driver-measured call times,
             every call starting as soon as what it reads is ready.
-        bound_s: ``max(chain_s, max(busy_s))``, a lower bound on the wall time.
+        load_bound_s: the sum over steps (the loop awaits each step before the
+            next) of the most any rank needs in it: the earliest its first call
+            can start (by the chain), plus its busy time, plus the shortest chain
+            that must follow its calls; at least the step's own chain.
+        bound_s: ``max(chain_s, load_bound_s, max(busy_s))``, a lower bound on
+            the wall time: no schedule of the same calls can beat it.
         critical_path: labels (``role.method#id``) of the calls on the longest
             chain, first to last.
         bytes_pulled: bytes of input rows that travelled between workers.
@@ -60,6 +66,7 @@ class TraceSummary:
     stage_busy_s: dict[str, float]
     idle_fraction: dict[str, float]
     chain_s: float
+    load_bound_s: float
     bound_s: float
     critical_path: list[str]
     bytes_pulled: int
@@ -104,11 +111,12 @@ def summarise(trace: Trace) -> TraceSummary:
     idle = {pool: 1.0 - sum(per_rank) / (len(per_rank) * wall) if per_rank and wall > 0 else 0.0
             for pool, per_rank in rank_busy.items()}
     ok = [c for c in calls if c.ok]
-    chain, path = _longest_chain(ok)
+    chain, path, finish = _longest_chain(ok)
+    loaded = _load_bound(ok, finish)
     return TraceSummary(
         wall_s=wall, busy_s=busy, rank_busy_s=rank_busy, stage_busy_s=stage, idle_fraction=idle,
-        chain_s=chain, bound_s=max(chain, max(busy.values(), default=0.0)), critical_path=path,
-        bytes_pulled=bytes_pulled, calls=len(ok), failed=len(calls) - len(ok))
+        chain_s=chain, load_bound_s=loaded, bound_s=max(chain, loaded, max(busy.values(), default=0.0)),
+        critical_path=path, bytes_pulled=bytes_pulled, calls=len(ok), failed=len(calls) - len(ok))
 
 
 def check_spans(trace: Trace) -> None:
@@ -259,9 +267,9 @@ def _topological(calls: list[CallRecord], preds: dict[int, list[_Pred]]) -> list
     return order
 
 
-def _longest_chain(calls: list[CallRecord]) -> tuple[float, list[str]]:
-    """Earliest finish of every call with unlimited resources; the latest one and
-    the chain of calls that led to it."""
+def _longest_chain(calls: list[CallRecord]) -> tuple[float, list[str], dict[int, float]]:
+    """Earliest finish of every call with unlimited resources; the latest one, the
+    chain of calls that led to it, and every call's earliest finish."""
     by_id = {c.call_id: c for c in calls}
     preds = _predecessors(calls)
     finish: dict[int, float] = {}
@@ -275,7 +283,7 @@ def _longest_chain(calls: list[CallRecord]) -> tuple[float, list[str]]:
         finish[cid] = ready + _seconds(by_id[cid])
         via[cid] = before
     if not finish:
-        return 0.0, []
+        return 0.0, [], finish
     end_id = max(finish, key=lambda cid: (finish[cid], -cid))
     end = finish[end_id]
     last: int | None = end_id
@@ -283,7 +291,47 @@ def _longest_chain(calls: list[CallRecord]) -> tuple[float, list[str]]:
     while last is not None:
         path.append(by_id[last].label)
         last = via[last]
-    return end, path[::-1]
+    return end, path[::-1], finish
+
+
+def _load_bound(calls: list[CallRecord], finish: dict[int, float]) -> float:
+    """``TraceSummary.load_bound_s``: per step, per rank, head + busy + tail."""
+    by_id = {c.call_id: c for c in calls}
+    tail = _tails(calls)
+    total = 0.0
+    for step in sorted({c.step for c in calls}):
+        mine = [c for c in calls if c.step == step]
+        begin = min(finish[c.call_id] - _seconds(c) for c in mine)
+        bound = max(finish[c.call_id] for c in mine) - begin
+        ranks: dict[tuple[str, int], list[RankSpan]] = {}
+        owner: dict[tuple[str, int], list[int]] = {}
+        for c in mine:
+            for span in c.ranks:
+                ranks.setdefault((span.pool, span.rank), []).append(span)
+                owner.setdefault((span.pool, span.rank), []).append(c.call_id)
+        for key, spans in ranks.items():
+            ids = owner[key]
+            head = min(finish[i] - _seconds(by_id[i]) for i in ids) - begin
+            bound = max(bound, head + sum(sp.seconds for sp in spans) + min(tail[i] for i in ids))
+        total += bound
+    return total
+
+
+def _tails(calls: list[CallRecord]) -> dict[int, float]:
+    """Per call, the longest chain of its step's calls that read its whole output
+    (directly or not) or follow it in its role's order: what must run after it."""
+    preds = _predecessors(calls)
+    step = {c.call_id: c.step for c in calls}
+    seconds = {c.call_id: _seconds(c) for c in calls}
+    succs: dict[int, list[int]] = {c.call_id: [] for c in calls}
+    for cid, ps in preds.items():
+        for p, part in ps:
+            if part is None and step[p] == step[cid]:
+                succs[p].append(cid)
+    tail: dict[int, float] = {}
+    for cid in reversed(_topological(calls, preds)):
+        tail[cid] = max((seconds[s] + tail[s] for s in succs[cid]), default=0.0)
+    return tail
 
 
 def _ready(producer: CallRecord, finish: float, part: int | None) -> float:

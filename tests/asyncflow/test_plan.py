@@ -90,7 +90,7 @@ def test_rank_local_calls_run_side_by_side_on_the_free_ranks() -> None:
     w = work(call(0, "gen", rank_local=True, release=[0.5, 1.0]),
              call(1, "lp", rank_local=True, parts=[StreamPart(0, 1, 0.5)]),
              call(2, "lp", rank_local=True, parts=[StreamPart(0, 2, 1.0)]))
-    pred = simulate(w, costs(gen_2=4.0, lp_1=1.0), place(p=(2, "gen lp")), steps=1)
+    pred = simulate(w, costs(gen_2=4.0, lp_1=1.0), place(p=(2, "gen lp")), steps=1, migrate=True)
     first = span(pred, "lp.f#1")
     assert (first.ranks, first.start, first.end) == ((0,), pytest.approx(2.0), pytest.approx(3.0))
     assert span(pred, "gen.f#0").end == pytest.approx(4.0)  # still running on rank 1
@@ -105,15 +105,40 @@ def test_rank_local_call_passes_a_waiting_gang_call_only_while_a_gang_call_runs(
     w = work(call(0, "gen", release=[0.5, 1.0]), call(1, "upd"),
              call(2, "lp", rank_local=True, parts=[part]))
     c = costs(gen_2=4.0, upd_2=1.0, lp_1=1.0, lp_2=1.0)
-    pred = simulate(w, c, place(p=(2, "gen upd lp")), steps=1)
+    pred = simulate(w, c, place(p=(2, "gen upd lp")), steps=1, migrate=True)
     assert span(pred, "lp.f#2").start == pytest.approx(2.0)  # gang gen holds rank 1
     assert span(pred, "upd.f#1").start == pytest.approx(4.0)
     # Same calls with a rank-local gen: no gang call runs, so lp may not pass upd.
     w = work(call(0, "gen", rank_local=True, release=[0.5, 1.0]), call(1, "upd"),
              call(2, "lp", rank_local=True, parts=[part]))
-    pred = simulate(w, c, place(p=(2, "gen upd lp")), steps=1)
+    pred = simulate(w, c, place(p=(2, "gen upd lp")), steps=1, migrate=True)
     assert span(pred, "upd.f#1").start == pytest.approx(4.0)
     assert span(pred, "lp.f#2").start == pytest.approx(5.0)
+
+
+def test_calls_on_a_stream_from_their_own_pool_become_one_call_on_the_whole_batch() -> None:
+    # gen streams two micro-batches; lp (gen's pool) and v (another pool) read both;
+    # upd reads every lp and v call.
+    w = work(call(0, "gen", release=[1.0]),
+             call(1, "lp", rank_local=True, parts=[StreamPart(0, 1, 0.5)]),
+             call(2, "v", rank_local=True, parts=[StreamPart(0, 1, 0.5)]),
+             call(3, "lp", rank_local=True, parts=[StreamPart(0, 2, 1.0)]),
+             call(4, "v", rank_local=True, parts=[StreamPart(0, 2, 1.0)]),
+             call(5, "upd", deps=[1, 2, 3, 4]))
+    pools = place(a=(2, "gen lp upd"), b=(1, "v"))
+    got = w.on_placement(pools.roles, pools.pools)
+    assert [(c.label, c.rows_in, c.deps, len(c.parts)) for c in got.calls] == [
+        ("gen.f#0", 2, (), 0), ("lp.f#1", 4, (0,), 0), ("v.f#2", 2, (), 1), ("v.f#3", 2, (), 1),
+        ("upd.f#4", 2, (1, 2, 3), 0)]
+    assert [p.call for c in got.calls for p in c.parts] == [0, 0]
+    # With migration, rank-local calls on a pool of several ranks stay per micro-batch.
+    assert w.on_placement(pools.roles, pools.pools, migrate=True) == w
+    apart = place(a=(1, "gen"), b=(1, "lp v upd"))
+    assert w.on_placement(apart.roles, apart.pools) == w
+    c = costs(gen_2=4.0, lp_2=1.0, v_1=1.0, upd_2=1.0)
+    pred = simulate(w, c, pools, steps=1)
+    assert span(pred, "lp.f#1").start == pytest.approx(4.0)
+    assert pred.step_s == pytest.approx(4.0 + 1.0 + 1.0)
 
 
 def test_rank_local_call_never_passes_a_waiting_call_of_its_own_role() -> None:

@@ -97,6 +97,24 @@ def test_nothing_is_recorded_unless_tracing() -> None:
     assert trace.calls == [] and tracer is None
 
 
+def test_a_rank_local_stream_consumer_passes_a_gang_consumers_open_slot() -> None:
+    async def main(session, roles, src):
+        await session.start_trace()
+        rollout = roles.ticker.tick(src, delay=0.03, stream=StreamOptions(micro_batch=1, migrate=None))
+        echoed = roles.consumer.echo(rollout.map(x_of_value))  # whole-pool calls on c1; its slot is first
+        scored = roles.scorer.score(rollout)  # rank-local, on c1 too
+        await asyncio.gather(collect(echoed), collect(scored))
+        return session.stop_trace()
+
+    trace = run(main)
+    tick = next(c for c in trace.calls if c.method == "tick")
+    scores = [c for c in trace.calls if c.method == "score"]
+    # The scorer's calls need not wait for the echo stream's end: they run as the
+    # micro-batches come, between the echo calls.
+    assert min(c.started for c in scores) < tick.finished
+    check_spans(trace)
+
+
 def test_serial_runs_one_call_at_a_time_across_pools() -> None:
     async def main(session, roles, src):
         session.serial = True
@@ -128,6 +146,25 @@ def test_the_chain_waits_for_the_previous_step() -> None:
                   pools={"a": 1, "b": 1}, roles={"a": "a", "b": "b"}, start=0.0, end=4.0, steps=[0.0, 3.0])
     # Role order alone would let a's second call start at 1; the loop awaited b's call first.
     assert summarise(trace).chain_s == pytest.approx(4.0)
+
+
+def test_the_bound_counts_a_pools_wait_for_its_first_input() -> None:
+    from asyncflow.tracing import CallRecord, RankSpan, Trace
+
+    def call(cid, role, pool, start, end, deps=()):
+        span = RankSpan(pool=pool, rank=0, worker=0 if pool == "a" else 1, start=start, end=end, rows=1,
+                        bytes_pulled=0)
+        return CallRecord(call_id=cid, role=role, method="m", pool=pool, rank_local=False, deps=deps, step=0,
+                          submitted=start, started=start, finished=end, ranks=(span,))
+
+    # gen on a; values and scores (two roles) then the update on b, all after gen.
+    trace = Trace(calls=[call(1, "gen", "a", 0.0, 1.0), call(2, "v", "b", 1.0, 2.0, deps=(1,)),
+                         call(3, "r", "b", 2.0, 3.5, deps=(1,)), call(4, "u", "b", 3.5, 4.5, deps=(2, 3))],
+                  pools={"a": 1, "b": 1}, roles={"gen": "a", "v": "b", "r": "b", "u": "b"}, start=0.0, end=4.5)
+    s = summarise(trace)
+    assert s.chain_s == pytest.approx(3.5) and s.busy_s["b"] == pytest.approx(3.5)
+    # b cannot start before gen's 1 s, then has 3.5 s of work.
+    assert s.load_bound_s == pytest.approx(4.5) and s.bound_s == pytest.approx(4.5)
 
 
 def test_serial_mode_runs_streamed_calls_before_later_calls_that_need_them() -> None:
