@@ -24,6 +24,7 @@ _EXPORTS = {
     "asyncflow._ops": ("merge",),
     "asyncflow._pool": ("CPU_SLOT", "ResourcePool", "RoleSpec"),
     "asyncflow._proxy": ("RoleGroup", "Roles"),
+    "asyncflow._select": ("concat",),
     "asyncflow._session": ("Session", "shutdown_ray"),
     "channels": ("DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError", "Layout", "Metrics",
                  "MicroDP", "MissingFieldError", "OneToAll", "RankZero", "SchemaError", "TransferProtocol",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from asyncflow._ops import merge
     from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
     from asyncflow._proxy import RoleGroup, Roles
+    from asyncflow._select import concat
     from asyncflow._session import Session, shutdown_ray
     from channels import (
         DP,

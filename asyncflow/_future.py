@@ -6,15 +6,16 @@ proxy. Awaiting it yields, once the rows exist, their :class:`~channels.BatchMet
 another group call makes the callee's ranks pull their rows straight from the
 producer's ranks. ``fetch()`` is the explicit way to bring rows to the driver.
 
-While any future names a shard (directly, or through ``merge``/``map``), the shard
-is kept; when the last one is dropped the producer frees it. ``cancel()`` cancels
+While any future names a shard (directly, or through ``merge``/``map`` or a
+selection: ``select``, ``take``, slices, ``filter``, ``concat``), the shard is
+kept; when the last one is dropped the producer frees it. ``cancel()`` cancels
 a call that has not run yet and every call that depends on it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -89,7 +90,8 @@ class Resolved:
 
 
 class DataFuture(Generic[T]):
-    """The result of a group call (or of ``merge``/``map``/``rename`` on such results).
+    """The result of a group call (or of ``merge``/``map``/``rename``/``select``/
+    ``take``/``filter``/``concat`` or a slice on such results).
 
     Created only by the runtime. ``await fut`` yields the batch metadata (or a
     method's small value); ``await fut.fetch()`` brings the rows to the driver.
@@ -119,6 +121,9 @@ class DataFuture(Generic[T]):
         self._cancelled = False
         self._row_ids: tuple[int, ...] | None = None
         """Per row, its id in the stream it came from (micro-batches of a stream only)."""
+        self._detach = False
+        """Let go of the parents once resolved (a row or column selection names fewer
+        shards than its parents: holding them would keep the rest alive)."""
         if source is not None:
             # A failure nobody awaits must not log "exception was never retrieved":
             # the error reaches whoever awaits this future or a dependent one.
@@ -189,6 +194,9 @@ class DataFuture(Generic[T]):
             assert self._derive is not None
             result = await self._derive()
         self._cached = result
+        if self._detach and self._derive is not None:
+            self._late = [*self._late, (self._calls, self._parts)]
+            self._parents, self._derive = (), None
         return result
 
     def __await__(self) -> Generator[Any, None, T]:
@@ -244,6 +252,96 @@ class DataFuture(Generic[T]):
                                                 runtime=self._runtime, derive=derive, parents=(self,))
         out._row_ids = self._row_ids
         return out
+
+    # ----- selections (metadata only; implemented in asyncflow._select) -----
+
+    def select(self, fields: Iterable[str] | str) -> DataFuture[BatchMeta]:
+        """A future of the same rows with only columns ``fields`` (metadata only).
+        Shards that held only dropped columns are freed once nothing else names them.
+
+        ``fut.select(["response_ids", "scores"])``
+
+        Args:
+            fields: column names (a single name is allowed).
+
+        Raises:
+            ConfigError: no names; or, on await, the future was mapped (select
+                before ``map``: a transform may read a dropped column).
+            MissingFieldError: a name is not a field (at call time when the fields
+                are known, else on await).
+        """
+        from asyncflow._select import select_fields
+        return select_fields(self, fields)
+
+    def take(self, n: int, *, groups: bool = False) -> DataFuture[BatchMeta]:
+        """A future of the first ``n`` rows, or with ``groups=True`` the first ``n``
+        prompt groups (``n * group_size`` rows, groups kept whole). Metadata only.
+
+        ``fut.take(64)``; ``kept.take(8, groups=True)``
+
+        Unlike a slice, ``take`` is exact: asking for more than there are is an error.
+        Rows that do not end on a group boundary give a result of group size 1.
+        Groups are the rows' ``group_size`` (see :class:`~channels.BatchMeta`): a
+        method's output that declares none has groups of 1 until merged with its
+        grouped input, e.g. ``merge(made, prompts.rename(idx="prompt"))``.
+
+        Raises:
+            ConfigError: ``n`` is not an int >= 0.
+            SchemaError: on await (or in the consuming call), fewer than ``n`` rows
+                (groups) exist.
+        """
+        from asyncflow._select import take_rows
+        return take_rows(self, n, groups=groups)
+
+    def __getitem__(self, rows: slice) -> DataFuture[BatchMeta]:
+        """A future of the rows in slice ``rows``, by position as for a list
+        (negative bounds, steps, clamping). Metadata only: ``fut[8:16]``.
+
+        Raises:
+            ConfigError: ``rows`` is not a slice of ints.
+        """
+        from asyncflow._select import slice_rows
+        return slice_rows(self, rows)
+
+    # Slicing must not make a future iterable (``iter`` would call ``fut[0]``, ...):
+    # None makes ``iter(fut)`` raise TypeError and ``isinstance(fut, Iterable)`` False.
+    __iter__ = None
+
+    def filter(self, column: str, pred: Callable[[torch.Tensor], Any] | None = None, /, *,
+               by_group: bool = False) -> DataFuture[BatchMeta]:
+        """A future of the rows (or prompt groups) whose values of ``column`` pass
+        ``pred``. Metadata only: no row moves; the dropped rows' shards are freed
+        once nothing else names them.
+
+        The decision is made on the driver from ``column`` alone, which must hold
+        one scalar per row (e.g. a sequence reward): those values are the only
+        data that reach the driver. ``pred`` runs there on a CPU tensor.
+
+        - Per row (default): ``pred(values)`` gets the ``[rows]`` values and returns
+          a ``[rows]`` bool mask. Without ``pred``, rows whose value is non-zero are
+          kept. A result that splits a group has group size 1.
+        - ``by_group=True``: groups of ``group_size`` consecutive rows (a GRPO
+          prompt's samples) are kept or dropped whole. ``pred`` gets the values as
+          ``[groups, group_size]`` and returns one bool per group (``[groups]``);
+          without ``pred`` a group is kept when every value is non-zero.
+
+        ``scored.filter("scores", lambda s: s.amax(1) > s.amin(1), by_group=True)``
+        (DAPO: drop the groups whose rewards are all equal)
+
+        Args:
+            column: the column to test.
+            pred: values -> bool mask, or None (see above).
+            by_group: keep or drop whole groups.
+
+        Raises:
+            ConfigError: ``column`` is not a string or ``pred`` not callable.
+            MissingFieldError: ``column`` is not a stored field (at call time when
+                the fields are known, else on await).
+            SchemaError: on await, ``column`` has more than one value per row, or
+                ``pred`` returned something else than one bool per row (group).
+        """
+        from asyncflow._select import filter_rows
+        return filter_rows(self, column, pred, by_group=by_group)
 
 
 def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[BatchMeta]:

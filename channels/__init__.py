@@ -43,6 +43,7 @@ from channels._remote import (
     open_remote_channel,
 )
 from channels._remote_receive import RemoteReceiveChannel, open_receiver
+from channels._rows import concat_meta, select_rows
 from channels._schema import (
     BatchMeta,
     ColumnGroup,
@@ -64,7 +65,7 @@ __all__ = [
     "Metrics", "MicroDP", "MissingFieldError", "OneToAll", "Packed", "Piece", "PullPlan", "PullTiming",
     "RankResult", "RankTiming", "RankZero", "ReceiveChannel", "RemoteReceiveChannel", "RowRuns", "SchemaError", "Segment",
     "SendChannel", "SenderDiedError", "ShardStore", "StoreStats", "StreamItem", "TransferProtocol",
-    "TransportError", "WouldBlock", "assemble", "collect_parts", "dtype_name", "merge_meta",
+    "TransportError", "WouldBlock", "assemble", "collect_parts", "concat_meta", "dtype_name", "merge_meta",
     "open_channel", "open_receiver", "open_remote_channel", "pack", "plan_pull", "reduce_metrics", "row_id",
-    "runs_from_indices", "runs_length", "split_rows", "unpack",
+    "runs_from_indices", "runs_length", "select_rows", "split_rows", "unpack",
 ]
