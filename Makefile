@@ -23,9 +23,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/asyncflow train examples/arith_grpo.toml
 
+# TYPED_FIXTURE: an algorithm on typed role groups, checked with the mypy plugin
+# (tests/asyncflow/test_typed_roles.py checks it too, and that the plugin reports
+# the mistakes in tests/typing/typed_algo_bad.py).
+TYPED_FIXTURE := tests/typing/typed_algo_ok.py
+
 test: $(STAMP)
 	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
-	$(PY) -m mypy asyncflow channels workers hybrid_engine
+	$(PY) -m mypy asyncflow channels workers hybrid_engine $(TYPED_FIXTURE)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
@@ -35,7 +40,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check asyncflow workers channels hybrid_engine bench tests
 
 typecheck: $(STAMP)
-	$(PY) -m mypy asyncflow workers channels hybrid_engine
+	$(PY) -m mypy asyncflow workers channels hybrid_engine $(TYPED_FIXTURE)
 
 clean-venv:
 	rm -rf $(VENV)

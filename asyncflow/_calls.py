@@ -8,16 +8,24 @@ field it reads fails here, at submit, before anything runs.
 from __future__ import annotations
 
 import asyncio
+import difflib
+import inspect
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from asyncflow._future import DataFuture, Resolved
-from channels import Layout, MissingFieldError
+from channels import AsyncflowError, Layout, MissingFieldError
 from workers import CallInfo, Endpoint, FieldContract
 
 _call_ids = itertools.count(1)
+
+
+class CallArgumentError(AsyncflowError, TypeError):
+    """A group call's arguments do not fit the role method's signature (raised at
+    submit, before anything runs; the message shows the signature and the fix). A
+    ``TypeError``, as Python raises for a direct call."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -72,14 +80,14 @@ def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: L
     """Bind a proxy call's arguments and check its inputs' fields.
 
     Raises:
-        TypeError: the arguments do not fit the method's signature.
+        CallArgumentError: the arguments do not fit the method's signature.
         MissingFieldError: an input lacks a field the method reads.
     """
     spec = endpoint.spec
     try:
         bound = spec.signature.bind(None, *args, **kwargs)
     except TypeError as e:
-        raise TypeError(f"{role}.{spec.name}{spec.signature}: {e}") from None
+        raise CallArgumentError(_argument_error(role, endpoint, kwargs, e)) from None
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(spec.signature.parameters)))  # self
     data = {k: v for k, v in arguments.items() if isinstance(v, DataFuture)}
@@ -89,6 +97,31 @@ def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: L
                 data_args=data, kwargs=plain, result=loop.create_future(), rank_local=rank_local)
     _check_known_fields(call)
     return call
+
+
+def _argument_error(role: str, endpoint: Endpoint[Any, Any], kwargs: Mapping[str, Any], e: TypeError) -> str:
+    """``role.method(signature): what is wrong; the fix``."""
+    params = list(endpoint.spec.signature.parameters.values())[1:]  # without self
+    shown = inspect.Signature([p.replace(annotation=_Source(p.annotation)) if isinstance(p.annotation, str)
+                               else p for p in params])
+    reason, hint = str(e), "pass the arguments that signature names (data arguments as futures or streams)"
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unknown = [] if any(p.kind is p.VAR_KEYWORD for p in params) else [k for k in kwargs if k not in names]
+    if unknown:  # named first: Python's own message may be about another argument
+        reason = f"unexpected keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f"did you mean {close[0]}=?" if close else f"its arguments are {names}"
+    return f"{role}.{endpoint.spec.name}{shown}: {reason}; {hint}"
+
+
+class _Source:
+    """An annotation's source text, shown as written (not as a quoted string)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def _check_known_fields(call: Call) -> None:

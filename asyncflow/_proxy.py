@@ -1,23 +1,52 @@
 """Role-group proxies: ``roles.actor.generate(...)`` on the driver submits a call to
-every rank of the role's pool and returns a :class:`DataFuture` at once."""
+every rank of the role's pool and returns a :class:`DataFuture` at once.
+
+``RoleGroup[W]`` is generic in the role class it runs, so an algorithm can declare
+its roles and have them type-checked with the project's mypy plugin
+(``asyncflow.mypy_plugin``)::
+
+    class PPORoles:
+        actor: RoleGroup[ActorWorker]
+        critic: RoleGroup[CriticWorker]
+
+    rollout = roles.actor.generate(prompts, n=2)   # DataFuture[BatchMeta]
+    roles.actor.generat(prompts)                   # mypy: no registered method "generat"
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from asyncflow._calls import CallArgumentError
 from asyncflow._pool import ResourcePool, RoleSpec
 from channels import Layout
-from workers import Endpoint, endpoints
+from workers import Endpoint, Role, endpoints
 
-Submit = Callable[["RoleGroup", Endpoint[Any, Any], tuple[Any, ...], Mapping[str, Any]], Any]
+if TYPE_CHECKING:
+    # Not used here: imported so that mypy loads the types the plugin builds a
+    # method's signature from (asyncflow.mypy_plugin) whenever it loads this module.
+    from asyncflow._datastream import DataStream, StreamOptions  # noqa: F401
+    from asyncflow._future import DataFuture  # noqa: F401
+    from channels import Batch, BatchMeta  # noqa: F401
+
+W = TypeVar("W", bound=Role)
+"""The role class a group runs."""
+
+Submit = Callable[["RoleGroup[Any]", Endpoint[Any, Any], tuple[Any, ...], Mapping[str, Any]], Any]
 """Submits a call of a group's method (the session's)."""
 
 
-class RoleGroup:
+class RoleGroup(Generic[W]):
     """The driver-side proxy of one role: ``group.method(...)`` submits the call to
     every rank of the role's pool and returns a :class:`DataFuture` at once (a
-    ``DataStream`` when an argument is a stream or the call has ``stream=...``)."""
+    ``DataStream`` when an argument is a stream or the call has ``stream=...``).
+
+    ``W`` is the role class. With the mypy plugin on, ``RoleGroup[ActorWorker]``'s
+    methods type-check against ``ActorWorker``'s registered methods (data arguments
+    take futures or streams; the result is a future); ``RoleGroup[Any]`` (what
+    ``Roles`` gives) is not checked.
+    """
 
     def __init__(self, submit: Submit, name: str, spec: RoleSpec, layout: Layout,
                  rank_local: frozenset[str] = frozenset()) -> None:
@@ -42,6 +71,12 @@ class RoleGroup:
         return self._spec.pool
 
     @property
+    def worker_class(self) -> type[W]:
+        """The Role class each rank runs (``RoleSpec.cls``)."""
+        cls: type[W] = self._spec.cls
+        return cls
+
+    @property
     def config(self) -> Any:
         """The role's config object (``RoleSpec.config``)."""
         return self._spec.config
@@ -52,34 +87,43 @@ class RoleGroup:
         endpoint = self._endpoints.get(method)
         if endpoint is None:
             raise AttributeError(
-                f"role {self._name!r} ({self._spec.cls.__qualname__}) has no registered method {method!r}; "
-                f"it has {sorted(self._endpoints)}"
+                f"{self._describe()} has no registered method {method!r}; it has {sorted(self._endpoints)} "
+                "(register a method with @register on the role class to call it through the group)"
             )
 
         def submit(*args: Any, **kwargs: Any) -> Any:
-            return self._submit(self, endpoint, args, kwargs)
+            try:
+                return self._submit(self, endpoint, args, kwargs)
+            except CallArgumentError as e:
+                raise CallArgumentError(f"{e}; {self._describe()} has registered methods "
+                                        f"{sorted(self._endpoints)}") from None
 
         submit.__doc__ = endpoint.__doc__
         submit.__name__ = method
         return submit
 
+    def _describe(self) -> str:
+        return f"role {self._name!r} ({self._spec.cls.__qualname__})"
+
     def __repr__(self) -> str:
         return f"<RoleGroup {self._name} on {self._spec.pool.name} {self._layout}>"
 
 
-class Roles(Mapping[str, RoleGroup]):
-    """The spawned roles, by name and as attributes (``roles.actor``)."""
+class Roles(Mapping[str, "RoleGroup[Any]"]):
+    """The spawned roles, by name and as attributes (``roles.actor``). Their
+    groups are ``RoleGroup[Any]``: declare a class of typed groups to have an
+    algorithm's calls type-checked (see :class:`RoleGroup`)."""
 
-    def __init__(self, groups: Mapping[str, RoleGroup]) -> None:
+    def __init__(self, groups: Mapping[str, RoleGroup[Any]]) -> None:
         self._groups = dict(groups)
 
-    def __getattr__(self, name: str) -> RoleGroup:
+    def __getattr__(self, name: str) -> RoleGroup[Any]:
         try:
             return self._groups[name]
         except KeyError:
             raise AttributeError(f"no role {name!r}; roles are {sorted(self._groups)}") from None
 
-    def __getitem__(self, name: str) -> RoleGroup:
+    def __getitem__(self, name: str) -> RoleGroup[Any]:
         return self._groups[name]
 
     def __iter__(self) -> Iterator[str]:
