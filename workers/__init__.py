@@ -4,13 +4,13 @@ Imports ``channels`` and ``hybrid_engine`` only."""
 from workers._call import CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
 from workers._register import CallInfo, Endpoint, FieldContract, MethodSpec, endpoints, register
 from workers._rendezvous import RayStore, StoreServer
-from workers._role import Role, WorkerContext
+from workers._role import CallScope, Role, WorkerContext, calling, current_call
 from workers._streaming import Adopt, Chunk, Finish, Handoff, Step, StreamControl, Tail
 from workers._worker import CONCURRENCY_GROUPS, StreamSink, WorkerProcess, check_role_class
 
 __all__ = [
-    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallSpec", "Chunk", "DataArg", "Endpoint", "FieldContract",
+    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallScope", "CallSpec", "Chunk", "DataArg", "Endpoint", "FieldContract",
     "Finish", "Handoff", "MethodSpec", "RankError", "RayStore", "Role", "Step", "StoreServer", "StreamControl",
-    "StreamSink", "StreamSpec", "Tail", "WorkerContext", "WorkerProcess", "check_role_class", "endpoints",
-    "pieces_by_worker", "register",
+    "StreamSink", "StreamSpec", "Tail", "WorkerContext", "WorkerProcess", "calling", "check_role_class",
+    "current_call", "endpoints", "pieces_by_worker", "register",
 ]

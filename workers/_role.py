@@ -6,13 +6,15 @@ process. Several roles placed on one pool share that pool's processes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from channels import Coords, Layout
+from channels import Coords, Layout, TransferProtocol
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,3 +62,40 @@ class Role:
         the driver may run them on some of the pool's ranks only, e.g. on ranks
         that long-tail migration freed while others still generate. Default none."""
         return frozenset()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallScope:
+    """The group call whose rows a rank's transforms are transforming (see
+    :func:`current_call`): enough to reduce a statistic over all of the call's rows."""
+
+    ctx: WorkerContext
+    """The called role's context on this rank (its pool's group and layout)."""
+    protocol: TransferProtocol
+    """The method's transfer protocol: how the call's rows spread over the ranks."""
+    rank_local: bool
+    """The method is rank-local (it may run on some ranks only): no collective allowed."""
+
+
+class _CurrentCall:
+    """The scope of the call whose transforms run now. A worker runs one call at a
+    time (its one-thread ``compute`` group), so one slot per process suffices."""
+
+    scope: CallScope | None = None
+
+
+def current_call() -> CallScope | None:
+    """The call whose input rows this process's transforms are applied to, or None
+    outside one (on the driver, which holds every row, e.g. ``fut.fetch()``)."""
+    return _CurrentCall.scope
+
+
+@contextmanager
+def calling(scope: CallScope | None) -> Iterator[None]:
+    """Make ``scope`` the :func:`current_call` while the block runs (the worker wraps
+    the transforms of each call's data arguments in it; calls run one at a time)."""
+    previous, _CurrentCall.scope = _CurrentCall.scope, scope
+    try:
+        yield
+    finally:
+        _CurrentCall.scope = previous

@@ -59,7 +59,7 @@ from workers._binding import bind_gloo_to_node
 from workers._call import CallSpec, RankError, ungroup
 from workers._register import Endpoint, endpoints
 from workers._rendezvous import RayStore
-from workers._role import WorkerContext
+from workers._role import CallScope, Role, WorkerContext, calling
 from workers._streaming import StreamControl, drain, run_streamed
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class WorkerProcess(ChannelHost):
                 continue
             n = len(arg.plan.pieces)
             rows = self._gather(arg.plan, pieces[i:i + n], traced)
-            args[arg.name] = self._apply(transforms.get(arg.name, ()), rows)
+            args[arg.name] = self._apply(spec, transforms.get(arg.name, ()), rows)
             i += n
         role = self.roles[spec.role]
         endpoint = self._endpoints[spec.role][spec.method]
@@ -286,16 +286,24 @@ class WorkerProcess(ChannelHost):
                           group_size=batch.group_size)
         return batch
 
-    @staticmethod
-    def _apply(transforms: Sequence[Transform], batch: Batch) -> Batch:
-        for fn, kw in transforms:
-            out = fn(batch, **kw)
-            if not isinstance(out, Mapping):
-                raise SchemaError(
-                    f"transform {getattr(fn, '__qualname__', fn)!r} must return a mapping of columns, "
-                    f"got {type(out).__name__}"
-                )
-            batch = batch.update(out)
+    def _apply(self, spec: CallSpec, transforms: Sequence[Transform], batch: Batch) -> Batch:
+        if not transforms:
+            return batch
+        role = self.roles[spec.role]
+        # Transforms may reduce over the call's rows on every rank (``current_call``);
+        # a role without a WorkerContext (not a Role) gives them no call to reduce over.
+        scope = None if not isinstance(role, Role) else CallScope(
+            ctx=role.ctx, protocol=self._endpoints[spec.role][spec.method].spec.protocol,
+            rank_local=spec.method in role.rank_local())
+        with calling(scope):
+            for fn, kw in transforms:
+                out = fn(batch, **kw)
+                if not isinstance(out, Mapping):
+                    raise SchemaError(
+                        f"transform {getattr(fn, '__qualname__', fn)!r} must return a mapping of columns, "
+                        f"got {type(out).__name__}"
+                    )
+                batch = batch.update(out)
         return batch
 
     def _result(self, spec: CallSpec, endpoint: Endpoint[Any, Any], out: Any) -> RankResult:

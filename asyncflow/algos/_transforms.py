@@ -1,6 +1,10 @@
 """Advantage transforms: they run on the ranks that consume the rows (``fut.map``),
 never on the driver. Each wraps a vectorised estimator from ``workers.engines``.
 
+Per-row math needs only the rank's rows. Whitening needs the mean and variance of
+the whole batch: the ranks add up their partial sums (``sum_over_call_rows``, a few
+numbers per call), so advantages do not depend on how rows are spread over ranks.
+
 Column names follow ``workers.roles``: ``scores`` (one per sample), ``values``,
 ``old_logprobs``, ``ref_logprobs`` and ``response_mask`` (per response token).
 """
@@ -20,6 +24,7 @@ from workers.engines import (
     remax_advantages,
     scores_to_token_rewards,
 )
+from workers.roles import sum_over_call_rows
 
 
 @transform(reads=("scores", "response_mask"), writes=("token_rewards",))
@@ -42,11 +47,13 @@ def kl_penalised_rewards(batch: Batch, *, kl_coef: float, estimator: str = "k1")
 @transform(reads=("token_rewards", "values", "response_mask"), writes=("advantages", "returns"))
 def gae(batch: Batch, *, gamma: float = 1.0, lam: float = 0.95, whiten: bool = True) -> dict[str, torch.Tensor]:
     """Generalised advantage estimation (one matrix product over the response
-    length); advantages whitened over the rank's tokens when ``whiten``."""
+    length); with ``whiten``, advantages whitened over every response token of the
+    call's whole batch (all consumer ranks' rows: a collective over the consumer's
+    ranks, which a rank without rows joins too)."""
     mask = batch["response_mask"]
     adv, returns = gae_advantages(batch["token_rewards"], batch["values"], mask, gamma=gamma, lam=lam)
     if whiten:
-        adv = masked_whiten(adv, mask)
+        adv = masked_whiten(adv, mask, sum_over_ranks=sum_over_call_rows)
     return {"advantages": adv * mask, "returns": returns}
 
 
@@ -75,11 +82,12 @@ def greedy_baseline_advantages(batch: Batch) -> dict[str, torch.Tensor]:
 def safe_advantages(batch: Batch, *, lagrange: float, gamma: float = 1.0, lam: float = 0.95
                     ) -> dict[str, torch.Tensor]:
     """Safe-RLHF: reward and cost advantages by GAE, combined as
-    ``(A_r - lambda * A_c) / (1 + lambda)``; also the returns both critics fit."""
+    ``(A_r - lambda * A_c) / (1 + lambda)`` and whitened over every response token
+    of the call's whole batch (as :func:`gae`); also the returns both critics fit."""
     mask = batch["response_mask"]
     r_adv, r_ret = gae_advantages(scores_to_token_rewards(batch["scores"].float(), mask), batch["values"],
                                   mask, gamma=gamma, lam=lam)
     c_adv, c_ret = gae_advantages(scores_to_token_rewards(batch["costs"].float(), mask), batch["cost_values"],
                                   mask, gamma=gamma, lam=lam)
-    adv = masked_whiten((r_adv - lagrange * c_adv) / (1.0 + lagrange), mask)
+    adv = masked_whiten((r_adv - lagrange * c_adv) / (1.0 + lagrange), mask, sum_over_ranks=sum_over_call_rows)
     return {"advantages": adv * mask, "returns": r_ret, "cost_returns": c_ret}

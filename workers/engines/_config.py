@@ -45,7 +45,8 @@ class TrainingConfig:
     max_tokens_per_micro_batch: int | None = None
     """Token-balanced micro-batches of at most this many real tokens each."""
     loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
-    """How per-token loss terms are averaged over the global batch."""
+    """How per-token loss terms are averaged over the global batch, for objectives
+    whose ``loss_agg`` is None (an objective's own setting wins)."""
     skip_non_finite: bool = True
     """Skip the optimizer step (and report it as ``step_skipped``) when the loss or the
     gradient norm, both global over the data-parallel ranks, is inf or nan."""

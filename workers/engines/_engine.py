@@ -254,10 +254,12 @@ class TrainingEngine:
     ) -> dict[str, float]:
         """One optimizer step on ``batch`` (this rank's data-parallel slice, maybe empty).
 
-        Micro-batch losses are scaled by the global (all data-parallel ranks) normaliser
-        of the configured aggregation, so the accumulated gradient equals the full-batch
-        gradient. The step is skipped on every rank alike when the global loss or the
-        gradient norm is not finite (see ``TrainingConfig.skip_non_finite``).
+        Micro-batch losses are scaled by the global (all data-parallel ranks, all
+        micro-batches) normaliser of the aggregation (the objective's ``loss_agg``, else
+        ``TrainingConfig.loss_aggregation``), so the accumulated gradient equals the
+        full-batch gradient whatever the layout and the micro-batching. The step is
+        skipped on every rank alike when the global loss or the gradient norm is not
+        finite (see ``TrainingConfig.skip_non_finite``).
 
         Args:
             batch: sequence fields plus the fields the objective reads.
@@ -279,7 +281,7 @@ class TrainingEngine:
         check_batch(batch, loss_fn.required_fields)
         batch = self._to_device(batch)
         self._check_positions(batch)
-        aggregation = self.config.loss_aggregation
+        aggregation = loss_fn.loss_agg or self.config.loss_aggregation
         mask = batch["response_mask"].to(torch.float32)
         local_normaliser = aggregation.parts(mask, mask)[1].to(torch.float64).reshape(1)
         normaliser = float(self.parallel.all_reduce_dp(local_normaliser).clamp(min=1.0))

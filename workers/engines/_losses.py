@@ -80,24 +80,49 @@ def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor
 
 
 def masked_whiten(
-    values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8
+    values: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    sum_over_ranks: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Normalise the masked entries of ``values`` to zero mean and unit variance.
 
+    The mean and the (unbiased) variance are those of every selected entry of the
+    whole batch: with ``sum_over_ranks`` this rank's rows are one share of a batch
+    spread over ranks, and the statistics are computed from sums over all shares
+    (two reductions: count and sum, then the squared deviations), so the result
+    does not depend on how the rows are spread. Sums are taken in float64.
+
     Args:
-        values: any shape, e.g. advantages ``[B, R]``.
+        values: any shape, e.g. advantages ``[B, R]`` (``B`` may be 0).
         mask: broadcastable to ``values``.
         shift_mean: when False the mean is added back (only the scale changes).
         eps: added to the variance before the square root.
+        sum_over_ranks: adds a float64 tensor of partial sums over the ranks that
+            hold the batch's other rows (e.g. :func:`workers.roles.sum_over_call_rows`);
+            None: these rows are the whole batch.
 
     Returns:
-        Whitened values, 0 at masked-out entries.
+        Whitened values (``values``' dtype), 0 at masked-out entries.
     """
-    mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
+    total = sum_over_ranks if sum_over_ranks is not None else _identity
+    keep = torch.broadcast_to(mask, values.shape).bool()
+    wide = torch.where(keep, values.to(torch.float64), 0.0)
+    count, summed = total(torch.stack([keep.sum().to(torch.float64), wide.sum()])).unbind()
+    mean = summed / count.clamp(min=1)
+    deviations = torch.where(keep, wide - mean, 0.0)
+    squares = total(deviations.pow(2).sum().reshape(1))[0]
+    var = torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.zeros_like(squares))
+    whitened = deviations * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened * mask
+    return (whitened * keep).to(values.dtype)
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 # ------------------------------------------------------------------ log-probs, entropy

@@ -3,8 +3,10 @@
 An objective is a callable ``loss(outputs, batch) -> LossTerms``: it reads the model
 outputs of one micro-batch (log-probs, entropy or values over the response tokens)
 and the batch tensors of the same rows, and returns *per-token* loss terms. The
-engine owns the reduction (a :class:`LossAggregation` over the global batch), which
-keeps gradient accumulation and data parallelism exact whatever the objective.
+objective names how they are aggregated (``loss_agg``, a :class:`LossAggregation`);
+the engine applies it over the global batch (every data-parallel rank's rows and
+every micro-batch), which keeps gradient accumulation and data parallelism exact
+whatever the objective.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Protocol
 from torch import Tensor
 
 from workers.engines._errors import EngineConfigError, enum_field
-from workers.engines._losses import KLEstimator, clipped_value_loss, ppo_policy_loss
+from workers.engines._losses import (
+    KLEstimator,
+    LossAggregation,
+    clipped_value_loss,
+    ppo_policy_loss,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +82,12 @@ class LossFn(Protocol):
         """Whether the loss differentiates through the entropy (so it needs its graph)."""
         ...
 
+    @property
+    def loss_agg(self) -> LossAggregation | None:
+        """How the per-token terms become one scalar over the global batch; None: the
+        engine's ``TrainingConfig.loss_aggregation``."""
+        ...
+
     def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
         """Per-token loss terms for one micro-batch (``batch`` holds the same rows)."""
         ...
@@ -85,12 +98,17 @@ def _check_non_negative(owner: str, name: str, value: float | None) -> None:
         raise EngineConfigError(f"{owner}.{name} must be >= 0, got {value}")
 
 
+def _loss_agg(owner: str, value: object) -> LossAggregation | None:
+    """``value`` as an aggregation (strings such as ``"token-mean"`` accepted), or None."""
+    return None if value is None else enum_field(f"{owner}.loss_agg", LossAggregation, value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PolicyLoss:
     """PPO clipped policy loss with optional dual clip, entropy bonus and KL loss term.
 
     GRPO is this loss with ``kl_coef > 0`` (k3), group-normalised advantages
-    (:func:`grpo_advantages`) and the ``seq-mean-token-mean`` aggregation.
+    (:func:`grpo_advantages`) and ``loss_agg="seq-mean-token-mean"``.
     Reads ``old_logprobs``, ``advantages`` (``[B, R]`` or ``[B]``) and, with a KL term,
     ``ref_logprobs``.
     """
@@ -107,10 +125,18 @@ class PolicyLoss:
     """Weight of the KL(pi || ref) loss term; 0 disables it (and the need for ref_logprobs)."""
     kl_estimator: KLEstimator = KLEstimator.K3
     """Estimator of the KL loss term."""
+    loss_agg: LossAggregation | None = None
+    """How the per-token terms are aggregated over the global batch: ``"token-mean"``
+    (every token weighs the same; normalised by the global token count across
+    data-parallel ranks and micro-batches, as verl does), ``"seq-mean-token-mean"``
+    or ``"seq-mean-token-sum"``. None uses the engine's
+    ``TrainingConfig.loss_aggregation``, whose default is ``"token-mean"``: the
+    behaviour before this setting existed."""
 
     def __post_init__(self) -> None:
         for name in ("clip_ratio_low", "clip_ratio_high", "entropy_coef", "kl_coef"):
             _check_non_negative("PolicyLoss", name, getattr(self, name))
+        object.__setattr__(self, "loss_agg", _loss_agg("PolicyLoss", self.loss_agg))
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise EngineConfigError(
                 f"PolicyLoss.dual_clip must be > 1 (typically 3.0) or None, got {self.dual_clip}"
@@ -172,9 +198,14 @@ class ValueLoss:
     disables clipping."""
     coef: float = 1.0
     """Multiplies the loss."""
+    loss_agg: LossAggregation | None = None
+    """How the per-token errors are aggregated over the global batch (as
+    :attr:`PolicyLoss.loss_agg`); None uses the engine's
+    ``TrainingConfig.loss_aggregation`` (``"token-mean"`` unless set, as before)."""
 
     def __post_init__(self) -> None:
         _check_non_negative("ValueLoss", "clip_range", self.clip_range)
+        object.__setattr__(self, "loss_agg", _loss_agg("ValueLoss", self.loss_agg))
 
     @property
     def required_fields(self) -> tuple[str, ...]:
@@ -210,6 +241,12 @@ class NLLLoss:
 
     coef: float = 1.0
     """Weight of the loss (e.g. Safe-RLHF's ``ptx_coef``)."""
+    loss_agg: LossAggregation | None = None
+    """How the per-token terms are aggregated (as :attr:`PolicyLoss.loss_agg`); None
+    uses the engine's ``TrainingConfig.loss_aggregation``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss_agg", _loss_agg("NLLLoss", self.loss_agg))
 
     @property
     def required_fields(self) -> tuple[str, ...]:

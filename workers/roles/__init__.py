@@ -10,12 +10,16 @@ Each is a :class:`~workers.Role` with a nested keyword-only ``Config`` and
 - :class:`CriticWorker`: ``values``, ``update``, checkpoints, ``export_hf``;
 - :class:`RewardWorker` / :class:`CostWorker`: ``score`` -> ``scores`` / ``costs``, by a
   rule function or a reward/cost model (``workers.rewards``).
+
+:func:`sum_over_call_rows` lets a transform applied to a call's rows (``fut.map``)
+reduce statistics over every rank's share of them.
 """
 
 from __future__ import annotations
 
 from workers.roles import _fields as fields
 from workers.roles._actor import ActorConfig, ActorWorker
+from workers.roles._call_sums import sum_over_call_rows
 from workers.roles._critic import CriticConfig, CriticWorker
 from workers.roles._fields import (
     ADVANTAGES,
@@ -71,4 +75,5 @@ __all__ = [
     "UpdateConfig",
     "fields",
     "score_summary",
+    "sum_over_call_rows",
 ]

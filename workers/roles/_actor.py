@@ -70,6 +70,18 @@ class ActorConfig:
         })
 
 
+UPDATE_METRICS = Metrics(over=DP(), tokens="actor/response_tokens", reduce={
+    "actor/response_tokens": "sum", "actor/logprob_mismatch": "token_mean", "actor/kl_to_ref": "token_mean",
+    "actor/logprob_mismatch_max": "max", "actor/steps": "max", "actor/steps_skipped": "max",
+})
+"""How :meth:`ActorWorker.update`'s metrics combine over its data-parallel ranks. The
+update already reduces them over the ranks (equal on every rank) except
+``response_tokens``, this rank's count, which is summed; each key still says what it
+is, so that a rank-local value would combine right: token means weighted by the
+ranks' response tokens, other means by their rows (a rank without rows does not
+count), step counts by their max."""
+
+
 class ActorWorker(TrainedRole):
     """The policy: ``generate``, ``log_prob``, ``update``, checkpoints.
 
@@ -162,8 +174,8 @@ class ActorWorker(TrainedRole):
         logprobs, entropy = self.engine.log_probs(batch)
         return {F.OLD_LOGPROBS: logprobs.cpu(), F.ENTROPY: entropy.cpu()}
 
-    @register(protocol=Metrics(over=DP(), reduce={"actor/response_tokens": "sum", "actor/logprob_mismatch_max": "max"}),
-              reads=lambda call: _update_reads(call), optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS))
+    @register(protocol=UPDATE_METRICS, reads=lambda call: _update_reads(call),
+              optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS))
     def update(self, batch: Batch, *, loss: PolicyLoss | None = None,
                schedule: UpdateConfig | None = None, ptx: Batch | None = None,
                ptx_coef: float = 0.0) -> dict[str, float]:
@@ -181,8 +193,10 @@ class ActorWorker(TrainedRole):
             ptx_coef: weight of that loss (0 skips it).
 
         Returns:
-            Metrics named ``actor/<name>``: the engine's (``loss``, ``grad_norm``,
-            ``lr``, ``clip_fraction``, ``approx_kl``, ...) averaged over the steps,
+            Metrics named ``actor/<name>``, equal for every layout of the same rows
+            (see :data:`UPDATE_METRICS`): the engine's (``loss``, ``grad_norm``, ``lr``,
+            ``clip_fraction``, ``approx_kl``, ...: token means over every rank's rows,
+            aggregated as the loss's ``loss_agg`` says) averaged over the steps,
             ``steps``, ``steps_skipped`` (non-finite loss or gradient), ``response_tokens``
             (summed over ranks) and, as token means over every rank's rows,
             ``logprob_mismatch`` / ``logprob_mismatch_max``: how far the rollout

@@ -30,6 +30,12 @@ OLD_VALUES = "old_values"
 """The engine's name for the values before the update (the clipping anchor)."""
 
 
+UPDATE_METRICS = Metrics(over=DP(), reduce={"critic/steps": "max", "critic/steps_skipped": "max"})
+"""How :meth:`CriticWorker.update`'s metrics combine over its data-parallel ranks: the
+update reduces them over the ranks already (equal on every rank); means are weighted
+by the ranks' rows (a rank without rows does not count), step counts by their max."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CriticConfig:
     """Settings of a :class:`CriticWorker`."""
@@ -96,7 +102,7 @@ class CriticWorker(TrainedRole):
         """
         return {F.VALUES: self.engine.values(batch).cpu()}
 
-    @register(protocol=Metrics(over=DP()), reads=(*F.SEQUENCE, F.VALUES, F.RETURNS))
+    @register(protocol=UPDATE_METRICS, reads=(*F.SEQUENCE, F.VALUES, F.RETURNS))
     def update(self, batch: Batch, *, loss: ValueLoss | None = None,
                schedule: UpdateConfig | None = None) -> dict[str, float]:
         """Regress the values towards ``returns`` (clipped around the batch's ``values``).
@@ -107,9 +113,11 @@ class CriticWorker(TrainedRole):
             schedule: epochs and mini-batches; None uses ``config.update``.
 
         Returns:
-            Metrics named ``critic/<name>`` (``loss``, ``grad_norm``, ``lr``,
-            ``value_clip_fraction``, ``values``, ...: token means over every rank's rows)
-            averaged over the steps, ``steps`` and ``steps_skipped``.
+            Metrics named ``critic/<name>`` (``loss``, aggregated as the loss's
+            ``loss_agg`` says, ``grad_norm``, ``lr``, ``value_clip_fraction``,
+            ``values``, ...: token means over every rank's rows) averaged over the
+            steps, ``steps`` and ``steps_skipped``; equal for every layout of the same
+            rows.
 
         Raises:
             MissingFieldError: the batch lacks a field.
