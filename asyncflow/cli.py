@@ -49,13 +49,13 @@ def _overrides(pairs: Sequence[str]) -> dict[str, object]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from asyncflow.train import Trainer, load_config
+    from asyncflow.train import Trainer, algorithm_in, load_config
 
     overrides = _overrides(args.set)
     if args.trace:
         overrides.setdefault("train.trace_steps", 3)
     config = load_config(args.config, overrides)
-    _say(f"asyncflow train: {config.algorithm} on {config.task.digits}-digit arithmetic "
+    _say(f"asyncflow train: {algorithm_in(config).name} on {config.task.digits}-digit arithmetic "
          f"({'+'.join(config.task.operators)}), output in {config.output_dir}")
     trainer = Trainer(config, resume=args.resume, say=_say, progress_bar=not args.no_progress)
     result = asyncio.run(trainer.run())
@@ -79,13 +79,13 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from asyncflow.train import load_config
+    from asyncflow.train import algorithm_in, load_config
     from asyncflow.train._plan import current_placement, plan
 
     config = load_config(args.config, _overrides(args.set))
     cores = None if args.gpu else (os.cpu_count() or 1)
     devices = args.devices or max(sum(p.devices for p in config.pools.values()), cores or 0)
-    _say(f"asyncflow plan: profiling {config.algorithm}'s roles on {devices} device(s) "
+    _say(f"asyncflow plan: profiling {algorithm_in(config).name}'s roles on {devices} device(s) "
          f"({'GPUs' if cores is None else f'{cores} CPU cores'}) ...")
     _, ranked = asyncio.run(plan(config, devices=devices, cores=cores))
     mine = current_placement(config)

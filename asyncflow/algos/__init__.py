@@ -1,16 +1,31 @@
-"""RL algorithms as ``async def`` steps over worker-group calls.
+"""RL algorithms as plug-ins: ``async def`` steps over role-group calls.
 
-Each step takes the placed roles (by name: ``actor``, ``ref``, ``critic``,
-``reward``, ``cost``, ``cost_critic``), a future of prompt rows and a config, and
-returns the step's metrics. No tensor passes through the driver: advantages are
-computed by transforms on the ranks that consume the rows.
+Each algorithm is registered (:func:`algorithm`) with its config type, its roles
+(a :class:`RoleSet`: ``roles.actor``, ``roles.ref``, ... typed by the worker
+class they run) and its step, which takes the placed roles, a future of prompt
+rows and the config, and returns the step's metrics. No tensor passes through the
+driver: advantages are computed by transforms on the ranks that consume the rows.
+Installed packages add algorithms through the ``asyncflow.algorithms`` entry-point
+group; :func:`algorithms` lists them all.
 """
 
-from asyncflow.algos._common import PolicyConfig, RolloutConfig
-from asyncflow.algos._grpo import GRPOConfig, grpo_step
-from asyncflow.algos._ppo import PPOConfig, ppo_step
-from asyncflow.algos._remax import ReMaxConfig, remax_step
-from asyncflow.algos._safe_rlhf import SafeRLHFConfig, SafeRLHFState, safe_rlhf_step
+from asyncflow.algos._common import PolicyConfig, RolloutConfig, call_on_rollout, merge_rows, whole
+from asyncflow.algos._grpo import GRPOConfig, GRPORoles, grpo_step
+from asyncflow.algos._ppo import PPOConfig, PPORoles, ppo_step
+from asyncflow.algos._registry import (
+    ENTRY_POINT_GROUP,
+    Algorithm,
+    PromptSource,
+    RoleSet,
+    algorithm,
+    algorithm_of,
+    algorithms,
+    config_section,
+    get_algorithm,
+    register,
+)
+from asyncflow.algos._remax import ReMaxConfig, ReMaxRoles, remax_step
+from asyncflow.algos._safe_rlhf import SafeRLHFConfig, SafeRLHFRoles, SafeRLHFState, safe_rlhf_step
 from asyncflow.algos._transforms import (
     gae,
     greedy_baseline_advantages,
@@ -21,8 +36,9 @@ from asyncflow.algos._transforms import (
 )
 
 __all__ = [
-    "GRPOConfig", "PPOConfig", "PolicyConfig", "ReMaxConfig", "RolloutConfig", "SafeRLHFConfig",
-    "SafeRLHFState", "gae", "greedy_baseline_advantages", "group_advantages", "grpo_step",
-    "kl_penalised_rewards", "ppo_step", "remax_step", "safe_advantages", "safe_rlhf_step",
-    "token_rewards",
+    "ENTRY_POINT_GROUP", "Algorithm", "GRPOConfig", "GRPORoles", "PPOConfig", "PPORoles", "PolicyConfig", "PromptSource",
+    "ReMaxConfig", "ReMaxRoles", "RoleSet", "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState",
+    "algorithm", "algorithm_of", "algorithms", "call_on_rollout", "config_section", "gae", "get_algorithm",
+    "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "merge_rows", "ppo_step",
+    "register", "remax_step", "safe_advantages", "safe_rlhf_step", "token_rewards", "whole",
 ]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from asyncflow._datastream import DataStream, collect
+from asyncflow._datastream import DataStream, StreamOptions, collect
+from asyncflow._ops import merge
 from channels import ConfigError
-from workers.engines import PolicyLoss
+from workers.engines import LossAggregation, PolicyLoss
 from workers.rollout import SamplingParams
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
@@ -28,11 +28,25 @@ class PolicyConfig(msgspec.Struct, **_CFG):
     """Weight of the KL-to-reference loss term (0 disables it and the reference)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
+    loss_agg: LossAggregation = LossAggregation.TOKEN_MEAN
+    """How the per-token losses become one number over the global batch (every
+    data-parallel rank's rows and every micro-batch, so the step does not depend on
+    the layout): ``"token-mean"`` (every token weighs the same), ``"seq-mean-token-mean"``
+    (each response's token mean, averaged over responses; the GRPO paper's form) or
+    ``"seq-mean-token-sum"``. Overrides the actor's ``TrainingConfig.loss_aggregation``,
+    whose default was, and is, token-mean."""
+
+    def __post_init__(self) -> None:
+        allowed = [m.value for m in LossAggregation]
+        if self.loss_agg not in allowed:
+            raise ConfigError(f"policy.loss_agg must be one of {', '.join(map(repr, allowed))}, "
+                              f"got {self.loss_agg!r}")
 
     def update_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``actor.update``."""
         loss = PolicyLoss(clip_ratio_low=self.clip_ratio, clip_ratio_high=self.clip_ratio_high,
-                          dual_clip=self.dual_clip, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
+                          dual_clip=self.dual_clip, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef,
+                          loss_agg=self.loss_agg)
         return {"loss": loss}
 
 
@@ -63,15 +77,33 @@ class RolloutConfig(msgspec.Struct, **_CFG):
                               top_p=self.top_p, top_k=self.top_k, seed=seed, ignore_eos=self.ignore_eos)
 
 
-def require_roles(roles: Mapping[str, Any], algo: str, *names: str) -> None:
-    """Fail with the missing role's name before anything runs.
+def call_on_rollout(consumer: Any, method: str, rollout: Any, *, producer: Any, stream: StreamOptions | None
+                    ) -> Any:
+    """``consumer.method(rows)``, where ``rows`` is what it takes of ``rollout``
+    (``producer``'s output): the stream, or the whole batch.
 
-    Raises:
-        ConfigError: a role the algorithm needs is not placed.
+    A role on another pool than the producer takes the stream: it runs micro-batch
+    by micro-batch while generation goes on. A role on the producer's own pool
+    takes the whole batch once generation ends (its pool is busy generating until
+    then, so micro-batch calls would only add their overheads), unless the long
+    tail may migrate off some of the pool's ranks (``stream.migrate`` set, a pool
+    of several ranks) and ``method`` is rank-local: the freed ranks then run it on
+    finished micro-batches.
     """
-    missing = [n for n in names if n not in roles]
-    if missing:
-        raise ConfigError(f"{algo} needs roles {list(names)}; missing {missing} (placed: {sorted(roles)})")
+    rows = rollout
+    same_pool = consumer.pool.name == producer.pool.name
+    if stream is not None and isinstance(rollout, DataStream) and same_pool:
+        freed_ranks = bool(stream.migrate) and consumer.pool.devices > 1 and method in consumer.rank_local
+        rows = rollout if freed_ranks else collect(rollout)
+    return getattr(consumer, method)(rows)
+
+
+def merge_rows(*parts: Any) -> Any:
+    """``merge`` of the parts: micro-batch by micro-batch when all are streams,
+    else of the whole batch (every stream collected)."""
+    if all(isinstance(p, DataStream) for p in parts):
+        return merge(*parts)
+    return merge(*(whole(p) for p in parts))
 
 
 def whole(rows: Any) -> Any:

@@ -9,10 +9,19 @@ import msgspec
 
 from asyncflow._datastream import StreamOptions
 from asyncflow._future import DataFuture, gather
-from asyncflow._ops import merge
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles, whole
+from asyncflow._proxy import RoleGroup
+from asyncflow.algos._common import (
+    _CFG,
+    PolicyConfig,
+    RolloutConfig,
+    call_on_rollout,
+    merge_rows,
+    whole,
+)
+from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import group_advantages
-from workers.roles import score_summary
+from channels import ConfigError
+from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 
 class GRPOConfig(msgspec.Struct, **_CFG):
@@ -26,23 +35,45 @@ class GRPOConfig(msgspec.Struct, **_CFG):
     """Divide by the group's standard deviation (Dr. GRPO sets this False)."""
 
 
-async def grpo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: GRPOConfig, *,
-                    seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
+class GRPORoles(RoleSet):
+    """GRPO's roles: the actor and the reward; the reference when placed (its KL
+    is reported, and enters the loss with ``policy.kl_coef``)."""
+
+    actor: RoleGroup[ActorWorker]
+    reward: RoleGroup[RewardWorker]
+    ref: RoleGroup[ReferenceWorker] | None
+
+
+def _check(config: GRPOConfig) -> None:
+    if config.rollout.n < 2:
+        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {config.rollout.n}: GRPO compares the "
+                          "samples of one prompt; 8 is usual")
+
+
+def _wants(config: GRPOConfig) -> tuple[str, ...]:
+    return ("ref",) if config.policy.kl_coef > 0 else ()
+
+
+@algorithm("grpo", config=GRPOConfig, roles=GRPORoles, streams=True, check=_check, wants=_wants)
+async def grpo_step(roles: GRPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: GRPOConfig,
+                    *, seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
     """One GRPO step: sample ``n`` responses per prompt, score them, normalise the
     scores within each prompt's group and update the actor. ``seed`` seeds the
     step's sampling (a resumed run then samples what an uninterrupted one would).
     With ``stream``, groups flow into the log-prob and reward calls as they finish
-    (and the long tail may migrate); the update gets the same rows."""
-    # A placed reference is used for the KL metric even without a KL loss term.
-    use_ref = config.policy.kl_coef > 0 or "ref" in roles
-    require_roles(roles, "GRPO", "actor", "reward", *(["ref"] if use_ref else []))
-    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed),
-                                      stream=stream)
-    old = roles["actor"].log_prob(rollout)
-    scores = roles["reward"].score(rollout)
-    parts = [rollout, old, scores] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
-    batch = whole(merge(*parts)).map(group_advantages, scale_by_std=config.scale_by_std)
-    actor, stats = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
-                                roles["reward"].stats(whole(scores)))
-    return actor | score_summary(stats)
+    on other pools than the actor's (``call_on_rollout`` says which; the
+    long tail may migrate); the update gets the same rows."""
+    r = GRPORoles.of(roles, algorithm="GRPO")
+    if config.policy.kl_coef > 0 and r.ref is None:
+        raise ConfigError("GRPO with policy.kl_coef > 0 needs a placed ref role")
+    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
 
+    def call(group: RoleGroup[Any], method: str) -> Any:
+        return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)
+
+    scores = call(r.reward, "score")
+    parts = [rollout, call(r.actor, "log_prob"), scores] + ([call(r.ref, "log_prob")] if r.ref else [])
+    batch = whole(merge_rows(*parts)).map(group_advantages, scale_by_std=config.scale_by_std)
+    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
+                                r.reward.stats(whole(scores)))
+    return actor | score_summary(stats)

@@ -9,10 +9,20 @@ import msgspec
 
 from asyncflow._datastream import StreamOptions
 from asyncflow._future import DataFuture, gather
-from asyncflow._ops import merge
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles, whole
+from asyncflow._proxy import RoleGroup
+from asyncflow.algos._checks import at_least, check_gae
+from asyncflow.algos._common import (
+    _CFG,
+    PolicyConfig,
+    RolloutConfig,
+    call_on_rollout,
+    merge_rows,
+    whole,
+)
+from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
-from workers.roles import score_summary
+from channels import ConfigError
+from workers.roles import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, score_summary
 
 
 class PPOConfig(msgspec.Struct, **_CFG):
@@ -30,26 +40,48 @@ class PPOConfig(msgspec.Struct, **_CFG):
     """GAE lambda."""
 
 
-async def ppo_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: PPOConfig, *,
+class PPORoles(RoleSet):
+    """PPO's roles: actor, critic and reward; the reference when a KL term is on."""
+
+    actor: RoleGroup[ActorWorker]
+    critic: RoleGroup[CriticWorker]
+    reward: RoleGroup[RewardWorker]
+    ref: RoleGroup[ReferenceWorker] | None
+
+
+def _check(config: PPOConfig) -> None:
+    at_least("algorithm.reward_kl_coef", config.reward_kl_coef, 0, "0 turns the KL penalty off")
+    check_gae("algorithm", config.gamma, config.lam)
+
+
+def _wants(config: PPOConfig) -> tuple[str, ...]:
+    return ("ref",) if config.reward_kl_coef > 0 or config.policy.kl_coef > 0 else ()
+
+
+@algorithm("ppo", config=PPOConfig, roles=PPORoles, streams=True, check=_check, wants=_wants)
+async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: PPOConfig, *,
                    seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
     """One PPO step: rollout, reference log-probs, values and scores (each on its
     role's pool, so stages on different pools overlap), GAE on the consumers'
     ranks, then the actor and critic updates side by side. With ``stream``, the
-    inference calls run per micro-batch as samples finish; the updates get the
-    same rows."""
-    use_ref = config.reward_kl_coef > 0 or config.policy.kl_coef > 0
-    require_roles(roles, "PPO", "actor", "critic", "reward", *(["ref"] if use_ref else []))
-    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed),
-                                      stream=stream)
-    old = roles["actor"].log_prob(rollout)
-    values = roles["critic"].values(rollout)
-    scores = roles["reward"].score(rollout)
-    if use_ref:
-        batch = merge(rollout, old, roles["ref"].log_prob(rollout), values, scores)
+    inference calls on other pools than the actor's run per micro-batch as
+    samples finish (``call_on_rollout`` says which); the updates get the same
+    rows."""
+    r = PPORoles.of(roles, algorithm="PPO")
+    if _wants(config) and r.ref is None:
+        raise ConfigError("PPO with a KL term (reward_kl_coef or policy.kl_coef > 0) needs a placed ref role")
+    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
+
+    def call(group: RoleGroup[Any], method: str) -> Any:
+        return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)
+
+    old, values, scores = call(r.actor, "log_prob"), call(r.critic, "values"), call(r.reward, "score")
+    if r.ref is not None:
+        batch = merge_rows(rollout, old, call(r.ref, "log_prob"), values, scores)
         batch = batch.map(kl_penalised_rewards, kl_coef=config.reward_kl_coef)
     else:
-        batch = merge(rollout, old, values, scores).map(token_rewards)
+        batch = merge_rows(rollout, old, values, scores).map(token_rewards)
     batch = whole(batch).map(gae, gamma=config.gamma, lam=config.lam)
-    actor, critic, stats = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
-                                        roles["critic"].update(batch), roles["reward"].stats(whole(scores)))
+    actor, critic, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
+                                        r.critic.update(batch), r.reward.stats(whole(scores)))
     return actor | critic | score_summary(stats)

@@ -9,9 +9,12 @@ import msgspec
 
 from asyncflow._future import DataFuture, gather
 from asyncflow._ops import merge
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
+from asyncflow._proxy import RoleGroup
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig
+from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import greedy_baseline_advantages
-from workers.roles import score_summary
+from channels import ConfigError
+from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 
 class ReMaxConfig(msgspec.Struct, **_CFG):
@@ -23,19 +26,38 @@ class ReMaxConfig(msgspec.Struct, **_CFG):
     """The actor's update."""
 
 
-async def remax_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: ReMaxConfig, *,
-                     seed: int | None = None) -> dict[str, float]:
+class ReMaxRoles(RoleSet):
+    """ReMax's roles: the actor and the reward; the reference when placed."""
+
+    actor: RoleGroup[ActorWorker]
+    reward: RoleGroup[RewardWorker]
+    ref: RoleGroup[ReferenceWorker] | None
+
+
+def _check(config: ReMaxConfig) -> None:
+    if config.rollout.n != 1:
+        raise ConfigError(f"algorithm.rollout.n = {config.rollout.n}: ReMax samples one response per prompt "
+                          "(and the greedy one as its baseline); leave it out")
+
+
+def _wants(config: ReMaxConfig) -> tuple[str, ...]:
+    return ("ref",) if config.policy.kl_coef > 0 else ()
+
+
+@algorithm("remax", config=ReMaxConfig, roles=ReMaxRoles, check=_check, wants=_wants)
+async def remax_step(roles: ReMaxRoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any],
+                     config: ReMaxConfig, *, seed: int | None = None) -> dict[str, float]:
     """One ReMax step: a sampled and a greedy response per prompt; the greedy
     response's score is the sampled one's baseline."""
-    use_ref = config.policy.kl_coef > 0 or "ref" in roles
-    require_roles(roles, "ReMax", "actor", "reward", *(["ref"] if use_ref else []))
-    rollout = roles["actor"].generate(prompts, n=1, params=config.rollout.params(seed=seed))
-    greedy = roles["actor"].generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))
-    old = roles["actor"].log_prob(rollout)
-    scores = roles["reward"].score(rollout)
-    baseline = roles["reward"].score(greedy).rename(scores="baseline_scores")
-    parts = [rollout, old, scores, baseline] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
+    r = ReMaxRoles.of(roles, algorithm="ReMax")
+    if config.policy.kl_coef > 0 and r.ref is None:
+        raise ConfigError("ReMax with policy.kl_coef > 0 needs a placed ref role")
+    rollout = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed))
+    greedy = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))
+    old = r.actor.log_prob(rollout)
+    scores = r.reward.score(rollout)
+    baseline = r.reward.score(greedy).rename(scores="baseline_scores")
+    parts = [rollout, old, scores, baseline] + ([r.ref.log_prob(rollout)] if r.ref else [])
     batch = merge(*parts).map(greedy_baseline_advantages)
-    actor, stats = await gather(roles["actor"].update(batch, **config.policy.update_kwargs()),
-                                roles["reward"].stats(scores))
+    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.reward.stats(scores))
     return actor | score_summary(stats)

@@ -11,9 +11,20 @@ import msgspec
 
 from asyncflow._future import DataFuture, gather
 from asyncflow._ops import merge
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, require_roles
+from asyncflow._proxy import RoleGroup
+from asyncflow.algos._checks import at_least, check_gae, finite, within
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig
+from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, safe_advantages, token_rewards
-from workers.roles import score_summary
+from channels import ConfigError
+from workers.roles import (
+    ActorWorker,
+    CostWorker,
+    CriticWorker,
+    ReferenceWorker,
+    RewardWorker,
+    score_summary,
+)
 
 
 class SafeRLHFConfig(msgspec.Struct, **_CFG):
@@ -46,20 +57,58 @@ class SafeRLHFState:
     lagrange: float
 
 
-async def safe_rlhf_step(roles: Mapping[str, Any], prompts: DataFuture[Any], config: SafeRLHFConfig,
-                         state: SafeRLHFState, ptx: DataFuture[Any] | None = None,
-                         seed: int | None = None) -> dict[str, float]:
-    """One Safe-RLHF step; updates ``state.lagrange`` from the step's mean cost."""
-    use_ref = config.policy.kl_coef > 0
-    require_roles(roles, "Safe-RLHF", "actor", "critic", "cost_critic", "reward", "cost",
-                  *(["ref"] if use_ref else []))
-    rollout = roles["actor"].generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
-    old = roles["actor"].log_prob(rollout)
-    values = roles["critic"].values(rollout)
-    cost_values = roles["cost_critic"].values(rollout).rename(values="cost_values")
-    scores = roles["reward"].score(rollout)
-    costs = roles["cost"].score(rollout)
-    parts = [rollout, old, values, cost_values, scores, costs] + ([roles["ref"].log_prob(rollout)] if use_ref else [])
+class SafeRLHFRoles(RoleSet):
+    """Safe-RLHF's roles: the actor, a reward critic and a cost critic, the reward
+    and the cost; the reference when a KL term is on."""
+
+    actor: RoleGroup[ActorWorker]
+    critic: RoleGroup[CriticWorker]
+    cost_critic: RoleGroup[CriticWorker]
+    reward: RoleGroup[RewardWorker]
+    cost: RoleGroup[CostWorker]
+    ref: RoleGroup[ReferenceWorker] | None
+
+
+def _check(s: SafeRLHFConfig) -> None:
+    key = "algorithm"
+    finite(f"{key}.cost_limit", s.cost_limit, "the expected cost the policy may spend, e.g. 0.0")
+    at_least(f"{key}.lagrange_max", s.lagrange_max, 0, "100.0 is usual")
+    within(f"{key}.lagrange_init", s.lagrange_init, 0, s.lagrange_max,
+           fix=f"the multiplier starts in [0, {key}.lagrange_max]; 1.0 is usual")
+    at_least(f"{key}.lagrange_lr", s.lagrange_lr, 0, "0.1 is usual; 0 keeps the multiplier fixed")
+    if s.ptx_coef != 0:
+        raise ConfigError(f"{key}.ptx_coef = {s.ptx_coef!r}: asyncflow train has no pretraining batches to mix "
+                          "into the actor's loss; set it to 0 or leave it out")
+    check_gae(key, s.gamma, s.lam)
+
+
+def _wants(config: SafeRLHFConfig) -> tuple[str, ...]:
+    return ("ref",) if config.policy.kl_coef > 0 else ()
+
+
+def initial_state(config: SafeRLHFConfig) -> SafeRLHFState:
+    """The multiplier at its initial value."""
+    return SafeRLHFState(lagrange=config.lagrange_init)
+
+
+@algorithm("safe_rlhf", config=SafeRLHFConfig, roles=SafeRLHFRoles, state=initial_state, check=_check,
+           wants=_wants)
+async def safe_rlhf_step(roles: SafeRLHFRoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any],
+                         config: SafeRLHFConfig, *, seed: int | None = None, state: SafeRLHFState | None = None,
+                         ptx: DataFuture[Any] | None = None) -> dict[str, float]:
+    """One Safe-RLHF step; updates ``state.lagrange`` from the step's mean cost
+    (``state`` None: starts from ``lagrange_init`` and keeps nothing)."""
+    r = SafeRLHFRoles.of(roles, algorithm="Safe-RLHF")
+    if config.policy.kl_coef > 0 and r.ref is None:
+        raise ConfigError("Safe-RLHF with policy.kl_coef > 0 needs a placed ref role")
+    state = state if state is not None else initial_state(config)
+    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
+    old = r.actor.log_prob(rollout)
+    values = r.critic.values(rollout)
+    cost_values = r.cost_critic.values(rollout).rename(values="cost_values")
+    scores = r.reward.score(rollout)
+    costs = r.cost.score(rollout)
+    parts = [rollout, old, values, cost_values, scores, costs] + ([r.ref.log_prob(rollout)] if r.ref else [])
     actor_batch = merge(*parts).map(
         safe_advantages, lagrange=state.lagrange, gamma=config.gamma, lam=config.lam)
     cost_batch = merge(rollout, costs.rename(costs="scores"), cost_values.rename(cost_values="values"))
@@ -68,11 +117,11 @@ async def safe_rlhf_step(roles: Mapping[str, Any], prompts: DataFuture[Any], con
     if ptx is not None and config.ptx_coef > 0:
         update |= {"ptx": ptx, "ptx_coef": config.ptx_coef}
     actor, critic, cost_critic, r_stats, c_stats = await gather(
-        roles["actor"].update(actor_batch, **update),
-        roles["critic"].update(actor_batch),
-        roles["cost_critic"].update(cost_batch),
-        roles["reward"].stats(scores),
-        roles["cost"].stats(costs),
+        r.actor.update(actor_batch, **update),
+        r.critic.update(actor_batch),
+        r.cost_critic.update(cost_batch),
+        r.reward.stats(scores),
+        r.cost.stats(costs),
     )
     summary = score_summary(r_stats | c_stats)
     mean_cost = summary.get("cost/mean", 0.0)

@@ -11,6 +11,7 @@ the first under a placement, timing each call with the second.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -251,7 +252,7 @@ class CostModel:
     """Seconds a call takes, fitted from measured calls.
 
     Per ``(role, method, ranks)``, a least-squares line ``seconds = a + b *
-    rows_per_rank`` with ``a, b >= 0`` (a constant when all samples have the same
+    rows_per_rank`` with ``a, b >= 0`` (the median when all samples have the same
     rows per rank: scaling one measurement by rows would treat fixed costs as
     per-row ones).
 
@@ -323,11 +324,12 @@ class CostModel:
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> _Line:
-    """Least squares ``y = a + b x`` with ``a, b >= 0`` (a constant for one distinct x)."""
+    """Least squares ``y = a + b x`` with ``a, b >= 0``; for one distinct x, the
+    median (a call stalled by another process on a shared machine does not move it)."""
     n = len(xs)
     mean_y = sum(ys) / n
     if len(set(xs)) < 2:
-        return _Line(max(0.0, mean_y), 0.0)
+        return _Line(max(0.0, statistics.median(ys)), 0.0)
     mean_x = sum(xs) / n
     sxx = sum((x - mean_x) ** 2 for x in xs)
     b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Union
 
 import msgspec
 
-from asyncflow.algos import GRPOConfig, PPOConfig, ReMaxConfig, SafeRLHFConfig
+from asyncflow.algos import (
+    Algorithm,
+    PolicyConfig,
+    RolloutConfig,
+    algorithm_of,
+    algorithms,
+    config_section,
+    get_algorithm,
+)
+from asyncflow.algos._checks import above, at_least, check_policy, check_rollout
 from asyncflow.train._checks import (
     MODEL_ROLES,
-    above,
-    at_least,
-    check_gae,
-    check_policy,
-    check_rollout,
-    check_safe_rlhf,
     check_tensor_parallel,
     load_score_function,
     model_heads,
@@ -32,15 +35,12 @@ from workers.tasks import ArithmeticTaskConfig, SFTConfig
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
 
-Algorithm = Literal["grpo", "ppo", "remax", "safe_rlhf"]
+DEFAULT_ALGORITHM = "grpo"
+"""The algorithm of a config that names none."""
 
-ROLES_OF: dict[str, tuple[str, ...]] = {
-    "grpo": ("actor", "reward"),
-    "ppo": ("actor", "critic", "reward"),
-    "remax": ("actor", "reward"),
-    "safe_rlhf": ("actor", "critic", "cost_critic", "reward", "cost"),
-}
-"""Roles each algorithm needs (``ref`` joins when a KL term is on)."""
+
+def _default_algorithm() -> msgspec.Struct:
+    return config_section(get_algorithm(DEFAULT_ALGORITHM))()
 
 
 class ModelSection(msgspec.Struct, **_CFG):
@@ -173,8 +173,10 @@ class PlacementSection(msgspec.Struct, **_CFG):
 class RunConfig(msgspec.Struct, **_CFG):
     """Everything ``asyncflow train`` needs."""
 
-    algorithm: Algorithm = "grpo"
-    """``grpo``, ``ppo``, ``remax`` or ``safe_rlhf``."""
+    algorithm: msgspec.Struct = msgspec.field(default_factory=_default_algorithm)
+    """The algorithm and its settings: ``[algorithm]`` with ``name = "grpo"`` (or
+    any registered algorithm: ``asyncflow.algos.algorithms()``) and that
+    algorithm's config keys beside it; ``algorithm = "ppo"`` takes its defaults."""
     output_dir: str = "runs/asyncflow"
     """Metrics, checkpoints, plots and the SFT model go here."""
     seed: int = 0
@@ -187,14 +189,6 @@ class RunConfig(msgspec.Struct, **_CFG):
     """The policy's starting point when there is no SFT warm start."""
     train: TrainSection = TrainSection()
     """The RL loop."""
-    grpo: GRPOConfig = GRPOConfig()
-    """GRPO settings."""
-    ppo: PPOConfig = PPOConfig()
-    """PPO settings."""
-    remax: ReMaxConfig = ReMaxConfig()
-    """ReMax settings."""
-    safe_rlhf: SafeRLHFConfig = SafeRLHFConfig()
-    """Safe-RLHF settings."""
     actor: ActorSection = ActorSection()
     """The policy's optimizer and rollout engine."""
     critic: OptimSection = OptimSection()
@@ -241,15 +235,82 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
             raise ConfigError(f"the file must hold a table of keys, not a {type(data).__name__}")
         for key, value in (overrides or {}).items():
             _set(data, key, value)
-        config = msgspec.convert(data, RunConfig)
+        _algorithm_table(data)
+        config = msgspec.convert(data, run_config_type())
         validate(config)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{path}: {_name_the_key(str(e))}") from e
+        raise ConfigError(f"{path}: {_with_valid_keys(_name_the_key(str(e)), data)}") from e
     except msgspec.DecodeError as e:
         raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {e}") from e
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
     return config
+
+
+def run_config_type() -> type[RunConfig]:
+    """:class:`RunConfig` with ``algorithm`` typed as the tagged union of every
+    registered algorithm's config (``name`` picks one): what :func:`load_config`
+    decodes into."""
+    registered = algorithms()
+    key = tuple(sorted(registered))
+    found = _RUN_CONFIG_TYPES.get(key)
+    if found is None:
+        sections = tuple(config_section(registered[name]) for name in key)
+        union: Any = Union[sections]  # noqa: UP007  (built at run time from a tuple)
+        found = msgspec.defstruct("RunConfig", [("algorithm", union, msgspec.field(default_factory=_default_algorithm))],
+                                  bases=(RunConfig,), module=__name__)
+        _RUN_CONFIG_TYPES[key] = found
+    return found  # type: ignore[return-value]
+
+
+_RUN_CONFIG_TYPES: dict[tuple[str, ...], Any] = {}
+
+
+def _algorithm_table(data: dict[str, object]) -> None:
+    """``algorithm = "ppo"`` is ``[algorithm] name = "ppo"``; a name must be a
+    registered algorithm; the old per-algorithm sections get a pointer."""
+    registered = algorithms()
+    stale = sorted(k for k in data if k in registered)
+    if stale:
+        raise ConfigError(f"[{stale[0]}] is not a section: an algorithm's settings go in [algorithm], beside "
+                          f"name = {stale[0]!r}")
+    table = data.get("algorithm", {"name": DEFAULT_ALGORITHM})
+    if isinstance(table, str):
+        table = {"name": table}
+    if not isinstance(table, dict):
+        raise ConfigError(f"algorithm must be a table ([algorithm] name = ...) or a name, got {table!r}")
+    table.setdefault("name", DEFAULT_ALGORITHM)
+    get_algorithm(str(table["name"]))  # an unknown name fails here, listing the registered ones
+    data["algorithm"] = table
+
+
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)` - at `\$(?P<path>[\w.\[\]'\"-]*)`")
+
+
+def _with_valid_keys(message: str, data: dict[str, object]) -> str:
+    """An unknown key's message, with the keys that section accepts."""
+    m = _UNKNOWN_FIELD.fullmatch(message)
+    if m is None:
+        return message
+    section: Any = RunConfig
+    if m["path"].startswith(".algorithm"):
+        algo = data.get("algorithm")
+        section = get_algorithm(str(algo.get("name"))).config if isinstance(algo, dict) else None
+        rest = m["path"][len(".algorithm"):]
+    else:
+        rest = m["path"]
+    for part in filter(None, rest.split(".")):
+        hints = msgspec.structs.fields(section) if _is_struct(section) else ()
+        field = next((f for f in hints if f.name == part), None)
+        section = field.type if field is not None else None
+    if not _is_struct(section):
+        return message
+    keys = [f.name for f in msgspec.structs.fields(section)]
+    return f"{message}; valid keys there: {keys}"
+
+
+def _is_struct(t: object) -> bool:
+    return isinstance(t, type) and issubclass(t, msgspec.Struct)
 
 
 _AT_SECTION = re.compile(r"(?s)[A-Za-z_]\w*\.(?P<field>\w+)(?P<rest>.*) - at `\$\.(?P<section>[\w.]+)`")
@@ -275,13 +336,23 @@ def _set(data: dict[str, object], dotted: str, value: object) -> None:
     node[leaf] = value
 
 
+def algorithm_in(config: RunConfig) -> Algorithm[Any]:
+    """The registered algorithm of ``config.algorithm``."""
+    return algorithm_of(config.algorithm)
+
+
+def rollout_of(config: RunConfig) -> RolloutConfig:
+    """The algorithm's sampling settings (every algorithm has them)."""
+    rollout: RolloutConfig = getattr(config.algorithm, "rollout")  # noqa: B009  (a registered config's field)
+    return rollout
+
+
 def needed_roles(config: RunConfig) -> tuple[str, ...]:
-    """The roles ``config``'s algorithm places (with ``ref`` when a KL term is on)."""
-    roles = ROLES_OF[config.algorithm]
-    algo = getattr(config, config.algorithm)
-    uses_kl = algo.policy.kl_coef > 0 or getattr(algo, "reward_kl_coef", 0.0) > 0
-    with_ref = uses_kl or (config.train.kl_metric and config.algorithm in ("grpo", "remax"))
-    return (*roles, "ref") if with_ref else roles
+    """The roles ``config``'s algorithm places: its required roles, the optional
+    ones its settings want, and ``ref`` for the KL metric (``train.kl_metric``)
+    when the algorithm can use one."""
+    also = ("ref",) if config.train.kl_metric else ()
+    return algorithm_in(config).needed_roles(config.algorithm, also=also)
 
 
 def validate(config: RunConfig) -> None:
@@ -349,26 +420,25 @@ def _check_scores(config: RunConfig) -> None:
         elif score.function:
             load_score_function(f"{role}.function", score.function)
         else:
-            raise ConfigError(f"algorithm {config.algorithm} needs a {role}: set [{role}] function "
+            raise ConfigError(f"algorithm {algorithm_in(config).name} needs a {role}: set [{role}] function "
                               f"('module:function') or model_dir")
 
 
 def _check_algorithms(config: RunConfig) -> None:
-    # Every section, not only the chosen algorithm's: a wrong value is a mistake
-    # wherever it is, and would bite when the algorithm is switched.
-    for name in ("grpo", "ppo", "remax", "safe_rlhf"):
-        algo = getattr(config, name)
-        check_rollout(f"{name}.rollout", algo.rollout)
-        check_policy(f"{name}.policy", algo.policy)
-    at_least("ppo.reward_kl_coef", config.ppo.reward_kl_coef, 0, "0 turns the KL penalty off")
-    check_gae("ppo", config.ppo.gamma, config.ppo.lam)
-    check_safe_rlhf("safe_rlhf", config.safe_rlhf)
-    if config.train.stream and config.algorithm not in ("grpo", "ppo"):
-        raise ConfigError(f"train.stream = true works with grpo and ppo, not {config.algorithm}; "
+    algo = algorithm_in(config)
+    settings: Any = config.algorithm
+    check_rollout("algorithm.rollout", settings.rollout)
+    policy = getattr(settings, "policy", None)
+    if isinstance(policy, PolicyConfig):
+        check_policy("algorithm.policy", policy)
+    if algo.check is not None:
+        algo.check(settings)
+    if config.train.stream and not algo.streams:
+        streaming = sorted(n for n, a in algorithms().items() if a.streams)
+        raise ConfigError(f"train.stream = true works with {', '.join(streaming)}, not {algo.name}; "
                           "set train.stream = false")
-    if config.grpo.rollout.n < 2:
-        raise ConfigError(f"grpo.rollout.n must be >= 2, got {config.grpo.rollout.n}: GRPO compares the "
-                          "samples of one prompt; 8 is usual")
-    if config.remax.rollout.n != 1:
-        raise ConfigError(f"remax.rollout.n = {config.remax.rollout.n}: ReMax samples one response per prompt "
-                          "(and the greedy one as its baseline); leave it out")
+    buildable = {*MODEL_ROLES, "reward", "cost"}
+    unknown = [r for r in needed_roles(config) if r not in buildable]
+    if unknown:
+        raise ConfigError(f"algorithm {algo.name!r} needs roles {unknown} that asyncflow train cannot build; "
+                          f"it builds {sorted(buildable)}")

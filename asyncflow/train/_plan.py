@@ -16,9 +16,14 @@ from typing import Any
 import msgspec
 
 from asyncflow._session import Session
-from asyncflow.algos import SafeRLHFState
 from asyncflow.plan import Placement, Prediction, Profile, candidates, profile, rank
-from asyncflow.train._config import PlacementSection, PoolSection, RunConfig, needed_roles
+from asyncflow.train._config import (
+    PlacementSection,
+    PoolSection,
+    RunConfig,
+    algorithm_in,
+    needed_roles,
+)
 from asyncflow.train._roles import role_specs
 from asyncflow.train._trainer import Trainer
 from workers.models import CharTokenizer, save_tiny_model
@@ -28,14 +33,15 @@ from workers.tasks import generate_splits, prompt_batch
 class _Steps:
     def __init__(self, trainer: Trainer, roles: Any, prompts: Any) -> None:
         self.trainer, self.roles, self.prompts = trainer, roles, prompts
-        self.safe = SafeRLHFState(lagrange=trainer.config.safe_rlhf.lagrange_init)
+        algo = algorithm_in(trainer.config)
+        self.state = algo.state(trainer.config.algorithm) if algo.state is not None else None
         self.count = 0
 
     async def step(self, *, stream: bool) -> object:
         self.count += 1
         train = msgspec.structs.replace(self.trainer.config.train, stream=stream)
         self.trainer.config = msgspec.structs.replace(self.trainer.config, train=train)
-        return await self.trainer._step(self.roles, self.prompts, self.safe, seed=self.count)
+        return await self.trainer._step(self.roles, self.prompts, self.state, seed=self.count)
 
 
 class TrainPlanJob:
@@ -71,7 +77,7 @@ def current_placement(config: RunConfig) -> Placement:
 async def plan(config: RunConfig, *, devices: int, cores: int | None
                ) -> tuple[Profile, list[tuple[Placement, Prediction]]]:
     """Profile ``config`` and rank every placement of its roles on ``devices``."""
-    stream = config.algorithm in ("grpo", "ppo")
+    stream = algorithm_in(config).streams
     with tempfile.TemporaryDirectory(prefix="asyncflow-plan-") as tmp:
         model_dir = config.model.dir
         if config.sft is not None:

@@ -20,9 +20,9 @@ from asyncflow._errors import PoolBrokenError, WorkerDiedError
 from asyncflow._future import DataFuture
 from asyncflow._proxy import Roles
 from asyncflow._session import Session
-from asyncflow.algos import SafeRLHFState, grpo_step, ppo_step, remax_step, safe_rlhf_step
+from asyncflow.algos import PromptSource
 from asyncflow.train._checkpoint import CheckpointDir
-from asyncflow.train._config import RunConfig
+from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
 from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics, truncate_after
 from asyncflow.train._roles import role_specs
 from channels import AsyncflowError, ConfigError
@@ -114,7 +114,7 @@ class Trainer:
         c = self.config
         self.out.mkdir(parents=True, exist_ok=True)
         splits = generate_splits(c.task)
-        max_new = getattr(c, c.algorithm).rollout.max_new_tokens
+        max_new = rollout_of(c).max_new_tokens
         if c.sft is not None:  # fail before minutes of SFT, not after
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
                                max_new_tokens=max_new, max_positions=c.sft.model.max_position_embeddings)
@@ -174,20 +174,26 @@ class Trainer:
                     state: dict[str, Any]) -> RunResult:
         c = self.config
         log = MetricsLog(self.out)
-        safe = SafeRLHFState(lagrange=float(state.get("lagrange", c.safe_rlhf.lagrange_init)))
-        batches = iter_problem_batches(list(train), c.train.prompts_per_step, seed=c.seed)
-        batches = itertools.islice(batches, start, None)  # the data position of a resumed run
+        algo = algorithm_in(c)
+        algo_state = None
+        if algo.state is not None:
+            algo_state = algo.state(c.algorithm)
+            if "algorithm_state" in state:  # resumed: the state the checkpoint saved
+                algo_state = msgspec.convert(state["algorithm_state"], type(algo_state))
+        # The data position of a resumed run: the batches drawn so far (one a step,
+        # unless the algorithm draws more, as DAPO's dynamic sampling does).
+        source = _PromptSource(session, train, tokenizer, c.train.prompts_per_step, seed=c.seed,
+                               skip=int(state.get("batches_drawn", start)))
         bar = _bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
         traced = _TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
         try:
             for step in range(start + 1, c.train.steps + 1):
-                problems = next(batches)
                 await traced.before_step()
                 t = time.monotonic()
-                prompts = await session.put(prompt_batch(problems, tokenizer,
-                                                         first_uid=(step - 1) * c.train.prompts_per_step))
-                metrics = await self._step(roles, prompts, safe, seed=c.seed * 1_000_003 + step)
+                prompts = await source.next()
+                metrics = await self._step(roles, prompts, algo_state, seed=c.seed * 1_000_003 + step,
+                                           more=source.next)
                 metrics["time/step_s"] = time.monotonic() - t
                 traced.after_step()
                 tokens = metrics.get("actor/response_tokens", 0.0)
@@ -197,7 +203,7 @@ class Trainer:
                 log.write(step, metrics)
                 _advance(bar, metrics)
                 if c.train.checkpoint_every and step % c.train.checkpoint_every == 0:
-                    await self._save(roles, step, state | {"lagrange": safe.lagrange})
+                    await self._save(roles, step, state | _saved(algo_state, source))
                 if c.train.max_seconds and time.monotonic() - began > c.train.max_seconds:
                     self.say(f"time budget of {c.train.max_seconds:.0f} s reached after step {step}")
                     break
@@ -209,24 +215,19 @@ class Trainer:
         log.write(step, {"eval/accuracy": after})
         log.close()
         if not c.train.checkpoint_every or step % c.train.checkpoint_every:
-            await self._save(roles, step, state | {"lagrange": safe.lagrange})
+            await self._save(roles, step, state | _saved(algo_state, source))
         plot = plot_curves(read_metrics(self.out / "metrics.jsonl"), self.out / "curves.png", CURVES)
         return RunResult(accuracy_before=float(state["accuracy_before"]), accuracy_after=after,
                          steps=step, output_dir=self.out, plot=plot)
 
-    async def _step(self, roles: Roles, prompts: DataFuture[Any], safe: SafeRLHFState, *, seed: int
-                    ) -> dict[str, float]:
+    async def _step(self, roles: Roles, prompts: DataFuture[Any], algo_state: Any, *, seed: int,
+                    more: PromptSource | None = None) -> dict[str, float]:
         c = self.config
         stream = None
         if c.train.stream:
             stream = StreamOptions(micro_batch=c.train.stream_micro_batch, migrate=c.train.migrate)
-        if c.algorithm == "grpo":
-            return await grpo_step(roles, prompts, c.grpo, seed=seed, stream=stream)
-        if c.algorithm == "ppo":
-            return await ppo_step(roles, prompts, c.ppo, seed=seed, stream=stream)
-        if c.algorithm == "remax":
-            return await remax_step(roles, prompts, c.remax, seed=seed)
-        return await safe_rlhf_step(roles, prompts, c.safe_rlhf, safe, seed=seed)
+        return await algorithm_in(c).run_step(roles, prompts, c.algorithm, seed=seed, stream=stream,
+                                              state=algo_state, more=more)
 
     async def _evaluate(self, session: Session, roles: Roles, problems: list[ArithmeticProblem],
                         tokenizer: CharTokenizer, max_new: int) -> float:
@@ -282,6 +283,31 @@ class _TracedSteps:
         png = write_timeline_png(trace, self.out / "timeline.png", title=f"{len(trace.steps)} traced RL steps")
         write_chrome_trace(trace, self.out / "trace.json")
         self.say(f"trace of {len(trace.steps)} steps: {png} and {self.out / 'trace.json'} (ui.perfetto.dev)")
+
+
+def _saved(algo_state: Any, source: _PromptSource) -> dict[str, Any]:
+    """The algorithm's state and the data position, as a checkpoint keeps them."""
+    out: dict[str, Any] = {"batches_drawn": source.drawn}
+    if algo_state is not None:
+        out["algorithm_state"] = msgspec.to_builtins(algo_state)
+    return out
+
+
+class _PromptSource:
+    """The training prompts, one batch at a time, put on the first pool; ``next``
+    is also what an algorithm that draws more (``Algorithm.draws``) calls."""
+
+    def __init__(self, session: Session, train: Any, tokenizer: CharTokenizer, size: int, *, seed: int,
+                 skip: int) -> None:
+        self.session, self.tokenizer, self.size = session, tokenizer, size
+        self._batches = itertools.islice(iter_problem_batches(list(train), size, seed=seed), skip, None)
+        self.drawn = skip
+
+    async def next(self) -> DataFuture[Any]:
+        """The next batch of prompts (uids unique over the run)."""
+        problems = next(self._batches)
+        self.drawn += 1
+        return await self.session.put(prompt_batch(problems, self.tokenizer, first_uid=(self.drawn - 1) * self.size))
 
 
 def _bar(enabled: bool, start: int, total: int) -> Any:

@@ -5,6 +5,7 @@ every role on its own pool. Real Ray workers, real tiny models, real rewards."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_every_algorithm_runs_two_steps(placement, model_dir) -> None:
                 "ppo": lambda p, s: ppo_step(roles, p, PPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
                 "remax": lambda p, s: remax_step(roles, p, ReMaxConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
                 "safe_rlhf": lambda p, s: safe_rlhf_step(
-                    roles, p, SafeRLHFConfig(rollout=ROLLOUT, policy=POLICY, cost_limit=0.1), state, seed=s),
+                    roles, p, SafeRLHFConfig(rollout=ROLLOUT, policy=POLICY, cost_limit=0.1), state=state, seed=s),
             }
             out = {}
             for name, step in steps.items():
@@ -157,7 +158,9 @@ def test_streamed_grpo_and_ppo_steps_train_exactly_as_the_batch_steps(model_dir)
             roles = await session.spawn({**copies("_batch", scoring), **copies("_stream", scoring),
                                          "reward": af.RoleSpec(cls=RewardWorker, pool=scoring, config=rule)})
             out: dict[tuple[str, str, int], dict[str, float]] = {}
+            calls: dict[str, Counter[str]] = {}
             for mode, stream in (("batch", None), ("stream", af.StreamOptions(micro_batch=2))):
+                await session.start_trace()
                 mine = {"actor": roles[f"actor_{mode}"], "ref": roles[f"ref_{mode}"],
                         "critic": roles[f"critic_{mode}"], "reward": roles.reward}
                 for s in range(2):
@@ -166,9 +169,16 @@ def test_streamed_grpo_and_ppo_steps_train_exactly_as_the_batch_steps(model_dir)
                     out[("grpo", mode, s)] = await grpo_step(mine, prompts, grpo, seed=s, stream=stream)
                     ppo = PPOConfig(rollout=ROLLOUT, policy=POLICY)
                     out[("ppo", mode, s)] = await ppo_step(mine, prompts, ppo, seed=10 + s, stream=stream)
-            return out
+                calls[mode] = Counter(c.role.split("_")[0] + "." + c.method for c in session.stop_trace().calls)
+            return out, calls
 
-    out = asyncio_run(main())
+    out, calls = asyncio_run(main())
+    # Streamed, the roles on the scoring pool run per micro-batch (4 prompts x 2
+    # samples in micro-batches of 2: 4 calls a step); the actor's log-probs, on the
+    # generating pool, once a step on the whole batch.
+    assert calls["batch"]["ref.log_prob"] == 4 and calls["batch"]["actor.log_prob"] == 4
+    assert calls["stream"]["actor.log_prob"] == 4
+    assert calls["stream"]["ref.log_prob"] > 4 and calls["stream"]["critic.values"] > 2, calls
     for algo in ("grpo", "ppo"):
         for s in range(2):
             batch, streamed = out[(algo, "batch", s)], out[(algo, "stream", s)]
@@ -176,3 +186,4 @@ def test_streamed_grpo_and_ppo_steps_train_exactly_as_the_batch_steps(model_dir)
             for k in batch:
                 # Log-probs of a micro-batch and of the whole batch differ by float rounding.
                 assert math.isclose(batch[k], streamed[k], rel_tol=1e-5, abs_tol=1e-6), (algo, s, k)
+

@@ -23,7 +23,6 @@ TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_head
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
 
 CONFIG = """
-algorithm = "grpo"
 output_dir = "{out}"
 seed = 3
 
@@ -41,7 +40,8 @@ prompts_per_step = 4
 checkpoint_every = 2
 eval_size = 8
 
-[grpo]
+[algorithm]
+name = "grpo"
 rollout = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
 
 [actor]

@@ -17,7 +17,7 @@ import ray
 
 import asyncflow.train
 from asyncflow.cli import main
-from asyncflow.train import load_config
+from asyncflow.train import algorithm_in, load_config
 from channels import AsyncflowError, ConfigError
 from workers.models import TinyModelConfig, save_tiny_model
 
@@ -30,9 +30,11 @@ TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_head
 SFT_ONE_HEAD = {"sft.model.hidden_size": 64, "sft.model.num_attention_heads": 1,
                 "sft.model.num_key_value_heads": 1, "sft.model.head_dim": 64, "model.dir": ""}
 
+COST = {"cost.function": "workers.tasks:exact_match_reward"}
+
 # (id, dotted key -> value set over a valid config, what the one-line message must contain)
 BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
-    ("stream-remax", {"algorithm": "remax", "train.stream": True}, ("train.stream", "grpo and ppo")),
+    ("stream-remax", {"algorithm": "remax", "train.stream": True}, ("train.stream", "grpo", "ppo", "not remax")),
     ("migrate-negative", {"train.migrate": -1}, ("train.migrate", ">= 0")),
     ("migrate-word", {"train.migrate": "soon"}, ("train.migrate",)),
     ("stream-micro-batch", {"train.stream_micro_batch": 0}, ("train.stream_micro_batch", ">= 1")),
@@ -63,27 +65,31 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("train-steps", {"train.steps": 0}, ("train.steps", ">= 1")),
     ("train-seconds", {"train.max_seconds": -1.0}, ("train.max_seconds", ">= 0")),
     ("task-size", {"task.train_size": 0}, ("task.train_size",)),
-    ("unknown-key", {"critic.lrr": 0.1}, ("lrr", "$.critic")),
-    ("max-new-tokens", {"grpo.rollout.max_new_tokens": 0}, ("grpo.rollout.max_new_tokens", ">= 1")),
-    ("temperature", {"grpo.rollout.temperature": -0.5}, ("grpo.rollout.temperature", ">= 0")),
-    ("top-p-zero", {"grpo.rollout.top_p": 0.0}, ("grpo.rollout.top_p", "(0, 1]")),
-    ("top-p-above-one", {"ppo.rollout.top_p": 1.5}, ("ppo.rollout.top_p", "(0, 1]")),
-    ("top-k", {"grpo.rollout.top_k": -1}, ("grpo.rollout.top_k", ">= 0")),
-    ("grpo-n", {"grpo.rollout.n": 1}, ("grpo.rollout.n", ">= 2")),
-    ("ppo-n", {"ppo.rollout.n": 0}, ("ppo.rollout.n", ">= 1")),
+    ("unknown-key", {"critic.lrr": 0.1}, ("lrr", "$.critic", "valid keys there", "'lr'")),
+    ("unknown-algorithm", {"algorithm.name": "a2c"}, ("algorithm.name", "'a2c'", "registered", "'ppo'")),
+    ("unknown-algorithm-key", {"algorithm.clip": 0.2}, ("clip", "$.algorithm", "valid keys there", "'policy'")),
+    ("unknown-algorithm-nested-key", {"algorithm.policy.clip": 0.2}, ("clip", "'clip_ratio'")),
+    ("old-section", {"grpo.policy.clip_ratio": 0.2}, ("[grpo]", "[algorithm]")),
+    ("max-new-tokens", {"algorithm.rollout.max_new_tokens": 0}, ("algorithm.rollout.max_new_tokens", ">= 1")),
+    ("temperature", {"algorithm.rollout.temperature": -0.5}, ("algorithm.rollout.temperature", ">= 0")),
+    ("top-p-zero", {"algorithm.rollout.top_p": 0.0}, ("algorithm.rollout.top_p", "(0, 1]")),
+    ("top-p-above-one", {"algorithm.name": "ppo", "algorithm.rollout.top_p": 1.5}, ("algorithm.rollout.top_p", "(0, 1]")),
+    ("top-k", {"algorithm.rollout.top_k": -1}, ("algorithm.rollout.top_k", ">= 0")),
+    ("grpo-n", {"algorithm.rollout.n": 1}, ("algorithm.rollout.n", ">= 2")),
+    ("ppo-n", {"algorithm.name": "ppo", "algorithm.rollout.n": 0}, ("algorithm.rollout.n", ">= 1")),
     ("sft-model", {**SFT_ONE_HEAD, "sft.model.head_dim": 16}, ("sft.model.head_dim", ">= 32")),
-    ("remax-n", {"remax.rollout.n": 4}, ("remax.rollout.n", "one response")),
-    ("clip-ratio", {"grpo.policy.clip_ratio": -0.2}, ("grpo.policy.clip_ratio", ">= 0")),
-    ("clip-ratio-high", {"ppo.policy.clip_ratio_high": -0.1}, ("ppo.policy.clip_ratio_high", ">= 0")),
-    ("dual-clip", {"grpo.policy.dual_clip": 1.0}, ("grpo.policy.dual_clip", "> 1")),
-    ("kl-coef", {"grpo.policy.kl_coef": -0.1}, ("grpo.policy.kl_coef", ">= 0")),
-    ("entropy-coef", {"remax.policy.entropy_coef": -0.01}, ("remax.policy.entropy_coef", ">= 0")),
-    ("reward-kl-coef", {"ppo.reward_kl_coef": -0.05}, ("ppo.reward_kl_coef", ">= 0")),
-    ("gamma", {"ppo.gamma": 1.1}, ("ppo.gamma", "[0, 1]")),
-    ("lam", {"safe_rlhf.lam": -0.1}, ("safe_rlhf.lam", "[0, 1]")),
-    ("lagrange-lr", {"safe_rlhf.lagrange_lr": -0.1}, ("safe_rlhf.lagrange_lr", ">= 0")),
-    ("lagrange-init", {"safe_rlhf.lagrange_init": 200.0}, ("safe_rlhf.lagrange_init", "lagrange_max")),
-    ("ptx-coef", {"safe_rlhf.ptx_coef": 0.5}, ("safe_rlhf.ptx_coef", "set it to 0")),
+    ("remax-n", {"algorithm.name": "remax", "algorithm.rollout.n": 4}, ("algorithm.rollout.n", "one response")),
+    ("clip-ratio", {"algorithm.policy.clip_ratio": -0.2}, ("algorithm.policy.clip_ratio", ">= 0")),
+    ("clip-ratio-high", {"algorithm.name": "ppo", "algorithm.policy.clip_ratio_high": -0.1}, ("algorithm.policy.clip_ratio_high", ">= 0")),
+    ("dual-clip", {"algorithm.policy.dual_clip": 1.0}, ("algorithm.policy.dual_clip", "> 1")),
+    ("kl-coef", {"algorithm.policy.kl_coef": -0.1}, ("algorithm.policy.kl_coef", ">= 0")),
+    ("entropy-coef", {"algorithm.name": "remax", "algorithm.policy.entropy_coef": -0.01}, ("algorithm.policy.entropy_coef", ">= 0")),
+    ("reward-kl-coef", {"algorithm.name": "ppo", "algorithm.reward_kl_coef": -0.05}, ("algorithm.reward_kl_coef", ">= 0")),
+    ("gamma", {"algorithm.name": "ppo", "algorithm.gamma": 1.1}, ("algorithm.gamma", "[0, 1]")),
+    ("lam", {"algorithm.name": "safe_rlhf", **COST, "algorithm.lam": -0.1}, ("algorithm.lam", "[0, 1]")),
+    ("lagrange-lr", {"algorithm.name": "safe_rlhf", **COST, "algorithm.lagrange_lr": -0.1}, ("algorithm.lagrange_lr", ">= 0")),
+    ("lagrange-init", {"algorithm.name": "safe_rlhf", **COST, "algorithm.lagrange_init": 200.0}, ("algorithm.lagrange_init", "lagrange_max")),
+    ("ptx-coef", {"algorithm.name": "safe_rlhf", **COST, "algorithm.ptx_coef": 0.5}, ("algorithm.ptx_coef", "set it to 0")),
     ("reward-no-colon", {"reward.function": "support.raising_reward"}, ("reward.function", "module:function")),
     ("reward-no-module", {"reward.function": "no_such_module_af:fn"},
      ("reward.function", "no_such_module_af", "ModuleNotFoundError")),
@@ -121,7 +127,7 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _valid(tmp: Path, model: str) -> dict[str, Any]:
-    return {"algorithm": "grpo", "output_dir": str(tmp / "run"), "model": {"dir": model},
+    return {"algorithm": {"name": "grpo"}, "output_dir": str(tmp / "run"), "model": {"dir": model},
             "task": {"digits": 1, "train_size": 40, "eval_size": 8}, "pools": {"main": {"devices": 2}}}
 
 
@@ -147,7 +153,8 @@ def _bad_config(tmp: Path, model: str, overrides: dict[str, Any]) -> Path:
 
 
 def test_the_example_and_a_valid_config_load(tmp_path: Path, model_dir: str) -> None:
-    assert load_config(EXAMPLE).algorithm == "grpo"
+    assert algorithm_in(load_config(EXAMPLE)).name == "grpo"
+    assert algorithm_in(load_config(EXAMPLE.with_name("arith_dapo.toml"))).name == "dapo"
     config = load_config(_write(tmp_path, model_dir, {"placement.actor": {"pool": "main", "t": 2},
                                                       "sft": {}, "model.dir": ""}))
     assert config.placement["actor"].t == 2  # the default SFT model has 2 heads and 2 KV heads
@@ -215,7 +222,7 @@ def test_cost_function_is_imported_for_safe_rlhf_only(tmp_path: Path, model_dir:
     safe = {"algorithm": "safe_rlhf", "cost.function": "support:no_such_cost"}
     with pytest.raises(ConfigError, match=r"cost\.function = 'support:no_such_cost'"):
         load_config(_write(tmp_path, model_dir, safe))
-    assert load_config(_write(tmp_path, model_dir, safe | {"algorithm": "grpo"})).algorithm == "grpo"
+    assert algorithm_in(load_config(_write(tmp_path, model_dir, safe | {"algorithm": "grpo"}))).name == "grpo"
 
 
 def test_configuration_error_is_one_line_unless_debug(tmp_path: Path, model_dir: str, nothing_starts: None,

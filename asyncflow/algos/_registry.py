@@ -1,0 +1,289 @@
+"""Algorithms as plug-ins: one :class:`Algorithm` record each, registered the same
+way for built-ins and third-party packages.
+
+An algorithm is its config type (a msgspec Struct with a ``rollout:
+RolloutConfig``), its roles (a :class:`RoleSet` subclass: required and optional
+roles, each typed by the worker class it runs) and ``async def step(roles,
+prompts, config, *, seed)``. Register it with the :func:`algorithm` decorator::
+
+    class MyRoles(RoleSet):
+        actor: RoleGroup[ActorWorker]
+        reward: RoleGroup[RewardWorker]
+
+    @algorithm("mine", config=MyConfig, roles=MyRoles)
+    async def my_step(roles: MyRoles, prompts: DataFuture[Any], config: MyConfig, *,
+                      seed: int | None = None) -> dict[str, float]:
+        ...
+
+An installed package adds algorithms without touching asyncflow through the
+``asyncflow.algorithms`` entry-point group (``[project.entry-points."asyncflow.algorithms"]
+mine = "my_package.algo"``): :func:`algorithms` imports each entry point once,
+which runs its decorators. ``asyncflow train`` then accepts ``[algorithm] name =
+"mine"`` with ``MyConfig``'s keys beside it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import types
+import typing
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from asyncflow._proxy import RoleGroup
+from channels import ConfigError
+
+ENTRY_POINT_GROUP = "asyncflow.algorithms"
+"""The entry-point group through which installed packages add algorithms."""
+
+PromptSource = Callable[[], Awaitable[Any]]
+"""Draws the next batch of training prompts (a ``DataFuture``), for algorithms that
+sample more than one batch a step (``Algorithm.draws``)."""
+
+C = TypeVar("C", bound=msgspec.Struct)
+F = TypeVar("F", bound=Callable[..., Awaitable[dict[str, float]]])
+R = TypeVar("R", bound="RoleSet")
+
+
+class RoleSet:
+    """The roles an algorithm calls, as typed attributes.
+
+    Subclass it with one annotation per role: ``actor: RoleGroup[ActorWorker]``
+    is required; ``ref: RoleGroup[ReferenceWorker] | None`` is optional (None when
+    not placed). :meth:`of` binds the placed roles by name, so the algorithm reads
+    ``roles.actor.generate(...)`` and mypy checks the call against the worker's
+    method (with the ``asyncflow.mypy_plugin`` plugin).
+    """
+
+    def __init__(self, **groups: RoleGroup[Any] | None) -> None:
+        slots = self.slots()
+        unknown = set(groups) - set(slots)
+        if unknown:
+            raise ConfigError(f"{type(self).__name__} has no roles {sorted(unknown)}; its roles are {sorted(slots)}")
+        for name in slots:
+            setattr(self, name, groups.get(name))
+
+    @classmethod
+    def slots(cls) -> dict[str, tuple[type, bool]]:
+        """Each role's worker class and whether it is required, in declaration order."""
+        out: dict[str, tuple[type, bool]] = {}
+        for name, hint in typing.get_type_hints(cls).items():
+            args = typing.get_args(hint)
+            origin = typing.get_origin(hint)
+            required = origin is RoleGroup
+            if origin in (typing.Union, types.UnionType):
+                inner = [a for a in args if a is not type(None)]
+                if len(inner) != 1 or typing.get_origin(inner[0]) is not RoleGroup or len(args) != 2:
+                    raise ConfigError(f"{cls.__name__}.{name}: annotate a role as RoleGroup[Worker] or "
+                                      f"RoleGroup[Worker] | None, not {hint}")
+                args = typing.get_args(inner[0])
+            elif not required:
+                continue  # not a role (a helper attribute)
+            worker = args[0] if args else object
+            out[name] = (worker if isinstance(worker, type) else object, required)
+        return out
+
+    @classmethod
+    def required(cls) -> tuple[str, ...]:
+        """The roles the algorithm cannot run without."""
+        return tuple(n for n, (_, req) in cls.slots().items() if req)
+
+    @classmethod
+    def optional(cls) -> tuple[str, ...]:
+        """The roles the algorithm uses when they are placed."""
+        return tuple(n for n, (_, req) in cls.slots().items() if not req)
+
+    @classmethod
+    def of(cls: type[R], roles: R | Mapping[str, RoleGroup[Any]], *, algorithm: str = "") -> R:
+        """Bind placed roles by name (extra roles are ignored).
+
+        Raises:
+            ConfigError: a required role is missing, or a placed role runs a
+                worker class other than the one declared.
+        """
+        if isinstance(roles, cls):
+            return roles
+        assert isinstance(roles, Mapping)
+        who = algorithm or cls.__name__
+        slots = cls.slots()
+        missing = [n for n, (_, req) in slots.items() if req and n not in roles]
+        if missing:
+            raise ConfigError(f"{who} needs roles {list(cls.required())}; missing {missing} "
+                              f"(placed: {sorted(roles)})")
+        for name, (worker, _) in slots.items():
+            group = roles.get(name)
+            runs = getattr(group, "worker_class", None)
+            if isinstance(runs, type) and worker is not object and not issubclass(runs, worker):
+                raise ConfigError(f"{who}: role {name!r} must run a {worker.__name__}, but it runs "
+                                  f"{runs.__name__}")
+        return cls(**{n: roles[n] for n in slots if n in roles})
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Algorithm(Generic[C]):
+    """One registered algorithm (see the module docstring)."""
+
+    name: str
+    """What ``[algorithm] name`` says."""
+    config: type[C]
+    """Its settings: a msgspec Struct with a ``rollout: RolloutConfig`` field."""
+    roles: type[RoleSet]
+    """Its roles."""
+    step: Callable[..., Awaitable[dict[str, float]]]
+    """``async def step(roles, prompts, config, *, seed, [stream], [state])``: one
+    step; returns its metrics."""
+    streams: bool = False
+    """``step`` takes ``stream=StreamOptions(...)`` (``train.stream``)."""
+    state: Callable[[C], Any] | None = None
+    """Makes the state carried between steps from the config (``step`` then takes
+    ``state=``); it must convert with ``msgspec.to_builtins`` (a dataclass or a
+    Struct), as checkpoints save it."""
+    draws: bool = False
+    """``step`` takes ``more=``, a :data:`PromptSource` to draw further prompt
+    batches (e.g. dynamic sampling); the trainer counts them in the data position."""
+    check: Callable[[C], None] | None = None
+    """Checks the settings no field can alone; raises ConfigError naming
+    ``algorithm.<key>``."""
+    wants: Callable[[C], Iterable[str]] | None = None
+    """The optional roles these settings need placed (e.g. ``ref`` with a KL term)."""
+
+    def needed_roles(self, config: C, *, also: Iterable[str] = ()) -> tuple[str, ...]:
+        """The roles to place for ``config``: the required ones, the optional ones
+        it wants, and those of ``also`` that are optional roles of the algorithm."""
+        optional = self.roles.optional()
+        wanted = set(self.wants(config) if self.wants else ()) | {r for r in also if r in optional}
+        unknown = wanted - set(optional)
+        if unknown:
+            raise ConfigError(f"algorithm {self.name!r} wants roles {sorted(unknown)} it does not declare")
+        return (*self.roles.required(), *(r for r in optional if r in wanted))
+
+    async def run_step(self, roles: Mapping[str, RoleGroup[Any]], prompts: Any, config: C, *,
+                       seed: int | None, stream: Any = None, state: Any = None,
+                       more: PromptSource | None = None) -> dict[str, float]:
+        """One step with the placed ``roles`` (passing ``stream``, ``state`` and
+        ``more`` when the algorithm takes them)."""
+        kwargs: dict[str, Any] = {"seed": seed}
+        if stream is not None:
+            if not self.streams:
+                raise ConfigError(f"algorithm {self.name!r} does not stream")
+            kwargs["stream"] = stream
+        if self.state is not None:
+            kwargs["state"] = state
+        if self.draws:
+            kwargs["more"] = more
+        return await self.step(self.roles.of(roles, algorithm=self.name), prompts, config, **kwargs)
+
+
+_REGISTRY: dict[str, Algorithm[Any]] = {}
+_loaded_entry_points = False
+
+
+def register(algo: Algorithm[Any]) -> Algorithm[Any]:
+    """Add ``algo`` to the registry.
+
+    Raises:
+        ConfigError: another algorithm has its name, or its config has no
+            ``rollout`` field.
+    """
+    held = _REGISTRY.get(algo.name)
+    if held is not None and held.step is not algo.step:
+        raise ConfigError(f"algorithm {algo.name!r} is registered twice: by {_where(held.step)} and "
+                          f"{_where(algo.step)}; give one another name")
+    if "rollout" not in algo.config.__struct_fields__:
+        raise ConfigError(f"algorithm {algo.name!r}: its config {algo.config.__name__} needs a "
+                          "`rollout: RolloutConfig` field (the trainer evaluates with its sampling)")
+    _REGISTRY[algo.name] = algo
+    _SECTIONS.pop(algo.name, None)
+    return algo
+
+
+def algorithm(name: str, *, config: type[C], roles: type[RoleSet], streams: bool = False,
+              state: Callable[[C], Any] | None = None, draws: bool = False,
+              check: Callable[[C], None] | None = None,
+              wants: Callable[[C], Iterable[str]] | None = None) -> Callable[[F], F]:
+    """Register the decorated ``async def step`` as algorithm ``name`` (see
+    :class:`Algorithm` for the arguments); returns the function unchanged."""
+
+    def decorate(step: F) -> F:
+        register(Algorithm(name=name, config=config, roles=roles, step=step, streams=streams, state=state,
+                           draws=draws, check=check, wants=wants))
+        return step
+
+    return decorate
+
+
+def algorithms() -> dict[str, Algorithm[Any]]:
+    """Every registered algorithm by name: the built-ins and, loaded once, those
+    of installed packages' ``asyncflow.algorithms`` entry points.
+
+    Raises:
+        ConfigError: an entry point fails to load (naming it and its package).
+    """
+    global _loaded_entry_points
+    import asyncflow.algos  # noqa: F401  (the built-ins register on import)
+
+    if not _loaded_entry_points:
+        _loaded_entry_points = True
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                loaded = ep.load()
+            except Exception as e:
+                dist = f" (package {ep.dist.name})" if ep.dist is not None else ""
+                raise ConfigError(f"entry point {ep.name} = {ep.value!r}{dist} in group {ENTRY_POINT_GROUP} "
+                                  f"failed to load: {type(e).__name__}: {e}") from e
+            if isinstance(loaded, Algorithm):
+                register(loaded)
+    return dict(_REGISTRY)
+
+
+def get_algorithm(name: str) -> Algorithm[Any]:
+    """The registered algorithm ``name``.
+
+    Raises:
+        ConfigError: no such algorithm (listing the registered ones).
+    """
+    found = algorithms().get(name)
+    if found is None:
+        raise ConfigError(f"algorithm.name = {name!r} is not a registered algorithm; registered: "
+                          f"{sorted(algorithms())} (a package adds one through the {ENTRY_POINT_GROUP!r} "
+                          "entry-point group)")
+    return found
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {}
+
+
+def config_section(algo: Algorithm[Any]) -> type[msgspec.Struct]:
+    """``algo.config`` tagged with its name (``name = "grpo"`` in ``[algorithm]``):
+    a subclass, so its instances are ``algo.config`` instances."""
+    section = _SECTIONS.get(algo.name)
+    if section is None:
+        section = msgspec.defstruct(algo.config.__name__, [], bases=(algo.config,), tag_field="name",
+                                    tag=algo.name, module=algo.config.__module__)
+        _SECTIONS[algo.name] = section
+    return section
+
+
+def algorithm_of(config: msgspec.Struct) -> Algorithm[Any]:
+    """The algorithm whose settings ``config`` is (a tagged section, or an
+    instance of a registered config type).
+
+    Raises:
+        ConfigError: ``config`` belongs to no registered algorithm.
+    """
+    registered = algorithms()
+    tag = getattr(type(config).__struct_config__, "tag", None)
+    if isinstance(tag, str) and tag in registered:
+        return registered[tag]
+    for algo in registered.values():
+        if type(config) is algo.config:
+            return algo
+    raise ConfigError(f"{type(config).__name__} is the config of no registered algorithm "
+                      f"(registered: {sorted(registered)})")
+
+
+def _where(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
