@@ -10,6 +10,13 @@ group; :func:`algorithms` lists them all.
 """
 
 from asyncflow.algos._common import PolicyConfig, RolloutConfig, call_on_rollout, merge_rows, whole
+from asyncflow.algos._dapo import (
+    DAPOConfig,
+    DAPORoles,
+    dapo_advantages,
+    dapo_step,
+    overlong_penalties,
+)
 from asyncflow.algos._grpo import GRPOConfig, GRPORoles, grpo_step
 from asyncflow.algos._ppo import PPOConfig, PPORoles, ppo_step
 from asyncflow.algos._registry import (
@@ -25,6 +32,7 @@ from asyncflow.algos._registry import (
     register,
 )
 from asyncflow.algos._remax import ReMaxConfig, ReMaxRoles, remax_step
+from asyncflow.algos._rloo import RLOOConfig, RLOORoles, leave_one_out, rloo_advantages, rloo_step
 from asyncflow.algos._safe_rlhf import SafeRLHFConfig, SafeRLHFRoles, SafeRLHFState, safe_rlhf_step
 from asyncflow.algos._transforms import (
     gae,
@@ -36,9 +44,9 @@ from asyncflow.algos._transforms import (
 )
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "Algorithm", "GRPOConfig", "GRPORoles", "PPOConfig", "PPORoles", "PolicyConfig", "PromptSource",
-    "ReMaxConfig", "ReMaxRoles", "RoleSet", "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState",
-    "algorithm", "algorithm_of", "algorithms", "call_on_rollout", "config_section", "gae", "get_algorithm",
-    "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "merge_rows", "ppo_step",
-    "register", "remax_step", "safe_advantages", "safe_rlhf_step", "token_rewards", "whole",
+    "ENTRY_POINT_GROUP", "Algorithm", "DAPOConfig", "DAPORoles", "GRPOConfig", "GRPORoles", "PPOConfig", "PPORoles", "PolicyConfig", "PromptSource",
+    "RLOOConfig", "RLOORoles", "ReMaxConfig", "ReMaxRoles", "RoleSet", "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState",
+    "algorithm", "algorithm_of", "algorithms", "call_on_rollout", "config_section", "dapo_advantages", "dapo_step", "gae", "get_algorithm",
+    "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "leave_one_out", "merge_rows", "overlong_penalties", "ppo_step",
+    "register", "remax_step", "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step", "token_rewards", "whole",
 ]

@@ -12,16 +12,20 @@ import torch
 
 import asyncflow as af
 from asyncflow.algos import (
+    DAPOConfig,
     GRPOConfig,
     PolicyConfig,
     PPOConfig,
     ReMaxConfig,
+    RLOOConfig,
     RolloutConfig,
     SafeRLHFConfig,
     SafeRLHFState,
+    dapo_step,
     grpo_step,
     ppo_step,
     remax_step,
+    rloo_step,
     safe_rlhf_step,
 )
 from support import cost_of_long_answers
@@ -187,3 +191,38 @@ def test_streamed_grpo_and_ppo_steps_train_exactly_as_the_batch_steps(model_dir)
                 # Log-probs of a micro-batch and of the whole batch differ by float rounding.
                 assert math.isclose(batch[k], streamed[k], rel_tol=1e-5, abs_tol=1e-6), (algo, s, k)
 
+
+def test_dapo_fills_its_batch_from_further_prompts_and_rloo_trains(model_dir) -> None:
+    """DAPO drops prompt groups whose rewards are all equal and draws further
+    prompt batches until it has the step's number of groups; RLOO takes a step."""
+    tok = CharTokenizer.from_pretrained(model_dir)
+    problems = list(generate_splits(ArithmeticTaskConfig(train_size=64, eval_size=4)).train)
+    varied = RuleRewardConfig(tokenizer_dir=model_dir, fn=cost_of_long_answers)  # differs by response length
+
+    async def main():
+        async with af.Session(cpu_slots=8) as session:
+            pool = af.ResourcePool(name="all", devices=1)
+            roles = await session.spawn({
+                "actor": af.RoleSpec(cls=ActorWorker, pool=pool, config=ActorConfig(model_dir=model_dir)),
+                "reward": af.RoleSpec(cls=RewardWorker, pool=pool, config=ScoreConfig(scorer=varied)),
+            })
+            drawn = 0
+
+            async def more():
+                nonlocal drawn
+                drawn += 1
+                batch = problems[(drawn - 1) * 4:drawn * 4]
+                return await session.put(prompt_batch(batch, tok, first_uid=100 * drawn))
+
+            dapo = DAPOConfig(rollout=RolloutConfig(n=2, temperature=1.0, max_new_tokens=4), max_rounds=8,
+                              overlong_buffer=2)
+            first = await dapo_step(roles, await more(), dapo, seed=1, more=more)
+            rloo = await rloo_step(roles, await more(), RLOOConfig(rollout=ROLLOUT), seed=2)
+            return first, rloo, drawn
+
+    dapo, rloo, drawn = asyncio_run(main())
+    assert dapo["dapo/batch_groups"] == 4.0, dapo  # full, from dapo/rounds prompt batches
+    assert dapo["dapo/sampled_groups"] == 4 * dapo["dapo/rounds"] and dapo["dapo/kept_fraction"] <= 1.0
+    assert drawn == dapo["dapo/rounds"] + 1  # RLOO's batch was the last one drawn
+    assert "actor/loss" in dapo and math.isfinite(dapo["actor/loss"])
+    assert "actor/loss" in rloo and "reward/mean" in rloo

@@ -1,0 +1,151 @@
+"""DAPO: GRPO with dynamic sampling, decoupled clip ranges, a token-level loss and
+overlong reward shaping (Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement
+Learning System at Scale").
+
+- **Dynamic sampling**: a prompt whose samples all got the same reward (all right
+  or all wrong) has zero advantage everywhere and teaches nothing. DAPO drops such
+  groups and samples further prompt batches (``more``) until the training batch
+  has as many groups as the step's prompts, then takes exactly that many. Only
+  the score column comes to the driver (``DataFuture.filter``); the kept rows stay
+  where they were generated.
+- **Clip-higher**: ``policy.clip_ratio`` (low) and ``policy.clip_ratio_high``
+  (high) apart, 0.2 and 0.28 by default, so low-probability tokens can rise.
+- **Token-level loss**: ``policy.loss_agg = "token-mean"`` over the global batch.
+- **Overlong shaping**: a response within ``overlong_buffer`` tokens of
+  ``rollout.max_new_tokens`` is penalised linearly, up to ``overlong_penalty`` at
+  the limit (0 turns it off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncflow._future import DataFuture, transform
+from asyncflow._ops import merge
+from asyncflow._proxy import RoleGroup
+from asyncflow._select import concat
+from asyncflow.algos._checks import at_least
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig
+from asyncflow.algos._registry import PromptSource, RoleSet, algorithm
+from channels import Batch, ConfigError
+from workers.engines import LossAggregation, grpo_advantages
+from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
+
+
+class DAPOConfig(msgspec.Struct, **_CFG):
+    """DAPO settings."""
+
+    rollout: RolloutConfig = RolloutConfig(n=8)
+    """Sampling; ``n`` (at least 2) samples per prompt form its group."""
+    policy: PolicyConfig = PolicyConfig(clip_ratio=0.2, clip_ratio_high=0.28,
+                                        loss_agg=LossAggregation.TOKEN_MEAN)
+    """The actor's update: decoupled clip ranges and a token-level loss by default."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal and sample more prompts until the
+    batch is full."""
+    max_rounds: int = 4
+    """Most prompt batches sampled in one step (the first included); a step that
+    has not filled its batch by then trains on the groups it has."""
+    overlong_buffer: int = 0
+    """Tokens before ``rollout.max_new_tokens`` where the overlong penalty starts
+    (0: no shaping)."""
+    overlong_penalty: float = 1.0
+    """Penalty of a response that reaches ``rollout.max_new_tokens``."""
+
+
+class DAPORoles(RoleSet):
+    """DAPO's roles: the actor and the reward; the reference when placed."""
+
+    actor: RoleGroup[ActorWorker]
+    reward: RoleGroup[RewardWorker]
+    ref: RoleGroup[ReferenceWorker] | None
+
+
+def overlong_penalties(lengths: torch.Tensor, *, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to ``max_len - buffer`` tokens, then
+    falling linearly to ``-penalty`` at ``max_len`` (no shaping when ``buffer`` is 0)."""
+    lengths = lengths.to(torch.float32)
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    over = (lengths - (max_len - buffer)).clamp(min=0.0) / buffer
+    return -penalty * over.clamp(max=1.0)
+
+
+@transform(reads=("scores", "uid", "response_mask"), writes=("advantages",))
+def dapo_advantages(batch: Batch, *, max_len: int, buffer: int, penalty: float) -> dict[str, torch.Tensor]:
+    """Group-normalised advantages of the overlong-shaped rewards, on every response
+    token. The rows of a group must be on this rank (generate keeps them together)."""
+    mask = batch["response_mask"]
+    shaped = batch["scores"].float() + overlong_penalties(mask.sum(-1), max_len=max_len, buffer=buffer,
+                                                          penalty=penalty)
+    return {"advantages": grpo_advantages(shaped, batch["uid"], mask=mask)}
+
+
+def _varied(scores: torch.Tensor) -> torch.Tensor:
+    """Per group (``[groups, n]``): its rewards are not all equal."""
+    return scores.amax(dim=1) > scores.amin(dim=1)
+
+
+def _check(config: DAPOConfig) -> None:
+    if config.rollout.n < 2:
+        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {config.rollout.n}: DAPO compares the samples "
+                          "of one prompt; 8 or 16 is usual")
+    at_least("algorithm.max_rounds", config.max_rounds, 1, "3 or 4 is usual")
+    at_least("algorithm.overlong_buffer", config.overlong_buffer, 0, "0 turns the shaping off")
+    if config.overlong_buffer >= config.rollout.max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer = {config.overlong_buffer} must be below "
+                          f"algorithm.rollout.max_new_tokens = {config.rollout.max_new_tokens}")
+    at_least("algorithm.overlong_penalty", config.overlong_penalty, 0, "1.0 is DAPO's")
+
+
+def _wants(config: DAPOConfig) -> tuple[str, ...]:
+    return ("ref",) if config.policy.kl_coef > 0 else ()
+
+
+@algorithm("dapo", config=DAPOConfig, roles=DAPORoles, draws=True, check=_check, wants=_wants)
+async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: DAPOConfig,
+                    *, seed: int | None = None, more: PromptSource | None = None) -> dict[str, float]:
+    """One DAPO step (see the module docstring). ``more`` draws further prompt
+    batches for dynamic sampling (None: only ``prompts``). Reports, besides the
+    update's metrics, ``dapo/batch_groups`` (groups trained on: the step's prompts
+    unless ``max_rounds`` ran out), ``dapo/sampled_groups``, ``dapo/kept_fraction``
+    and ``dapo/rounds``; ``reward/*`` are over every sampled response."""
+    r = DAPORoles.of(roles, algorithm="DAPO")
+    if config.policy.kl_coef > 0 and r.ref is None:
+        raise ConfigError("DAPO with policy.kl_coef > 0 needs a placed ref role")
+    n = config.rollout.n
+    target = (await prompts).num_rows
+    source: DataFuture[Any] = prompts
+    kept: list[DataFuture[Any]] = []
+    sampled: list[DataFuture[Any]] = []
+    have = rounds = 0
+    while True:
+        round_seed = None if seed is None else seed + 7919 * rounds
+        rounds += 1
+        rollout = r.actor.generate(source, n=n, params=config.rollout.params(seed=round_seed))
+        scored = merge(rollout, r.reward.score(rollout))
+        sampled.append(scored)
+        useful = scored.filter("scores", _varied, by_group=True) if config.dynamic_sampling else scored
+        groups = (await useful).num_rows // n
+        if groups:
+            kept.append(useful)
+            have += groups
+        if have >= target or rounds >= config.max_rounds or more is None:
+            break
+        source = await more()
+    summary = {"dapo/batch_groups": float(min(have, target)), "dapo/rounds": float(rounds),
+               "dapo/sampled_groups": float(sum(s.num_rows for s in [await f for f in sampled]) // n)}
+    summary["dapo/kept_fraction"] = have / summary["dapo/sampled_groups"]
+    stats = score_summary(await r.reward.stats(concat(*sampled)))
+    if not kept:  # nothing to learn from in any round
+        return stats | summary
+    batch = concat(*kept).take(min(have, target), groups=True)
+    parts = [batch, r.actor.log_prob(batch)] + ([r.ref.log_prob(batch)] if r.ref else [])
+    batch = merge(*parts).map(dapo_advantages, max_len=config.rollout.max_new_tokens,
+                              buffer=config.overlong_buffer, penalty=config.overlong_penalty)
+    actor = await r.actor.update(batch, **config.policy.update_kwargs())
+    return actor | stats | summary

@@ -1,0 +1,105 @@
+"""RLOO: REINFORCE with a leave-one-out baseline, no critic (Ahmadian et al., 2024,
+"Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+Feedback in LLMs").
+
+Each prompt gets ``k`` samples; a sample's baseline is the mean reward of the
+other ``k - 1`` samples of its prompt, so its advantage is ``r_i - mean_{j != i}
+r_j = k / (k - 1) * (r_i - mean_j r_j)``: unbiased, with no learned critic and no
+division by the group's standard deviation (GRPO's difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+import torch
+
+from asyncflow._datastream import StreamOptions
+from asyncflow._future import DataFuture, gather, transform
+from asyncflow._proxy import RoleGroup
+from asyncflow.algos._common import (
+    _CFG,
+    PolicyConfig,
+    RolloutConfig,
+    call_on_rollout,
+    merge_rows,
+    whole,
+)
+from asyncflow.algos._registry import RoleSet, algorithm
+from channels import Batch, ConfigError
+from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
+
+
+class RLOOConfig(msgspec.Struct, **_CFG):
+    """RLOO settings."""
+
+    rollout: RolloutConfig = RolloutConfig(n=4)
+    """Sampling; ``n`` (at least 2) samples per prompt form its leave-one-out group."""
+    policy: PolicyConfig = PolicyConfig()
+    """The actor's update (RLOO's paper uses the PPO clip; ``clip_ratio`` large
+    turns it into plain REINFORCE)."""
+
+
+class RLOORoles(RoleSet):
+    """RLOO's roles: the actor and the reward; the reference when placed."""
+
+    actor: RoleGroup[ActorWorker]
+    reward: RoleGroup[RewardWorker]
+    ref: RoleGroup[ReferenceWorker] | None
+
+
+def leave_one_out(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``[B]`` advantages: each score minus the mean of the other scores of its
+    group (0 for a group of one, which has no baseline)."""
+    scores = scores.to(torch.float32)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    zeros = torch.zeros(groups, dtype=torch.float32)
+    counts = zeros.index_add(0, inverse, torch.ones_like(scores))[inverse]
+    sums = zeros.index_add(0, inverse, scores)[inverse]
+    others = (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, scores - (sums - scores) / others, torch.zeros_like(scores))
+
+
+@transform(reads=("scores", "uid", "response_mask"), writes=("advantages",))
+def rloo_advantages(batch: Batch) -> dict[str, torch.Tensor]:
+    """RLOO's advantages on every response token. The rows of a prompt's group must
+    be on this rank (``generate`` keeps them together)."""
+    mask = batch["response_mask"]
+    adv = leave_one_out(batch["scores"], batch["uid"])
+    return {"advantages": adv[:, None].expand_as(mask).to(torch.float32) * mask}
+
+
+def _check(config: RLOOConfig) -> None:
+    if config.rollout.n < 2:
+        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {config.rollout.n}: RLOO's baseline is the "
+                          "other samples of the prompt; 4 is usual")
+
+
+def _wants(config: RLOOConfig) -> tuple[str, ...]:
+    return ("ref",) if config.policy.kl_coef > 0 else ()
+
+
+@algorithm("rloo", config=RLOOConfig, roles=RLOORoles, streams=True, check=_check, wants=_wants)
+async def rloo_step(roles: RLOORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: RLOOConfig,
+                    *, seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
+    """One RLOO step: ``n`` samples per prompt, scored; each sample's advantage is
+    its score minus the mean score of its prompt's other samples; then the actor's
+    update. With ``stream``, the inference calls on other pools than the actor's
+    take the samples as they finish."""
+    r = RLOORoles.of(roles, algorithm="RLOO")
+    if config.policy.kl_coef > 0 and r.ref is None:
+        raise ConfigError("RLOO with policy.kl_coef > 0 needs a placed ref role")
+    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
+
+    def call(group: RoleGroup[Any], method: str) -> Any:
+        return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)
+
+    scores = call(r.reward, "score")
+    parts = [rollout, call(r.actor, "log_prob"), scores] + ([call(r.ref, "log_prob")] if r.ref else [])
+    batch = whole(merge_rows(*parts)).map(rloo_advantages)
+    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
+                                r.reward.stats(whole(scores)))
+    return actor | score_summary(stats)
