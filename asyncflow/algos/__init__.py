@@ -9,7 +9,16 @@ Installed packages add algorithms through the ``asyncflow.algorithms`` entry-poi
 group; :func:`algorithms` lists them all.
 """
 
-from asyncflow.algos._common import PolicyConfig, RolloutConfig, call_on_rollout, merge_rows, whole
+from asyncflow.algos._common import (
+    PolicyConfig,
+    RolloutConfig,
+    call_on_rollout,
+    merge_rows,
+    ref_for_kl,
+    require_ref_for_kl,
+    sample_and_score,
+    whole,
+)
 from asyncflow.algos._dapo import (
     DAPOConfig,
     DAPORoles,
@@ -44,9 +53,12 @@ from asyncflow.algos._transforms import (
 )
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "Algorithm", "DAPOConfig", "DAPORoles", "GRPOConfig", "GRPORoles", "PPOConfig", "PPORoles", "PolicyConfig", "PromptSource",
-    "RLOOConfig", "RLOORoles", "ReMaxConfig", "ReMaxRoles", "RoleSet", "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState",
-    "algorithm", "algorithm_of", "algorithms", "call_on_rollout", "config_section", "dapo_advantages", "dapo_step", "gae", "get_algorithm",
-    "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "leave_one_out", "merge_rows", "overlong_penalties", "ppo_step",
-    "register", "remax_step", "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step", "token_rewards", "whole",
+    "ENTRY_POINT_GROUP", "Algorithm", "DAPOConfig", "DAPORoles", "GRPOConfig", "GRPORoles", "PPOConfig",
+    "PPORoles", "PolicyConfig", "PromptSource", "RLOOConfig", "RLOORoles", "ReMaxConfig", "ReMaxRoles",
+    "RoleSet", "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState", "algorithm", "algorithm_of",
+    "algorithms", "call_on_rollout", "config_section", "dapo_advantages", "dapo_step", "gae", "get_algorithm",
+    "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "leave_one_out",
+    "merge_rows", "overlong_penalties", "ppo_step", "ref_for_kl", "register", "remax_step",
+    "require_ref_for_kl", "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step",
+    "sample_and_score", "token_rewards", "whole",
 ]

@@ -98,6 +98,35 @@ def call_on_rollout(consumer: Any, method: str, rollout: Any, *, producer: Any, 
     return getattr(consumer, method)(rows)
 
 
+def ref_for_kl(config: Any) -> tuple[str, ...]:
+    """``wants=`` of an algorithm whose reference enters only the loss's KL term:
+    ``("ref",)`` when ``config.policy.kl_coef`` > 0."""
+    return ("ref",) if config.policy.kl_coef > 0 else ()
+
+
+def require_ref_for_kl(algorithm: str, config: Any, ref: Any) -> None:
+    """Raises ConfigError when ``config.policy.kl_coef`` > 0 and no reference is placed."""
+    if config.policy.kl_coef > 0 and ref is None:
+        raise ConfigError(f"{algorithm} with policy.kl_coef > 0 needs a placed ref role")
+
+
+def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
+                     stream: StreamOptions | None) -> tuple[Any, Any]:
+    """The first half of a critic-free, outcome-reward step: ``config.rollout.n``
+    samples per prompt from ``roles.actor``, their ``roles.reward`` scores, the
+    actor's log-probs and, when placed, the reference's, merged. Returns ``(the
+    whole batch, the scores)`` (streamed as ``call_on_rollout`` says)."""
+    rollout = roles.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed),
+                                   stream=stream)
+
+    def call(group: Any, method: str) -> Any:
+        return call_on_rollout(group, method, rollout, producer=roles.actor, stream=stream)
+
+    scores = call(roles.reward, "score")
+    parts = [rollout, call(roles.actor, "log_prob"), scores] + ([call(roles.ref, "log_prob")] if roles.ref else [])
+    return whole(merge_rows(*parts)), whole(scores)
+
+
 def merge_rows(*parts: Any) -> Any:
     """``merge`` of the parts: micro-batch by micro-batch when all are streams,
     else of the whole batch (every stream collected)."""

@@ -29,7 +29,13 @@ from asyncflow._ops import merge
 from asyncflow._proxy import RoleGroup
 from asyncflow._select import concat
 from asyncflow.algos._checks import at_least
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig
+from asyncflow.algos._common import (
+    _CFG,
+    PolicyConfig,
+    RolloutConfig,
+    ref_for_kl,
+    require_ref_for_kl,
+)
 from asyncflow.algos._registry import PromptSource, RoleSet, algorithm
 from channels import Batch, ConfigError
 from workers.engines import LossAggregation, grpo_advantages
@@ -102,11 +108,8 @@ def _check(config: DAPOConfig) -> None:
     at_least("algorithm.overlong_penalty", config.overlong_penalty, 0, "1.0 is DAPO's")
 
 
-def _wants(config: DAPOConfig) -> tuple[str, ...]:
-    return ("ref",) if config.policy.kl_coef > 0 else ()
 
-
-@algorithm("dapo", config=DAPOConfig, roles=DAPORoles, draws=True, check=_check, wants=_wants)
+@algorithm("dapo", config=DAPOConfig, roles=DAPORoles, draws=True, check=_check, wants=ref_for_kl)
 async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: DAPOConfig,
                     *, seed: int | None = None, more: PromptSource | None = None) -> dict[str, float]:
     """One DAPO step (see the module docstring). ``more`` draws further prompt
@@ -115,8 +118,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     unless ``max_rounds`` ran out), ``dapo/sampled_groups``, ``dapo/kept_fraction``
     and ``dapo/rounds``; ``reward/*`` are over every sampled response."""
     r = DAPORoles.of(roles, algorithm="DAPO")
-    if config.policy.kl_coef > 0 and r.ref is None:
-        raise ConfigError("DAPO with policy.kl_coef > 0 needs a placed ref role")
+    require_ref_for_kl("DAPO", config, r.ref)
     n = config.rollout.n
     target = (await prompts).num_rows
     source: DataFuture[Any] = prompts

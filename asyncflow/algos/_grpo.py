@@ -14,9 +14,9 @@ from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
     RolloutConfig,
-    call_on_rollout,
-    merge_rows,
-    whole,
+    ref_for_kl,
+    require_ref_for_kl,
+    sample_and_score,
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import group_advantages
@@ -50,11 +50,8 @@ def _check(config: GRPOConfig) -> None:
                           "samples of one prompt; 8 is usual")
 
 
-def _wants(config: GRPOConfig) -> tuple[str, ...]:
-    return ("ref",) if config.policy.kl_coef > 0 else ()
 
-
-@algorithm("grpo", config=GRPOConfig, roles=GRPORoles, streams=True, check=_check, wants=_wants)
+@algorithm("grpo", config=GRPOConfig, roles=GRPORoles, streams=True, check=_check, wants=ref_for_kl)
 async def grpo_step(roles: GRPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: GRPOConfig,
                     *, seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
     """One GRPO step: sample ``n`` responses per prompt, score them, normalise the
@@ -64,16 +61,8 @@ async def grpo_step(roles: GRPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     on other pools than the actor's (``call_on_rollout`` says which; the
     long tail may migrate); the update gets the same rows."""
     r = GRPORoles.of(roles, algorithm="GRPO")
-    if config.policy.kl_coef > 0 and r.ref is None:
-        raise ConfigError("GRPO with policy.kl_coef > 0 needs a placed ref role")
-    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
-
-    def call(group: RoleGroup[Any], method: str) -> Any:
-        return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)
-
-    scores = call(r.reward, "score")
-    parts = [rollout, call(r.actor, "log_prob"), scores] + ([call(r.ref, "log_prob")] if r.ref else [])
-    batch = whole(merge_rows(*parts)).map(group_advantages, scale_by_std=config.scale_by_std)
-    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
-                                r.reward.stats(whole(scores)))
+    require_ref_for_kl("GRPO", config, r.ref)
+    batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream)
+    batch = batch.map(group_advantages, scale_by_std=config.scale_by_std)
+    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.reward.stats(scores))
     return actor | score_summary(stats)

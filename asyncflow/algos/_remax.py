@@ -10,7 +10,13 @@ import msgspec
 from asyncflow._future import DataFuture, gather
 from asyncflow._ops import merge
 from asyncflow._proxy import RoleGroup
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig
+from asyncflow.algos._common import (
+    _CFG,
+    PolicyConfig,
+    RolloutConfig,
+    ref_for_kl,
+    require_ref_for_kl,
+)
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import greedy_baseline_advantages
 from channels import ConfigError
@@ -40,18 +46,14 @@ def _check(config: ReMaxConfig) -> None:
                           "(and the greedy one as its baseline); leave it out")
 
 
-def _wants(config: ReMaxConfig) -> tuple[str, ...]:
-    return ("ref",) if config.policy.kl_coef > 0 else ()
 
-
-@algorithm("remax", config=ReMaxConfig, roles=ReMaxRoles, check=_check, wants=_wants)
+@algorithm("remax", config=ReMaxConfig, roles=ReMaxRoles, check=_check, wants=ref_for_kl)
 async def remax_step(roles: ReMaxRoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any],
                      config: ReMaxConfig, *, seed: int | None = None) -> dict[str, float]:
     """One ReMax step: a sampled and a greedy response per prompt; the greedy
     response's score is the sampled one's baseline."""
     r = ReMaxRoles.of(roles, algorithm="ReMax")
-    if config.policy.kl_coef > 0 and r.ref is None:
-        raise ConfigError("ReMax with policy.kl_coef > 0 needs a placed ref role")
+    require_ref_for_kl("ReMax", config, r.ref)
     rollout = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed))
     greedy = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))
     old = r.actor.log_prob(rollout)

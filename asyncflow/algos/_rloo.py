@@ -23,9 +23,9 @@ from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
     RolloutConfig,
-    call_on_rollout,
-    merge_rows,
-    whole,
+    ref_for_kl,
+    require_ref_for_kl,
+    sample_and_score,
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from channels import Batch, ConfigError
@@ -78,11 +78,8 @@ def _check(config: RLOOConfig) -> None:
                           "other samples of the prompt; 4 is usual")
 
 
-def _wants(config: RLOOConfig) -> tuple[str, ...]:
-    return ("ref",) if config.policy.kl_coef > 0 else ()
 
-
-@algorithm("rloo", config=RLOOConfig, roles=RLOORoles, streams=True, check=_check, wants=_wants)
+@algorithm("rloo", config=RLOOConfig, roles=RLOORoles, streams=True, check=_check, wants=ref_for_kl)
 async def rloo_step(roles: RLOORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: RLOOConfig,
                     *, seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
     """One RLOO step: ``n`` samples per prompt, scored; each sample's advantage is
@@ -90,16 +87,8 @@ async def rloo_step(roles: RLOORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     update. With ``stream``, the inference calls on other pools than the actor's
     take the samples as they finish."""
     r = RLOORoles.of(roles, algorithm="RLOO")
-    if config.policy.kl_coef > 0 and r.ref is None:
-        raise ConfigError("RLOO with policy.kl_coef > 0 needs a placed ref role")
-    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
-
-    def call(group: RoleGroup[Any], method: str) -> Any:
-        return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)
-
-    scores = call(r.reward, "score")
-    parts = [rollout, call(r.actor, "log_prob"), scores] + ([call(r.ref, "log_prob")] if r.ref else [])
-    batch = whole(merge_rows(*parts)).map(rloo_advantages)
-    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
-                                r.reward.stats(whole(scores)))
+    require_ref_for_kl("RLOO", config, r.ref)
+    batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream)
+    actor, stats = await gather(r.actor.update(batch.map(rloo_advantages), **config.policy.update_kwargs()),
+                                r.reward.stats(scores))
     return actor | score_summary(stats)

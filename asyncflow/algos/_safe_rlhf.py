@@ -13,7 +13,13 @@ from asyncflow._future import DataFuture, gather
 from asyncflow._ops import merge
 from asyncflow._proxy import RoleGroup
 from asyncflow.algos._checks import at_least, check_gae, finite, within
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig
+from asyncflow.algos._common import (
+    _CFG,
+    PolicyConfig,
+    RolloutConfig,
+    ref_for_kl,
+    require_ref_for_kl,
+)
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, safe_advantages, token_rewards
 from channels import ConfigError
@@ -82,9 +88,6 @@ def _check(s: SafeRLHFConfig) -> None:
     check_gae(key, s.gamma, s.lam)
 
 
-def _wants(config: SafeRLHFConfig) -> tuple[str, ...]:
-    return ("ref",) if config.policy.kl_coef > 0 else ()
-
 
 def initial_state(config: SafeRLHFConfig) -> SafeRLHFState:
     """The multiplier at its initial value."""
@@ -92,15 +95,14 @@ def initial_state(config: SafeRLHFConfig) -> SafeRLHFState:
 
 
 @algorithm("safe_rlhf", config=SafeRLHFConfig, roles=SafeRLHFRoles, state=initial_state, check=_check,
-           wants=_wants)
+           wants=ref_for_kl)
 async def safe_rlhf_step(roles: SafeRLHFRoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any],
                          config: SafeRLHFConfig, *, seed: int | None = None, state: SafeRLHFState | None = None,
                          ptx: DataFuture[Any] | None = None) -> dict[str, float]:
     """One Safe-RLHF step; updates ``state.lagrange`` from the step's mean cost
     (``state`` None: starts from ``lagrange_init`` and keeps nothing)."""
     r = SafeRLHFRoles.of(roles, algorithm="Safe-RLHF")
-    if config.policy.kl_coef > 0 and r.ref is None:
-        raise ConfigError("Safe-RLHF with policy.kl_coef > 0 needs a placed ref role")
+    require_ref_for_kl("Safe-RLHF", config, r.ref)
     state = state if state is not None else initial_state(config)
     rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
     old = r.actor.log_prob(rollout)
