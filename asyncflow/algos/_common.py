@@ -66,15 +66,29 @@ class RolloutConfig(msgspec.Struct, **_CFG):
     ignore_eos: bool = False
     """Run every response to its budget (``max_new_tokens``, or the prompt's own
     ``max_new_tokens`` column): fixed response lengths, for benchmarks."""
+    min_new_tokens: int = 0
+    """Fewest tokens before EOS or a stop string may end a response (vLLM's
+    ``min_tokens``; 0 disables it): EOS is masked out of sampling until then."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a response ends at the token whose text completes one. The
+    response keeps that token (the stop string is in its decoded text; see
+    ``SamplingParams.stop``). Decoded with the model directory's tokenizer."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ConfigError(f"rollout.n must be >= 1, got {self.n}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"rollout.min_new_tokens must be in 0..rollout.max_new_tokens={self.max_new_tokens} "
+                              f"(0 disables it), got {self.min_new_tokens}; lower it or raise max_new_tokens")
+        if any(not text for text in self.stop):
+            raise ConfigError(f"rollout.stop must list non-empty strings, got {list(self.stop)!r}; remove the "
+                              "empty ones")
 
     def params(self, *, seed: int | None, greedy: bool = False) -> SamplingParams:
         """The actor's sampling parameters (its EOS comes from the model)."""
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0 if greedy else self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=seed, ignore_eos=self.ignore_eos)
+                              top_p=self.top_p, top_k=self.top_k, seed=seed, ignore_eos=self.ignore_eos,
+                              min_new_tokens=self.min_new_tokens, stop=self.stop)
 
 
 def call_on_rollout(consumer: Any, method: str, rollout: Any, *, producer: Any, stream: StreamOptions | None

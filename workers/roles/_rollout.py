@@ -31,6 +31,7 @@ from workers.rollout import (
     SamplingParams,
     VLLMRolloutConfig,
     VLLMRolloutEngine,
+    load_tokenizer,
 )
 
 RolloutConfig = NativeRolloutConfig | VLLMRolloutConfig
@@ -80,7 +81,8 @@ def build_rollout(config: RolloutConfig, *, model: PreTrainedModel, model_dir: s
         seeded = msgspec.structs.replace(config, seed=config.seed + rank)
         return VLLMRolloutEngine(model_dir, config=seeded)
     native = dataclasses.replace(config, seed=config.seed + rank)
-    return NativeRolloutEngine(copy.deepcopy(model), config=native)
+    # The tokenizer decodes responses for stop strings (SamplingParams.stop).
+    return NativeRolloutEngine(copy.deepcopy(model), config=native, tokenizer=load_tokenizer(model_dir))
 
 
 def unpadded_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:

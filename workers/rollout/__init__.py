@@ -9,6 +9,7 @@ vLLM is imported only when a :class:`VLLMRolloutEngine` is created.
 """
 
 from workers.rollout._native import NativeRolloutConfig, NativeRolloutEngine
+from workers.rollout._stop import TextDecoder, load_tokenizer
 from workers.rollout._types import (
     FinishedSample,
     GenerationRun,
@@ -20,5 +21,6 @@ from workers.rollout._vllm import VLLMRolloutConfig, VLLMRolloutEngine
 
 __all__ = [
     "FinishedSample", "GenerationRun", "NativeRolloutConfig", "NativeRolloutEngine",
-    "PartialSample", "RolloutOutput", "SamplingParams", "VLLMRolloutConfig", "VLLMRolloutEngine",
+    "PartialSample", "RolloutOutput", "SamplingParams", "TextDecoder", "VLLMRolloutConfig",
+    "VLLMRolloutEngine", "load_tokenizer",
 ]

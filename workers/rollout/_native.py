@@ -4,8 +4,9 @@
 ``max_batch_size`` rows. Every step first prefills waiting samples into the free rows
 (a separate left-padded forward pass whose KV cache then joins the decode batch),
 then decodes one token for every row. A row leaves the batch as soon as it samples
-EOS (unless ``ignore_eos``) or reaches its token budget (``max_new_tokens``, or the
-prompt's own), and its :class:`FinishedSample` is reported in that step, so streaming
+EOS (unless ``ignore_eos``), completes a stop string or reaches its token budget
+(``max_new_tokens``, or the prompt's own), and its :class:`FinishedSample` is
+reported in that step, so streaming
 consumers see each sample when it completes, not when its batch does. ``generate``
 and ``generate_stream`` step such a run to its end.
 
@@ -27,6 +28,7 @@ from transformers import PreTrainedModel
 from channels import ConfigError
 
 from ._native_run import NativeRun
+from ._stop import StopStrings, TextDecoder
 from ._types import (
     FinishedSample,
     GenerationRun,
@@ -71,12 +73,21 @@ class NativeRolloutEngine:
         model: A transformers causal LM (e.g. ``LlamaForCausalLM``); the engine puts
             it in eval mode and updates it in place in :meth:`update_weights`.
         config: Engine settings.
+        tokenizer: The model's tokenizer (anything with ``decode(ids,
+            skip_special_tokens=True)``), which stop strings (``SamplingParams.stop``)
+            are looked for with; None refuses requests with stop strings.
 
     Raises:
         ValueError: If the model uses sliding-window attention (not supported).
     """
 
-    def __init__(self, model: PreTrainedModel, *, config: NativeRolloutConfig) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        config: NativeRolloutConfig,
+        tokenizer: TextDecoder | None = None,
+    ) -> None:
         layer_types = getattr(model.config, "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types):
             raise ConfigError(
@@ -85,6 +96,7 @@ class NativeRolloutEngine:
             )
         self._model = model.eval()
         self._config = config
+        self._tokenizer = tokenizer
         self._device = next(model.parameters()).device
         self._vocab_size = int(model.config.vocab_size)
         self._max_length = int(model.config.max_position_embeddings)
@@ -190,7 +202,8 @@ class NativeRolloutEngine:
 
         Raises:
             ValueError: As :meth:`generate`, or if ``indices`` does not give one
-                distinct id per prompt.
+                distinct id per prompt, or ``params.stop`` is set on an engine
+                without a tokenizer.
         """
         self._check_params(params)
         budgets = resolve_budgets(max_new_tokens, len(prompts), params)
@@ -202,7 +215,11 @@ class NativeRolloutEngine:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), generator=self._generator))
-        run = NativeRun(self, params, seed)
+        stop = None
+        if params.stop:
+            assert self._tokenizer is not None  # _check_params refuses stop strings without one
+            stop = StopStrings(self._tokenizer, params.stop, min_new_tokens=params.min_new_tokens)
+        run = NativeRun(self, params, seed, stop=stop, early_banned=self._early_banned(params))
         run.queue(
             [
                 run.row(index, prompt, [], [], budget)
@@ -247,7 +264,29 @@ class NativeRolloutEngine:
                 loaded += 1
         return loaded
 
+    def _early_banned(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids ``min_new_tokens`` keeps out of a response's first tokens, as in vLLM.
+
+        ``eos_token_id`` when it ends responses; and, as vLLM's ``min_tokens`` also
+        masks its tokenizer's EOS whenever it masks anything (EOS or stop strings
+        to honour), the tokenizer's ``eos_token_id`` then too.
+        """
+        banned = []
+        if not params.ignore_eos and params.eos_token_id is not None:
+            banned.append(params.eos_token_id)
+        tokenizer_eos = getattr(self._tokenizer, "eos_token_id", None)
+        if (banned or params.stop) and isinstance(tokenizer_eos, int) and tokenizer_eos not in banned:
+            if 0 <= tokenizer_eos < self._vocab_size:
+                banned.append(tokenizer_eos)
+        return tuple(banned)
+
     def _check_params(self, params: SamplingParams) -> None:
+        if params.stop and self._tokenizer is None:
+            raise ConfigError(
+                f"SamplingParams.stop={list(params.stop)!r} needs a tokenizer to decode "
+                "responses, and this NativeRolloutEngine has none; create it with "
+                "tokenizer=<the model's tokenizer> or leave stop empty"
+            )
         for name in ("pad_token_id", "eos_token_id"):
             token = getattr(params, name)
             if token is not None and not 0 <= token < self._vocab_size:

@@ -4,8 +4,10 @@ A run keeps one decode batch of at most ``max_batch_size`` rows. Every step firs
 prefills waiting samples into the free rows (a separate left-padded forward pass
 whose KV cache then joins the decode batch; a migrated sample prefills its prompt and
 its response so far), then decodes one token for every row. A row leaves the batch as
-soon as it reaches its token budget or samples EOS (unless ``ignore_eos``), and its
-:class:`~._types.FinishedSample` is reported in that step.
+soon as it reaches its token budget, samples EOS (unless ``ignore_eos``) or completes
+a stop string (:mod:`._stop`), and its :class:`~._types.FinishedSample` is reported
+in that step. While a row is shorter than ``min_new_tokens``, EOS is masked out of
+its sampling distribution.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from ._kv_batch import KVBatch, decode, prefill
 from ._sampling import generator_state, restore_generator, row_generator, sample_tokens
+from ._stop import StopStrings
 from ._types import (
     FinishedSample,
     PartialSample,
@@ -71,12 +74,25 @@ class NativeRun:
             the engine's weights stay those it started with.
         params: How to sample, for every sample of the run.
         seed: The run's seed (each sample's stream derives from it and its index).
+        stop: Finds stop strings in responses; None when ``params.stop`` is empty.
+        early_banned: Token ids masked out while a response is shorter than
+            ``params.min_new_tokens``.
     """
 
-    def __init__(self, engine: NativeRolloutEngine, params: SamplingParams, seed: int) -> None:
+    def __init__(
+        self,
+        engine: NativeRolloutEngine,
+        params: SamplingParams,
+        seed: int,
+        *,
+        stop: StopStrings | None = None,
+        early_banned: tuple[int, ...] = (),
+    ) -> None:
+        self._early_banned = early_banned
         self._engine = engine
         self._params = params
         self._seed = seed
+        self._stop = stop
         self._weights_version = engine._weights_version
         self._rows: dict[int, _Row] = {}
         """Every pending sample by index, waiting or running."""
@@ -179,7 +195,13 @@ class NativeRun:
         """Sample one token per row, record it, and drop the rows that finished."""
         params = self._params
         rows = [self._rows[index] for index in batch.indices]
-        tokens, logprobs = sample_tokens(logits, params, [row.generator for row in rows])
+        tokens, logprobs = sample_tokens(
+            logits,
+            params,
+            [row.generator for row in rows],
+            lengths=[len(row.response) for row in rows],
+            early_banned=self._early_banned,
+        )
         batch.next_tokens = tokens
         finished, keep = [], []
         for position, (row, token, logprob) in enumerate(
@@ -187,7 +209,9 @@ class NativeRun:
         ):
             row.response.append(token)
             row.logprobs.append(logprob)
-            if ends_response(token, len(row.response), row.budget, params):
+            if ends_response(token, len(row.response), row.budget, params) or (
+                self._stop is not None and self._stop.ended(row.response)
+            ):
                 finished.append(self._rows.pop(row.index).finished())
             else:
                 keep.append(position)

@@ -62,10 +62,31 @@ def restore_generator(state: bytes, device: torch.device, *, index: int) -> torc
 
 @torch.no_grad()
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generators: list[torch.Generator | None],
+    *,
+    lengths: list[int],
+    early_banned: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return it and its raw log-prob (temperature 1, unfiltered)."""
+    """Pick one token per row; return it and its raw log-prob (temperature 1, unfiltered).
+
+    Args:
+        logits: [rows, vocab] next-token logits.
+        params: How to sample.
+        generators: Each row's random stream (None when greedy).
+        lengths: Each row's response length before this token.
+        early_banned: Token ids that rows shorter than ``params.min_new_tokens``
+            cannot sample (EOS ids). The log-probs stay those of the unmasked
+            logits, as vLLM's raw log-probs are taken before its logits processors.
+    """
     raw_logprobs = F.log_softmax(logits, dim=-1)
+    if params.min_new_tokens and early_banned:
+        short = torch.tensor([n < params.min_new_tokens for n in lengths], device=logits.device)
+        if bool(short.any()):
+            logits = logits.clone()
+            rows = short.nonzero()[:, 0]
+            logits[rows[:, None], torch.tensor(early_banned, device=logits.device)] = float("-inf")
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:

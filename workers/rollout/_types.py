@@ -55,7 +55,33 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     pad_token_id: int = 0
     """Token used to pad prompts (left) and responses (right)."""
     seed: int | None = None
-    """Seed for sampling; None draws from the engine's generator."""
+    """Seed for sampling; None draws from the engine's generator. Sample ``i``
+    (the caller's index) draws from its own stream derived from ``(seed, i)``, so
+    results do not depend on batching; the streams differ between engines."""
+    min_new_tokens: int = 0
+    """Fewest tokens a response has before EOS or a stop string may end it (vLLM's
+    ``min_tokens``): while a response is shorter, ``eos_token_id`` cannot be sampled
+    (its logit is masked out of the sampling distribution; ``logprobs`` stay the raw
+    ones) and stop strings are not looked for. 0 disables it. A prompt's own token
+    budget below it still ends the response at the budget. Ignored for EOS with
+    ``ignore_eos`` (EOS ends nothing then). As in vLLM, an engine with a tokenizer
+    also masks the tokenizer's EOS id while it masks anything (EOS, or stop strings
+    to hold back), whether or not it is ``eos_token_id``."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (vLLM's ``stop`` with ``include_stop_str_in_output=False``): a
+    response ends at the first token whose decoded text completes one of them
+    (special tokens skipped when decoding; looked for once the response is longer
+    than ``min_new_tokens``, in the text that token adds plus the chars before it).
+
+    Responses are token ids, and token-level training needs exactly the tokens the
+    policy sampled: ``response_ids`` end with the token that completed the stop string,
+    that token included, masked in, with its log-prob, even when the stop string
+    ends in the middle of it (the token's text past the stop string stays part of the
+    response). Nothing after that token is generated (where an engine produced more
+    tokens in the same step, they are dropped and masked out). So the decoded
+    response holds the stop string: cut the text at its first occurrence to get
+    vLLM's ``text`` (as a reward function does, for instance). Needs an engine with a
+    tokenizer (see each engine)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -66,6 +92,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"SamplingParams.top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"SamplingParams.min_new_tokens must be in 0..max_new_tokens={self.max_new_tokens} "
+                f"(0 disables it), got {self.min_new_tokens}"
+            )
+        if isinstance(self.stop, str) or not isinstance(self.stop, Sequence):
+            raise ConfigError(
+                f"SamplingParams.stop must be a list of strings, got {self.stop!r}; wrap a "
+                "single stop string in a list"
+            )
+        # Frozen, hashable and the same type whether built in Python or decoded.
+        msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
+        if any(not isinstance(text, str) or not text for text in self.stop):
+            raise ConfigError(
+                f"SamplingParams.stop must hold non-empty strings, got {list(self.stop)!r}; "
+                "remove the empty ones"
+            )
 
     @property
     def greedy(self) -> bool:

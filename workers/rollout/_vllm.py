@@ -36,6 +36,7 @@ import msgspec
 import torch
 
 from channels import ConfigError
+from workers.rollout._stop import TOKENIZER_FILES, has_tokenizer
 from workers.rollout._types import (
     GenerationRun,
     RolloutOutput,
@@ -76,6 +77,11 @@ class VLLMRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     sleep_level: Literal[1, 2] = 1
     """vLLM sleep level on GPU: 1 offloads weights to host memory, 2 discards them
     (only safe when the next step is :meth:`VLLMRolloutEngine.update_weights`)."""
+    load_tokenizer: bool | None = None
+    """Start vLLM with the model directory's tokenizer, which stop strings
+    (``SamplingParams.stop``) need: vLLM decodes the requests that have stop strings,
+    and only those. None loads it when the directory holds tokenizer files; False
+    never does (requests with stop strings are then refused)."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "kv_cache_bytes", "max_num_seqs"):
@@ -97,6 +103,8 @@ class VLLMRolloutEngine:
         config: How to start the engine.
 
     Raises:
+        ConfigError: If ``config.load_tokenizer`` is True and ``model_dir`` holds no
+            tokenizer files.
         RuntimeError: On CPU, when vLLM already cached multiprocessing on.
         NotImplementedError: When the installed vLLM targets neither CPU nor CUDA.
     """
@@ -107,14 +115,17 @@ class VLLMRolloutEngine:
         self.config = config
         self._sync = weight_sync_for_platform()
         self._asleep: set[str] = set()
-        kwargs = self._sync.engine_kwargs()
+        self._has_tokenizer = _wants_tokenizer(model_dir, config.load_tokenizer)
+        kwargs = self._sync.engine_kwargs(max_model_len=config.max_model_len)
 
         from vllm import LLM
 
         def build() -> Any:
             return LLM(
                 model=os.fspath(model_dir),
-                skip_tokenizer_init=True,
+                # Prompts are token ids; the tokenizer only decodes requests with
+                # stop strings (SamplingParams.detokenize is False otherwise).
+                skip_tokenizer_init=not self._has_tokenizer,
                 dtype=config.dtype,
                 max_model_len=config.max_model_len,
                 seed=config.seed,
@@ -210,10 +221,18 @@ class VLLMRolloutEngine:
 
         Raises:
             ValueError: As :meth:`generate`, or if ``indices`` does not give one
-                distinct id per prompt.
+                distinct id per prompt, or ``params.stop`` is set and the engine
+                started without a tokenizer.
             RuntimeError: If the engine is asleep or closed.
         """
         self._check_awake(needs=_SLEEP_TAGS, action="start")
+        if params.stop and not self._has_tokenizer:
+            raise ConfigError(
+                f"SamplingParams.stop={list(params.stop)!r} needs vLLM to decode responses, "
+                "and this VLLMRolloutEngine started without a tokenizer; start it from a "
+                "model directory with tokenizer files (VLLMRolloutConfig.load_tokenizer "
+                "None or True) or leave stop empty"
+            )
         prompt_lists = [list(p) for p in prompts]
         budgets = resolve_budgets(max_new_tokens, len(prompt_lists), params)
         for i, (prompt, budget) in enumerate(zip(prompt_lists, budgets, strict=True)):
@@ -317,6 +336,17 @@ class VLLMRolloutEngine:
             raise RuntimeError(
                 f"cannot {action} while {asleep} are asleep; call wake_up({asleep}) first"
             )
+
+
+def _wants_tokenizer(model_dir: str | os.PathLike[str], load: bool | None) -> bool:
+    """Whether vLLM starts with ``model_dir``'s tokenizer (see ``load_tokenizer``)."""
+    found = has_tokenizer(model_dir)
+    if load and not found:
+        raise ConfigError(
+            f"VLLMRolloutConfig.load_tokenizer is True but {os.fspath(model_dir)!r} holds none "
+            f"of {list(TOKENIZER_FILES)}; save the tokenizer there or set load_tokenizer=None"
+        )
+    return found if load is None else load
 
 
 def _check_prompt(prompt: Sequence[int], budget: int, where: str, *, max_model_len: int) -> None:

@@ -189,6 +189,10 @@ class VLLMRun:
         request's random stream, so a migrated sampled sample is re-seeded (from the
         run's seed, its index and its length; ``rng_state`` is ignored): it continues
         differently than it would have uninterrupted. Greedy samples are identical.
+        ``min_new_tokens`` counts the carried tokens; stop strings are looked for in
+        the new tokens' text only (vLLM sees the carried ones as prompt), so one that
+        straddles the carried and new tokens is missed, where the native engine
+        finds it.
         """
         self._check_usable("admit")
         check_admissible(samples, self.params, (t.index for t in self._live.values()))
@@ -251,19 +255,35 @@ def _vllm_params(params: SamplingParams, sample: Tracked) -> Any:
 
     greedy = params.greedy
     stop = None if params.ignore_eos else params.eos_token_id
+    carried = len(sample.response)
+    max_tokens = sample.budget - carried
+    # min_tokens masks the stop token ids (ours: eos) and delays stop strings. With
+    # ignore_eos and no stop strings it has nothing to do here, and passing it would
+    # let vLLM mask the tokenizer's EOS id, which the native engine does not.
+    min_tokens = 0
+    if params.stop or stop is not None:
+        # Carried tokens count; a budget below min_new_tokens wins (vLLM refuses
+        # min_tokens > max_tokens).
+        min_tokens = min(max(params.min_new_tokens - carried, 0), max_tokens)
     return VLLMSamplingParams(
         n=1,
-        max_tokens=sample.budget - len(sample.response),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
         temperature=0.0 if greedy else params.temperature,
         top_p=1.0 if greedy else params.top_p,
         top_k=0 if greedy else params.top_k,
-        seed=_request_seed(params.seed, sample.index, len(sample.response)),
+        seed=_request_seed(params.seed, sample.index, carried),
         logprobs=0,  # only the sampled token's log-prob
         # EOS handling is ours: stop on params.eos_token_id only (kept in the output),
         # and not at all with params.ignore_eos.
         ignore_eos=True,
         stop_token_ids=None if stop is None else [stop],
-        detokenize=False,
+        # Stop strings are matched in vLLM's detokenizer, so only requests with stop
+        # strings are decoded; the text is cut before the stop string, the token ids
+        # keep the token that completed it (see SamplingParams.stop).
+        stop=list(params.stop) or None,
+        include_stop_str_in_output=False,
+        detokenize=bool(params.stop),
         # Every step reports the tokens new since the last one.
         output_kind=RequestOutputKind.DELTA,
     )

@@ -38,6 +38,9 @@ from torch.distributed import distributed_c10d
 __all__ = ["WeightSync", "weight_sync_for_platform"]
 
 
+_CPU_BATCHED_TOKENS = 4096
+"""vLLM's default ``max_num_batched_tokens`` for ``vllm.LLM`` on CPU."""
+
 _VLLM_GROUP_NAMES_START = 1 << 40
 """First number of the names torch gives vLLM's process groups (see _PrivateVLLMWorld)."""
 
@@ -109,8 +112,9 @@ class _PrivateVLLMWorld:
 class WeightSync(Protocol):
     """The platform-specific part of the engine (see the module docstring)."""
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Extra ``vllm.LLM`` arguments this strategy needs."""
+    def engine_kwargs(self, *, max_model_len: int) -> dict[str, Any]:
+        """Extra ``vllm.LLM`` arguments this strategy needs, for an engine of
+        ``max_model_len``."""
         ...
 
     def start(self, build: Callable[[], Any]) -> Any:
@@ -158,7 +162,7 @@ class _InProcessCPUSync:
     def shutdown(self, llm: Any) -> None:
         self._world.shutdown(llm)
 
-    def engine_kwargs(self) -> dict[str, Any]:
+    def engine_kwargs(self, *, max_model_len: int) -> dict[str, Any]:
         # vLLM reads this variable when the engine is built and caches its
         # environment once an engine has started, so it must be set before the first
         # engine of the process; a cached "1" cannot be undone and is reported.
@@ -172,7 +176,17 @@ class _InProcessCPUSync:
                 "vLLM has cached that value; set VLLM_ENABLE_V1_MULTIPROCESSING=0 before "
                 "the first vLLM engine of the process"
             )
-        return {}
+        # Seeded requests crash vLLM's CPU worker when a prefill is chunked: the model
+        # runner rewinds a seeded request's generator after a partial prefill with
+        # Generator.get_offset(), which CPU generators do not have ("CPU Generator
+        # does not use offset"). A step's prompts exceeding max_num_batched_tokens
+        # (4096 on CPU) get chunked, so a large seeded batch crashes. Without chunked
+        # prefill the scheduler never splits a prompt: one that does not fit waits
+        # for the next step, and the budget must hold the longest sequence.
+        return {
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(max_model_len, _CPU_BATCHED_TOKENS),
+        }
 
     def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         items = [(name, tensor.detach().to("cpu")) for name, tensor in named_tensors]
@@ -250,7 +264,8 @@ class _CudaIPCSync:
     def shutdown(self, llm: Any) -> None:
         llm.llm_engine.engine_core.shutdown()
 
-    def engine_kwargs(self) -> dict[str, Any]:
+    def engine_kwargs(self, *, max_model_len: int) -> dict[str, Any]:
+        del max_model_len
         return {"enable_sleep_mode": True, "weight_transfer_config": {"backend": "ipc"}}
 
     def update_weights(self, llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
