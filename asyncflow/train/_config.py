@@ -7,9 +7,10 @@ algorithms' settings, the reward functions), all before any Ray or SFT work.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import msgspec
 
@@ -139,17 +140,51 @@ class ActorSection(OptimSection, **_CFG):
         at_least("ActorSection.rollout_batch_size", self.rollout_batch_size, 1)
 
 
-class ScoreSection(msgspec.Struct, **_CFG):
-    """A reward (or cost) source: a rule function or a model."""
+class WeightedFunction(msgspec.Struct, **_CFG):
+    """One reward function of a weighted sum (``[reward] functions``)."""
 
-    function: str = "workers.tasks:exact_match_reward"
-    """``module:function`` with ``fn(prompts, responses, answers) -> list[float]``."""
+    function: str
+    """``module:function`` (see ``ScoreSection.function`` for the call forms)."""
+    weight: float = 1.0
+    """Its weight in the sum (any finite number; negative penalizes)."""
+
+
+class ScoreSection(msgspec.Struct, **_CFG):
+    """A reward (or cost) source: a rule function, a weighted sum of them, or a model.
+
+    One function: ``function = "module:fn"``. Several: ``functions = [{ function =
+    "workers.rewards:numeric_match", weight = 1.0 }, { function =
+    "workers.rewards:format_check", weight = 0.2 }]``; the score is the weighted sum
+    and each function's mean is logged as ``reward/<fn>/mean``.
+    """
+
+    DEFAULT_FUNCTION: ClassVar[str] = "workers.tasks:exact_match_reward"
+
+    function: str = DEFAULT_FUNCTION
+    """``module:function``, called as ``fn(prompts=, completions=, **columns)`` (TRL's
+    form) or ``fn(prompts, responses, answers)`` (see ``workers.rewards``)."""
+    functions: list[WeightedFunction] = msgspec.field(default_factory=list)
+    """Several weighted functions; when given, they score instead of ``function``."""
     model_dir: str = ""
     """A reward/value model directory; when set, it scores instead of ``function``."""
 
     def __post_init__(self) -> None:
         if self.function:  # imported by validate, for the roles the run needs
             split_function_spec(self.function, key="ScoreSection.function")
+        if self.functions and self.function not in ("", self.DEFAULT_FUNCTION):
+            raise ConfigError(f"ScoreSection: both function = {self.function!r} and functions are set; "
+                              "keep one (put the function in the functions list)")
+        for i, wf in enumerate(self.functions):
+            split_function_spec(wf.function, key=f"ScoreSection.functions[{i}].function")
+            if not math.isfinite(wf.weight):
+                raise ConfigError(f"ScoreSection.functions[{i}].weight must be a finite number, got {wf.weight}")
+
+    @property
+    def weighted(self) -> list[WeightedFunction]:
+        """The functions with their weights: ``functions``, or ``function`` with weight 1."""
+        if self.functions:
+            return list(self.functions)
+        return [WeightedFunction(function=self.function)] if self.function else []
 
 
 class PoolSection(msgspec.Struct, **_CFG):
@@ -417,11 +452,14 @@ def _check_scores(config: RunConfig) -> None:
         score: ScoreSection = getattr(config, role)
         if score.model_dir:
             model_heads(f"{role}.model_dir", score.model_dir)
+        elif score.functions:
+            for i, wf in enumerate(score.functions):
+                load_score_function(f"{role}.functions[{i}].function", wf.function)
         elif score.function:
             load_score_function(f"{role}.function", score.function)
         else:
             raise ConfigError(f"algorithm {algorithm_in(config).name} needs a {role}: set [{role}] function "
-                              f"('module:function') or model_dir")
+                              f"('module:function'), functions or model_dir")
 
 
 def _check_algorithms(config: RunConfig) -> None:

@@ -34,7 +34,11 @@ def _update(o: OptimSection) -> UpdateConfig:
 def _scorer(s: ScoreSection, model_dir: str) -> ScoreConfig:
     if s.model_dir:
         return ScoreConfig(scorer=ModelRewardConfig(model_dir=s.model_dir))
-    return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=s.function))
+    weighted = s.weighted
+    if len(weighted) == 1 and weighted[0].weight == 1.0:
+        return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=weighted[0].function))
+    return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=[w.function for w in weighted],
+                                               weights=[w.weight for w in weighted]))
 
 
 def role_specs(config: RunConfig, model_dir: str) -> dict[str, RoleSpec]:

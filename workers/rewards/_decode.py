@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sized
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -56,8 +57,54 @@ def load_decoder(directory: str | Path) -> Decoder:
         ) from None
 
 
+UNKNOWN_TOKEN_TEXT = "\ufffd"
+"""What an id the tokenizer does not know decodes to: one U+FFFD (the Unicode
+replacement character) per such id, so that the text still shows something was
+generated there (and an exact match with a reference fails)."""
+
+
+def known_ids(decoder: Decoder) -> int | None:
+    """How many ids the tokenizer decodes (``[0, n)``): ``len(decoder)`` (added tokens
+    included) when it has one, else its ``vocab_size``; None when it tells neither."""
+    size = len(decoder) if isinstance(decoder, Sized) else getattr(decoder, "vocab_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def decode_ids(decoder: Decoder, ids: list[int], *, limit: int | None = None) -> str:
+    """Decode one row, dropping special tokens; ids outside ``[0, limit)`` (a model whose
+    vocabulary is larger than the tokenizer's, e.g. padded to a multiple of 64) become
+    :data:`UNKNOWN_TOKEN_TEXT` each instead of failing.
+
+    Args:
+        decoder: the tokenizer.
+        ids: token ids.
+        limit: ids the tokenizer knows (:func:`known_ids`); None: all of them.
+
+    Returns:
+        The text.
+    """
+    if limit is None or all(0 <= i < limit for i in ids):
+        return decoder.decode(ids, skip_special_tokens=True)
+    pieces: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        if 0 <= i < limit:
+            run.append(i)
+            continue
+        if run:  # decode the known ids between two unknown ones together
+            pieces.append(decoder.decode(run, skip_special_tokens=True))
+            run = []
+        pieces.append(UNKNOWN_TOKEN_TEXT)
+    if run:
+        pieces.append(decoder.decode(run, skip_special_tokens=True))
+    return "".join(pieces)
+
+
 def decode_rows(decoder: Decoder, rows: list[list[int]], *, strip_pad: bool = False) -> list[str]:
     """Decode every row, dropping special tokens (and trailing padding).
+
+    Ids the tokenizer does not know decode to :data:`UNKNOWN_TOKEN_TEXT` (see
+    :func:`decode_ids`).
 
     Args:
         decoder: the tokenizer.
@@ -69,6 +116,7 @@ def decode_rows(decoder: Decoder, rows: list[list[int]], *, strip_pad: bool = Fa
         One string per row.
     """
     pad = decoder.pad_token_id
+    limit = known_ids(decoder)
     out = []
     for ids in rows:
         if strip_pad and pad is not None:
@@ -76,5 +124,5 @@ def decode_rows(decoder: Decoder, rows: list[list[int]], *, strip_pad: bool = Fa
             while end and ids[end - 1] == pad:
                 end -= 1
             ids = ids[:end]
-        out.append(decoder.decode(ids, skip_special_tokens=True))
+        out.append(decode_ids(decoder, ids, limit=limit))
     return out

@@ -7,7 +7,8 @@ used (and tested) without any role or runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -32,11 +33,16 @@ class ScoreInputs:
     """``[B, A]`` int64 reference answers, right-padded with the pad id (rule rewards)."""
     uids: Tensor | None = None
     """``[B]`` int64 prompt ids, quoted in error messages."""
+    columns: Mapping[str, Tensor] = field(default_factory=dict)
+    """``[B, ...]`` the rows' other columns by field name (user columns such as a
+    ``solution`` or ``difficulty``), passed to rule reward functions by keyword (see
+    :func:`workers.rewards.row_columns` for how each is read)."""
 
     def __post_init__(self) -> None:
         rows = self.prompt_ids.shape[0]
-        for name in ("prompt_mask", "response_ids", "response_mask", "answer_ids", "uids"):
-            value = getattr(self, name)
+        named = [(name, getattr(self, name))
+                 for name in ("prompt_mask", "response_ids", "response_mask", "answer_ids", "uids")]
+        for name, value in [*named, *((f"columns[{k!r}]", v) for k, v in self.columns.items())]:
             if value is not None and value.shape[0] != rows:
                 raise SchemaError(
                     f"ScoreInputs.{name} has {value.shape[0]} rows but prompt_ids has {rows}"

@@ -1,20 +1,40 @@
-"""Rule-based rewards: a plain batched Python function over decoded text.
+"""Rule-based rewards: plain batched Python functions over decoded text, weighted.
 
-The contract of a reward function (:data:`RewardFn`)::
+A reward function is called with one rank's samples, in row order, in one of two
+forms, told apart by its signature (:func:`workers.rewards.call_style`):
 
-    def fn(prompts: list[str], responses: list[str], answers: list[str]) -> Sequence[float]
+- keyword (TRL's)::
 
-- It is called with one rank's samples, in row order: three lists of the same
-  length ``B >= 1``. ``prompts[i]`` is the prompt's text, ``responses[i]`` the
-  generated text up to and without EOS, ``answers[i]`` the reference answer (the
-  ``answer_ids`` field without padding); special tokens are dropped and nothing is
-  stripped.
-- It returns ``B`` finite real numbers (a list, tuple, 1-D numpy array or tensor of
-  ints, floats or bools), score ``i`` for sample ``i``.
-- It should be deterministic and side-effect free: when a call raises, the scorer
-  calls it again one sample at a time to name the first sample that fails.
-- It must reach the workers: give it as a ``"module:function"`` string of a module
+      def fn(prompts: list[str], completions: list[str], **columns) -> Sequence[float]
+
+  chosen when it has a ``completions`` parameter, or ``**kwargs`` and no
+  ``responses`` one. ``columns`` are the rows' own columns, one Python value per
+  row: ``answer`` (decoded from ``answer_ids``), any ``<name>_ids`` column decoded
+  to text ``<name>``, uint8 text columns, numbers for ``[B]`` columns (see
+  :func:`workers.rewards.row_columns`). A function without ``**kwargs`` gets only
+  the columns it names, and only a parameter without default must be present.
+- positional (the first form)::
+
+      def fn(prompts: list[str], responses: list[str], answers: list[str]) -> Sequence[float]
+
+  for any other signature; it needs ``answer_ids``.
+
+In both, ``prompts[i]`` is the prompt's text and the completion (response) the
+generated text up to and without EOS; special tokens are dropped and nothing is
+stripped. Ids the tokenizer does not know (a model vocabulary larger than the
+tokenizer's) read as U+FFFD each. The function:
+
+- returns ``B`` finite real numbers (a list, tuple, 1-D numpy array or tensor of
+  ints, floats or bools), score ``i`` for sample ``i``;
+- may be ``async def``: the scorer awaits it;
+- should be deterministic and side-effect free: when a call raises, the scorer
+  calls it again one sample at a time to name the first sample that fails;
+- must reach the workers: give it as a ``"module:function"`` string of a module
   the workers can import (the usual way in configs), or as a picklable callable.
+
+Several functions are combined by weight (``RuleRewardConfig(fn=[f, g],
+weights=[1.0, 0.5])``): the score is ``sum(w_k * f_k)``; the reward role reports
+each function's own mean as ``reward/<name>/mean``.
 """
 
 from __future__ import annotations
@@ -22,27 +42,27 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from channels import AsyncflowError, ConfigError, SchemaError
+from channels import ConfigError, SchemaError
+from workers.rewards._calling import (
+    ANSWER,
+    RewardBatch,
+    RewardFn,
+    RewardFunction,
+    function_labels,
+)
+from workers.rewards._columns import row_columns
 from workers.rewards._decode import Decoder, decode_rows, load_decoder
 from workers.rewards._inputs import ScoreInputs, masked_token_lists
 
-RewardFn = Callable[[list[str], list[str], list[str]], Sequence[float]]
-"""A batched rule reward; see the module docstring for the exact contract."""
-
 DEFAULT_REWARD_FN = "workers.rewards:arithmetic_reward"
 """The rule of the arithmetic task: exact match with the answer."""
-
-
-class RewardFunctionError(AsyncflowError):
-    """A rule reward function raised, or returned something other than one number
-    per sample. The message names the function and the sample."""
 
 
 def arithmetic_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
@@ -111,38 +131,68 @@ def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") ->
         target = getattr(target, part)
     if not callable(target):
         raise ConfigError(f"{key} = {spec!r} names a {type(target).__name__}, not a function "
-                          "fn(prompts, responses, answers) -> list[float]")
+                          "fn(prompts, completions, **columns) -> list[float]")
     return target
 
 
-def reward_fn_name(fn: Callable[..., Any]) -> str:
-    """``"module:qualname"`` of a function, for messages."""
-    module = getattr(fn, "__module__", None) or "?"
-    return f"{module}:{getattr(fn, '__qualname__', repr(fn))}"
+
+def _check_weight(key: str, w: object) -> float:
+    if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(float(w)):
+        raise ConfigError(f"{key} must be a finite number, got {w!r}; e.g. 1.0")
+    return float(w)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RuleRewardConfig:
-    """A rule-based reward: a Python function over decoded text."""
+    """A rule-based reward: one Python function over decoded text, or a weighted sum
+    of several."""
 
     tokenizer_dir: str
     """A model directory whose tokenizer decodes the samples (the policy's)."""
-    fn: str | RewardFn = DEFAULT_REWARD_FN
-    """The reward function, as ``"module:function"`` or a picklable callable (see
-    :data:`RewardFn`)."""
+    fn: str | RewardFn | Sequence[str | RewardFn] = DEFAULT_REWARD_FN
+    """The reward function, as ``"module:function"`` or a picklable callable (see the
+    call forms in :mod:`workers.rewards`), or a list of them, summed by ``weights``."""
+    weights: Sequence[float] | None = None
+    """One weight per function in ``fn`` (None: 1.0 each); the score is
+    ``sum(weights[k] * fn[k](...))``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokenizer_dir, str) or not self.tokenizer_dir:
             raise ConfigError(
                 f"RuleRewardConfig.tokenizer_dir must be a directory path string, got {self.tokenizer_dir!r}"
             )
-        if isinstance(self.fn, str):
-            split_function_spec(self.fn)
-        elif not callable(self.fn):
-            raise ConfigError(f"RuleRewardConfig.fn must be a callable or a string, got {self.fn!r}")
+        single = isinstance(self.fn, str) or callable(self.fn)
+        if not single and not (isinstance(self.fn, Sequence) and self.fn):
+            raise ConfigError(f"RuleRewardConfig.fn must be a callable, a 'module:function' string or a "
+                              f"non-empty list of them, got {self.fn!r}")
+        fns = (self.fn,) if single else tuple(self.fn)  # type: ignore[arg-type]
+        for k, f in enumerate(fns):
+            key = "RuleRewardConfig.fn" if single else f"RuleRewardConfig.fn[{k}]"
+            if isinstance(f, str):
+                split_function_spec(f, key=key)
+            elif not callable(f):
+                raise ConfigError(f"{key} must be a callable or a 'module:function' string, got {f!r}")
+        object.__setattr__(self, "fn", fns[0] if single else fns)
+        if self.weights is not None:
+            if isinstance(self.weights, str) or not isinstance(self.weights, Sequence) \
+                    or len(self.weights) != len(fns):
+                raise ConfigError(f"RuleRewardConfig.weights must be a list of {len(fns)} numbers, one per "
+                                  f"function in fn, got {self.weights!r}")
+            object.__setattr__(self, "weights", tuple(
+                _check_weight(f"RuleRewardConfig.weights[{k}]", w) for k, w in enumerate(self.weights)))
+
+    @property
+    def functions(self) -> tuple[str | RewardFn, ...]:
+        """``fn`` as a tuple (one entry for a single function)."""
+        return (self.fn,) if isinstance(self.fn, str) or callable(self.fn) else tuple(self.fn)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Each function's short name in metrics (``reward/<label>/mean``), unique."""
+        return function_labels(self.functions)
 
     def build(self, device: torch.device) -> RuleScorer:
-        """The scorer (imports the function and loads the tokenizer).
+        """The scorer (imports the functions and loads the tokenizer).
 
         Args:
             device: unused (rules run on the CPU).
@@ -151,105 +201,112 @@ class RuleRewardConfig:
             A :class:`RuleScorer`.
 
         Raises:
-            ConfigError: the function or the tokenizer cannot be loaded.
+            ConfigError: a function or the tokenizer cannot be loaded.
         """
         del device
-        return RuleScorer(load_reward_fn(self.fn), load_decoder(self.tokenizer_dir))
+        fns = self.functions
+        loaded = [load_reward_fn(f, key="RuleRewardConfig.fn" if len(fns) == 1 else f"RuleRewardConfig.fn[{k}]")
+                  for k, f in enumerate(fns)]
+        return RuleScorer(loaded, load_decoder(self.tokenizer_dir), weights=self.weights, labels=self.labels)
 
 
 class RuleScorer:
-    """Scores samples with a rule reward function over their decoded text.
+    """Scores samples with rule reward functions over their decoded text: the
+    weighted sum of the functions' scores.
 
     Args:
-        fn: the function (see :data:`RewardFn`).
-        decoder: the tokenizer that decodes prompts, responses and answers.
+        fn: the function, or several (see the call forms in :mod:`workers.rewards`).
+        decoder: the tokenizer that decodes prompts, responses and token columns.
+        weights: one per function (None: 1.0 each).
+        labels: each function's short name (None: from the functions' names).
     """
 
-    def __init__(self, fn: RewardFn, decoder: Decoder) -> None:
-        self.fn = fn
+    def __init__(self, fn: RewardFn | Sequence[RewardFn], decoder: Decoder, *,
+                 weights: Sequence[float] | None = None, labels: Sequence[str] | None = None) -> None:
+        fns: list[RewardFn] = [fn] if callable(fn) else list(fn)
+        names = function_labels(fns) if labels is None else tuple(labels)
+        self.functions = tuple(RewardFunction(f, label=n) for f, n in zip(fns, names, strict=True))
+        self.weights = tuple(1.0 for _ in fns) if weights is None else tuple(float(w) for w in weights)
+        if len(self.weights) != len(fns):
+            raise ConfigError(f"RuleScorer: {len(self.weights)} weights for {len(fns)} functions; give one each")
         self.decoder = decoder
-        self.name = reward_fn_name(fn)
+
+    @property
+    def fn(self) -> RewardFn:
+        """The first function (the only one of a single-function scorer); setting it
+        makes the scorer score with that function alone, weight 1."""
+        return self.functions[0].fn
+
+    @fn.setter
+    def fn(self, fn: RewardFn) -> None:
+        self.functions = (RewardFunction(fn),)
+        self.weights = (1.0,)
+
+    @property
+    def name(self) -> str:
+        """The first function's ``module:qualname``."""
+        return self.functions[0].name
 
     def texts(self, inputs: ScoreInputs) -> tuple[list[str], list[str], list[str]]:
-        """The decoded prompts, responses and answers of ``inputs``.
+        """The decoded prompts, responses and answers of ``inputs`` (the positional form's
+        arguments).
 
         Raises:
             SchemaError: the inputs carry no answers.
         """
-        if inputs.answer_ids is None:
-            raise SchemaError(
-                f"reward function {self.name} needs reference answers: put an 'answer_ids' "
-                "field (right-padded with the pad id) with the prompts"
-            )
-        answers = inputs.answer_ids.reshape(inputs.num_rows, -1).tolist()
-        return (
-            decode_rows(self.decoder, masked_token_lists(inputs.prompt_ids, inputs.prompt_mask)),
-            decode_rows(self.decoder, masked_token_lists(inputs.response_ids, inputs.response_mask)),
-            decode_rows(self.decoder, answers, strip_pad=True),
+        batch = self.batch(inputs)
+        if ANSWER not in batch.columns:
+            raise SchemaError("the samples carry no reference answers: put an 'answer_ids' field "
+                              "(right-padded with the pad id) with the prompts")
+        return batch.prompts, batch.completions, list(batch.columns[ANSWER])
+
+    def batch(self, inputs: ScoreInputs) -> RewardBatch:
+        """``inputs`` decoded: prompts, completions and the columns (``answer_ids`` as
+        ``answer``; see :func:`workers.rewards.row_columns`).
+
+        Raises:
+            SchemaError: a ``<name>_ids`` column is not integer token ids.
+        """
+        columns = dict(inputs.columns)
+        if inputs.answer_ids is not None:
+            columns.setdefault("answer_ids", inputs.answer_ids.reshape(inputs.num_rows, -1))
+        return RewardBatch(
+            prompts=decode_rows(self.decoder, masked_token_lists(inputs.prompt_ids, inputs.prompt_mask)),
+            completions=decode_rows(self.decoder, masked_token_lists(inputs.response_ids, inputs.response_mask)),
+            columns=row_columns(columns, self.decoder),
+            uids=None if inputs.uids is None else [inputs.uid(i) or 0 for i in range(inputs.num_rows)],
         )
 
-    def __call__(self, inputs: ScoreInputs) -> Tensor:
-        """Score every sample.
+    def score(self, inputs: ScoreInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        """The weighted score of every sample, and each function's own scores.
 
         Args:
-            inputs: the samples (``answer_ids`` required).
+            inputs: the samples.
+
+        Returns:
+            ``([B] float32 weighted sums, {label: [B] float32 scores of that function}``).
+
+        Raises:
+            RewardFunctionError: a function raised (naming it, the first failing
+                sample, its uid and text) or returned a wrong count, a non-number or
+                a NaN/inf.
+            SchemaError: a function needs a column the rows lack.
+        """
+        if inputs.num_rows == 0:
+            empty = torch.zeros(0, dtype=torch.float32)
+            return empty, {f.label: empty for f in self.functions}
+        batch = self.batch(inputs)
+        for f in self.functions:  # before any call: a missing column is a data error, not the function's
+            f.check_columns(list(batch.columns))
+        parts = {f.label: torch.tensor(f(batch), dtype=torch.float64) for f in self.functions}
+        total = sum((w * p for w, p in zip(self.weights, parts.values(), strict=True)),
+                    torch.zeros(inputs.num_rows, dtype=torch.float64))
+        return total.to(torch.float32), {k: v.to(torch.float32) for k, v in parts.items()}
+
+    def __call__(self, inputs: ScoreInputs) -> Tensor:
+        """Score every sample: the weighted sum of the functions' scores (see :meth:`score`).
 
         Returns:
             ``[B]`` float32 scores.
-
-        Raises:
-            RewardFunctionError: the function raised (naming the first failing sample,
-                its uid and text) or returned a wrong count or a non-number.
-            SchemaError: the inputs carry no answers.
         """
-        if inputs.num_rows == 0:
-            return torch.zeros(0, dtype=torch.float32)
-        prompts, responses, answers = self.texts(inputs)
-        try:
-            out = self.fn(prompts, responses, answers)
-        except Exception as e:
-            raise self._locate_failure(inputs, prompts, responses, answers, e) from e
-        return torch.tensor(self._check_scores(out, inputs.num_rows), dtype=torch.float32)
-
-    def _locate_failure(self, inputs: ScoreInputs, prompts: list[str], responses: list[str],
-                        answers: list[str], batch_error: Exception) -> RewardFunctionError:
-        """Call the function one sample at a time; the first failure names the sample."""
-        n = len(prompts)
-        for i in range(n):
-            try:
-                self.fn(prompts[i : i + 1], responses[i : i + 1], answers[i : i + 1])
-            except Exception as e:
-                uid = inputs.uid(i)
-                return RewardFunctionError(
-                    f"reward function {self.name} raised on sample {i} of the {n} on this rank"
-                    f"{'' if uid is None else f' (uid {uid})'}: {type(e).__name__}: {e}; "
-                    f"prompt={prompts[i]!r} response={responses[i]!r} answer={answers[i]!r}"
-                )
-        return RewardFunctionError(
-            f"reward function {self.name} raised on a batch of {n} samples "
-            f"({type(batch_error).__name__}: {batch_error}) but on none of them alone; it must "
-            "score each sample independently of the others"
-        )
-
-    def _check_scores(self, out: Any, n: int) -> list[float]:
-        if isinstance(out, torch.Tensor) or hasattr(out, "tolist"):
-            out = out.tolist()
-        if isinstance(out, str | bytes) or not isinstance(out, Sequence):
-            raise RewardFunctionError(
-                f"reward function {self.name} returned a {type(out).__name__}; it must return a "
-                f"sequence of {n} numbers, one per sample"
-            )
-        if len(out) != n:
-            raise RewardFunctionError(
-                f"reward function {self.name} returned {len(out)} scores for {n} samples; it must "
-                "return exactly one number per sample, in order"
-            )
-        scores = []
-        for i, value in enumerate(out):
-            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-                raise RewardFunctionError(
-                    f"reward function {self.name} returned {value!r} ({type(value).__name__}) as "
-                    f"score {i}; every score must be a finite real number"
-                )
-            scores.append(float(value))
-        return scores
+        return self.score(inputs)[0]

@@ -1,0 +1,243 @@
+"""Calling one rule reward function on a batch of decoded samples, and the errors.
+
+Two call forms, told apart by the function's signature (:func:`call_style`):
+
+- keyword (TRL's): ``fn(prompts=[...], completions=[...], **columns)``, chosen
+  when the function has a ``completions`` parameter, or a ``**kwargs`` and no
+  ``responses`` parameter. ``columns`` are the rows' own columns (``answer``,
+  ``solution``, ``difficulty``, ...; see :func:`workers.rewards.row_columns`); a
+  function without ``**kwargs`` gets only the ones it names.
+- positional (asyncflow's first form): ``fn(prompts, responses, answers)``, for
+  any other signature; it needs the ``answer`` column.
+
+Either may be ``async def``: the scorer awaits the result on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from channels import AsyncflowError, SchemaError
+
+RewardFn = Callable[..., "Sequence[float] | Awaitable[Sequence[float]]"]
+"""A batched rule reward: ``fn(prompts=..., completions=..., **columns)`` or
+``fn(prompts, responses, answers)``, sync or async (see :mod:`workers.rewards`)."""
+
+CallStyle = Literal["keyword", "positional"]
+"""How a reward function is called (see :func:`call_style`)."""
+
+ANSWER = "answer"
+"""The column of reference answers (decoded from ``answer_ids``)."""
+
+
+class RewardFunctionError(AsyncflowError):
+    """A rule reward function raised, or returned something other than one finite
+    number per sample. The message names the function and the sample."""
+
+
+def reward_fn_name(fn: Callable[..., Any]) -> str:
+    """``"module:qualname"`` of a function, for messages."""
+    module = getattr(fn, "__module__", None) or "?"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
+    return f"{module}:{name}"
+
+
+def function_label(fn: object) -> str:
+    """The short name of a reward function in metrics (``reward/<label>/mean``): its
+    ``__name__``, or the last part of a ``"module:function"`` string, with characters
+    other than letters, digits and ``_`` dropped."""
+    if isinstance(fn, str):
+        raw = fn.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    else:
+        raw = getattr(fn, "__name__", None) or type(fn).__name__
+    return re.sub(r"[^A-Za-z0-9_]", "", raw) or "fn"
+
+
+def function_labels(fns: Sequence[object]) -> tuple[str, ...]:
+    """:func:`function_label` of each, made unique with ``_2``, ``_3``, ... suffixes."""
+    out: list[str] = []
+    for fn in fns:
+        base = label = function_label(fn)
+        n = 1
+        while label in out:
+            n += 1
+            label = f"{base}_{n}"
+        out.append(label)
+    return tuple(out)
+
+
+def call_style(fn: Callable[..., Any]) -> CallStyle:
+    """Which form ``fn`` is called with: ``"keyword"`` when it has a ``completions``
+    parameter, or ``**kwargs`` and no ``responses`` parameter; else ``"positional"``
+    (also when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "positional"
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return "keyword" if "completions" in params or (var_kw and "responses" not in params) else "positional"
+
+
+def _excerpt(text: str, width: int = 60) -> str:
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
+
+
+def _await(awaitable: Awaitable[Any]) -> Any:
+    async def wait() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # the workers' compute thread: no loop runs here
+        return asyncio.run(wait())
+    # An in-process caller inside async code: a loop already runs on this thread.
+    with ThreadPoolExecutor(1, thread_name_prefix="reward-fn") as pool:
+        return pool.submit(asyncio.run, wait()).result()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardBatch:
+    """Decoded samples, in row order, as reward functions get them."""
+
+    prompts: list[str]
+    """The prompts' text (special tokens dropped)."""
+    completions: list[str]
+    """The generated text up to and without EOS (special tokens dropped)."""
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    """The rows' own columns, one Python value per row (``answer``, user columns)."""
+    uids: list[int] | None = None
+    """The prompts' ids, quoted in errors."""
+
+    def row(self, i: int) -> RewardBatch:
+        """Sample ``i`` alone."""
+        return RewardBatch(prompts=self.prompts[i : i + 1], completions=self.completions[i : i + 1],
+                           columns={k: v[i : i + 1] for k, v in self.columns.items()})
+
+
+class RewardFunction:
+    """One reward function, ready to call on :class:`RewardBatch` es.
+
+    Args:
+        fn: the function (either call form, sync or async).
+        label: its short name in metrics.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, label: str | None = None) -> None:
+        self.fn = fn
+        self.name = reward_fn_name(fn)
+        self.label = label if label is not None else function_label(fn)
+        self.style: CallStyle = call_style(fn)
+        self._accepts: frozenset[str] | None = None  # None: every column (**kwargs)
+        self._needs: tuple[str, ...] = (ANSWER,) if self.style == "positional" else ()
+        if self.style == "keyword":
+            params = inspect.signature(fn).parameters
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                self._accepts = frozenset(params)
+            self._needs = tuple(n for n, p in params.items() if p.default is inspect.Parameter.empty
+                                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                                and n not in ("prompts", "completions"))
+
+    def check_columns(self, columns: Sequence[str]) -> None:
+        """Raise when the function needs a column the rows lack.
+
+        Raises:
+            SchemaError: naming the column and how to provide it.
+        """
+        missing = [n for n in self._needs if n not in columns]
+        if not missing:
+            return
+        if self.style == "positional":
+            raise SchemaError(
+                f"reward function {self.name} is called as fn(prompts, responses, answers) and needs reference "
+                "answers: put an 'answer_ids' field (right-padded with the pad id) with the prompts, or write it "
+                "as fn(prompts, completions, **columns), which gets only the columns the rows have"
+            )
+        raise SchemaError(
+            f"reward function {self.name} takes {missing[0]!r}, but the rows have no such column (they have "
+            f"{sorted(columns)}); put a {missing[0] + '_ids'!r} (token ids) or uint8 {missing[0]!r} (text_column) "
+            "field with the prompts, or give the parameter a default"
+        )
+
+    def _invoke(self, batch: RewardBatch) -> Any:
+        if self.style == "positional":
+            out = self.fn(batch.prompts, batch.completions, batch.columns[ANSWER])
+        else:
+            kwargs = {"prompts": batch.prompts, "completions": batch.completions, **batch.columns}
+            if self._accepts is not None:
+                kwargs = {k: v for k, v in kwargs.items() if k in self._accepts}
+            out = self.fn(**kwargs)
+        return _await(out) if inspect.isawaitable(out) else out
+
+    def __call__(self, batch: RewardBatch) -> list[float]:
+        """Score every sample of ``batch``.
+
+        Returns:
+            One float per sample.
+
+        Raises:
+            SchemaError: the function needs a column the rows lack.
+            RewardFunctionError: the function raised (naming the first failing sample,
+                its uid and an excerpt of its text) or returned a wrong count, a
+                non-number or a NaN/inf.
+        """
+        self.check_columns(list(batch.columns))
+        try:
+            out = self._invoke(batch)
+        except Exception as e:
+            raise self._locate_failure(batch, e) from e
+        return self._check_scores(out, len(batch.prompts))
+
+    def _locate_failure(self, batch: RewardBatch, batch_error: Exception) -> RewardFunctionError:
+        """Call the function one sample at a time; the first failure names the sample."""
+        n = len(batch.prompts)
+        for i in range(n):
+            try:
+                self._invoke(batch.row(i))
+            except Exception as e:
+                uid = None if batch.uids is None else batch.uids[i]
+                if self.style == "positional":
+                    text = (f"prompt={_excerpt(batch.prompts[i])} response={_excerpt(batch.completions[i])} "
+                            f"answer={_excerpt(str(batch.columns[ANSWER][i]))}")
+                else:
+                    text = f"prompt={_excerpt(batch.prompts[i])} completion={_excerpt(batch.completions[i])}"
+                return RewardFunctionError(
+                    f"reward function {self.name} raised on sample {i} of the {n} on this rank"
+                    f"{'' if uid is None else f' (uid {uid})'}: {type(e).__name__}: {e}; {text}; "
+                    "fix the function so that it scores this sample"
+                )
+        return RewardFunctionError(
+            f"reward function {self.name} raised on a batch of {n} samples "
+            f"({type(batch_error).__name__}: {batch_error}) but on none of them alone; it must "
+            "score each sample independently of the others"
+        )
+
+    def _check_scores(self, out: Any, n: int) -> list[float]:
+        if hasattr(out, "tolist"):  # a tensor or numpy array
+            out = out.tolist()
+        if isinstance(out, str | bytes) or not isinstance(out, Sequence):
+            raise RewardFunctionError(
+                f"reward function {self.name} returned a {type(out).__name__}; it must return a "
+                f"sequence of {n} numbers, one per sample"
+            )
+        if len(out) != n:
+            raise RewardFunctionError(
+                f"reward function {self.name} returned {len(out)} scores for {n} samples; it must "
+                "return exactly one number per sample, in order"
+            )
+        scores = []
+        for i, value in enumerate(out):
+            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+                raise RewardFunctionError(
+                    f"reward function {self.name} returned {value!r} ({type(value).__name__}) as "
+                    f"score {i}; every score must be a finite real number (return 0.0 for a sample it cannot judge)"
+                )
+            scores.append(float(value))
+        return scores
