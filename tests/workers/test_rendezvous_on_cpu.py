@@ -298,7 +298,10 @@ def test_dead_store_actor_is_a_store_error(ray_env: None) -> None:
     doomed = ray.remote(StoreServer).options(num_cpus=0).remote()
     store = RayStore(doomed, timedelta(seconds=10))
     store.set("k", b"v")
-    ray.kill(doomed)
+    waiting = doomed.get.remote("never-set", 60.0)  # blocks on the actor until it dies
+    ray.kill(doomed)  # only sends the kill: a call made at once could still be served
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(waiting, timeout=60)
     with pytest.raises(RendezvousError, match="rendezvous store actor is gone"):
         store.get("k")
 
