@@ -102,3 +102,14 @@ def check_gae(key: str, gamma: float, lam: float) -> None:
     """
     within(f"{key}.gamma", gamma, 0, 1, fix="1.0 (no discount) is usual for LLM responses")
     within(f"{key}.lam", lam, 0, 1, fix="0.95 is usual")
+
+
+def check_group_size(n: int, why: str) -> None:
+    """``algorithm.rollout.n`` is at least 2 (a group-baseline algorithm compares
+    the samples of one prompt).
+
+    Raises:
+        ConfigError: naming the key, the value and ``why``.
+    """
+    if n < 2:
+        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {n}: {why}")

@@ -28,7 +28,7 @@ from asyncflow._future import DataFuture, transform
 from asyncflow._ops import merge
 from asyncflow._proxy import RoleGroup
 from asyncflow._select import concat
-from asyncflow.algos._checks import at_least
+from asyncflow.algos._checks import at_least, check_group_size
 from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
@@ -97,16 +97,13 @@ def _varied(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _check(config: DAPOConfig) -> None:
-    if config.rollout.n < 2:
-        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {config.rollout.n}: DAPO compares the samples "
-                          "of one prompt; 8 or 16 is usual")
+    check_group_size(config.rollout.n, "DAPO compares the samples of one prompt; 8 or 16 is usual")
     at_least("algorithm.max_rounds", config.max_rounds, 1, "3 or 4 is usual")
     at_least("algorithm.overlong_buffer", config.overlong_buffer, 0, "0 turns the shaping off")
     if config.overlong_buffer >= config.rollout.max_new_tokens:
         raise ConfigError(f"algorithm.overlong_buffer = {config.overlong_buffer} must be below "
                           f"algorithm.rollout.max_new_tokens = {config.rollout.max_new_tokens}")
     at_least("algorithm.overlong_penalty", config.overlong_penalty, 0, "1.0 is DAPO's")
-
 
 
 @algorithm("dapo", config=DAPOConfig, roles=DAPORoles, draws=True, check=_check, wants=ref_for_kl)
@@ -124,13 +121,14 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     source: DataFuture[Any] = prompts
     kept: list[DataFuture[Any]] = []
     sampled: list[DataFuture[Any]] = []
-    have = rounds = 0
+    have = rounds = sampled_groups = 0
     while True:
         round_seed = None if seed is None else seed + 7919 * rounds
         rounds += 1
         rollout = r.actor.generate(source, n=n, params=config.rollout.params(seed=round_seed))
         scored = merge(rollout, r.reward.score(rollout))
         sampled.append(scored)
+        sampled_groups += (await scored).num_rows // n
         useful = scored.filter("scores", _varied, by_group=True) if config.dynamic_sampling else scored
         groups = (await useful).num_rows // n
         if groups:
@@ -140,8 +138,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
             break
         source = await more()
     summary = {"dapo/batch_groups": float(min(have, target)), "dapo/rounds": float(rounds),
-               "dapo/sampled_groups": float(sum(s.num_rows for s in [await f for f in sampled]) // n)}
-    summary["dapo/kept_fraction"] = have / summary["dapo/sampled_groups"]
+               "dapo/sampled_groups": float(sampled_groups), "dapo/kept_fraction": have / sampled_groups}
     stats = score_summary(await r.reward.stats(concat(*sampled)))
     if not kept:  # nothing to learn from in any round
         return stats | summary

@@ -10,6 +10,7 @@ import msgspec
 from asyncflow._datastream import StreamOptions
 from asyncflow._future import DataFuture, gather
 from asyncflow._proxy import RoleGroup
+from asyncflow.algos._checks import check_group_size
 from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
@@ -20,7 +21,6 @@ from asyncflow.algos._common import (
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import group_advantages
-from channels import ConfigError
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 
@@ -45,10 +45,7 @@ class GRPORoles(RoleSet):
 
 
 def _check(config: GRPOConfig) -> None:
-    if config.rollout.n < 2:
-        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {config.rollout.n}: GRPO compares the "
-                          "samples of one prompt; 8 is usual")
-
+    check_group_size(config.rollout.n, "GRPO compares the samples of one prompt; 8 is usual")
 
 
 @algorithm("grpo", config=GRPOConfig, roles=GRPORoles, streams=True, check=_check, wants=ref_for_kl)

@@ -19,6 +19,7 @@ import torch
 from asyncflow._datastream import StreamOptions
 from asyncflow._future import DataFuture, gather, transform
 from asyncflow._proxy import RoleGroup
+from asyncflow.algos._checks import check_group_size
 from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
@@ -28,7 +29,8 @@ from asyncflow.algos._common import (
     sample_and_score,
 )
 from asyncflow.algos._registry import RoleSet, algorithm
-from channels import Batch, ConfigError
+from channels import Batch
+from workers.engines import group_sums
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 
@@ -54,11 +56,8 @@ def leave_one_out(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
     """``[B]`` advantages: each score minus the mean of the other scores of its
     group (0 for a group of one, which has no baseline)."""
     scores = scores.to(torch.float32)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    zeros = torch.zeros(groups, dtype=torch.float32)
-    counts = zeros.index_add(0, inverse, torch.ones_like(scores))[inverse]
-    sums = zeros.index_add(0, inverse, scores)[inverse]
+    inverse, group_counts, group_totals = group_sums(scores, group_ids)
+    counts, sums = group_counts[inverse], group_totals[inverse]
     others = (counts - 1).clamp(min=1)
     return torch.where(counts > 1, scores - (sums - scores) / others, torch.zeros_like(scores))
 
@@ -73,10 +72,7 @@ def rloo_advantages(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def _check(config: RLOOConfig) -> None:
-    if config.rollout.n < 2:
-        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {config.rollout.n}: RLOO's baseline is the "
-                          "other samples of the prompt; 4 is usual")
-
+    check_group_size(config.rollout.n, "RLOO's baseline is the other samples of the prompt; 4 is usual")
 
 
 @algorithm("rloo", config=RLOOConfig, roles=RLOORoles, streams=True, check=_check, wants=ref_for_kl)

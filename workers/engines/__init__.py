@@ -13,6 +13,7 @@ from __future__ import annotations
 from workers.engines._advantages import (
     fold_kl_into_rewards,
     gae_advantages,
+    group_sums,
     grpo_advantages,
     remax_advantages,
     scores_to_token_rewards,
@@ -98,6 +99,7 @@ __all__ = [
     "entropy_from_logits",
     "fold_kl_into_rewards",
     "gae_advantages",
+    "group_sums",
     "grpo_advantages",
     "grpo_loss",
     "kl_k1",

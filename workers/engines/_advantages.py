@@ -112,6 +112,23 @@ def gae_advantages(
     return advantages, returns
 
 
+def group_sums(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-group row counts and sums of ``values``.
+
+    Args:
+        values: ``[B]`` float values.
+        group_ids: ``[B]`` integer id of each row's group (any values).
+
+    Returns:
+        ``(inverse, counts, sums)``: each row's group index into ``[G]`` and the
+        ``[G]`` float32 counts and sums.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    zeros = torch.zeros(groups, dtype=torch.float32, device=values.device)
+    return inverse, zeros.index_add(0, inverse, torch.ones_like(values)), zeros.index_add(0, inverse, values)
+
+
 def grpo_advantages(
     scores: Tensor,
     group_ids: Tensor,
@@ -138,15 +155,11 @@ def grpo_advantages(
         ``[B]`` float32 advantages, or ``[B, R]`` when ``mask`` is given.
     """
     scores = scores.to(torch.float32)
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    zeros = torch.zeros(n_groups, dtype=torch.float32, device=scores.device)
-    counts = zeros.index_add(0, inverse, torch.ones_like(scores))
-    means = zeros.index_add(0, inverse, scores) / counts
-    centred = scores - means[inverse]
+    inverse, counts, sums = group_sums(scores, group_ids)
+    centred = scores - (sums / counts)[inverse]
     advantages = centred
     if scale_by_std:
-        squares = zeros.index_add(0, inverse, centred**2)
+        squares = torch.zeros_like(sums).index_add(0, inverse, centred**2)
         stds = torch.sqrt(squares / (counts - 1).clamp(min=1))
         denominators = stds[inverse] + eps
         # eps=0 with a constant group would give 0/0; such samples carry no signal.
