@@ -150,6 +150,14 @@ class CallCompletion:
                                cause=f"its worker process died while {call.label} pulled rows from it",
                                detail=exc.detail)
 
+    def driver_io_died(self, exc: WorkerGone, doing: str) -> WorkerDiedError:
+        """The public error for a worker that died while the driver moved rows to or
+        from it (``Session.put``, ``fetch_rows``); breaks its pool."""
+        self._worker_died(exc.worker, exc.detail)
+        pool, rank = self._where.get(exc.worker, (None, exc.worker))
+        return WorkerDiedError(role="", method=doing, rank=rank, pool=pool.name if pool else "?",
+                               cause="its worker process died", detail=exc.detail)
+
     def _died_during(self, pool: PoolState, call: Call) -> WorkerDiedError:
         d = pool.died.result()
         return WorkerDiedError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,

@@ -29,7 +29,8 @@ class RemoteStageError(AsyncflowError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        head = f"{self.role}.{self.method} failed on rank {self.rank} of pool {self.pool!r}: {self.cause}"
+        what = f"{self.role}.{self.method}" if self.role else (self.method or "a call")
+        head = f"{what} failed on rank {self.rank} of pool {self.pool!r}: {self.cause}"
         if not self.remote_traceback:
             return head
         return f"{head}\nwhere the remote call failed:\n{self.remote_traceback}"

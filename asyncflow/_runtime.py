@@ -21,7 +21,7 @@ from asyncflow._pool import ResourcePool, RoleSpec
 from asyncflow._proxy import RoleGroup, Roles
 from asyncflow._scheduler import Scheduler
 from asyncflow._tracer import Tracer, tracer_for
-from asyncflow._transport import Transport
+from asyncflow._transport import Transport, WorkerGone
 from asyncflow.tracing import Trace
 from channels import (
     AllToAll,
@@ -240,10 +240,13 @@ class Runtime:
         self._puts += 1
         key = f"put#{self._puts}"
         assignments = split_rows(batch.num_rows, len(workers), group_size=batch.group_size)
-        results = await asyncio.gather(*(
-            self._transport.put(w, key, (batch.slice(*runs[0]) if runs else batch.slice(0, 0)).to_dict(),
-                                batch.group_size)
-            for w, runs in zip(workers, assignments, strict=True)))
+        try:
+            results = await asyncio.gather(*(
+                self._transport.put(w, key, (batch.slice(*runs[0]) if runs else batch.slice(0, 0)).to_dict(),
+                                    batch.group_size)
+                for w, runs in zip(workers, assignments, strict=True)))
+        except WorkerGone as e:
+            raise self._scheduler.driver_io_died(e, "Session.put") from None
         out = AllToAll().collect(results, Layout(d=len(workers)), assignments)
         kept = out.meta.shard_keys()
         self._ledger.release_now({(r.worker, r.key) for r in results} - kept)
@@ -256,7 +259,11 @@ class Runtime:
         """The rows of ``meta``, pulled to the driver."""
         assert self._transport is not None
         plan = plan_pull(meta, ((0, meta.num_rows),) if meta.num_rows else ())
-        return assemble(plan, await self._transport.fetch(plan.pieces))
+        try:
+            return assemble(plan, await self._transport.fetch(plan.pieces))
+        except WorkerGone as e:
+            assert self._scheduler is not None
+            raise self._scheduler.driver_io_died(e, "fetch_rows") from None
 
     # ----- shard lifetime -----
 

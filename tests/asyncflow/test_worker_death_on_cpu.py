@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
@@ -54,3 +55,24 @@ def test_a_role_that_fails_to_start_is_named() -> None:
 
     err = asyncio.run(asyncio.wait_for(main(), 120))
     assert "role 'ref' failed to start on rank 0 of pool 'p'" in str(err) and "/no/such/model" in str(err)
+
+
+def test_a_dead_worker_under_the_drivers_own_rows_is_named() -> None:
+    """``Session.put`` and ``fetch_rows`` on a pool whose rank died raise
+    :class:`WorkerDiedError` naming pool and rank, as calls do (not the transport's
+    internal error)."""
+    async def main():
+        async with af.Session(cpu_slots=8) as session:
+            roles = await session.spawn({"s": RoleSpec(cls=Sleeper, pool=ResourcePool(name="a", devices=2))})
+            kept = await session.put({"x": torch.arange(4).view(4, 1)})
+            pids = await roles.s.pid()
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(af.WorkerDiedError) as put:
+                await asyncio.wait_for(session.put({"x": torch.arange(2).view(2, 1)}), timeout=60)
+            with pytest.raises(af.WorkerDiedError) as fetch:
+                await asyncio.wait_for(kept.fetch(), timeout=60)
+            return put.value, fetch.value
+
+    put, fetch = asyncio.run(main())
+    for err in (put, fetch):
+        assert (err.pool, err.rank) == ("a", 1) and "rank 1 of pool 'a': its worker process died" in str(err)
