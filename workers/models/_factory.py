@@ -28,9 +28,9 @@ from transformers import (
 
 from channels import ConfigError
 
-from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint
+from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint, save_pretrained_here
 from ._tokenizer import CharTokenizer, CharTokenizerConfig
-from ._value_head import VALUE_HEAD_FILE, ValueModel
+from ._value_head import VALUE_HEAD_FILE, ValueModel, is_value_model_dir
 
 __all__ = [
     "TinyModelConfig",
@@ -196,9 +196,9 @@ def save_tiny_model(directory: str | Path, config: TinyModelConfig, *, seed: int
     """
     path = Path(directory)
     model = build_tiny_model(config, seed=seed)
-    # is_main_process: inside a process group transformers would otherwise skip the
-    # files on every rank but 0, and this function writes what its caller asked for.
-    model.save_pretrained(path, safe_serialization=True, is_main_process=True)
+    # Inside a process group transformers would write only on the default group's
+    # rank 0; this function writes what its caller asked for, on any rank.
+    save_pretrained_here(model, path)
     model.generation_config.save_pretrained(path)
     CharTokenizer(config.tokenizer).save_pretrained(path)
     return path
@@ -228,8 +228,9 @@ def load_model(
         directory: A Hugging Face checkpoint directory (nothing is downloaded).
         kind: ``"causal_lm"`` for actor and reference models; ``"value"`` for critic,
             reward and cost models. A value model loads its head from the directory
-            when it has one (see :class:`ValueModel`), else starts a fresh head on
-            the causal LM's backbone.
+            when it has one (a value-head file, or the ``score`` of a one-label
+            ``...ForSequenceClassification``; see :class:`ValueModel`), else starts a
+            fresh head on the causal LM's backbone.
         head_seed: Seed of a fresh value head (ignored when the directory has a head).
 
     Returns:
@@ -242,16 +243,17 @@ def load_model(
     """
     path = Path(directory)
     check_supported_checkpoint(path)
-    has_head = (path / VALUE_HEAD_FILE).is_file()
+    is_value = is_value_model_dir(path)
     if kind == "value":
-        if has_head:
+        if is_value:
             return ValueModel.from_pretrained(path)
         return ValueModel.from_causal_lm(path, seed=head_seed)
     if kind != "causal_lm":
         raise ConfigError(f"load_model kind must be 'causal_lm' or 'value', got {kind!r}")
-    if has_head:
+    if is_value:
         raise ConfigError(
-            f"{path} holds a value model ({VALUE_HEAD_FILE}); load it with kind='value'"
+            f"{path} holds a value model ({VALUE_HEAD_FILE} or a sequence classifier); load "
+            "it with kind='value' (as a critic, reward or cost model)"
         )
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model.eval()

@@ -6,26 +6,65 @@ plus :data:`VALUE_HEAD_FILE`, a safetensors file holding the head's ``weight``
 ``[1, hidden]`` and ``bias`` ``[1]``. ``transformers.AutoModel`` therefore loads the
 backbone of a value directory on its own, and a causal-LM directory serves as the
 starting point of a new value model (its backbone weights, a fresh seeded head).
+
+A standard Hugging Face reward model, a ``LlamaForSequenceClassification`` or
+``Qwen2ForSequenceClassification`` directory with one label, loads as a value model
+too: its ``score`` projection becomes the head (zero bias when it has none), so the
+value at a sequence's last token equals the classifier's logit for it.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from channels import ConfigError
 
-from ._checkpoint import check_supported_checkpoint
+from ._checkpoint import check_supported_checkpoint, save_pretrained_here
 
-__all__ = ["VALUE_HEAD_FILE", "ValueModel"]
+__all__ = ["VALUE_HEAD_FILE", "ValueModel", "is_value_model_dir"]
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 """Name of the file holding the value head, beside the backbone's files."""
+
+_CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def is_value_model_dir(directory: str | Path) -> bool:
+    """Whether a directory holds a value model rather than a causal LM.
+
+    Args:
+        directory: A local checkpoint directory.
+
+    Returns:
+        True when it has :data:`VALUE_HEAD_FILE`, or its ``config.json`` names a
+        ``...ForSequenceClassification`` architecture.
+    """
+    path = Path(directory)
+    return (path / VALUE_HEAD_FILE).is_file() or _is_sequence_classifier(path)
+
+
+def _is_sequence_classifier(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return isinstance(architectures, list) and any(
+        isinstance(name, str) and name.endswith(_CLASSIFIER_SUFFIX) for name in architectures
+    )
 
 
 class ValueModel(nn.Module):
@@ -110,24 +149,29 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> ValueModel:
-        """Load a value model written by :meth:`save_pretrained`.
+        """Load a value model: one written by :meth:`save_pretrained`, or a
+        sequence classifier with one label (see the module's docstring).
 
         Args:
-            directory: A directory holding the backbone files and :data:`VALUE_HEAD_FILE`.
+            directory: A directory holding the backbone files and :data:`VALUE_HEAD_FILE`,
+                or a ``...ForSequenceClassification`` checkpoint.
 
         Returns:
             A float32 value model in eval mode.
 
         Raises:
-            ConfigError: If the directory has no value head.
-            ValueError: If the architecture is not supported or the head does not
-                match the backbone.
+            ConfigError: If the directory is neither; if a classifier's ``num_labels``
+                is not 1; if the architecture is not supported.
+            ValueError: If the head does not match the backbone.
         """
         path = Path(directory)
         if not (path / VALUE_HEAD_FILE).is_file():
+            if _is_sequence_classifier(path):
+                return cls._from_sequence_classifier(path)
             raise ConfigError(
-                f"{path} has no {VALUE_HEAD_FILE}; to start a value model from a causal "
-                "LM use ValueModel.from_causal_lm(path) or load_model(path, kind='value')"
+                f"{path} has no {VALUE_HEAD_FILE} and is not a sequence classifier; to start "
+                "a value model from a causal LM use ValueModel.from_causal_lm(path) or "
+                "load_model(path, kind='value')"
             )
         model = cls(_load_backbone(path))
         head = load_file(str(path / VALUE_HEAD_FILE))
@@ -140,6 +184,32 @@ class ValueModel(nn.Module):
         model.head.load_state_dict(head)
         return model.eval()
 
+    @classmethod
+    def _from_sequence_classifier(cls, path: Path) -> ValueModel:
+        hf_config = check_supported_checkpoint(path)
+        if hf_config.num_labels != 1:
+            raise ConfigError(
+                f"{path} is a sequence classifier with num_labels={hf_config.num_labels}; a "
+                "reward, cost or critic model needs exactly one (a scalar score per sequence)"
+            )
+        classifier = AutoModelForSequenceClassification.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        )
+        score = getattr(classifier, "score", None)
+        if not isinstance(score, nn.Linear):
+            raise ConfigError(
+                f"{path}: {type(classifier).__name__} has no Linear 'score' projection to "
+                "use as the value head"
+            )
+        model = cls(_base_model(classifier).float())
+        with torch.no_grad():
+            model.head.weight.copy_(score.weight)
+            if score.bias is None:
+                model.head.bias.zero_()
+            else:
+                model.head.bias.copy_(score.bias)
+        return model.eval()
+
     def save_pretrained(self, directory: str | Path) -> Path:
         """Write the backbone (HF format) and the head into ``directory``.
 
@@ -150,7 +220,7 @@ class ValueModel(nn.Module):
             The directory.
         """
         path = Path(directory)
-        self.backbone.save_pretrained(path, safe_serialization=True, is_main_process=True)
+        save_pretrained_here(self.backbone, path)
         head = {name: t.detach().contiguous().cpu() for name, t in self.head.state_dict().items()}
         save_file(head, str(path / VALUE_HEAD_FILE), metadata={"format": "pt"})
         return path

@@ -9,7 +9,6 @@ the new policy.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from channels import DP, Batch, ConfigError, Metrics, MicroDP
 from workers import CallInfo, WorkerContext, register
 from workers._streaming import StreamMethod
 from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine, kl_k3
-from workers.models import load_model
+from workers.models import load_model, save_pretrained_here
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
 from workers.roles._generation import stream_rollout
@@ -227,8 +226,7 @@ class ActorWorker(TrainedRole):
         self._sync_rollout()
 
     def _save_export(self, state: dict[str, Tensor], out: Path) -> None:
-        self.engine.model.save_pretrained(os.fspath(out), state_dict=state,  # type: ignore[operator]
-                                          safe_serialization=True)
+        save_pretrained_here(self.engine.model, out, state_dict=state)  # type: ignore[arg-type]
 
     def _sync_rollout(self) -> None:
         # Collective: every rank gathers every tensor, in the same order.

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from channels import OneToAll
@@ -22,17 +23,31 @@ from workers._register import register
 from workers._role import Role
 from workers.engines import TrainingEngine
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "vocab.json", "merges.txt")
-"""Files copied from the source model directory into an exported one when present."""
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
+)
+"""Files copied from the source model directory into an exported one when present
+(tokenizers of every kind transformers saves, chat template, generation config);
+never the weights or ``config.json``, which the export writes."""
+
+TOKENIZER_DIRS = ("additional_chat_templates",)
+"""Directories copied likewise (transformers 5 saves named chat templates there)."""
 
 
 def copy_tokenizer_files(source_dir: str | Path, out: Path) -> None:
-    """Copy the :data:`TOKENIZER_FILES` of ``source_dir`` that ``out`` lacks into it."""
+    """Copy the :data:`TOKENIZER_FILES` and :data:`TOKENIZER_DIRS` of ``source_dir``
+    that ``out`` lacks into it."""
+    source = Path(source_dir)
     for name in TOKENIZER_FILES:
-        src = Path(source_dir) / name
+        src = source / name
         if src.is_file() and not (out / name).exists():
             shutil.copyfile(src, out / name)
+    for name in TOKENIZER_DIRS:
+        src = source / name
+        if src.is_dir() and not (out / name).exists():
+            shutil.copytree(src, out / name)
 
 
 class TrainedRole(Role):
@@ -74,11 +89,22 @@ class TrainedRole(Role):
     def export_hf(self, path: str) -> None:
         """Write the model as a Hugging Face directory (weights gathered, pool rank 0
         writes); tokenizer and generation files of ``config.model_dir`` are copied
-        beside it, so the directory can be any role's ``model_dir``.
+        beside it, so the directory can be any role's ``model_dir`` (or be served by
+        vLLM, or loaded with ``from_pretrained``).
+
+        Collective over the pool: every rank returns once the directory is complete.
 
         Args:
-            path: output directory.
+            path: output directory (created), which pool rank 0 can write.
         """
+        group = self.ctx.process_group
+        if self.engine.process_group is None and group is not None:
+            # Every rank holds a full copy (a replicated critic): one writes, the
+            # others wait for it rather than write the same files at once.
+            if self.ctx.rank == 0:
+                self.engine.export_hf(path, save=self._write_export)
+            dist.barrier(group=group)
+            return
         self.engine.export_hf(path, save=self._write_export)
 
     def _write_export(self, state: dict[str, Tensor], out: Path) -> None:
