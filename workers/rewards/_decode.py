@@ -44,8 +44,8 @@ def load_decoder(directory: str | Path) -> Decoder:
     path = Path(directory)
     try:
         return CharTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError):
-        pass  # not a CharTokenizer directory: try transformers
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, json.JSONDecodeError):
+        pass  # not a CharTokenizer directory (a Unigram vocabulary is a list): try transformers
     from transformers import AutoTokenizer
 
     try:
