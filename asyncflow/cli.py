@@ -55,8 +55,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.trace:
         overrides.setdefault("train.trace_steps", 3)
     config = load_config(args.config, overrides)
-    _say(f"asyncflow train: {algorithm_in(config).name} on {config.task.digits}-digit arithmetic "
-         f"({'+'.join(config.task.operators)}), output in {config.output_dir}")
+    task = (config.data.train if config.data.train
+            else f"{config.task.digits}-digit arithmetic ({'+'.join(config.task.operators)})")
+    _say(f"asyncflow train: {algorithm_in(config).name} on {task}, output in {config.output_dir}")
     trainer = Trainer(config, resume=args.resume, say=_say, progress_bar=not args.no_progress)
     result = asyncio.run(trainer.run())
     if result.plot is not None:

@@ -301,3 +301,13 @@ def run_local(specs: dict[str, Any], columns: dict[str, torch.Tensor], pool: Any
             src = await session.put(columns, pool=pool)
             return await asyncio.wait_for(main(session, roles, src), timeout)
     return asyncio.run(wrapped())
+
+
+def carried_column_reward(prompts: list[str], completions: list[str], answer: list[str], answer_len: list[int],
+                          **columns: object) -> list[float]:
+    """A reward that checks that a row's extra fields reach it, per row: ``answer_len``
+    (an int column) must be ``len(answer)`` (a text column) of the same row."""
+    for a, n in zip(answer, answer_len, strict=True):
+        if not isinstance(n, int) or n != len(a):
+            raise AssertionError(f"answer_len {n!r} does not belong to answer {a!r}")
+    return [1.0 if c.strip().startswith(a) else 0.0 for c, a in zip(completions, answer, strict=True)]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from channels import ConfigError
-from workers.models import check_supported_checkpoint
+from workers.models import SUPPORTED_ARCHITECTURES, check_supported_checkpoint
 from workers.rewards import load_reward_fn
 
 MODEL_ROLES = ("actor", "ref", "critic", "cost_critic")
@@ -31,7 +31,7 @@ def model_heads(key: str, model_dir: str) -> tuple[int, int]:
     """Check that ``model_dir`` holds a supported Hugging Face checkpoint.
 
     Args:
-        key: the config key that names the directory (``model.dir``).
+        key: the config key that names the directory (``model.path``).
         model_dir: the directory.
 
     Returns:
@@ -54,6 +54,41 @@ def model_heads(key: str, model_dir: str) -> tuple[int, int]:
         raise ConfigError(f"{key} = {model_dir!r}: {str(e).splitlines()[0]}") from None
     heads = int(hf.num_attention_heads)
     return heads, int(getattr(hf, "num_key_value_heads", None) or heads)
+
+
+def gguf_heads(key: str, file: str) -> tuple[int, int]:
+    """Check that ``file`` is a GGUF file of a supported architecture, reading only
+    its header (the weights are dequantised when the run starts).
+
+    Returns:
+        The model's ``(num_attention_heads, num_key_value_heads)``.
+
+    Raises:
+        ConfigError: naming ``key``: no such file, not GGUF, or an architecture the
+            engines cannot run.
+    """
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError(f"{key} = {file!r} is not a file; point it at a .gguf model file")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ConfigError(f"{key}: reading GGUF files needs the gguf package (pip install gguf)") from None
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the gguf reader raises several kinds on a bad file
+        raise ConfigError(f"{key} = {file!r} is not a readable GGUF file: {e}") from None
+
+    def field(name: str) -> Any:
+        f = reader.fields.get(name)
+        return None if f is None else f.contents()
+
+    arch = str(field("general.architecture"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{key} = {file!r} holds a {arch!r} model; the engines run {SUPPORTED_ARCHITECTURES}")
+    heads = int(field(f"{arch}.attention.head_count"))
+    kv = field(f"{arch}.attention.head_count_kv")
+    return heads, int(kv) if kv is not None else heads
 
 
 def check_tensor_parallel(role: str, t: int, heads: tuple[int, int], model: str) -> None:

@@ -7,10 +7,9 @@ algorithms' settings, the reward functions), all before any Ray or SFT work.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, Union
 
 import msgspec
 
@@ -23,18 +22,34 @@ from asyncflow.algos import (
     config_section,
     get_algorithm,
 )
-from asyncflow.algos._checks import above, at_least, check_policy, check_rollout
+from asyncflow.algos._checks import at_least, check_policy, check_rollout
 from asyncflow.train._checks import (
     MODEL_ROLES,
     check_tensor_parallel,
+    gguf_heads,
     load_score_function,
     model_heads,
 )
+from asyncflow.train._sections import (
+    _CFG,
+    ActorSection,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    PlacementSection,
+    PoolSection,
+    ScoreSection,
+    TrainSection,
+    WeightedFunction,
+)
 from channels import ConfigError
-from workers.rewards import split_function_spec
 from workers.tasks import ArithmeticTaskConfig, SFTConfig
 
-_CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
+__all__ = [
+    "ActorSection", "DataSection", "ModelSection", "OptimSection", "PlacementSection", "PoolSection",
+    "RunConfig", "ScoreSection", "TrainSection", "WeightedFunction", "algorithm_in", "load_config",
+    "needed_roles", "rollout_of", "run_config_type", "validate",
+]
 
 DEFAULT_ALGORITHM = "grpo"
 """The algorithm of a config that names none."""
@@ -42,167 +57,6 @@ DEFAULT_ALGORITHM = "grpo"
 
 def _default_algorithm() -> msgspec.Struct:
     return config_section(get_algorithm(DEFAULT_ALGORITHM))()
-
-
-class ModelSection(msgspec.Struct, **_CFG):
-    """Where the policy starts."""
-
-    dir: str = ""
-    """A Hugging Face model directory; empty: the SFT warm start's output."""
-
-
-class TrainSection(msgspec.Struct, **_CFG):
-    """The RL loop."""
-
-    steps: int = 20
-    """RL steps."""
-    prompts_per_step: int = 16
-    """Prompts sampled per step."""
-    checkpoint_every: int = 10
-    """Save a checkpoint every this many steps (0: only at the end)."""
-    keep_checkpoints: int = 2
-    """Complete checkpoints kept."""
-    eval_every: int = 0
-    """Held-out evaluation every this many steps (0: before and after only)."""
-    eval_size: int = 500
-    """Held-out problems evaluated (the first ones of the eval split)."""
-    max_seconds: float = 0.0
-    """Stop RL after this long (0: no limit); the run still evaluates and saves."""
-    kl_metric: bool = True
-    """Place a reference policy to report the actor's KL to its starting point
-    (``actor/kl_to_ref``) even when no KL term is in the loss."""
-    stream: bool = False
-    """Stream finished samples from generation into the inference calls (GRPO and
-    PPO): stages on other pools start on the first micro-batch instead of the
-    whole batch. The updated model is the same as without streaming."""
-    stream_micro_batch: int = 16
-    """Rows per streamed micro-batch (whole prompt groups)."""
-    migrate: int | Literal["auto"] = "auto"
-    """Long-tail migration while streaming: move the samples still generating onto
-    fewer actor ranks once at most this many remain (0: never); ``"auto"`` picks
-    the threshold with the simulator from the previous step's response lengths."""
-    trace_steps: int = 0
-    """Trace the first this many RL steps of the run: ``timeline.png`` (one lane per
-    pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the output
-    directory (0: no trace)."""
-
-    def __post_init__(self) -> None:
-        # "TrainSection.steps ... - at `$.train`" reaches the user as "train.steps ..."
-        # (see load_config).
-        for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints"):
-            at_least(f"TrainSection.{name}", getattr(self, name), 1)
-        for name in ("checkpoint_every", "eval_every", "trace_steps"):
-            at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
-        at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
-        at_least("TrainSection.stream_micro_batch", self.stream_micro_batch, 1)
-        if self.migrate != "auto":
-            at_least("TrainSection.migrate", self.migrate, 0, '0 turns it off; "auto" picks it')
-
-
-class OptimSection(msgspec.Struct, **_CFG):
-    """A trained role's optimizer and update schedule."""
-
-    lr: float = 1e-5
-    """Peak AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip."""
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up (optimizer steps)."""
-    micro_batch_size: int = 64
-    """Rows per forward/backward pass (gradients accumulate over micro-batches)."""
-    epochs: int = 1
-    """Passes over each step's batch."""
-    mini_batches: int = 1
-    """Optimizer steps per pass."""
-
-    def __post_init__(self) -> None:
-        key = type(self).__name__  # the section's own name; load_config says which one
-        above(f"{key}.lr", self.lr, 0, "use a learning rate such as 1e-5")
-        at_least(f"{key}.weight_decay", self.weight_decay, 0, "0 turns weight decay off")
-        at_least(f"{key}.grad_clip", self.grad_clip, 0, "0 turns gradient clipping off; 1.0 is usual")
-        at_least(f"{key}.warmup_steps", self.warmup_steps, 0, "0 turns the warm-up off")
-        for name in ("micro_batch_size", "epochs", "mini_batches"):
-            at_least(f"{key}.{name}", getattr(self, name), 1)
-
-
-class ActorSection(OptimSection, **_CFG):
-    """The policy."""
-
-    rollout_engine: Literal["native", "vllm"] = "native"
-    """Which engine generates: the native one or vLLM."""
-    rollout_batch_size: int = 256
-    """Most sequences the native engine decodes at once."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        at_least("ActorSection.rollout_batch_size", self.rollout_batch_size, 1)
-
-
-class WeightedFunction(msgspec.Struct, **_CFG):
-    """One reward function of a weighted sum (``[reward] functions``)."""
-
-    function: str
-    """``module:function`` (see ``ScoreSection.function`` for the call forms)."""
-    weight: float = 1.0
-    """Its weight in the sum (any finite number; negative penalizes)."""
-
-
-class ScoreSection(msgspec.Struct, **_CFG):
-    """A reward (or cost) source: a rule function, a weighted sum of them, or a model.
-
-    One function: ``function = "module:fn"``. Several: ``functions = [{ function =
-    "workers.rewards:numeric_match", weight = 1.0 }, { function =
-    "workers.rewards:format_check", weight = 0.2 }]``; the score is the weighted sum
-    and each function's mean is logged as ``reward/<fn>/mean``.
-    """
-
-    DEFAULT_FUNCTION: ClassVar[str] = "workers.tasks:exact_match_reward"
-
-    function: str = DEFAULT_FUNCTION
-    """``module:function``, called as ``fn(prompts=, completions=, **columns)`` (TRL's
-    form) or ``fn(prompts, responses, answers)`` (see ``workers.rewards``)."""
-    functions: list[WeightedFunction] = msgspec.field(default_factory=list)
-    """Several weighted functions; when given, they score instead of ``function``."""
-    model_dir: str = ""
-    """A reward/value model directory; when set, it scores instead of ``function``."""
-
-    def __post_init__(self) -> None:
-        if self.function:  # imported by validate, for the roles the run needs
-            split_function_spec(self.function, key="ScoreSection.function")
-        if self.functions and self.function not in ("", self.DEFAULT_FUNCTION):
-            raise ConfigError(f"ScoreSection: both function = {self.function!r} and functions are set; "
-                              "keep one (put the function in the functions list)")
-        for i, wf in enumerate(self.functions):
-            split_function_spec(wf.function, key=f"ScoreSection.functions[{i}].function")
-            if not math.isfinite(wf.weight):
-                raise ConfigError(f"ScoreSection.functions[{i}].weight must be a finite number, got {wf.weight}")
-
-    @property
-    def weighted(self) -> list[WeightedFunction]:
-        """The functions with their weights: ``functions``, or ``function`` with weight 1."""
-        if self.functions:
-            return list(self.functions)
-        return [WeightedFunction(function=self.function)] if self.function else []
-
-
-class PoolSection(msgspec.Struct, **_CFG):
-    """A resource pool."""
-
-    devices: int = 1
-    """Devices (worker processes); checked in :func:`validate`, which knows the pool's name."""
-
-
-class PlacementSection(msgspec.Struct, **_CFG):
-    """Where a role runs and its parallel layout."""
-
-    pool: str
-    """The pool's name (a key of ``[pools]``)."""
-    p: int = 1
-    """Pipeline-parallel size; only 1 (the engines do not implement pipeline parallelism)."""
-    t: int = 1
-    """Tensor-parallel size."""
 
 
 class RunConfig(msgspec.Struct, **_CFG):
@@ -217,9 +71,13 @@ class RunConfig(msgspec.Struct, **_CFG):
     seed: int = 0
     """Seeds data order, sampling and the roles."""
     task: ArithmeticTaskConfig = ArithmeticTaskConfig()
-    """The synthetic task (train and held-out splits)."""
+    """The built-in synthetic task (train and held-out splits), used unless ``[data]``
+    names files."""
+    data: DataSection = DataSection()
+    """Prompts from the user's files (``data.train``, ``data.eval``)."""
     sft: SFTConfig | None = None
-    """SFT warm start (its ``task`` is replaced by ``[task]``); None: start from ``model.dir``."""
+    """SFT warm start on the built-in task (its ``task`` is replaced by ``[task]``);
+    None: start from ``[model]``."""
     model: ModelSection = ModelSection()
     """The policy's starting point when there is no SFT warm start."""
     train: TrainSection = TrainSection()
@@ -405,13 +263,42 @@ def validate(config: RunConfig) -> None:
 
 
 def _check_start(config: RunConfig) -> tuple[tuple[int, int], str]:
-    """The policy's starting point; returns its attention heads and where they come from."""
+    """The policy's starting point and the prompts; returns the model's attention
+    heads and the key they come from."""
+    _check_data(config)
     if config.sft is not None:
+        if config.model.path or config.model.gguf:
+            raise ConfigError("both [sft] and [model] are set: the SFT warm start trains its own model; "
+                              "remove [sft] to start from model.path / model.gguf")
         m = config.sft.model
         return (m.num_attention_heads, m.num_key_value_heads), "sft.model"
-    if not config.model.dir:
-        raise ConfigError("set [sft] for a warm start or model.dir for a model directory to start from")
-    return model_heads("model.dir", config.model.dir), "model.dir"
+    if config.model.gguf:
+        return gguf_heads("model.gguf", config.model.gguf), "model.gguf"
+    if not config.model.path:
+        raise ConfigError("set model.path to a Hugging Face model directory (or model.gguf to a GGUF file), "
+                          "or add [sft] for a warm start on the built-in task")
+    return model_heads("model.path", config.model.path), "model.path"
+
+
+def _check_data(config: RunConfig) -> None:
+    d = config.data
+    if not d.train:
+        return
+    if config.sft is not None:
+        raise ConfigError("[sft] warms up on the built-in arithmetic task, not on data.train; remove [sft] "
+                          "and start from model.path")
+    if not d.eval:
+        raise ConfigError("data.eval is not set: the run evaluates held-out prompts before and after RL; "
+                          "point it at a file of held-out rows (they may be cut from the training file)")
+    for key, file in (("data.train", d.train), ("data.eval", d.eval)):
+        if not Path(file).exists():
+            raise ConfigError(f"{key} = {file!r} does not exist")
+    weighted = config.reward.weighted
+    if (not config.reward.model_dir and len(weighted) == 1
+            and weighted[0].function == ScoreSection.DEFAULT_FUNCTION):
+        raise ConfigError("[reward] function is the built-in arithmetic task's; with data.train set it "
+                          "to your verifier (function = \"mymodule:score\"), or a built-in one such as "
+                          "\"workers.rewards:numeric_match\"")
 
 
 def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> None:

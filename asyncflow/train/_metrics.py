@@ -1,5 +1,5 @@
 """Where a run's metrics go: a JSONL file, TensorBoard, and a PNG of the curves at
-the end."""
+the end; pass@k of sampled held-out responses."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -93,4 +95,33 @@ def plot_curves(rows: list[dict[str, float]], out: Path, keys: tuple[str, ...]) 
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+    return out
+
+
+def pass_at_k(uid: Tensor, scores: Tensor, *, n: int, threshold: float) -> dict[str, float]:
+    """``eval/mean@n`` and the unbiased ``eval/pass@k`` (Chen et al., 2021) for k =
+    1, 2, 4, ... up to ``n``, over prompts with ``n`` sampled responses each.
+
+    Args:
+        uid: ``[rows]`` the prompt of each response.
+        scores: ``[rows]`` each response's reward.
+        n: responses per prompt.
+        threshold: a response with a reward at least this is correct.
+
+    Returns:
+        ``{"eval/mean@n": mean reward, "eval/pass@k": mean over prompts of
+        1 - C(n - c, k) / C(n, k)}`` (``c``: the prompt's correct responses).
+    """
+    correct: dict[int, int] = {}
+    counts: dict[int, int] = {}
+    for u, s in zip(uid.tolist(), scores.tolist(), strict=True):
+        counts[u] = counts.get(u, 0) + 1
+        correct[u] = correct.get(u, 0) + (s >= threshold)
+    if any(c != n for c in counts.values()):
+        raise ValueError(f"pass_at_k: every prompt needs {n} responses, got {sorted(set(counts.values()))}")
+    out = {f"eval/mean@{n}": float(scores.float().mean())}
+    k = 1
+    while k <= n:
+        out[f"eval/pass@{k}"] = sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in correct.values()) / len(counts)
+        k *= 2
     return out

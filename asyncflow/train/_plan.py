@@ -1,7 +1,7 @@
 """``asyncflow plan CONFIG``: the planner (``asyncflow.plan``) on a run's roles and step.
 
 The profile runs the configuration's own roles and algorithm step on a batch of
-its task's prompts. A configuration with an SFT warm start is profiled with a
+its prompts (the task's or ``[data]``'s). A configuration with an SFT warm start is profiled with a
 fresh model of the SFT model's shape (costs depend on the shape, not on the
 weights; responses of an untrained model run longer, so the plan is for the
 longest responses).
@@ -23,11 +23,12 @@ from asyncflow.train._config import (
     RunConfig,
     algorithm_in,
     needed_roles,
+    rollout_of,
 )
+from asyncflow.train._prompts import run_prompts
 from asyncflow.train._roles import role_specs
 from asyncflow.train._trainer import Trainer
-from workers.models import CharTokenizer, save_tiny_model
-from workers.tasks import generate_splits, prompt_batch
+from workers.models import gguf_to_hf_dir, save_tiny_model
 
 
 class _Steps:
@@ -59,10 +60,10 @@ class TrainPlanJob:
 
     async def start(self, placement: Placement, session: Session) -> _Steps:
         config = self.placed(placement)
-        roles = await session.spawn(role_specs(config, self.model_dir))
-        problems = list(generate_splits(config.task).train)[: config.train.prompts_per_step]
-        prompts = await session.put(prompt_batch(problems, CharTokenizer.from_pretrained(self.model_dir),
-                                                 first_uid=0))
+        data = run_prompts(config, self.model_dir, rollout_of(config).max_new_tokens)
+        roles = await session.spawn(role_specs(config, self.model_dir, context=data.context))
+        count = min(config.train.prompts_per_step, data.train_size)
+        prompts = await session.put(data.train_batch(range(count), first_uid=0))
         return _Steps(Trainer(config, progress_bar=False), roles, prompts)
 
 
@@ -79,7 +80,9 @@ async def plan(config: RunConfig, *, devices: int, cores: int | None
     """Profile ``config`` and rank every placement of its roles on ``devices``."""
     stream = algorithm_in(config).streams
     with tempfile.TemporaryDirectory(prefix="asyncflow-plan-") as tmp:
-        model_dir = config.model.dir
+        model_dir = config.model.path
+        if config.model.gguf:
+            model_dir = str(gguf_to_hf_dir(config.model.gguf, Path(tmp) / "model", key="model.gguf"))
         if config.sft is not None:
             model_dir = str(save_tiny_model(Path(tmp) / "model", config.sft.model, seed=config.seed))
         found = await profile(TrainPlanJob(config, model_dir), devices=devices, stream=stream)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from asyncflow._pool import ResourcePool, RoleSpec
 from asyncflow.train._config import OptimSection, RunConfig, ScoreSection, needed_roles
 from channels import Layout
@@ -41,13 +43,17 @@ def _scorer(s: ScoreSection, model_dir: str) -> ScoreConfig:
                                                weights=[w.weight for w in weighted]))
 
 
-def role_specs(config: RunConfig, model_dir: str) -> dict[str, RoleSpec]:
+def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[str, RoleSpec]:
     """Every role the run's algorithm needs, placed as ``[placement]`` says (a role it
-    leaves out goes to the first pool)."""
+    leaves out goes to the first pool); ``context``: the longest prompt plus its
+    response, in tokens (vLLM's ``max_model_len``; 0: vLLM's default here)."""
     pools = {name: ResourcePool(name=name, devices=p.devices) for name, p in config.pools.items()}
     first = next(iter(config.pools))
     a = config.actor
-    rollout = (VLLMRolloutConfig(seed=config.seed) if a.rollout_engine == "vllm"
+    vllm = VLLMRolloutConfig(seed=config.seed)
+    if context:
+        vllm = msgspec.structs.replace(vllm, max_model_len=max(context, vllm.max_model_len))
+    rollout = (vllm if a.rollout_engine == "vllm"
                else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed))
     build = {
         "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=_training(a), update=_update(a),

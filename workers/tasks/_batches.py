@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -21,6 +22,8 @@ from channels import ConfigError
 from workers.models import CharTokenizer
 
 from ._problems import ArithmeticProblem
+
+T = TypeVar("T")
 
 __all__ = [
     "check_fits_context",
@@ -114,10 +117,9 @@ def decode_responses(
     return rows
 
 
-def iter_problem_batches(
-    problems: Sequence[ArithmeticProblem], batch_size: int, *, seed: int
-) -> Iterator[list[ArithmeticProblem]]:
-    """Endless batches of problems: each epoch a fresh shuffle, cut into full batches.
+def iter_problem_batches(problems: Sequence[T], batch_size: int, *, seed: int) -> Iterator[list[T]]:
+    """Endless batches of problems (or of any items, e.g. row indices): each epoch a
+    fresh shuffle, cut into full batches.
 
     Args:
         problems: The split to draw from (at least ``batch_size`` problems).
@@ -141,9 +143,7 @@ def iter_problem_batches(
     return _endless(list(problems), batch_size, seed)
 
 
-def _endless(
-    problems: list[ArithmeticProblem], batch_size: int, seed: int
-) -> Iterator[list[ArithmeticProblem]]:
+def _endless(problems: list[T], batch_size: int, seed: int) -> Iterator[list[T]]:
     generator = torch.Generator().manual_seed(seed)
     while True:
         order = torch.randperm(len(problems), generator=generator).tolist()

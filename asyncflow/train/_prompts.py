@@ -1,0 +1,133 @@
+"""The prompts of a run, as generation batches: the built-in arithmetic task, or
+the user's files (``[data]``).
+
+Both give the trainer the same three things: how many training prompts there are,
+a batch of them by index (with uids unique over the run), and the fixed held-out
+batch. Batches of training indices are drawn by :func:`iter_problem_batches` over
+``range(train_size)``, so a run's data order is a function of the seed and of the
+number of batches drawn, which checkpoints keep (exact resume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from torch import Tensor
+
+from asyncflow.train._config import RunConfig
+from channels import ConfigError
+from workers.data import PromptDataset, load_prompt_tokenizer, load_rows
+from workers.models import CharTokenizer, check_supported_checkpoint
+from workers.tasks import ArithmeticProblem, check_fits_context, generate_splits, prompt_batch
+
+
+class RunPrompts(Protocol):
+    """A run's training and held-out prompts."""
+
+    @property
+    def train_size(self) -> int:
+        """Training prompts (indices ``0 .. train_size - 1``)."""
+        ...
+
+    @property
+    def context(self) -> int:
+        """Tokens the longest prompt and its response may need (for the rollout
+        engine's context length)."""
+        ...
+
+    def summary(self) -> list[str]:
+        """Lines for the run's log (sizes, prompts dropped)."""
+        ...
+
+    def train_batch(self, indices: Sequence[int], *, first_uid: int) -> dict[str, Tensor]:
+        """The training prompts ``indices``; row ``i`` gets uid ``first_uid + i``."""
+        ...
+
+    def eval_batch(self, *, first_uid: int) -> dict[str, Tensor]:
+        """The held-out prompts (always the same ones)."""
+        ...
+
+
+@dataclass
+class ArithmeticPrompts:
+    """The built-in 2-digit arithmetic task with the character tokenizer."""
+
+    train: list[ArithmeticProblem]
+    eval: list[ArithmeticProblem]
+    tokenizer: CharTokenizer
+    context: int
+
+    @classmethod
+    def build(cls, config: RunConfig, model_dir: str, max_new_tokens: int) -> ArithmeticPrompts:
+        splits = generate_splits(config.task)
+        tokenizer = CharTokenizer.from_pretrained(model_dir)
+        limit = int(check_supported_checkpoint(Path(model_dir)).max_position_embeddings)
+        problems = list(splits.train) + list(splits.eval)
+        check_fits_context(problems, tokenizer, max_new_tokens=max_new_tokens, max_positions=limit)
+        longest = max(len(tokenizer.encode(p.prompt)) for p in problems)
+        return cls(train=list(splits.train), eval=list(splits.eval)[: config.train.eval_size],
+                   tokenizer=tokenizer, context=longest + max_new_tokens)
+
+    @property
+    def train_size(self) -> int:
+        return len(self.train)
+
+    def summary(self) -> list[str]:
+        return [f"task: {len(self.train)} training and {len(self.eval)} held-out arithmetic problems"]
+
+    def train_batch(self, indices: Sequence[int], *, first_uid: int) -> dict[str, Tensor]:
+        return prompt_batch([self.train[i] for i in indices], self.tokenizer, first_uid=first_uid)
+
+    def eval_batch(self, *, first_uid: int) -> dict[str, Tensor]:
+        return prompt_batch(self.eval, self.tokenizer, first_uid=first_uid)
+
+
+@dataclass
+class FilePrompts:
+    """Prompts from ``data.train`` and ``data.eval``, tokenized with the model's own
+    tokenizer (chat messages through its chat template)."""
+
+    train: PromptDataset
+    eval: PromptDataset
+    eval_rows: list[int]
+    context: int
+
+    @classmethod
+    def build(cls, config: RunConfig, model_dir: str, max_new_tokens: int) -> FilePrompts:
+        d = config.data
+        limit = int(check_supported_checkpoint(Path(model_dir)).max_position_embeddings)
+        budget = d.max_prompt_tokens or limit - max_new_tokens
+        if budget < 1 or budget + max_new_tokens > limit:
+            raise ConfigError(f"data.max_prompt_tokens ({budget}) + max_new_tokens ({max_new_tokens}) must fit the "
+                              f"model's context of {limit} tokens; lower one of them")
+        tokenizer = load_prompt_tokenizer(model_dir)
+        sets = [PromptDataset.from_rows(load_rows(file, key=key), tokenizer, prompt_field=d.prompt,
+                                        max_prompt_tokens=budget, key=key, source=file)
+                for key, file in (("data.train", d.train), ("data.eval", d.eval))]
+        train, held_out = sets
+        return cls(train=train, eval=held_out, eval_rows=list(range(min(len(held_out), config.train.eval_size))),
+                   context=max(train.longest_prompt, held_out.longest_prompt) + max_new_tokens)
+
+    @property
+    def train_size(self) -> int:
+        return len(self.train)
+
+    def summary(self) -> list[str]:
+        return [self.train.describe(), self.eval.describe()
+                + f" ({len(self.eval_rows)} evaluated)"]
+
+    def train_batch(self, indices: Sequence[int], *, first_uid: int) -> dict[str, Tensor]:
+        return self.train.batch(indices, first_uid=first_uid)
+
+    def eval_batch(self, *, first_uid: int) -> dict[str, Tensor]:
+        return self.eval.batch(self.eval_rows, first_uid=first_uid)
+
+
+def run_prompts(config: RunConfig, model_dir: str, max_new_tokens: int) -> RunPrompts:
+    """The run's prompts: ``[data]`` files when set, else the built-in task."""
+    if config.data.train:
+        return FilePrompts.build(config, model_dir, max_new_tokens)
+    return ArithmeticPrompts.build(config, model_dir, max_new_tokens)

@@ -1,0 +1,225 @@
+"""The sections of a run configuration (``[model]``, ``[data]``, ``[train]``,
+``[actor]``, ``[critic]``, ``[reward]``, ``[cost]``, ``[pools]``, ``[placement]``):
+typed, keyword-only msgspec Structs that check their own values on decode. The
+whole :class:`~asyncflow.train.RunConfig` and the checks across sections live in
+:mod:`asyncflow.train._config`."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+import msgspec
+
+from asyncflow.algos._checks import above, at_least
+from channels import ConfigError
+from workers.rewards import split_function_spec
+
+_CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
+
+class ModelSection(msgspec.Struct, **_CFG):
+    """Where the policy starts: a local Hugging Face causal LM directory, a GGUF
+    file, or (neither) the SFT warm start's output. Nothing is downloaded."""
+
+    path: str = ""
+    """A local Hugging Face model directory (``config.json`` and safetensors or bin
+    weights, with its tokenizer and chat template)."""
+    gguf: str = ""
+    """A GGUF file, dequantised to float32 on load (converted once into
+    ``<output_dir>/model_from_gguf``, with the file's tokenizer and chat template)."""
+
+    def __post_init__(self) -> None:
+        if self.path and self.gguf:
+            raise ConfigError("ModelSection: both path and gguf are set; keep one")
+
+
+class DataSection(msgspec.Struct, **_CFG):
+    """Prompts from files instead of the built-in arithmetic task. Each file is
+    JSONL (or JSON), Parquet, CSV or a ``datasets`` ``save_to_disk`` directory; every
+    field of a row other than the prompt reaches the reward function as a keyword
+    list (``answer=[...]``)."""
+
+    train: str = ""
+    """The training prompts; empty: the built-in ``[task]``."""
+    eval: str = ""
+    """The held-out prompts, evaluated before and after RL (the first
+    ``train.eval_size``)."""
+    prompt: str = "prompt"
+    """The prompt's field: plain text, or a list of chat messages (``[{role,
+    content}]``) rendered with the tokenizer's chat template."""
+    max_prompt_tokens: int = 0
+    """Longer prompts are dropped (and counted in the log); 0: the model's context
+    minus the rollout's ``max_new_tokens``."""
+
+    def __post_init__(self) -> None:
+        at_least("DataSection.max_prompt_tokens", self.max_prompt_tokens, 0,
+                 "0 takes the model's context minus max_new_tokens")
+        if self.eval and not self.train:
+            raise ConfigError("DataSection: eval is set but train is not; set data.train too")
+        if not self.prompt:
+            raise ConfigError("DataSection.prompt must name the prompt's field, e.g. prompt = \"question\"")
+
+
+class TrainSection(msgspec.Struct, **_CFG):
+    """The RL loop."""
+
+    steps: int = 20
+    """RL steps."""
+    prompts_per_step: int = 16
+    """Prompts sampled per step."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept."""
+    eval_every: int = 0
+    """Held-out evaluation every this many steps (0: before and after only)."""
+    eval_size: int = 500
+    """Held-out prompts evaluated (the first ones of the eval split)."""
+    eval_samples: int = 0
+    """Also sample this many responses per held-out prompt (at the rollout's
+    temperature) and log ``eval/mean@n`` and ``eval/pass@k`` for k = 1, 2, 4, ...
+    up to n (0: greedy accuracy only)."""
+    pass_threshold: float = 1.0
+    """A sampled response counts as correct for pass@k when its reward is at least
+    this (the built-in verifiers give 1.0 to a correct answer)."""
+    export_hf: Literal["end", "checkpoints", "never"] = "end"
+    """Write the trained policy as a Hugging Face directory (``<output_dir>/policy``)
+    that ``AutoModelForCausalLM.from_pretrained`` and vLLM load: at the end, also
+    with every checkpoint (``<checkpoint>/policy``), or never."""
+    max_seconds: float = 0.0
+    """Stop RL after this long (0: no limit); the run still evaluates and saves."""
+    kl_metric: bool = True
+    """Place a reference policy to report the actor's KL to its starting point
+    (``actor/kl_to_ref``) even when no KL term is in the loss."""
+    stream: bool = False
+    """Stream finished samples from generation into the inference calls (GRPO and
+    PPO): stages on other pools start on the first micro-batch instead of the
+    whole batch. The updated model is the same as without streaming."""
+    stream_micro_batch: int = 16
+    """Rows per streamed micro-batch (whole prompt groups)."""
+    migrate: int | Literal["auto"] = "auto"
+    """Long-tail migration while streaming: move the samples still generating onto
+    fewer actor ranks once at most this many remain (0: never); ``"auto"`` picks
+    the threshold with the simulator from the previous step's response lengths."""
+    trace_steps: int = 0
+    """Trace the first this many RL steps of the run: ``timeline.png`` (one lane per
+    pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the output
+    directory (0: no trace)."""
+
+    def __post_init__(self) -> None:
+        # "TrainSection.steps ... - at `$.train`" reaches the user as "train.steps ..."
+        # (see load_config).
+        for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints"):
+            at_least(f"TrainSection.{name}", getattr(self, name), 1)
+        for name in ("checkpoint_every", "eval_every", "trace_steps", "eval_samples"):
+            at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
+        at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
+        at_least("TrainSection.stream_micro_batch", self.stream_micro_batch, 1)
+        if self.migrate != "auto":
+            at_least("TrainSection.migrate", self.migrate, 0, '0 turns it off; "auto" picks it')
+
+
+class OptimSection(msgspec.Struct, **_CFG):
+    """A trained role's optimizer and update schedule."""
+
+    lr: float = 1e-5
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up (optimizer steps)."""
+    micro_batch_size: int = 64
+    """Rows per forward/backward pass (gradients accumulate over micro-batches)."""
+    epochs: int = 1
+    """Passes over each step's batch."""
+    mini_batches: int = 1
+    """Optimizer steps per pass."""
+
+    def __post_init__(self) -> None:
+        key = type(self).__name__  # the section's own name; load_config says which one
+        above(f"{key}.lr", self.lr, 0, "use a learning rate such as 1e-5")
+        at_least(f"{key}.weight_decay", self.weight_decay, 0, "0 turns weight decay off")
+        at_least(f"{key}.grad_clip", self.grad_clip, 0, "0 turns gradient clipping off; 1.0 is usual")
+        at_least(f"{key}.warmup_steps", self.warmup_steps, 0, "0 turns the warm-up off")
+        for name in ("micro_batch_size", "epochs", "mini_batches"):
+            at_least(f"{key}.{name}", getattr(self, name), 1)
+
+
+class ActorSection(OptimSection, **_CFG):
+    """The policy."""
+
+    rollout_engine: Literal["native", "vllm"] = "native"
+    """Which engine generates: the native one or vLLM."""
+    rollout_batch_size: int = 256
+    """Most sequences the native engine decodes at once."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least("ActorSection.rollout_batch_size", self.rollout_batch_size, 1)
+
+
+class WeightedFunction(msgspec.Struct, **_CFG):
+    """One reward function of a weighted sum (``[reward] functions``)."""
+
+    function: str
+    """``module:function`` (see ``ScoreSection.function`` for the call forms)."""
+    weight: float = 1.0
+    """Its weight in the sum (any finite number; negative penalizes)."""
+
+
+class ScoreSection(msgspec.Struct, **_CFG):
+    """A reward (or cost) source: a rule function, a weighted sum of them, or a model.
+
+    One function: ``function = "module:fn"``. Several: ``functions = [{ function =
+    "workers.rewards:numeric_match", weight = 1.0 }, { function =
+    "workers.rewards:format_check", weight = 0.2 }]``; the score is the weighted sum
+    and each function's mean is logged as ``reward/<fn>/mean``.
+    """
+
+    DEFAULT_FUNCTION: ClassVar[str] = "workers.tasks:exact_match_reward"
+
+    function: str = DEFAULT_FUNCTION
+    """``module:function``, called as ``fn(prompts=, completions=, **columns)`` (TRL's
+    form) or ``fn(prompts, responses, answers)`` (see ``workers.rewards``)."""
+    functions: list[WeightedFunction] = msgspec.field(default_factory=list)
+    """Several weighted functions; when given, they score instead of ``function``."""
+    model_dir: str = ""
+    """A reward/value model directory; when set, it scores instead of ``function``."""
+
+    def __post_init__(self) -> None:
+        if self.function:  # imported by validate, for the roles the run needs
+            split_function_spec(self.function, key="ScoreSection.function")
+        if self.functions and self.function not in ("", self.DEFAULT_FUNCTION):
+            raise ConfigError(f"ScoreSection: both function = {self.function!r} and functions are set; "
+                              "keep one (put the function in the functions list)")
+        for i, wf in enumerate(self.functions):
+            split_function_spec(wf.function, key=f"ScoreSection.functions[{i}].function")
+            if not math.isfinite(wf.weight):
+                raise ConfigError(f"ScoreSection.functions[{i}].weight must be a finite number, got {wf.weight}")
+
+    @property
+    def weighted(self) -> list[WeightedFunction]:
+        """The functions with their weights: ``functions``, or ``function`` with weight 1."""
+        if self.functions:
+            return list(self.functions)
+        return [WeightedFunction(function=self.function)] if self.function else []
+
+
+class PoolSection(msgspec.Struct, **_CFG):
+    """A resource pool."""
+
+    devices: int = 1
+    """Devices (worker processes); checked in :func:`validate`, which knows the pool's name."""
+
+
+class PlacementSection(msgspec.Struct, **_CFG):
+    """Where a role runs and its parallel layout."""
+
+    pool: str
+    """The pool's name (a key of ``[pools]``)."""
+    p: int = 1
+    """Pipeline-parallel size; only 1 (the engines do not implement pipeline parallelism)."""
+    t: int = 1
+    """Tensor-parallel size."""
