@@ -99,7 +99,11 @@ def test_own_model_data_and_reward_train(tmp_path: Path, model_dir: str, suffix:
     cfg = tmp_path / "run.toml"
     cfg.write_text(CONFIG.format(out=tmp_path / "out", model=model_dir, train=train, eval=held_out,
                                  prompt="prompt", algorithm=algorithm))
-    assert main(["train", str(cfg), "--no-progress"]) == 0
+    export = "checkpoints" if algorithm == "ppo" else "end"
+    assert main(["train", str(cfg), "--no-progress", "--set", f"train.export_hf={export}",
+                 "--set", "train.checkpoint_every=1", "--set", "train.keep_checkpoints=3"]) == 0
+    saved = sorted((tmp_path / "out" / "checkpoints").glob("step_*/policy/config.json"))
+    assert len(saved) == (2 if export == "checkpoints" else 0)
     rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     final = rows[-1]
@@ -110,6 +114,28 @@ def test_own_model_data_and_reward_train(tmp_path: Path, model_dir: str, suffix:
     ids = tokenizer("What is 1 + 2?", return_tensors="pt")["input_ids"]
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
     assert torch.isfinite(next(model.parameters())).all()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_draws_the_data_an_uninterrupted_one_does(tmp_path: Path, model_dir: str) -> None:
+    train = _write(tmp_path / "train.jsonl", _rows(12, chat=True))
+    held_out = _write(tmp_path / "eval.jsonl", _rows(4, chat=True, offset=100))
+    runs = {}
+    for name in ("full", "part"):
+        runs[name] = tmp_path / f"{name}.toml"
+        runs[name].write_text(CONFIG.format(out=tmp_path / name, model=model_dir, train=train, eval=held_out,
+                                            prompt="prompt", algorithm="grpo"))
+    assert main(["train", str(runs["full"]), "--no-progress", "--set", "train.steps=4"]) == 0
+    assert main(["train", str(runs["part"]), "--no-progress"]) == 0  # a checkpoint at step 2
+    assert main(["train", str(runs["part"]), "--resume", "--set", "train.steps=4", "--no-progress"]) == 0
+
+    def steps(name: str) -> dict[int, dict[str, float]]:
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+                for r in read_metrics(tmp_path / name / "metrics.jsonl") if "reward/mean" in r}
+
+    full, part = steps("full"), steps("part")
+    assert sorted(part) == [1, 2, 3, 4]
+    assert part[3] == full[3] and part[4] == full[4]  # 4 of 12 prompts a step: step 4 is in the second epoch
 
 
 @pytest.mark.slow
