@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from channels import ConfigError
-from workers.models import SUPPORTED_ARCHITECTURES, check_supported_checkpoint
+from workers.models import check_supported_checkpoint, read_gguf_header
 from workers.rewards import load_reward_fn
 
 MODEL_ROLES = ("actor", "ref", "critic", "cost_critic")
@@ -58,37 +58,17 @@ def model_heads(key: str, model_dir: str) -> tuple[int, int]:
 
 def gguf_heads(key: str, file: str) -> tuple[int, int]:
     """Check that ``file`` is a GGUF file of a supported architecture, reading only
-    its header (the weights are dequantised when the run starts).
+    its header (:func:`workers.models.read_gguf_header`; the weights are dequantised
+    when the run starts).
 
     Returns:
         The model's ``(num_attention_heads, num_key_value_heads)``.
 
     Raises:
-        ConfigError: naming ``key``: no such file, not GGUF, or an architecture the
-            engines cannot run.
+        ConfigError: naming ``key``.
     """
-    path = Path(file)
-    if not path.is_file():
-        raise ConfigError(f"{key} = {file!r} is not a file; point it at a .gguf model file")
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ConfigError(f"{key}: reading GGUF files needs the gguf package (pip install gguf)") from None
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the gguf reader raises several kinds on a bad file
-        raise ConfigError(f"{key} = {file!r} is not a readable GGUF file: {e}") from None
-
-    def field(name: str) -> Any:
-        f = reader.fields.get(name)
-        return None if f is None else f.contents()
-
-    arch = str(field("general.architecture"))
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"{key} = {file!r} holds a {arch!r} model; the engines run {SUPPORTED_ARCHITECTURES}")
-    heads = int(field(f"{arch}.attention.head_count"))
-    kv = field(f"{arch}.attention.head_count_kv")
-    return heads, int(kv) if kv is not None else heads
+    header = read_gguf_header(file, key=key)
+    return header.num_attention_heads, header.num_key_value_heads
 
 
 def check_tensor_parallel(role: str, t: int, heads: tuple[int, int], model: str) -> None:

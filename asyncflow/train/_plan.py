@@ -25,7 +25,7 @@ from asyncflow.train._config import (
     needed_roles,
     rollout_of,
 )
-from asyncflow.train._prompts import run_prompts
+from asyncflow.train._prompts import RunPrompts, run_prompts
 from asyncflow.train._roles import role_specs
 from asyncflow.train._trainer import Trainer
 from workers.models import gguf_to_hf_dir, save_tiny_model
@@ -51,6 +51,7 @@ class TrainPlanJob:
     def __init__(self, config: RunConfig, model_dir: str) -> None:
         self.config, self.model_dir = config, model_dir
         self.roles = needed_roles(config)
+        self._data: RunPrompts | None = None
 
     def placed(self, placement: Placement) -> RunConfig:
         """The configuration with ``placement``'s pools."""
@@ -60,7 +61,9 @@ class TrainPlanJob:
 
     async def start(self, placement: Placement, session: Session) -> _Steps:
         config = self.placed(placement)
-        data = run_prompts(config, self.model_dir, rollout_of(config).max_new_tokens)
+        if self._data is None:  # read and tokenized once, for every placement profiled
+            self._data = run_prompts(config, self.model_dir, rollout_of(config).max_new_tokens)
+        data = self._data
         roles = await session.spawn(role_specs(config, self.model_dir, context=data.context))
         count = min(config.train.prompts_per_step, data.train_size)
         prompts = await session.put(data.train_batch(range(count), first_uid=0))

@@ -8,20 +8,14 @@ loads from local files; :class:`PromptTokenizer` gives both the same surface.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from channels import ConfigError
-from workers.models import SPECIAL_TOKENS, CharTokenizer
+from workers.models import CharTokenizer, load_tokenizer
 
 __all__ = ["PromptTokenizer", "load_prompt_tokenizer"]
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                    "vocab.txt", "spiece.model")
-"""Files one of which every tokenizer transformers loads from a directory has."""
-
 
 class PromptTokenizer:
     """Encodes prompts for the policy and decodes ids back to text.
@@ -123,56 +117,11 @@ class PromptTokenizer:
 
 
 def load_prompt_tokenizer(model_dir: str | Path) -> PromptTokenizer:
-    """Load the tokenizer saved in a model directory.
-
-    A directory holding a :class:`~workers.models.CharTokenizer`'s files (a
-    word-level ``tokenizer.json`` whose first tokens are
-    :data:`~workers.models.SPECIAL_TOKENS`) loads as one; any other goes through
-    ``transformers.AutoTokenizer`` with local files only.
-
-    Args:
-        model_dir: the policy's model directory.
-
-    Returns:
-        The tokenizer.
+    """The tokenizer saved in a model directory (:func:`workers.models.load_tokenizer`),
+    as prompts need it.
 
     Raises:
-        ConfigError: the directory does not exist, holds no tokenizer files, or
-            transformers cannot load them.
+        ConfigError: the directory does not exist, holds no tokenizer files,
+            transformers cannot load them, or the tokenizer has no EOS token.
     """
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise ConfigError(f"the model directory {path} does not exist; point the model at a local "
-                          "checkpoint directory")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise ConfigError(f"the model directory {path} holds no tokenizer files (one of "
-                          f"{', '.join(_TOKENIZER_FILES)}); save the tokenizer with the model")
-    if _is_char_tokenizer_dir(path):
-        return PromptTokenizer(CharTokenizer.from_pretrained(path), source=str(path))
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"the tokenizer files in {path} do not load with transformers.AutoTokenizer "
-                          f"({type(e).__name__}: {first_line})") from None
-    return PromptTokenizer(tokenizer, source=str(path))
-
-
-def _is_char_tokenizer_dir(path: Path) -> bool:
-    """Whether ``path`` holds what :meth:`CharTokenizer.save_pretrained` writes."""
-    if not (path / "tokenizer_config.json").is_file():
-        return False
-    try:
-        spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    model = spec.get("model") if isinstance(spec, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "WordLevel":
-        return False
-    vocab = model.get("vocab")
-    if not isinstance(vocab, dict):
-        return False
-    by_id = {i: token for token, i in vocab.items()}
-    return [by_id.get(i) for i in range(len(SPECIAL_TOKENS))] == list(SPECIAL_TOKENS)
+    return PromptTokenizer(load_tokenizer(model_dir), source=str(Path(model_dir)))

@@ -18,8 +18,9 @@ from ._factory import (
     save_tiny_model,
     tiny_hf_config,
 )
-from ._gguf import GGUF_STAMP_FILE, gguf_to_hf_dir, smollm2_gguf
+from ._gguf import GGUF_STAMP_FILE, GgufModel, gguf_to_hf_dir, read_gguf_header, smollm2_gguf
 from ._tokenizer import ARITHMETIC_SYMBOLS, SPECIAL_TOKENS, CharTokenizer, CharTokenizerConfig
+from ._tokenizer_dir import TOKENIZER_FILES, has_tokenizer, is_char_tokenizer_dir, load_tokenizer
 from ._value_head import VALUE_HEAD_FILE, ValueModel, is_value_model_dir
 
 __all__ = [
@@ -27,16 +28,22 @@ __all__ = [
     "GGUF_STAMP_FILE",
     "SPECIAL_TOKENS",
     "SUPPORTED_ARCHITECTURES",
+    "TOKENIZER_FILES",
     "VALUE_HEAD_FILE",
     "CharTokenizer",
     "CharTokenizerConfig",
+    "GgufModel",
     "TinyModelConfig",
     "ValueModel",
     "build_tiny_model",
     "check_supported_checkpoint",
     "gguf_to_hf_dir",
+    "has_tokenizer",
+    "is_char_tokenizer_dir",
     "is_value_model_dir",
     "load_model",
+    "load_tokenizer",
+    "read_gguf_header",
     "save_pretrained_here",
     "save_tiny_model",
     "smollm2_gguf",

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
@@ -24,7 +25,7 @@ from channels import ConfigError
 
 from ._checkpoint import SUPPORTED_ARCHITECTURES, save_pretrained_here
 
-__all__ = ["GGUF_STAMP_FILE", "gguf_to_hf_dir", "smollm2_gguf"]
+__all__ = ["GGUF_STAMP_FILE", "GgufModel", "gguf_to_hf_dir", "read_gguf_header", "smollm2_gguf"]
 
 GGUF_STAMP_FILE = "gguf_source.json"
 """File of a converted directory naming the GGUF file it was made from."""
@@ -82,24 +83,12 @@ def gguf_to_hf_dir(
     """
     source = Path(file).expanduser()
     out = Path(out_dir)
-    if not source.is_file():
-        raise ConfigError(f"{key}: GGUF file {os.fspath(source)!r} does not exist (or is not a file)")
-    with source.open("rb") as handle:
-        if handle.read(len(_MAGIC)) != _MAGIC:
-            raise ConfigError(
-                f"{key}: {os.fspath(source)!r} is not a GGUF file (it does not start with "
-                f"{_MAGIC!r}); pass a llama.cpp .gguf file, or a Hugging Face directory as model_dir"
-            )
+    _check_gguf_file(source, key)
     stamp = _stamp_of(source)
     if _read_stamp(out) == stamp | {"complete": True}:
         return out
     _check_writable(out, key)
-    architecture = _gguf_architecture(source, key)
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(
-            f"{key}: {os.fspath(source)!r} holds a {architecture!r} model; the engines run "
-            f"{SUPPORTED_ARCHITECTURES} (GGUF general.architecture)"
-        )
+    read_gguf_header(source, key=key)
     out.mkdir(parents=True, exist_ok=True)
     # Written before the conversion and completed after it: a conversion that died
     # half-way leaves an incomplete stamp, and the next call converts again.
@@ -139,7 +128,24 @@ def _convert(source: Path, out: Path, key: str) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _gguf_architecture(source: Path, key: str) -> str:
+class GgufModel(NamedTuple):
+    """What a GGUF file's header says of its model."""
+
+    architecture: str
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+def read_gguf_header(file: str | os.PathLike[str], *, key: str = "model.gguf") -> GgufModel:
+    """Check that ``file`` is a GGUF file of an architecture the engines run, reading
+    only its header (no weights are dequantised).
+
+    Raises:
+        ConfigError: naming ``key``: the file is missing, not GGUF, of another
+            architecture, or the ``gguf`` package is not installed.
+    """
+    source = Path(file).expanduser()
+    _check_gguf_file(source, key)
     try:
         import gguf
     except ImportError as error:
@@ -147,12 +153,35 @@ def _gguf_architecture(source: Path, key: str) -> str:
             f"{key}: reading GGUF files needs the 'gguf' package (pip install 'gguf>=0.10')"
         ) from error
     try:
-        field = gguf.GGUFReader(source).fields["general.architecture"]
+        fields = gguf.GGUFReader(source).fields
+        architecture = str(fields["general.architecture"].contents())
     except (KeyError, ValueError) as error:
         raise ConfigError(
             f"{key}: {os.fspath(source)!r} has no readable general.architecture: {error}"
         ) from error
-    return str(field.contents())
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"{key}: {os.fspath(source)!r} holds a {architecture!r} model; the engines run "
+            f"{SUPPORTED_ARCHITECTURES} (GGUF general.architecture)"
+        )
+    head_count = fields.get(f"{architecture}.attention.head_count")
+    if head_count is None:
+        raise ConfigError(f"{key}: {os.fspath(source)!r} has no {architecture}.attention.head_count")
+    heads = int(head_count.contents())
+    kv = fields.get(f"{architecture}.attention.head_count_kv")
+    return GgufModel(architecture, heads, int(kv.contents()) if kv is not None else heads)
+
+
+def _check_gguf_file(source: Path, key: str) -> None:
+    """The file exists and starts with the GGUF magic bytes."""
+    if not source.is_file():
+        raise ConfigError(f"{key}: GGUF file {os.fspath(source)!r} does not exist (or is not a file)")
+    with source.open("rb") as handle:
+        if handle.read(len(_MAGIC)) != _MAGIC:
+            raise ConfigError(
+                f"{key}: {os.fspath(source)!r} is not a GGUF file (not a readable GGUF: its first bytes are "
+                f"not {_MAGIC!r}); pass a llama.cpp .gguf file, or a Hugging Face directory as model.path"
+            )
 
 
 def _stamp_of(source: Path) -> dict[str, object]:

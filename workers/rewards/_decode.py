@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sized
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 from channels import ConfigError
-from workers.models import CharTokenizer
+from workers.models import load_tokenizer
 
 
 class Decoder(Protocol):
@@ -26,11 +25,8 @@ class Decoder(Protocol):
 
 
 def load_decoder(directory: str | Path) -> Decoder:
-    """Load the tokenizer saved in a model directory.
-
-    A :class:`CharTokenizer` directory (the tiny models') loads as one, which decodes
-    in plain Python; any other directory goes through ``transformers.AutoTokenizer``
-    (local files only).
+    """Load the tokenizer saved in a model directory (:func:`workers.models.load_tokenizer`:
+    a :class:`CharTokenizer`, which decodes in plain Python, or a transformers one).
 
     Args:
         directory: a model directory holding tokenizer files.
@@ -41,20 +37,11 @@ def load_decoder(directory: str | Path) -> Decoder:
     Raises:
         ConfigError: the directory holds no tokenizer transformers can load.
     """
-    path = Path(directory)
     try:
-        return CharTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError, AttributeError, TypeError, json.JSONDecodeError):
-        pass  # not a CharTokenizer directory (a Unigram vocabulary is a list): try transformers
-    from transformers import AutoTokenizer
-
-    try:
-        return cast(Decoder, AutoTokenizer.from_pretrained(path, local_files_only=True))
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"tokenizer_dir {str(path)!r} holds no tokenizer ({type(e).__name__}: {e}); point "
-            "it at the policy's model directory (save_tiny_model writes the tokenizer there)"
-        ) from None
+        return cast(Decoder, load_tokenizer(directory))
+    except ConfigError as e:
+        raise ConfigError(f"tokenizer_dir {str(directory)!r} holds no tokenizer ({e}); point it at the policy's "
+                          "model directory (save_tiny_model writes the tokenizer there)") from None
 
 
 UNKNOWN_TOKEN_TEXT = "\ufffd"

@@ -23,7 +23,7 @@ from workers._register import register
 from workers._role import Role
 from workers.engines import TrainingEngine
 
-TOKENIZER_FILES = (
+COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "generation_config.json",
     "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
@@ -32,19 +32,19 @@ TOKENIZER_FILES = (
 (tokenizers of every kind transformers saves, chat template, generation config);
 never the weights or ``config.json``, which the export writes."""
 
-TOKENIZER_DIRS = ("additional_chat_templates",)
+COPIED_DIRS = ("additional_chat_templates",)
 """Directories copied likewise (transformers 5 saves named chat templates there)."""
 
 
 def copy_tokenizer_files(source_dir: str | Path, out: Path) -> None:
-    """Copy the :data:`TOKENIZER_FILES` and :data:`TOKENIZER_DIRS` of ``source_dir``
+    """Copy the :data:`COPIED_FILES` and :data:`COPIED_DIRS` of ``source_dir``
     that ``out`` lacks into it."""
     source = Path(source_dir)
-    for name in TOKENIZER_FILES:
+    for name in COPIED_FILES:
         src = source / name
         if src.is_file() and not (out / name).exists():
             shutil.copyfile(src, out / name)
-    for name in TOKENIZER_DIRS:
+    for name in COPIED_DIRS:
         src = source / name
         if src.is_dir() and not (out / name).exists():
             shutil.copytree(src, out / name)

@@ -21,10 +21,9 @@ import os
 from collections.abc import Sequence
 from typing import Protocol, cast
 
-__all__ = ["StopStrings", "TextDecoder", "has_tokenizer", "load_tokenizer"]
+from workers.models import has_tokenizer
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""Files of which any one marks a directory that holds a Hugging Face tokenizer."""
+__all__ = ["StopStrings", "TextDecoder", "load_tokenizer"]
 
 _INCOMPLETE = "\ufffd"
 _SLACK_TOKENS = 4
@@ -83,11 +82,6 @@ class StopStrings:
 
     def _text(self, ids: list[int]) -> str:
         return self._decoder.decode(ids, skip_special_tokens=True).rstrip(_INCOMPLETE)
-
-
-def has_tokenizer(model_dir: str | os.PathLike[str]) -> bool:
-    """Whether ``model_dir`` holds tokenizer files (any of :data:`TOKENIZER_FILES`)."""
-    return any(os.path.exists(os.path.join(model_dir, name)) for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> TextDecoder | None:

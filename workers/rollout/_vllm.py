@@ -36,7 +36,7 @@ import msgspec
 import torch
 
 from channels import ConfigError
-from workers.rollout._stop import TOKENIZER_FILES, has_tokenizer
+from workers.models import TOKENIZER_FILES, has_tokenizer
 from workers.rollout._types import (
     GenerationRun,
     RolloutOutput,
