@@ -127,9 +127,13 @@ def require_ref_for_kl(algorithm: str, config: Any, ref: Any) -> None:
 def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
                      stream: StreamOptions | None) -> tuple[Any, Any]:
     """The first half of a critic-free, outcome-reward step: ``config.rollout.n``
-    samples per prompt from ``roles.actor``, their ``roles.reward`` scores, the
-    actor's log-probs and, when placed, the reference's, merged. Returns ``(the
-    whole batch, the scores)`` (streamed as ``call_on_rollout`` says)."""
+    samples per prompt from ``roles.actor``, their ``roles.reward`` scores and, when
+    placed, the reference's log-probs, merged. Returns ``(the whole batch, the
+    scores)`` (streamed as ``call_on_rollout`` says).
+
+    No ``actor.log_prob`` call: the batch goes to ``actor.update`` of the policy
+    that sampled it, which takes ``old_logprobs`` from its own forward pass (the
+    same numbers, one forward fewer per step; see ``ActorWorker.update``)."""
     rollout = roles.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed),
                                    stream=stream)
 
@@ -137,7 +141,7 @@ def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
         return call_on_rollout(group, method, rollout, producer=roles.actor, stream=stream)
 
     scores = call(roles.reward, "score")
-    parts = [rollout, call(roles.actor, "log_prob"), scores] + ([call(roles.ref, "log_prob")] if roles.ref else [])
+    parts = [rollout, scores] + ([call(roles.ref, "log_prob")] if roles.ref else [])
     return whole(merge_rows(*parts)), whole(scores)
 
 

@@ -143,7 +143,9 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     if not kept:  # nothing to learn from in any round
         return stats | summary
     batch = concat(*kept).take(min(have, target), groups=True)
-    parts = [batch, r.actor.log_prob(batch)] + ([r.ref.log_prob(batch)] if r.ref else [])
+    # The policy that sampled every round is the one updated: the update takes
+    # old_logprobs from its own forward (no actor.log_prob call).
+    parts = [batch] + ([r.ref.log_prob(batch)] if r.ref else [])
     batch = merge(*parts).map(dapo_advantages, max_len=config.rollout.max_new_tokens,
                               buffer=config.overlong_buffer, penalty=config.overlong_penalty)
     actor = await r.actor.update(batch, **config.policy.update_kwargs())

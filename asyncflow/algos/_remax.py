@@ -51,15 +51,15 @@ def _check(config: ReMaxConfig) -> None:
 async def remax_step(roles: ReMaxRoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any],
                      config: ReMaxConfig, *, seed: int | None = None) -> dict[str, float]:
     """One ReMax step: a sampled and a greedy response per prompt; the greedy
-    response's score is the sampled one's baseline."""
+    response's score is the sampled one's baseline. The update takes
+    ``old_logprobs`` from its own forward (on-policy: no ``actor.log_prob`` call)."""
     r = ReMaxRoles.of(roles, algorithm="ReMax")
     require_ref_for_kl("ReMax", config, r.ref)
     rollout = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed))
     greedy = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))
-    old = r.actor.log_prob(rollout)
     scores = r.reward.score(rollout)
     baseline = r.reward.score(greedy).rename(scores="baseline_scores")
-    parts = [rollout, old, scores, baseline] + ([r.ref.log_prob(rollout)] if r.ref else [])
+    parts = [rollout, scores, baseline] + ([r.ref.log_prob(rollout)] if r.ref else [])
     batch = merge(*parts).map(greedy_baseline_advantages)
     actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.reward.stats(scores))
     return actor | score_summary(stats)

@@ -179,9 +179,10 @@ def test_streamed_grpo_and_ppo_steps_train_exactly_as_the_batch_steps(model_dir)
     out, calls = asyncio_run(main())
     # Streamed, the roles on the scoring pool run per micro-batch (4 prompts x 2
     # samples in micro-batches of 2: 4 calls a step); the actor's log-probs, on the
-    # generating pool, once a step on the whole batch.
-    assert calls["batch"]["ref.log_prob"] == 4 and calls["batch"]["actor.log_prob"] == 4
-    assert calls["stream"]["actor.log_prob"] == 4
+    # generating pool, once a PPO step on the whole batch (GRPO's update takes them
+    # from its own forward: no call).
+    assert calls["batch"]["ref.log_prob"] == 4 and calls["batch"]["actor.log_prob"] == 2
+    assert calls["stream"]["actor.log_prob"] == 2
     assert calls["stream"]["ref.log_prob"] > 4 and calls["stream"]["critic.values"] > 2, calls
     for algo in ("grpo", "ppo"):
         for s in range(2):

@@ -3,7 +3,7 @@
 - :class:`TrainingEngine` trains one role's model (causal LM or value model) with AdamW,
   token-balanced or fixed-size micro-batching and a parallel layout over a
   ``("pp", "dp", "tp")`` DeviceMesh (FSDP2 over ``dp``, DTensor TP over ``tp``).
-- Objectives (:class:`PolicyLoss`, :class:`ValueLoss`, :class:`NLLLoss`) are pluggable;
+- Objectives (:class:`PolicyLoss`, :class:`ValueLoss`, :class:`NLLLoss`; :class:`OnPolicy` wraps one) are pluggable;
   the pure functions beneath them (PPO/GRPO losses, KL estimators, masked ops) and the
   advantage estimators (GAE, GRPO, ReMax) are usable on their own.
 """
@@ -51,10 +51,12 @@ from workers.engines._losses import (
 )
 from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine
 from workers.engines._objectives import (
+    ROW_INDEX,
     LossFn,
     LossTerms,
     ModelOutputs,
     NLLLoss,
+    OnPolicy,
     PolicyLoss,
     ValueLoss,
 )
@@ -67,6 +69,7 @@ from workers.engines._parallel import (
 
 __all__ = [
     "MESH_DIM_NAMES",
+    "ROW_INDEX",
     "SEQUENCE_FIELDS",
     "CausalLMHead",
     "EngineConfigError",
@@ -81,6 +84,7 @@ __all__ = [
     "ModelHead",
     "ModelOutputs",
     "NLLLoss",
+    "OnPolicy",
     "Parallelism",
     "PolicyLoss",
     "PolicyLossTerms",

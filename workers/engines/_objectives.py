@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from workers.engines._errors import EngineConfigError, enum_field
@@ -269,3 +270,55 @@ class NLLLoss:
             The per-token terms.
         """
         return LossTerms(per_token=-self.coef * outputs.require("logprobs"))
+
+
+ROW_INDEX = "_row_index"
+"""The column :class:`OnPolicy` reads: each row's index in the update's batch."""
+
+
+class OnPolicy:
+    """``loss`` with ``old_logprobs`` taken from the step's own forward pass, detached.
+
+    For one optimizer step on rows the current policy has just sampled, a separate
+    no-grad pass (``actor.log_prob``) gives the same log-probs as the step's own
+    forward: the ratio is 1 and the gradient and loss are those of the objective with
+    that pass, which is then not needed. The detached log-probs are kept by row
+    (:attr:`old_logprobs`, ``[rows, width]``, 0 on padding and on rows without
+    response tokens) for the metrics that compare them with the rollout engine's.
+
+    Reads what ``loss`` reads, less ``old_logprobs``, plus :data:`ROW_INDEX` (int64
+    row indices into ``old_logprobs``).
+
+    Args:
+        loss: an objective that reads ``old_logprobs`` and ``outputs.logprobs``.
+        rows: rows of the update's batch on this rank.
+        width: their response width.
+        device: where the engine computes.
+    """
+
+    def __init__(self, loss: LossFn, *, rows: int, width: int, device: torch.device) -> None:
+        self.loss = loss
+        self.old_logprobs = torch.zeros(rows, width, device=device)
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        """``loss``'s fields without ``old_logprobs``, plus :data:`ROW_INDEX`."""
+        return (*(f for f in self.loss.required_fields if f != "old_logprobs"), ROW_INDEX)
+
+    @property
+    def uses_entropy(self) -> bool:
+        """As ``loss``."""
+        return self.loss.uses_entropy
+
+    @property
+    def loss_agg(self) -> LossAggregation | None:
+        """As ``loss``."""
+        return self.loss.loss_agg
+
+    def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
+        """``loss`` on the micro-batch with ``old_logprobs`` = this forward's log-probs."""
+        own = outputs.require("logprobs").detach()
+        # A synthetic (dummy) micro-batch has no response tokens: nothing to keep.
+        real = batch["response_mask"].bool().any(dim=1)
+        self.old_logprobs[batch[ROW_INDEX][real]] = own[real].to(self.old_logprobs.dtype)
+        return self.loss(outputs, {**batch, "old_logprobs": own})

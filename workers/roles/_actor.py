@@ -9,6 +9,7 @@ the new policy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,16 @@ from torch import Tensor, nn
 from channels import DP, Batch, ConfigError, Metrics, MicroDP
 from workers import CallInfo, WorkerContext, register
 from workers._streaming import StreamMethod
-from workers.engines import CausalLMHead, NLLLoss, PolicyLoss, TrainingConfig, TrainingEngine, kl_k3
+from workers.engines import (
+    ROW_INDEX,
+    CausalLMHead,
+    NLLLoss,
+    OnPolicy,
+    PolicyLoss,
+    TrainingConfig,
+    TrainingEngine,
+    kl_k3,
+)
 from workers.models import load_model, save_pretrained_here
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
@@ -174,14 +184,19 @@ class ActorWorker(TrainedRole):
         return {F.OLD_LOGPROBS: logprobs.cpu(), F.ENTROPY: entropy.cpu()}
 
     @register(protocol=UPDATE_METRICS, reads=lambda call: _update_reads(call),
-              optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS))
+              optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS, F.OLD_LOGPROBS))
     def update(self, batch: Batch, *, loss: PolicyLoss | None = None,
                schedule: UpdateConfig | None = None, ptx: Batch | None = None,
                ptx_coef: float = 0.0) -> dict[str, float]:
         """Train the policy on ``batch``, then load the new weights into the rollout engine.
 
         Reads the sequence fields, ``advantages``, ``old_logprobs`` and, when the loss
-        has a KL term, ``ref_logprobs``; other columns are not used.
+        has a KL term, ``ref_logprobs``; other columns are not used. Without
+        ``old_logprobs`` the rows are taken as sampled by the current policy (on-policy
+        training, no ``log_prob`` call in between): one optimizer step then takes them
+        from its own forward pass, detached, which gives the same loss and update as
+        passing ``log_prob``'s (see :class:`~workers.engines.OnPolicy`); a schedule of
+        several steps computes them first with a no-grad pass.
 
         Args:
             batch: this rank's rows.
@@ -209,11 +224,15 @@ class ActorWorker(TrainedRole):
                 ``schedule.mini_batches``.
         """
         loss = loss if loss is not None else self.config.loss
-        fields = (*F.SEQUENCE, *loss.required_fields)
-        require_fields(batch, fields, where="actor.update")
-        metrics = rollout_consistency(batch, self.engine) | run_updates(
-            self.engine, batch, loss=loss, fields=fields, schedule=schedule or self.config.update,
-            generator=self._shuffle, prefix="actor/")
+        schedule = schedule or self.config.update
+        if F.OLD_LOGPROBS in batch or F.OLD_LOGPROBS not in loss.required_fields:
+            fields = (*F.SEQUENCE, *loss.required_fields)
+            require_fields(batch, fields, where="actor.update")
+            metrics = rollout_consistency(batch, self.engine) | run_updates(
+                self.engine, batch, loss=loss, fields=fields, schedule=schedule, generator=self._shuffle,
+                prefix="actor/")
+        else:
+            metrics = self._update_on_policy(batch, loss, schedule)
         if ptx is not None and ptx_coef > 0:
             nll = NLLLoss(coef=ptx_coef)
             ptx_metrics = run_updates(self.engine, ptx, loss=nll, fields=(*F.SEQUENCE, *nll.required_fields),
@@ -221,6 +240,26 @@ class ActorWorker(TrainedRole):
             metrics |= ptx_metrics
         self._sync_rollout()
         return metrics
+
+    def _update_on_policy(self, batch: Batch, loss: PolicyLoss, schedule: UpdateConfig) -> dict[str, float]:
+        """``update`` of rows without ``old_logprobs``: the policy that sampled them is
+        the current one. One optimizer step takes them from its own forward
+        (:class:`~workers.engines.OnPolicy`); more steps compute them first, here,
+        with a no-grad pass (what ``log_prob`` would return, without its call)."""
+        fields = (*F.SEQUENCE, *(f for f in loss.required_fields if f != F.OLD_LOGPROBS))
+        require_fields(batch, fields, where="actor.update")
+        if schedule.epochs * schedule.mini_batches > 1:
+            old, _ = self.engine.log_probs(batch)
+            with_old = {**batch, F.OLD_LOGPROBS: old.cpu()}
+            return rollout_consistency(with_old, self.engine) | run_updates(
+                self.engine, with_old, loss=loss, fields=(*fields, F.OLD_LOGPROBS), schedule=schedule,
+                generator=self._shuffle, prefix="actor/")
+        rows, width = batch[F.RESPONSE_IDS].shape
+        own = OnPolicy(loss, rows=rows, width=width, device=self.engine.device)
+        indexed = {**batch, ROW_INDEX: torch.arange(rows)}
+        metrics = run_updates(self.engine, indexed, loss=own, fields=(*fields, ROW_INDEX), schedule=schedule,
+                              generator=self._shuffle, prefix="actor/")
+        return rollout_consistency({**batch, F.OLD_LOGPROBS: own.old_logprobs.cpu()}, self.engine) | metrics
 
     def _after_load(self) -> None:
         self._sync_rollout()
@@ -237,10 +276,11 @@ def _update_reads(call: CallInfo) -> dict[str, tuple[str, ...]]:
     """What ``update`` reads: the sequence, and what its loss needs (the call's
     ``loss``, else the role's default); ``ptx`` rows are a plain sequence."""
     loss = call.arguments.get("loss") or getattr(call.config, "loss", None) or PolicyLoss()
-    return {"batch": (*F.SEQUENCE, *loss.required_fields), "ptx": F.SEQUENCE}
+    needed = (f for f in loss.required_fields if f != F.OLD_LOGPROBS)  # computed when absent
+    return {"batch": (*F.SEQUENCE, *needed), "ptx": F.SEQUENCE}
 
 
-def rollout_consistency(batch: Batch, engine: TrainingEngine) -> dict[str, float]:
+def rollout_consistency(batch: Mapping[str, Tensor], engine: TrainingEngine) -> dict[str, float]:
     """How far the rollout engine's log-probs of the sampled tokens are from the
     training engine's (``old_logprobs``), how many response tokens this rank has and,
     when the batch carries ``ref_logprobs``, the policy's KL to the reference.

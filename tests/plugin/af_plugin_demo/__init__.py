@@ -52,8 +52,7 @@ async def group_mean_step(roles: GroupMeanRoles, prompts: DataFuture[Any], confi
     """Sample, score, subtract the group mean, update."""
     rollout = roles.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
     scores = roles.reward.score(rollout)
-    batch = merge_rows(rollout, roles.actor.log_prob(rollout), scores).map(group_mean_advantages,
-                                                                          scale=config.scale)
+    batch = merge_rows(rollout, scores).map(group_mean_advantages, scale=config.scale)
     actor, stats = await gather(roles.actor.update(batch, **config.policy.update_kwargs()),
                                 roles.reward.stats(scores))
     return actor | score_summary(stats) | {"group_mean/scale": config.scale}
