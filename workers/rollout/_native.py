@@ -1,12 +1,12 @@
 """Native rollout engine: continuous-batching generation on a transformers causal LM.
 
-:meth:`NativeRolloutEngine.start` opens a run that keeps one decode batch of at most
-``max_batch_size`` rows. Every step first prefills waiting samples into the free rows
-(a separate left-padded forward pass whose KV cache then joins the decode batch),
-then decodes one token for every row. A row leaves the batch as soon as it samples
-EOS (unless ``ignore_eos``), completes a stop string or reaches its token budget
-(``max_new_tokens``, or the prompt's own), and its :class:`FinishedSample` is
-reported in that step, so streaming
+:meth:`NativeRolloutEngine.start` opens a run that keeps one decode batch of all its
+samples (at most ``max_batch_size`` rows when that is set). Every step first
+prefills waiting samples into the free rows (a separate left-padded forward pass
+whose KV cache then joins the decode batch), then decodes one token for every row.
+A row leaves the batch as soon as it samples EOS (unless ``ignore_eos``), completes
+a stop string or reaches its token budget (``max_new_tokens``, or the prompt's
+own), and its :class:`FinishedSample` is reported in that step, so streaming
 consumers see each sample when it completes, not when its batch does. ``generate``
 and ``generate_stream`` step such a run to its end.
 
@@ -19,6 +19,7 @@ budget stays theirs. The run lives in :mod:`._native_run`, the KV cache layout i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -42,21 +43,29 @@ from ._types import (
 
 __all__ = ["NativeRolloutConfig", "NativeRolloutEngine"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, kw_only=True)
 class NativeRolloutConfig:
     """Settings of a :class:`NativeRolloutEngine`."""
 
-    max_batch_size: int = 32
-    """Most sequences decoding at once; waiting prompts join as rows finish."""
+    max_batch_size: int | None = None
+    """Most sequences decoding at once; waiting prompts join as rows finish. None
+    (the default): every sample of a request decodes in one batch, sized from the
+    request. A cap that splits a request into waves is logged (a warning, once per
+    engine), as is the batch a run chose (at INFO)."""
     seed: int = 0
     """Seed of the engine's generator, which draws a request's seed when
     ``SamplingParams.seed`` is None."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+        if self.max_batch_size is not None and (
+            not isinstance(self.max_batch_size, int) or isinstance(self.max_batch_size, bool) or self.max_batch_size < 1
+        ):
             raise ConfigError(
-                f"NativeRolloutConfig.max_batch_size must be an int >= 1, got {self.max_batch_size!r}"
+                f"NativeRolloutConfig.max_batch_size must be an int >= 1 or None (sized from the request), "
+                f"got {self.max_batch_size!r}"
             )
         if not isinstance(self.seed, int):
             raise ConfigError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
@@ -102,6 +111,7 @@ class NativeRolloutEngine:
         self._max_length = int(model.config.max_position_embeddings)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._weights_version = 0
+        self._warned_cap = False
 
     @property
     def model(self) -> PreTrainedModel:
@@ -178,9 +188,9 @@ class NativeRolloutEngine:
     ) -> GenerationRun:
         """Open a run that generates one response per prompt as the caller steps it.
 
-        Sampled sample ``i`` draws from a generator seeded from ``(seed, indices[i])``,
+        Sampled sample ``i`` draws from a random stream seeded from ``(seed, indices[i])``,
         so with the default indices the run's samples are :meth:`generate`'s rows.
-        An exported sample carries its generator's state: admitted into a run on an
+        An exported sample carries its stream's row seed: admitted into a run on an
         engine with the same weights, it gets the tokens it would have had
         uninterrupted, with log-probs equal up to float rounding (the prefill sums
         in another order than the decode steps it replaces). A sample admitted
@@ -219,6 +229,7 @@ class NativeRolloutEngine:
         if params.stop:
             assert self._tokenizer is not None  # _check_params refuses stop strings without one
             stop = StopStrings(self._tokenizer, params.stop, min_new_tokens=params.min_new_tokens)
+        self._log_batch(len(prompt_lists))
         run = NativeRun(self, params, seed, stop=stop, early_banned=self._early_banned(params))
         run.queue(
             [
@@ -227,6 +238,17 @@ class NativeRolloutEngine:
             ]
         )
         return run
+
+    def _log_batch(self, samples: int) -> None:
+        """Say how a request of ``samples`` decodes: in one batch, or in waves under the cap."""
+        cap = self._config.max_batch_size
+        if cap is None or samples <= cap:
+            logger.info("native rollout: %d samples decode in one batch (max_batch_size=%s)", samples, cap)
+        elif not self._warned_cap:
+            self._warned_cap = True
+            logger.warning(
+                "native rollout: %d samples exceed max_batch_size=%d; they decode in waves of at most %d "
+                "(NativeRolloutConfig.max_batch_size=None sizes the batch from the request)", samples, cap, cap)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy new weights into the model in place; open runs stop being valid.

@@ -1,7 +1,7 @@
 """The native engine's :class:`~._types.GenerationRun`: one continuous decode batch.
 
-A run keeps one decode batch of at most ``max_batch_size`` rows. Every step first
-prefills waiting samples into the free rows (a separate left-padded forward pass
+A run keeps one decode batch of all its samples (at most ``max_batch_size`` rows
+when that is set). Every step first prefills waiting samples into the free rows (a separate left-padded forward pass
 whose KV cache then joins the decode batch; a migrated sample prefills its prompt and
 its response so far), then decodes one token for every row. A row leaves the batch as
 soon as it reaches its token budget, samples EOS (unless ``ignore_eos``) or completes
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._kv_batch import KVBatch, decode, prefill
-from ._sampling import generator_state, restore_generator, row_generator, sample_tokens
+from ._sampling import pack_row_seed, row_seed, sample_tokens, unpack_row_seed
 from ._stop import StopStrings
 from ._types import (
     FinishedSample,
@@ -47,14 +47,14 @@ class _Row:
     logprobs: list[float]
     budget: int
     """Most response tokens (carried ones included)."""
-    generator: torch.Generator | None
-    """None when sampling is greedy."""
+    seed: int | None
+    """The row seed of its random stream (:mod:`._sampling`); None when sampling is greedy."""
 
     def finished(self) -> FinishedSample:
         return FinishedSample(index=self.index, response_ids=self.response, logprobs=self.logprobs)
 
     def partial(self) -> PartialSample:
-        state = None if self.generator is None else generator_state(self.generator)
+        state = None if self.seed is None else pack_row_seed(self.seed)
         return PartialSample(
             index=self.index,
             prompt=self.prompt,
@@ -113,7 +113,9 @@ class NativeRun:
         model = self._engine.model
         finished: list[FinishedSample] = []
         running = self._running
-        free = self._engine.config.max_batch_size - (len(running) if running is not None else 0)
+        cap = self._engine.config.max_batch_size
+        busy = len(running) if running is not None else 0
+        free = len(self._waiting) if cap is None else cap - busy
         if self._waiting and free > 0:
             joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             fresh, logits = prefill(
@@ -170,19 +172,19 @@ class NativeRun:
         budget: int,
         rng_state: bytes | None = None,
     ) -> _Row:
-        """A row of checked tokens, with its generator when sampling."""
-        generator, device = None, self._engine._device
+        """A row of checked tokens, with its row seed when sampling."""
+        seed = None
         if not self._params.greedy and rng_state is not None:
-            generator = restore_generator(rng_state, device, index=index)
+            seed = unpack_row_seed(rng_state, index=index)
         elif not self._params.greedy:
-            generator = row_generator(self._seed, index, device, skip=len(response))
+            seed = row_seed(self._seed, index, skip=len(response))
         return _Row(
             index=index,
             prompt=prompt,
             response=response,
             logprobs=logprobs,
             budget=budget,
-            generator=generator,
+            seed=seed,
         )
 
     def queue(self, rows: list[_Row]) -> None:
@@ -198,7 +200,7 @@ class NativeRun:
         tokens, logprobs = sample_tokens(
             logits,
             params,
-            [row.generator for row in rows],
+            [row.seed for row in rows],
             lengths=[len(row.response) for row in rows],
             early_banned=self._early_banned,
         )

@@ -1,13 +1,19 @@
-"""Token sampling of the native engine, with one random stream per sample.
+"""Token sampling of the native engine, with one counter-based random stream per sample.
 
-Sample ``i`` of a request draws from its own ``torch.Generator``, seeded from
-``(seed, i)``, so results depend neither on the batch size nor on which samples
-share a step; the generator's state travels with a migrated sample
-(:func:`generator_state`, :func:`restore_generator`), so it continues the same stream
-on another engine.
+Sample ``i`` of a request has a 64-bit row seed derived from ``(seed, i)``
+(:func:`row_seed`). The uniform it draws its response token ``k`` with is the
+``k``-th output of a SplitMix64 generator seeded with its row seed, a pure function
+of ``(row seed, k)`` that :func:`sample_tokens` computes for every row of a step at
+once; each row then picks its token by inverse-CDF sampling. So a sample's tokens
+depend neither on the batch size nor on which samples share a step, and its whole
+stream is its row seed: a migrated sample carries those 8 bytes
+(:func:`pack_row_seed`, :func:`unpack_row_seed`) and continues the same stream on
+another engine, on any kind of device.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -17,65 +23,110 @@ from channels import ConfigError
 
 from ._types import SamplingParams
 
-__all__ = ["generator_state", "restore_generator", "row_generator", "sample_tokens"]
+__all__ = ["pack_row_seed", "row_seed", "sample_tokens", "splitmix64", "unpack_row_seed"]
+
+_MASK64 = (1 << 64) - 1
+_ROW_SEED_BYTES = 8
 
 
-def row_generator(seed: int, index: int, device: torch.device, *, skip: int = 0) -> torch.Generator:
-    """The generator of sample ``index`` in a request seeded with ``seed``.
+def row_seed(seed: int, index: int, *, skip: int = 0) -> int:
+    """The row seed (in ``[0, 2**64)``) of sample ``index`` in a request seeded with ``seed``.
 
     Args:
         seed: The request's seed.
         index: The caller's id of the sample.
-        device: Where sampling runs.
-        skip: Tokens the sample already holds when it has no carried state (a sample
-            migrated from an engine that cannot export its stream); non-zero values
-            give a fresh stream rather than replaying the first draws.
+        skip: Tokens the sample already holds when it has no carried row seed (a
+            sample migrated from an engine that cannot export its stream); non-zero
+            values give a fresh stream rather than replaying the first draws.
     """
-    mask = 0xFFFF_FFFF_FFFF_FFFF
-    entropy = [seed & mask, index & mask] + ([skip] if skip else [])
-    row_seed = int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])
-    return torch.Generator(device=device).manual_seed(row_seed)
+    entropy = [seed & _MASK64, index & _MASK64] + ([skip] if skip else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0])
 
 
-def generator_state(generator: torch.Generator) -> bytes:
-    """The generator's state as bytes (for :class:`~._types.PartialSample`)."""
-    return generator.get_state().numpy().tobytes()
+def pack_row_seed(seed: int) -> bytes:
+    """A row seed as the bytes of :attr:`~._types.PartialSample.rng_state`."""
+    return seed.to_bytes(_ROW_SEED_BYTES, "little")
 
 
-def restore_generator(state: bytes, device: torch.device, *, index: int) -> torch.Generator:
-    """A generator on ``device`` continuing from ``state``.
+def unpack_row_seed(state: bytes, *, index: int) -> int:
+    """The row seed that :func:`pack_row_seed` packed into ``state``.
 
     Raises:
-        ValueError: If ``state`` is not the state of a generator on ``device``'s kind.
+        ConfigError: If ``state`` is not 8 bytes long (it names sample ``index``).
     """
-    generator = torch.Generator(device=device)
-    try:
-        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    except (RuntimeError, ValueError) as error:
+    if len(state) != _ROW_SEED_BYTES:
         raise ConfigError(
-            f"PartialSample index={index} carries an rng_state of {len(state)} bytes that is "
-            f"not a {device.type} torch.Generator state ({error}); export it from a native "
-            f"engine on the same kind of device, or set rng_state=None to re-seed it"
-        ) from error
-    return generator
+            f"PartialSample index={index} carries an rng_state of {len(state)} bytes, not "
+            f"the {_ROW_SEED_BYTES}-byte row seed a native engine exports; export it from "
+            f"a native engine, or set rng_state=None to re-seed it"
+        )
+    return int.from_bytes(state, "little")
+
+
+# SplitMix64's constants as the int64 values of their bits.
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic on int64)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Output ``positions`` (0-based) of SplitMix64 generators seeded with ``seeds``.
+
+    Args:
+        seeds: int64 tensor of 64-bit seeds (unsigned values as their int64 bits).
+        positions: int64 tensor, broadcastable with ``seeds``.
+
+    Returns:
+        The outputs' 64 bits as int64 (multiplication and addition wrap).
+    """
+    z = seeds + (positions + 1) * _GAMMA
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def _uniforms(
+    seeds: Sequence[int | None], lengths: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Each row's uniform in ``[0, 1)`` for its token at position ``lengths[row]``."""
+    signed = []
+    for seed in seeds:
+        if seed is None:
+            raise ValueError("sampling needs every row's row seed (None is for greedy only)")
+        signed.append(seed - (1 << 64) if seed >= 1 << 63 else seed)
+    bits = splitmix64(
+        torch.tensor(signed, dtype=torch.int64, device=device),
+        torch.tensor(lengths, dtype=torch.int64, device=device),
+    )
+    mantissa = 53 if dtype == torch.float64 else 24  # the bits a float in [0, 1) holds
+    return _shift_right(bits, 64 - mantissa).to(dtype) * 2.0**-mantissa
 
 
 @torch.no_grad()
 def sample_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
-    generators: list[torch.Generator | None],
+    seeds: Sequence[int | None],
     *,
-    lengths: list[int],
+    lengths: Sequence[int],
     early_banned: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return it and its raw log-prob (temperature 1, unfiltered).
 
+    Row ``r`` samples by inverse CDF with the uniform of its stream at position
+    ``lengths[r]`` (see the module docstring), so its token does not depend on the
+    other rows. Tokens of probability 0 (after top-k and top-p) are never picked.
+
     Args:
         logits: [rows, vocab] next-token logits.
         params: How to sample.
-        generators: Each row's random stream (None when greedy).
-        lengths: Each row's response length before this token.
+        seeds: Each row's row seed (:func:`row_seed`; None when greedy).
+        lengths: Each row's response length before this token (its stream position).
         early_banned: Token ids that rows shorter than ``params.min_new_tokens``
             cannot sample (EOS ids). The log-probs stay those of the unmasked
             logits, as vLLM's raw log-probs are taken before its logits processors.
@@ -91,11 +142,25 @@ def sample_tokens(
         tokens = logits.argmax(dim=-1)
     else:
         probs = _filtered_probs(logits, params)
-        picks = []
-        for row, generator in enumerate(generators):
-            picks.append(torch.multinomial(probs[row], 1, generator=generator))
-        tokens = torch.cat(picks)
+        # float64 CDFs where the device has them (MPS has not).
+        dtype = torch.float32 if logits.device.type == "mps" else torch.float64
+        tokens = _inverse_cdf(probs, _uniforms(seeds, lengths, dtype, logits.device))
     return tokens, raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF exceeds it.
+
+    Probabilities need not sum to exactly 1 (the CDF is scaled by its total). A token
+    of probability 0 does not raise the CDF, so it is never the first to exceed the
+    target; rounding can put a target at the total, which then picks the last token of
+    non-zero probability.
+    """
+    cdf = probs.to(uniforms.dtype).cumsum(dim=-1)
+    targets = uniforms[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
+    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(tokens, last)
 
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -205,7 +205,7 @@ class PartialSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True, 
     """Raw log-prob of each token of ``response_ids``."""
     rng_state: bytes | None = None
     """The sample's sampler state, when the engine that exported it can carry it
-    (the native engine's ``torch.Generator.get_state()``); None otherwise."""
+    (the native engine's 8-byte row seed of its random stream); None otherwise."""
     max_new_tokens: int | None = None
     """The sample's token budget (response tokens in all, carried ones included);
     None means the admitting run's ``SamplingParams.max_new_tokens``. Engines set it

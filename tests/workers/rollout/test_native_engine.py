@@ -3,6 +3,7 @@ and generation runs (stepping, completion order, migration of unfinished samples
 
 from __future__ import annotations
 
+import logging
 import random
 
 import msgspec
@@ -74,7 +75,7 @@ def _assert_same(a: RolloutOutput, b: RolloutOutput) -> None:
 def test_logprobs_equal_a_full_forward_pass(architecture: str) -> None:
     model = build_tiny_model(TinyModelConfig(architecture=architecture), seed=1)  # type: ignore[arg-type]
     params = SamplingParams(
-        max_new_tokens=16, temperature=0.9, top_k=10, top_p=0.95, seed=3, eos_token_id=9
+        max_new_tokens=16, temperature=0.9, top_k=10, top_p=0.95, seed=1, eos_token_id=9
     )
     out = _engine(model, max_batch_size=3).generate(PROMPTS, params)
     assert out.response_ids.shape == out.logprobs.shape == (len(PROMPTS), 16)
@@ -327,8 +328,8 @@ def test_export_empties_the_run_and_finished_samples_are_refused(model: PreTrain
     ended = msgspec.structs.replace(partial, response_ids=[5, eos], logprobs=[-1.0, -1.0])
     with pytest.raises(ValueError, match=r"index=0 is finished: its response holds eos"):
         run.admit([ended])
-    with pytest.raises(ValueError, match=r"not a cpu torch.Generator state"):
-        run.admit([msgspec.structs.replace(partial, rng_state=b"\0" * 8)])
+    with pytest.raises(ValueError, match=r"index=0 carries an rng_state of 7 bytes"):
+        run.admit([msgspec.structs.replace(partial, rng_state=b"\0" * 7)])
     run.admit([partial])
     with pytest.raises(ValueError, match=r"index=0 is already pending"):
         run.admit([partial])
@@ -464,3 +465,26 @@ def test_bad_budgets_are_refused_naming_the_prompt(model: PreTrainedModel) -> No
     run.admit([msgspec.structs.replace(partial, max_new_tokens=3)])
     (resumed,) = _step_to_end(run)[0].values()
     assert len(resumed.response_ids) == 3
+
+
+def test_the_default_batch_is_sized_from_the_request_and_a_cap_that_splits_it_is_logged(
+        model: PreTrainedModel, caplog: pytest.LogCaptureFixture) -> None:
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=3)
+    widths: list[int] = []
+    hook = model.register_forward_hook(lambda _m, args, kwargs, _out: widths.append(kwargs["input_ids"].shape[0]),
+                                       with_kwargs=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="workers.rollout._native"):
+            uncapped = NativeRolloutEngine(model, config=NativeRolloutConfig()).generate(PROMPTS, params)
+            assert widths == [len(PROMPTS)] * 4  # one prefill and three decodes of every sample
+            assert "7 samples decode in one batch (max_batch_size=None)" in caplog.text
+            widths.clear()
+            capped = NativeRolloutEngine(model, config=NativeRolloutConfig(max_batch_size=3))
+            _assert_same(capped.generate(PROMPTS, params), uncapped)
+            assert max(widths) == 3 and len(widths) > 4
+            capped.generate(PROMPTS, params)
+    finally:
+        hook.remove()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "warned once per engine"
+    assert "7 samples exceed max_batch_size=3; they decode in waves of at most 3" in warnings[0].getMessage()
