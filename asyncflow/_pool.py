@@ -3,12 +3,14 @@
 A :class:`ResourcePool` is a Ray placement group of ``devices`` bundles: one GPU
 each on GPU machines, one *CPU device slot* each on CPU machines. A CPU slot is a
 seat for a worker process, not a core: the embedded session gives Ray
-``cpu_slots`` of them and sizes each worker's torch threads to the cores.
+``cpu_slots`` of them and sizes each worker's torch threads to the cores
+(:func:`worker_threads`; a pool may set its own).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +41,14 @@ class ResourcePool:
     """Extra Ray resources every bundle asks for (e.g. a node label resource)."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement-group strategy."""
+    threads: int | None = None
+    """torch intra-op threads in each of the pool's worker processes. None: the
+    driver's ``OMP_NUM_THREADS`` when set, else on CPU the machine's cores divided
+    among every pool's workers (at least 1), on GPU half the cores. The default
+    process count times threads never exceeds the cores: torch threads that
+    outnumber free cores wait on each other (a shared machine turns that into
+    stalls); give a pool more only when its processes have the cores to
+    themselves."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -47,6 +57,10 @@ class ResourcePool:
             raise ConfigError(f"ResourcePool({self.name!r}).devices must be an integer >= 1, got {self.devices!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"ResourcePool({self.name!r}).device must be auto, cpu or cuda, got {self.device!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise ConfigError(f"ResourcePool({self.name!r}).threads must be an int >= 1 or None (the default), "
+                              f"got {self.threads!r}")
 
     def bundle(self, device: str) -> dict[str, float]:
         """The Ray resources of one bundle on ``device``."""
@@ -122,3 +136,16 @@ def check_resources(pools: list[ResourcePool], device: str, have: Mapping[str, f
             raise ConfigError(
                 f"the pools need {v:g} {k} in all but the Ray cluster has {have.get(k, 0.0):g}{hint}"
             )
+
+
+def worker_threads(pool: ResourcePool, *, world: int, device: str, cores: int | None = None,
+                   env: Mapping[str, str] | None = None) -> int:
+    """torch intra-op threads of each of ``pool``'s workers (see
+    :attr:`ResourcePool.threads`); ``world``: workers over every pool."""
+    if pool.threads is not None:
+        return pool.threads
+    omp = (os.environ if env is None else env).get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // world) if device == "cpu" else max(1, cores // 2)

@@ -25,7 +25,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncflow._errors import RemoteStageError, SessionClosedError
-from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec, check_placement, check_resources
+from asyncflow._pool import (
+    CPU_SLOT,
+    ResourcePool,
+    RoleSpec,
+    check_placement,
+    check_resources,
+    worker_threads,
+)
 from asyncflow._proxy import Roles
 from asyncflow._runtime import Runtime
 from asyncflow._transport import RayTransport
@@ -58,17 +65,25 @@ class Session(Runtime):
         collective_timeout_s: timeout of the pools' collectives. Only a rank that
             hangs meets it: a rank that fails releases its peers at once.
         rendezvous_timeout_s: how long workers wait for each other when groups form.
+        worker_nice: the niceness of the worker processes of a Ray instance this
+            session starts (Ray's own default, 15, lets any other busy process on
+            the machine take their cores; 0 shares them fairly). Ignored with
+            ``address`` (the cluster's setting holds).
     """
 
     def __init__(self, *, address: str | None = None, cpu_slots: int = 64, transport: Transport = "auto",
-                 collective_timeout_s: float = 120.0, rendezvous_timeout_s: float = 300.0) -> None:
+                 collective_timeout_s: float = 120.0, rendezvous_timeout_s: float = 300.0,
+                 worker_nice: int = 0) -> None:
         if transport not in ("auto", "gloo", "nccl", "object_store"):
             raise ConfigError(f"transport must be auto, gloo, nccl or object_store, got {transport!r}")
         for name, value in (("collective_timeout_s", collective_timeout_s),
                             ("rendezvous_timeout_s", rendezvous_timeout_s)):
             if not value > 0:
                 raise ConfigError(f"Session.{name} must be > 0, got {value!r}")
+        if not isinstance(worker_nice, int) or isinstance(worker_nice, bool) or not 0 <= worker_nice <= 19:
+            raise ConfigError(f"Session.worker_nice must be an int in 0..19 (lower runs first), got {worker_nice!r}")
         super().__init__()
+        self._worker_nice = worker_nice
         self._address, self._cpu_slots = address, cpu_slots
         self._transport_choice = transport
         self._collective_timeout, self._rendezvous_timeout = collective_timeout_s, rendezvous_timeout_s
@@ -83,7 +98,7 @@ class Session(Runtime):
 
     async def __aenter__(self) -> Session:
         if not ray.is_initialized():
-            _quiet_ray_init(self._address, self._cpu_slots)
+            _quiet_ray_init(self._address, self._cpu_slots, self._worker_nice)
             self._started_ray = True
         return self
 
@@ -144,8 +159,6 @@ class Session(Runtime):
 
     async def _create_workers(self, pools: list[ResourcePool], device: str) -> dict[str, list[int]]:
         world = sum(p.devices for p in pools)
-        cores = os.cpu_count() or 1
-        threads = max(1, cores // world) if device == "cpu" else max(1, cores // 2)
         cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
             WorkerProcess)
         ranks: dict[str, list[int]] = {}
@@ -166,7 +179,7 @@ class Session(Runtime):
                 ranks[pool.name].append(len(self._actors))
                 self._actors.append(cls.options(**opts).remote(
                     index=len(self._actors), pool=pool.name, rank=rank, pool_size=pool.devices, world=world,
-                    device=device, num_threads=threads))
+                    device=device, num_threads=worker_threads(pool, world=world, device=device)))
         return ranks
 
     def _pool_actors(self, ranks: Mapping[str, list[int]], pool: ResourcePool) -> list[Any]:
@@ -235,7 +248,7 @@ def _role_start_error(role: str, pool: str, rank: int, e: ray.exceptions.RayTask
                             remote_traceback=getattr(e, "traceback_str", "") or "")
 
 
-def _quiet_ray_init(address: str | None, cpu_slots: int) -> None:
+def _quiet_ray_init(address: str | None, cpu_slots: int, worker_nice: int) -> None:
     """``ray.init`` without start-up chatter a user cannot act on (Ray logs it to
     its session directory anyway). Token authentication stays on: Ray 2.60 enables
     it for a new local instance and announces it with a warning."""
@@ -245,7 +258,8 @@ def _quiet_ray_init(address: str | None, cpu_slots: int) -> None:
     try:
         if address is None:
             ray.init(num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
-                     include_dashboard=False, logging_level=logging.WARNING)
+                     include_dashboard=False, logging_level=logging.WARNING,
+                     _system_config={"worker_niceness": worker_nice})
         else:
             ray.init(address=address, logging_level=logging.WARNING)
     finally:

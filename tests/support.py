@@ -93,6 +93,11 @@ class Sleeper(Role):
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    @register(protocol=OneToAll())
+    def process_settings(self) -> dict[str, int]:
+        """This worker's niceness and torch intra-op threads."""
+        return {"nice": os.nice(0), "threads": torch.get_num_threads()}
+
 
 class Slow(Role):
     """Sleeps longer on one rank, then returns rows (a slow rank is not a failure)."""

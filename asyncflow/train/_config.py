@@ -70,6 +70,9 @@ class RunConfig(msgspec.Struct, **_CFG):
     """Metrics, checkpoints, plots and the SFT model go here."""
     seed: int = 0
     """Seeds data order, sampling and the roles."""
+    worker_nice: int = 0
+    """Niceness of the worker processes (0..19; Ray's own default is 15, which
+    lets any busy process on the machine starve them)."""
     task: ArithmeticTaskConfig = ArithmeticTaskConfig()
     """The built-in synthetic task (train and held-out splits), used unless ``[data]``
     names files."""
@@ -256,6 +259,8 @@ def validate(config: RunConfig) -> None:
     Raises:
         ConfigError: naming the offending key and the fix.
     """
+    if not 0 <= config.worker_nice <= 19:
+        raise ConfigError(f"worker_nice must be in 0..19 (lower runs first), got {config.worker_nice}")
     heads, source = _check_start(config)
     _check_placement(config, heads, source)
     _check_scores(config)
@@ -306,6 +311,8 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
         raise ConfigError("[pools] must name at least one pool, e.g. main = { devices = 1 }")
     for name, pool in config.pools.items():
         at_least(f"pools.{name}.devices", pool.devices, 1)
+        if pool.threads is not None:
+            at_least(f"pools.{name}.threads", pool.threads, 1)
     unknown = set(config.placement) - {*MODEL_ROLES, "reward", "cost"}
     if unknown:
         raise ConfigError(f"placement names unknown roles {sorted(unknown)}; roles are "

@@ -152,12 +152,14 @@ class ActorSection(OptimSection, **_CFG):
 
     rollout_engine: Literal["native", "vllm"] = "native"
     """Which engine generates: the native one or vLLM."""
-    rollout_batch_size: int = 256
-    """Most sequences the native engine decodes at once."""
+    rollout_batch_size: int | None = None
+    """Most sequences the native engine decodes at once; None: all of a request's
+    samples in one batch."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        at_least("ActorSection.rollout_batch_size", self.rollout_batch_size, 1)
+        if self.rollout_batch_size is not None:
+            at_least("ActorSection.rollout_batch_size", self.rollout_batch_size, 1)
 
 
 class WeightedFunction(msgspec.Struct, **_CFG):
@@ -212,6 +214,9 @@ class PoolSection(msgspec.Struct, **_CFG):
 
     devices: int = 1
     """Devices (worker processes); checked in :func:`validate`, which knows the pool's name."""
+    threads: int | None = None
+    """torch threads per worker process; None: ``OMP_NUM_THREADS`` if set, else the
+    cores divided among all pools' workers (``asyncflow.ResourcePool.threads``)."""
 
 
 class PlacementSection(msgspec.Struct, **_CFG):

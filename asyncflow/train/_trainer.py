@@ -140,7 +140,7 @@ class Trainer:
             start = int(state["step"])
             truncate_after(self.out / "metrics.jsonl", start)
             self.say(f"resuming from {ckpt} (step {start})")
-        async with Session() as session:
+        async with Session(worker_nice=c.worker_nice) as session:
             roles = await session.spawn(role_specs(c, model_dir, context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
                      f"rows move by {session.transport}")

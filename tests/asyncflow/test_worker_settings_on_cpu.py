@@ -1,0 +1,47 @@
+"""Worker processes run at the session's niceness and with their pool's torch
+threads (real Ray workers), and the default thread count follows the cores."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support import Sleeper
+
+import asyncflow as af
+from asyncflow._pool import worker_threads
+from channels import ConfigError
+
+
+def test_default_threads_split_the_cores_and_follow_omp_num_threads() -> None:
+    pool = af.ResourcePool(name="p", devices=2)
+    assert worker_threads(pool, world=2, device="cpu", cores=2, env={}) == 1
+    assert worker_threads(pool, world=1, device="cpu", cores=8, env={}) == 8
+    assert worker_threads(pool, world=16, device="cpu", cores=2, env={}) == 1
+    assert worker_threads(pool, world=2, device="cpu", cores=2, env={"OMP_NUM_THREADS": "3"}) == 3
+    own = af.ResourcePool(name="p", devices=2, threads=4)
+    assert worker_threads(own, world=2, device="cpu", cores=2, env={"OMP_NUM_THREADS": "3"}) == 4
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ConfigError, match="threads must be an int >= 1"):
+        af.ResourcePool(name="p", devices=1, threads=0)
+    with pytest.raises(ConfigError, match="worker_nice must be an int in 0..19"):
+        af.Session(worker_nice=-5)
+
+
+def test_workers_run_at_the_session_niceness_with_their_pools_threads() -> None:
+    async def main() -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+        async with af.Session(worker_nice=7) as session:
+            roles = await session.spawn({
+                "one": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="one", devices=1, threads=3)),
+                "two": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="two", devices=2, threads=1)),
+            })
+            return await roles.one.process_settings(), await roles.two.process_settings()
+
+    try:
+        one, two = asyncio.run(asyncio.wait_for(main(), timeout=300))
+    finally:
+        af.shutdown_ray()
+    assert one == [{"nice": 7, "threads": 3}]
+    assert two == [{"nice": 7, "threads": 1}] * 2
