@@ -27,7 +27,7 @@ from workers.engines._batch import (
     WholeBatch,
     build_inputs,
 )
-from workers.engines._config import TrainingConfig
+from workers.engines._config import REPLICATE_MAX_PARAMS, TrainingConfig
 from workers.engines._engine import TrainingEngine
 from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
@@ -69,6 +69,7 @@ from workers.engines._parallel import (
 
 __all__ = [
     "MESH_DIM_NAMES",
+    "REPLICATE_MAX_PARAMS",
     "ROW_INDEX",
     "SEQUENCE_FIELDS",
     "CausalLMHead",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from workers.engines._batch import (
     FixedSizeMicroBatches,
@@ -22,6 +23,11 @@ def _positive(name: str, value: float | None, *, allow_zero: bool = False) -> No
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise EngineConfigError(f"TrainingConfig.{name} must be {bound}, got {value}")
+
+
+REPLICATE_MAX_PARAMS = 50_000_000
+"""``data_parallel="auto"`` replicates models up to this many parameters (about
+800 MB per rank with gradients and AdamW state in float32) and shards larger ones."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +56,14 @@ class TrainingConfig:
     skip_non_finite: bool = True
     """Skip the optimizer step (and report it as ``step_skipped``) when the loss or the
     gradient norm, both global over the data-parallel ranks, is inf or nan."""
+    data_parallel: Literal["auto", "shard", "replicate"] = "auto"
+    """How the model lies over the data-parallel ranks. ``"shard"``: FSDP2 shards
+    parameters, gradients and optimizer state, gathering each block's parameters
+    when it runs (memory per rank shrinks with the ranks; several collectives per
+    block and step). ``"replicate"``: every rank keeps the whole model and its
+    optimizer state, and the gradients are all-reduced once per step in one flat
+    buffer (the fast choice while they fit). ``"auto"``: replicate models of at
+    most :data:`REPLICATE_MAX_PARAMS` parameters, shard larger ones."""
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
@@ -67,10 +81,21 @@ class TrainingConfig:
             raise EngineConfigError(
                 "TrainingConfig: set micro_batch_size or max_tokens_per_micro_batch, not both"
             )
+        if self.data_parallel not in ("auto", "shard", "replicate"):
+            raise EngineConfigError(
+                f"TrainingConfig.data_parallel must be 'auto', 'shard' or 'replicate', got {self.data_parallel!r}"
+            )
         aggregation = enum_field(
             "TrainingConfig.loss_aggregation", LossAggregation, self.loss_aggregation
         )
         object.__setattr__(self, "loss_aggregation", aggregation)
+
+    def replicates(self, parameters: int) -> bool:
+        """Whether a model of ``parameters`` parameters is replicated over the
+        data-parallel ranks (see :attr:`data_parallel`)."""
+        if self.data_parallel == "auto":
+            return parameters <= REPLICATE_MAX_PARAMS
+        return self.data_parallel == "replicate"
 
     def micro_batch_planner(self) -> MicroBatchPlanner:
         """The micro-batching strategy these settings select.

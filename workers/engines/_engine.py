@@ -146,7 +146,8 @@ class TrainingEngine:
             process_group = dist.group.WORLD
         self.process_group = process_group
         self.device = self.parallel.device_for(model)
-        self.model = self.parallel.parallelize(model)
+        parameters = sum(p.numel() for p in model.parameters())
+        self.model = self.parallel.parallelize(model, replicate=config.replicates(parameters))
         self.head: ModelHead = head if head is not None else CausalLMHead()
         self.loss = loss
         self._planner = config.micro_batch_planner()
@@ -310,6 +311,7 @@ class TrainingEngine:
             numerator, _ = aggregation.parts(terms.per_token, micro["response_mask"])
             (numerator * scale).backward()
             stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
+        self.parallel.reduce_gradients(self.model)
         reduced = stats.reduce(self.parallel)
         return reduced | self._optimizer_step(reduced["loss"])
 

@@ -2,7 +2,8 @@
 
 The mesh has dimensions ``("pp", "dp", "tp")``. Tensor parallelism (DTensor,
 ``parallelize_module``) shards the attention and MLP projections over ``"tp"``; FSDP2
-(``fully_shard``) then shards every parameter over ``"dp"``. Pipeline parallelism is
+(``fully_shard``) then shards every parameter over ``"dp"``, or every ``"dp"`` rank
+keeps a whole replica whose gradients are averaged in one all-reduce. Pipeline parallelism is
 not implemented (``pp`` must be 1). The engine talks to a :class:`Parallelism` only:
 which device, how big the data-parallel group is, how to reduce over it, and how
 to compute a gradient norm that is correct for sharded gradients.
@@ -143,6 +144,8 @@ class Parallelism:
         self.mesh = mesh
         self.tp_plan = tp_plan or TensorParallelPlan()
         self._device = device
+        self.replicated = False
+        """Whether :meth:`parallelize` kept a whole copy on every data-parallel rank."""
 
     @property
     def dp_size(self) -> int:
@@ -177,21 +180,46 @@ class Parallelism:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.mesh.device_type)
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Move the model to its device and apply TP then FSDP2 (each only if its size > 1).
+    def parallelize(self, model: nn.Module, *, replicate: bool = False) -> nn.Module:
+        """Move the model to its device and apply TP then, over ``"dp"``, FSDP2 or
+        (``replicate``) nothing: every data-parallel rank keeps a whole copy and
+        :meth:`reduce_gradients` averages the gradients. Each applies only if its
+        size is > 1.
 
         Args:
             model: an unsharded model, identical on every rank.
+            replicate: keep whole copies over ``"dp"`` instead of sharding.
 
         Returns:
-            The same module object, now sharded in place.
+            The same module object, now laid out in place.
         """
         model.to(self.device_for(model))
         if self.mesh is not None and self.tp_size > 1:
             _apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
-        if self.mesh is not None and self.dp_size > 1:
+        self.replicated = replicate and self.dp_size > 1
+        if self.mesh is not None and self.dp_size > 1 and not replicate:
             _apply_fully_shard(model, self.mesh["dp"])
         return model
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """Average the gradients of a replicated model over the data-parallel ranks,
+        in one all-reduce of one flat buffer (as FSDP2's reduce-scatter averages a
+        sharded one's). A no-op unless :meth:`parallelize` replicated the model."""
+        if not self.replicated or self.mesh is None:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # the same on every rank: each ran the same forwards
+                p.grad = torch.zeros_like(p)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
+        flat = torch.cat([g.reshape(-1) for g in local])  # type: ignore[union-attr]
+        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+        flat /= self.dp_size
+        offset = 0
+        for g in local:
+            assert g is not None
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def all_reduce_dp(
         self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM

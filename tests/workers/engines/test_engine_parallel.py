@@ -1,4 +1,5 @@
-"""TrainingEngine over real gloo process groups: TP=2 and FSDP2 over 2 ranks vs one process.
+"""TrainingEngine over real gloo process groups: TP=2, FSDP2 and replicas over 2 ranks
+vs one process.
 
 Each scenario runs once on spawned ranks (the rank functions are module-level so
 that spawn can pickle them) and once in the test process; the results must agree.
@@ -6,6 +7,7 @@ that spawn can pickle them) and once in the test process; the results must agree
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -83,12 +85,14 @@ def _mesh_pp2():
     return init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
 
 
-def _fsdp_ranks(rank: int, out: Path) -> None:
+def _fsdp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     rows = FSDP_ROWS[rank]
     batch = {k: v[rows] for k, v in make_batch().items()}
-    config = TrainingConfig(**CONFIG, max_tokens_per_micro_batch=14)
+    config = TrainingConfig(**CONFIG, max_tokens_per_micro_batch=14, data_parallel=data_parallel)
     engine = TrainingEngine(tiny_lm(), config=config, mesh=_mesh(2, 1), loss=LOSS)
-    assert isinstance(engine.model.lm_head.weight, DTensor)
+    # Sharded: each rank holds a DTensor shard; replicated: a whole plain tensor.
+    assert isinstance(engine.model.lm_head.weight, DTensor) == (data_parallel == "shard")
+    assert engine.parallel.replicated == (data_parallel == "replicate")
     result = _lm_run(engine, batch, steps=1)
     engine.save(out / "ckpt")
     result["metrics"].append(engine.train_step(batch))
@@ -102,14 +106,15 @@ def _fsdp_ranks(rank: int, out: Path) -> None:
     torch.save(result, out / f"fsdp{rank}.pt")
 
 
-def _fsdp_tp_ranks(rank: int, out: Path) -> None:
+def _fsdp_tp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     mesh = _mesh(2, 2)
     rows = FSDP_ROWS[mesh["dp"].get_local_rank()]
     batch = {k: v[rows] for k, v in make_batch().items()}
-    config = TrainingConfig(**CONFIG, micro_batch_size=2)
+    config = TrainingConfig(**CONFIG, micro_batch_size=2, data_parallel=data_parallel)
     engine = TrainingEngine(tiny_lm(), config=config, mesh=mesh, loss=LOSS)
     q_proj = engine.model.model.layers[0].self_attn.q_proj.weight
-    assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == 2
+    # Over dp: FSDP2 adds a mesh dimension; replicas stay TP-only DTensors.
+    assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == (2 if data_parallel == "shard" else 1)
     result = _lm_run(engine, batch, steps=2) | {"weights": full_weights(engine)}
     torch.save(result, out / f"fsdp_tp{rank}.pt")
 
@@ -160,8 +165,9 @@ def test_tensor_parallel_step_equals_single_process(tmp_path: Path) -> None:
     _assert_weights_close(got["critic_weights"], full_weights(critic))
 
 
-def test_fsdp2_step_and_checkpoint_equal_single_process(tmp_path: Path) -> None:
-    out = run_ranks(2, _fsdp_ranks, tmp_path)
+@pytest.mark.parametrize("data_parallel", ["shard", "replicate"])
+def test_data_parallel_step_and_checkpoint_equal_single_process(tmp_path: Path, data_parallel: str) -> None:
+    out = run_ranks(2, functools.partial(_fsdp_ranks, data_parallel=data_parallel), tmp_path)
     ranks = [torch.load(out / f"fsdp{r}.pt", weights_only=False) for r in range(2)]
     engine, expected = _reference({}, steps=2)
     for rows, got in zip(FSDP_ROWS, ranks, strict=True):
@@ -178,8 +184,9 @@ def test_fsdp2_step_and_checkpoint_equal_single_process(tmp_path: Path) -> None:
     _assert_hf_export_matches(out / "hf", engine)
 
 
-def test_fsdp2_with_tensor_parallel_2x2_equals_single_process(tmp_path: Path) -> None:
-    out = run_ranks(4, _fsdp_tp_ranks, tmp_path)
+@pytest.mark.parametrize("data_parallel", ["shard", "replicate"])
+def test_data_parallel_with_tensor_parallel_2x2_equals_single_process(tmp_path: Path, data_parallel: str) -> None:
+    out = run_ranks(4, functools.partial(_fsdp_tp_ranks, data_parallel=data_parallel), tmp_path)
     _, expected = _reference({}, steps=2)
     for rank in range(4):
         got = torch.load(out / f"fsdp_tp{rank}.pt", weights_only=False)
