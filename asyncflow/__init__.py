@@ -23,6 +23,7 @@ _EXPORTS = {
     "asyncflow._future": ("DataFuture", "gather", "transform"),
     "asyncflow._ops": ("merge",),
     "asyncflow._pool": ("CPU_SLOT", "ResourcePool", "RoleSpec"),
+    "asyncflow._ray_start": ("start_ray",),
     "asyncflow._proxy": ("RoleGroup", "Roles"),
     "asyncflow._select": ("concat",),
     "asyncflow._session": ("Session", "shutdown_ray"),
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from asyncflow._ops import merge
     from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
     from asyncflow._proxy import RoleGroup, Roles
+    from asyncflow._ray_start import start_ray
     from asyncflow._select import concat
     from asyncflow._session import Session, shutdown_ray
     from channels import (

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -34,6 +33,7 @@ from asyncflow._pool import (
     worker_threads,
 )
 from asyncflow._proxy import Roles
+from asyncflow._ray_start import claim_started_instance, init_ray
 from asyncflow._runtime import Runtime
 from asyncflow._transport import RayTransport
 from channels import AsyncflowError, ConfigError, Layout
@@ -97,8 +97,10 @@ class Session(Runtime):
     # ----- lifecycle -----
 
     async def __aenter__(self) -> Session:
-        if not ray.is_initialized():
-            _quiet_ray_init(self._address, self._cpu_slots, self._worker_nice)
+        if self._address is None and claim_started_instance():
+            self._started_ray = True  # asyncflow.start_ray's instance: ours to shut down
+        elif not ray.is_initialized():
+            init_ray(self._address, self._cpu_slots, self._worker_nice)
             self._started_ray = True
         return self
 
@@ -150,14 +152,18 @@ class Session(Runtime):
         pools, layouts = check_placement(roles)
         device = _device_of(pools)
         check_resources(pools, device, ray.cluster_resources())
-        ranks = await self._create_workers(pools, device)
+        preload = {p.name: tuple(dict.fromkeys(s.cls.__module__ for s in roles.values()
+                                               if s.pool.name == p.name and s.cls.__module__ != "__main__"))
+                   for p in pools}
+        ranks = await self._create_workers(pools, device, preload)
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)
         await self._init_rdt(device)
         return self._start(RayTransport(self._actors, self._actor_ids, self._rdt), ranks, roles, layouts,
                            rank_local)
 
-    async def _create_workers(self, pools: list[ResourcePool], device: str) -> dict[str, list[int]]:
+    async def _create_workers(self, pools: list[ResourcePool], device: str,
+                              preload: Mapping[str, tuple[str, ...]]) -> dict[str, list[int]]:
         world = sum(p.devices for p in pools)
         cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
             WorkerProcess)
@@ -179,7 +185,8 @@ class Session(Runtime):
                 ranks[pool.name].append(len(self._actors))
                 self._actors.append(cls.options(**opts).remote(
                     index=len(self._actors), pool=pool.name, rank=rank, pool_size=pool.devices, world=world,
-                    device=device, num_threads=worker_threads(pool, world=world, device=device)))
+                    device=device, num_threads=worker_threads(pool, world=world, device=device),
+                    preload=preload.get(pool.name, ())))
         return ranks
 
     def _pool_actors(self, ranks: Mapping[str, list[int]], pool: ResourcePool) -> list[Any]:
@@ -246,24 +253,6 @@ def _role_start_error(role: str, pool: str, rank: int, e: ray.exceptions.RayTask
     text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
     return RemoteStageError(role=role, method="__init__", rank=rank, pool=pool, cause=text,
                             remote_traceback=getattr(e, "traceback_str", "") or "")
-
-
-def _quiet_ray_init(address: str | None, cpu_slots: int, worker_nice: int) -> None:
-    """``ray.init`` without start-up chatter a user cannot act on (Ray logs it to
-    its session directory anyway). Token authentication stays on: Ray 2.60 enables
-    it for a new local instance and announces it with a warning."""
-    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    level = auth.level
-    auth.setLevel(logging.ERROR)
-    try:
-        if address is None:
-            ray.init(num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
-                     include_dashboard=False, logging_level=logging.WARNING,
-                     _system_config={"worker_niceness": worker_nice})
-        else:
-            ray.init(address=address, logging_level=logging.WARNING)
-    finally:
-        auth.setLevel(level)
 
 
 def shutdown_ray() -> None:

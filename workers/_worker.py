@@ -18,6 +18,7 @@ Before the pool's next call the driver has every rank ``heal`` (reconnect) them.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import os
@@ -97,11 +98,17 @@ class WorkerProcess(ChannelHost):
         world: workers in the session.
         device: ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads (keeps pools from starving each other).
+        preload: modules to import in the background from the start (the role
+            classes' modules: their imports then overlap the process groups'
+            rendezvous instead of following it).
     """
 
     def __init__(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
-                 device: str, num_threads: int) -> None:
+                 device: str, num_threads: int, preload: Sequence[str] = ()) -> None:
         torch.set_num_threads(num_threads)
+        if preload:
+            threading.Thread(target=_import_quietly, args=(tuple(preload),), name="asyncflow-preload",
+                             daemon=True).start()
         self.index, self.pool, self.rank = index, pool, rank
         self.pool_size, self.world = pool_size, world
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -445,3 +452,12 @@ def check_role_class(cls: type) -> None:
         raise ConfigError(f"a role must be a class, got {cls!r}")
     if not endpoints(cls):
         raise ConfigError(f"role class {cls.__qualname__} has no @register methods")
+
+
+def _import_quietly(modules: tuple[str, ...]) -> None:
+    """Import ``modules``; a failure is left for the real import to report."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the role's own import raises it again, with context
+            logger.debug("preloading %s failed", name, exc_info=True)

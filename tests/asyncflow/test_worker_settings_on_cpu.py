@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support import Sleeper
 
 import asyncflow as af
 from asyncflow._pool import worker_threads
 from channels import ConfigError
+from support import Sleeper
 
 
 def test_default_threads_split_the_cores_and_follow_omp_num_threads() -> None:
@@ -26,7 +26,7 @@ def test_default_threads_split_the_cores_and_follow_omp_num_threads() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ConfigError, match="threads must be an int >= 1"):
         af.ResourcePool(name="p", devices=1, threads=0)
-    with pytest.raises(ConfigError, match="worker_nice must be an int in 0..19"):
+    with pytest.raises(ConfigError, match=r"worker_nice must be an int in 0\.\.19"):
         af.Session(worker_nice=-5)
 
 

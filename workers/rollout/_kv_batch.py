@@ -18,6 +18,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from ._lean_decode import LeanDecoder
+
 __all__ = ["KVBatch", "decode", "prefill"]
 
 
@@ -120,10 +122,16 @@ def prefill(
 
 
 @torch.no_grad()
-def decode(model: PreTrainedModel, batch: KVBatch) -> torch.Tensor:
-    """Feed every row its last sampled token; return the next-token logits ``[B, V]``."""
+def decode(model: PreTrainedModel, batch: KVBatch, lean: LeanDecoder | None = None) -> torch.Tensor:
+    """Feed every row its last sampled token; return the next-token logits ``[B, V]``.
+    With ``lean`` (the model's :class:`LeanDecoder`) the step skips transformers' plumbing."""
     ones = torch.ones((len(batch), 1), dtype=batch.mask.dtype, device=batch.mask.device)
     batch.mask = torch.cat([batch.mask, ones], dim=1)
+    if lean is not None:
+        logits = lean.step(batch.next_tokens, batch.next_positions, batch.mask,
+                           [layer for layer, _, _ in _kv_tensors(batch.cache)])
+        batch.next_positions = batch.next_positions + 1
+        return logits
     output = model(
         input_ids=batch.next_tokens[:, None],
         attention_mask=batch.mask,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._kv_batch import KVBatch, decode, prefill
+from ._lean_decode import lean_decoder
 from ._sampling import pack_row_seed, row_seed, sample_tokens, unpack_row_seed
 from ._stop import StopStrings
 from ._types import (
@@ -99,6 +100,7 @@ class NativeRun:
         self._waiting: deque[_Row] = deque()
         self._running: KVBatch | None = None
         self._closed = False
+        self._lean = lean_decoder(engine.model)
 
     @property
     def pending(self) -> int:
@@ -130,7 +132,7 @@ class NativeRun:
             elif len(fresh):
                 running.extend(fresh)
         if running is not None and len(running):
-            finished += self._advance(running, decode(model, running))
+            finished += self._advance(running, decode(model, running, self._lean))
         self._running = running if running is not None and len(running) else None
         return finished
 

@@ -471,8 +471,8 @@ def test_the_default_batch_is_sized_from_the_request_and_a_cap_that_splits_it_is
         model: PreTrainedModel, caplog: pytest.LogCaptureFixture) -> None:
     params = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=3)
     widths: list[int] = []
-    hook = model.register_forward_hook(lambda _m, args, kwargs, _out: widths.append(kwargs["input_ids"].shape[0]),
-                                       with_kwargs=True)
+    # every model call (prefill, decode step; transformers' or the lean one) embeds its input ids first
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[0]))
     try:
         with caplog.at_level(logging.INFO, logger="workers.rollout._native"):
             uncapped = NativeRolloutEngine(model, config=NativeRolloutConfig()).generate(PROMPTS, params)

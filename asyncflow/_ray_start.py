@@ -1,0 +1,95 @@
+"""Starting the embedded Ray instance early, while the heavy modules import.
+
+``ray.init`` spends most of its two to four seconds waiting for Ray's own
+processes to come up, and a training script spends about as long importing torch,
+transformers and the roles. :func:`start_ray` does both at once: it imports those
+modules in a background thread while ``ray.init`` runs in the caller's thread (Ray
+must be initialised from the thread that uses it). The first
+:class:`~asyncflow.Session` without an ``address`` then takes that instance over
+as if it had started it. This module imports Ray and nothing heavier.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+import ray
+
+CPU_SLOT = "asyncflow_cpu_slot"
+"""The Ray custom resource a CPU device slot is counted in (see ``asyncflow._pool``)."""
+
+HEAVY_MODULES = ("torch", "transformers", "workers.roles")
+"""What :func:`start_ray` imports meanwhile by default: what a training script needs."""
+
+_lock = threading.Lock()
+_unclaimed = False  # a start_ray instance no session has taken over yet
+
+
+def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
+              preload: Sequence[str] = HEAVY_MODULES) -> None:
+    """Start a local Ray instance now, importing ``preload`` meanwhile.
+
+    Call it at the top of a script, before its heavy imports (which then find
+    their modules loaded). The next :class:`~asyncflow.Session` without an
+    ``address`` takes the instance over and shuts it down when it closes; its own
+    ``cpu_slots`` and ``worker_nice`` are then not used: pass them here. Does
+    nothing when Ray already runs. A module that fails to import is skipped here
+    and raises where the script imports it.
+
+    Args:
+        cpu_slots: CPU device slots of the instance (``Session(cpu_slots=...)``).
+        worker_nice: niceness of its worker processes (``Session(worker_nice=...)``).
+        preload: modules to import while Ray starts.
+    """
+    global _unclaimed
+    with _lock:
+        if ray.is_initialized():
+            return
+        importer = threading.Thread(target=_import_quietly, args=(tuple(preload),),
+                                    name="asyncflow-preload", daemon=True)
+        importer.start()
+        try:
+            init_ray(None, cpu_slots, worker_nice)
+            _unclaimed = True
+        finally:
+            importer.join()  # no import half done when the script's own imports run
+
+
+def claim_started_instance() -> bool:
+    """True once for the instance :func:`start_ray` started: the caller owns it
+    (shuts it down) from then on."""
+    global _unclaimed
+    with _lock:
+        claimed, _unclaimed = _unclaimed and ray.is_initialized(), False
+    return claimed
+
+
+def _import_quietly(modules: tuple[str, ...]) -> None:
+    # workers._worker has its twin; importing it from here would import torch first
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the script's own import raises it again, with context
+            logging.getLogger(__name__).debug("preloading %s failed", name, exc_info=True)
+
+
+def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
+    """``ray.init`` without start-up chatter a user cannot act on (Ray logs it to
+    its session directory anyway). Token authentication stays on: Ray 2.60 enables
+    it for a new local instance and announces it with a warning."""
+    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth.level
+    auth.setLevel(logging.ERROR)
+    try:
+        if address is None:
+            ray.init(num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
+                     include_dashboard=False, logging_level=logging.WARNING,
+                     _system_config={"worker_niceness": worker_nice})
+        else:
+            ray.init(address=address, logging_level=logging.WARNING)
+    finally:
+        auth.setLevel(level)

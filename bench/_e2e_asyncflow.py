@@ -1,0 +1,126 @@
+"""The end-to-end workload through asyncflow's public API (``grpo_step``), one
+placement per process: ``python -m bench._e2e_asyncflow --placement one``
+prints one JSON record (seconds per step, the per-stage breakdown, and where the
+start-up seconds went, from process start)."""
+
+from __future__ import annotations
+
+import time
+
+_START = time.time()
+
+import asyncflow as af  # noqa: E402 (light: its names load on first use)
+
+# Ray comes up while torch, transformers and the roles import (see asyncflow.start_ray).
+af.start_ray()
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from asyncflow.algos import GRPOConfig, PolicyConfig, RolloutConfig, grpo_step  # noqa: E402
+from asyncflow.tracing import summarise  # noqa: E402
+from bench._e2e_job import E2EJob  # noqa: E402
+from workers.engines import TrainingConfig  # noqa: E402
+from workers.rewards import RuleRewardConfig  # noqa: E402
+from workers.roles import (  # noqa: E402
+    ActorConfig,
+    ActorWorker,
+    ReferenceConfig,
+    ReferenceWorker,
+    RewardWorker,
+    ScoreConfig,
+)
+
+PLACEMENTS: dict[str, tuple[dict[str, int], dict[str, str]]] = {
+    "one": ({"main": 1}, {"actor": "main", "ref": "main", "reward": "main"}),
+    "dp2": ({"main": 2}, {"actor": "main", "ref": "main", "reward": "main"}),
+    "split": ({"policy": 1, "side": 1}, {"actor": "policy", "ref": "side", "reward": "side"}),
+}
+"""The placements that fit two cores: one 1-rank pool; one 2-rank pool (data
+parallel); the actor on one rank, reference and reward on the other."""
+
+
+def grpo_config(job: E2EJob) -> GRPOConfig:
+    """GRPO's settings for the workload."""
+    return GRPOConfig(rollout=RolloutConfig(n=job.n, temperature=1.0, max_new_tokens=job.new_tokens,
+                                            ignore_eos=True),
+                      policy=PolicyConfig(kl_coef=job.kl_coef))
+
+
+def role_specs(job: E2EJob, model_dir: str, placement: str, threads: int | None) -> dict[str, af.RoleSpec]:
+    """The actor, reference and rule reward on ``placement``'s pools."""
+    sizes, where = PLACEMENTS[placement]
+    pools = {name: af.ResourcePool(name=name, devices=n, threads=threads) for name, n in sizes.items()}
+    training = TrainingConfig(lr=job.lr, micro_batch_size=job.rows)
+    built: dict[str, tuple[type, Any]] = {
+        "actor": (ActorWorker, ActorConfig(model_dir=model_dir, training=training, seed=job.seed)),
+        "ref": (ReferenceWorker, ReferenceConfig(model_dir=model_dir, training=training)),
+        "reward": (RewardWorker, ScoreConfig(scorer=RuleRewardConfig(
+            tokenizer_dir=model_dir, fn="bench._e2e_job:digit_reward"))),
+    }
+    return {role: af.RoleSpec(cls=cls, pool=pools[where[role]], config=config)
+            for role, (cls, config) in built.items()}
+
+
+async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
+    """Start a session, run ``warmup + steps`` GRPO steps; the record."""
+    config = grpo_config(job)
+    marks: dict[str, float] = {"imported": time.time() - _START}
+    with tempfile.TemporaryDirectory(prefix="asyncflow-e2e-") as tmp:
+        model_dir = job.save_model(Path(tmp) / "policy")
+        async with af.Session() as session:
+            marks["ray_started"] = time.time() - _START
+            roles = await session.spawn(role_specs(job, model_dir, placement, threads))
+            marks["roles_spawned"] = time.time() - _START
+            prompt_ids = job.prompt_ids()
+            prompts = await session.put({"prompt_ids": prompt_ids, "prompt_mask": prompt_ids.ne(-1).long(),
+                                         "uid": torch.arange(job.prompts)},
+                                        pool=PLACEMENTS[placement][1]["actor"], group_size=1)
+            times: list[float] = []
+            metrics: dict[str, float] = {}
+            for k in range(warmup + steps):
+                if k == warmup:
+                    await session.start_trace()
+                start = time.perf_counter()
+                session.mark_step()
+                metrics = await grpo_step(roles, prompts, config, seed=job.seed + k)
+                times.append(time.perf_counter() - start)
+                if k == 0:
+                    marks["first_step_done"] = time.time() - _START
+            trace = session.stop_trace()
+        af.shutdown_ray()
+    summary = summarise(trace)
+    median = statistics.median(times[warmup:])
+    return {
+        "framework": "asyncflow", "placement": placement, "threads": threads,
+        "s_per_step": median, "tokens_per_s": job.tokens_per_step / median,
+        "steps_s": times, "startup_s": marks,
+        "stage_ms": {k: 1000 * v / steps for k, v in sorted(summary.stage_busy_s.items())},
+        "pool_busy_ms": {k: 1000 * v / steps for k, v in summary.busy_s.items()},
+        "last_metrics": {k: v for k, v in metrics.items() if k in ("actor/loss", "actor/kl_to_ref", "reward/mean",
+                                                                    "actor/logprob_mismatch")},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one placement; print its record as JSON on the last line."""
+    parser = argparse.ArgumentParser(prog="bench._e2e_asyncflow")
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="one")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the pool's)")
+    args = parser.parse_args(argv)
+    record = asyncio.run(measure(E2EJob(), args.placement, steps=args.steps, warmup=args.warmup,
+                                 threads=args.threads))
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The end-to-end workload through TRL's ``GRPOTrainer`` (the optional ``compare``
+extra), for ``bench.e2e``: ``python -m bench._e2e_trl`` prints one JSON record."""
+
+from __future__ import annotations
+
+import time
+
+_START = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench._e2e_job import E2EJob, digit_reward  # noqa: E402
+
+
+def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
+    """Train ``warmup + steps`` GRPO steps with TRL; the record."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    marks: dict[str, float] = {"imported": time.time() - _START}
+    times: list[float] = []
+
+    class _Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            times.append(time.perf_counter() - self.start)
+            if len(times) == 1:
+                marks["first_step_done"] = time.time() - _START
+
+    with tempfile.TemporaryDirectory(prefix="trl-e2e-") as tmp:
+        model_dir = job.save_model(Path(tmp) / "policy")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer.padding_side = "left"
+        prompts = [tokenizer.decode(row, skip_special_tokens=True) for row in job.prompt_ids().tolist()]
+        data = Dataset.from_dict({"prompt": prompts * (warmup + steps)})
+        args = GRPOConfig(
+            output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=job.rows, num_generations=job.n,
+            max_completion_length=job.new_tokens, generation_kwargs={"min_new_tokens": job.new_tokens},
+            temperature=1.0, beta=job.kl_coef, learning_rate=job.lr, max_steps=warmup + steps, num_iterations=1,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=job.seed, shuffle_dataset=False,
+            disable_tqdm=True, dataloader_num_workers=0,
+            # fp32 like asyncflow, and no recomputation: TRL's defaults (bf16 autocast,
+            # gradient checkpointing) save memory this workload does not need and cost
+            # time (bf16 matmuls are emulated on CPUs without AVX-512 BF16: 10x slower)
+            bf16=False, gradient_checkpointing=False,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        reward: Any = digit_reward
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=tokenizer, callbacks=[_Clock()])
+        marks["trainer_built"] = time.time() - _START
+        trainer.train()
+    median = statistics.median(times[warmup:])
+    return {"framework": "trl", "threads": threads if threads is not None else torch.get_num_threads(),
+            "s_per_step": median, "tokens_per_s": job.tokens_per_step / median, "steps_s": times,
+            "startup_s": marks}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the workload; print its record as JSON on the last line."""
+    parser = argparse.ArgumentParser(prog="bench._e2e_trl")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    print(json.dumps(measure(E2EJob(), steps=args.steps, warmup=args.warmup, threads=args.threads)))
+
+
+if __name__ == "__main__":
+    main()

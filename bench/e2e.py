@@ -1,0 +1,128 @@
+"""End-to-end GRPO: asyncflow against TRL's ``GRPOTrainer`` on the same workload.
+
+Run as ``python -m bench.e2e --json PATH``. The workload (``bench._e2e_job``): a
+tiny random Llama, 16 prompts x 4 samples of exactly 32 tokens per step, KL to a
+reference at 0.04, one optimizer step per batch, a rule reward. asyncflow runs it
+with ``asyncflow.algos.grpo_step`` under each placement that fits two cores
+(``bench._e2e_asyncflow.PLACEMENTS``); when the optional ``compare`` extra (TRL)
+is installed, TRL's ``GRPOTrainer`` runs it too. Every run is its own process
+(``python -m bench._e2e_asyncflow`` / ``bench._e2e_trl``), the frameworks
+alternating round by round, so both see the same machine. Per run: seconds per
+step (the median of ``--steps`` after ``--warmup`` steps), generated tokens/s,
+asyncflow's per-stage milliseconds and where its start-up seconds went.
+
+``--threads N`` gives every process N torch threads (both frameworks); without it
+each keeps its own default. ``--load K`` runs K busy processes beside the runs
+(a shared machine).
+
+Top-level keys: ``asyncflow_tokens_per_s`` (best placement), ``trl_tokens_per_s``
+and ``ratio`` (their quotient), ``<placement>_s_per_step``, ``trl_s_per_step``,
+``best_placement``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from asyncflow.tracing import markdown_table
+from bench._e2e_asyncflow import PLACEMENTS
+from bench._e2e_job import E2EJob
+
+
+def run_one(module: str, args: list[str]) -> dict[str, Any]:
+    """Run ``python -m module args`` and return the JSON record on its last line."""
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{module} {' '.join(args)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    record: dict[str, Any] = json.loads(lines[-1])
+    return record
+
+
+def _burn() -> None:
+    while True:
+        pass
+
+
+def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, threads: int | None,
+            trl: bool, load: int) -> dict[str, Any]:
+    """Every placement (and TRL) once per round, alternating; the record."""
+    common = ["--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in placements} | ({"trl": []} if trl else {})
+    burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(load)]
+    for b in burners:
+        b.start()
+    try:
+        for _ in range(rounds):
+            for placement in placements:
+                runs[placement].append(run_one("bench._e2e_asyncflow", ["--placement", placement, *common]))
+            if trl:
+                runs["trl"].append(run_one("bench._e2e_trl", common))
+    finally:
+        for b in burners:
+            b.terminate()
+    job = E2EJob()
+    record: dict[str, Any] = {"job": job.as_dict(), "rounds": rounds, "steps": steps, "warmup": warmup,
+                              "threads": threads, "load": load, "runs": runs}
+    for name, got in runs.items():
+        key = "trl" if name == "trl" else name
+        record[f"{key}_s_per_step"] = statistics.median(r["s_per_step"] for r in got)
+    best = min(placements, key=lambda p: record[f"{p}_s_per_step"])
+    record["best_placement"] = best
+    record["asyncflow_tokens_per_s"] = job.tokens_per_step / record[f"{best}_s_per_step"]
+    if trl:
+        record["trl_tokens_per_s"] = job.tokens_per_step / record["trl_s_per_step"]
+        record["ratio"] = record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"]
+    record["load_avg"] = os.getloadavg()
+    return record
+
+
+def table(record: dict[str, Any]) -> str:
+    """Seconds per step, tokens/s and asyncflow's per-stage breakdown."""
+    rows = []
+    for name, got in record["runs"].items():
+        s = record[f"{name}_s_per_step"]
+        stages = got[0].get("stage_ms", {})
+        rows.append({"run": name, "s/step": s, "tokens/s": record["job"]["tokens_per_step"] / s,
+                     "first step at s": statistics.median(r["startup_s"]["first_step_done"] for r in got),
+                     "stages (ms/step, run 1)": ", ".join(f"{k} {v:.0f}" for k, v in stages.items())})
+    return markdown_table(rows, ["run", "s/step", "tokens/s", "first step at s", "stages (ms/step, run 1)"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.e2e``."""
+    parser = argparse.ArgumentParser(prog="bench.e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the record here")
+    parser.add_argument("--placement", action="append", choices=sorted(PLACEMENTS),
+                        help="repeatable; default: every placement")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating (the median is kept)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process, both frameworks")
+    parser.add_argument("--load", type=int, default=0, help="busy processes beside the runs")
+    parser.add_argument("--no-trl", action="store_true", help="skip TRL even when it is installed")
+    args = parser.parse_args(argv)
+    trl = not args.no_trl and importlib.util.find_spec("trl") is not None
+    if not trl and not args.no_trl:
+        print("TRL is not installed (pip install -e '.[compare]'): asyncflow only", file=sys.stderr)
+    record = measure(args.placement or list(PLACEMENTS), rounds=args.rounds, steps=args.steps,
+                     warmup=args.warmup, threads=args.threads, trl=trl, load=args.load)
+    print(table(record))
+    if trl:
+        print(f"\nasyncflow ({record['best_placement']}) / TRL tokens/s: {record['ratio']:.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The lean decode step gives transformers' logits bit for bit, through padding,
+dropped and merged rows, grouped-query attention and q/k/v biases; models it does
+not reproduce exactly keep the transformers path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from workers.rollout._kv_batch import KVBatch, decode, prefill
+from workers.rollout._lean_decode import lean_decoder
+
+SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 50, "max_position_embeddings": 64}
+
+
+def _model(kind: str) -> PreTrainedModel:
+    torch.manual_seed(0)
+    model: PreTrainedModel
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SIZES, attn_implementation="sdpa"))
+    else:  # Qwen2: biases on q, k and v
+        model = Qwen2ForCausalLM(Qwen2Config(**SIZES, attn_implementation="sdpa"))
+    return model.eval()
+
+
+def _steps(model: PreTrainedModel, lean: bool, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill, decode 3 steps, drop rows 1 and 3, merge a fresh batch, decode 3 more."""
+    decoder = lean_decoder(model) if lean else None
+    batch, logits = prefill(model, prompts, list(range(len(prompts))), pad_token_id=0)
+    seen = [logits]
+
+    def step(b: KVBatch, last: torch.Tensor) -> torch.Tensor:
+        b.next_tokens = last.argmax(dim=-1)
+        return decode(model, b, decoder)
+
+    for _ in range(3):
+        logits = step(batch, logits)
+        seen.append(logits)
+    batch.keep([0, 2, 4])
+    logits = logits[[0, 2, 4]]
+    fresh, fresh_logits = prefill(model, [[7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]], [10, 11], pad_token_id=0)
+    fresh.next_tokens = fresh_logits.argmax(dim=-1)
+    batch.next_tokens = logits.argmax(dim=-1)
+    batch.extend(fresh)
+    logits = decode(model, batch, decoder)
+    seen.append(logits)
+    for _ in range(2):
+        logits = step(batch, logits)
+        seen.append(logits)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lean_steps_equal_transformers_bit_for_bit(kind: str) -> None:
+    model = _model(kind)
+    assert lean_decoder(model) is not None
+    prompts = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    for ours, theirs in zip(_steps(model, True, prompts), _steps(model, False, prompts), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_models_it_cannot_reproduce_keep_the_transformers_path() -> None:
+    scaled = LlamaForCausalLM(LlamaConfig(**SIZES, rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert lean_decoder(scaled) is None
+    assert lean_decoder(LlamaForCausalLM(LlamaConfig(**SIZES, attn_implementation="flex_attention"))) is None
