@@ -11,8 +11,9 @@ _START = time.time()
 
 import asyncflow as af  # noqa: E402 (light: its names load on first use)
 
-# Ray comes up while torch, transformers and the roles import (see asyncflow.start_ray).
-af.start_ray()
+if __name__ == "__main__":  # a run; bench.e2e imports this module for its names only
+    # Ray comes up while torch, transformers and the roles import (see asyncflow.start_ray).
+    af.start_ray()
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 
 from asyncflow.algos import GRPOConfig, PolicyConfig, RolloutConfig, grpo_step  # noqa: E402
 from asyncflow.tracing import summarise  # noqa: E402
-from bench._e2e_job import E2EJob  # noqa: E402
+from bench._e2e_job import PLACEMENTS, E2EJob  # noqa: E402
 from workers.engines import TrainingConfig  # noqa: E402
 from workers.rewards import RuleRewardConfig  # noqa: E402
 from workers.roles import (  # noqa: E402
@@ -37,14 +38,6 @@ from workers.roles import (  # noqa: E402
     RewardWorker,
     ScoreConfig,
 )
-
-PLACEMENTS: dict[str, tuple[dict[str, int], dict[str, str]]] = {
-    "one": ({"main": 1}, {"actor": "main", "ref": "main", "reward": "main"}),
-    "dp2": ({"main": 2}, {"actor": "main", "ref": "main", "reward": "main"}),
-    "split": ({"policy": 1, "side": 1}, {"actor": "policy", "ref": "side", "reward": "side"}),
-}
-"""The placements that fit two cores: one 1-rank pool; one 2-rank pool (data
-parallel); the actor on one rank, reference and reward on the other."""
 
 
 def grpo_config(job: E2EJob) -> GRPOConfig:

@@ -106,9 +106,11 @@ class WorkerProcess(ChannelHost):
     def __init__(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
                  device: str, num_threads: int, preload: Sequence[str] = ()) -> None:
         torch.set_num_threads(num_threads)
+        self._preload: threading.Thread | None = None
         if preload:
-            threading.Thread(target=_import_quietly, args=(tuple(preload),), name="asyncflow-preload",
-                             daemon=True).start()
+            self._preload = threading.Thread(target=_import_quietly, args=(tuple(preload),),
+                                             name="asyncflow-preload", daemon=True)
+            self._preload.start()
         self.index, self.pool, self.rank = index, pool, rank
         self.pool_size, self.world = pool_size, world
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -148,6 +150,11 @@ class WorkerProcess(ChannelHost):
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, store=RayStore(store, timedelta(seconds=timeout_s)),
                                 rank=self.index, world_size=self.world, timeout=self._timeout)
+        if self._preload is not None:
+            # Done before add_role's arguments (the role classes) are unpickled: two
+            # threads importing one package at once can deadlock on its module locks.
+            self._preload.join()
+            self._preload = None
 
     def build_groups(self, ranks: Sequence[int], layouts: Sequence[Layout]) -> None:
         """Create this pool's process group and a DeviceMesh per layout.

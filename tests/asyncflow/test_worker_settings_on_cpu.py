@@ -1,11 +1,14 @@
 """Worker processes run at the session's niceness and with their pool's torch
-threads (real Ray workers), and the default thread count follows the cores."""
+threads (real Ray workers), the default thread count follows the cores, and a
+session takes over the Ray instance ``asyncflow.start_ray`` started."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
+import ray
 
 import asyncflow as af
 from asyncflow._pool import worker_threads
@@ -45,3 +48,23 @@ def test_workers_run_at_the_session_niceness_with_their_pools_threads() -> None:
         af.shutdown_ray()
     assert one == [{"nice": 7, "threads": 3}]
     assert two == [{"nice": 7, "threads": 1}] * 2
+
+
+def test_a_session_takes_over_the_ray_instance_start_ray_started() -> None:
+    af.shutdown_ray()
+    sys.modules.pop("wave", None)
+    af.start_ray(worker_nice=5, preload=("wave",))
+    assert ray.is_initialized() and "wave" in sys.modules  # imported while Ray started
+
+    async def main() -> list[dict[str, int]]:
+        async with af.Session() as session:
+            roles = await session.spawn({"one": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="one", devices=1,
+                                                                                              threads=2))})
+            return await roles.one.process_settings()
+
+    try:
+        got = asyncio.run(asyncio.wait_for(main(), timeout=300))
+        assert not ray.is_initialized(), "the session shuts down the instance it took over"
+    finally:
+        af.shutdown_ray()
+    assert got == [{"nice": 5, "threads": 2}]
