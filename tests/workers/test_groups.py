@@ -44,7 +44,7 @@ def _engine(mesh: DeviceMesh) -> TrainingEngine:
         hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
         head_dim=32, num_hidden_layers=1,
     ))  # fmt: skip
-    return TrainingEngine(model, config=TrainingConfig(lr=1e-3, eps=1.0), mesh=mesh,
+    return TrainingEngine(model, config=TrainingConfig(lr=1e-3, eps=1.0, data_parallel="shard"), mesh=mesh,
                           loss=PolicyLoss())
 
 
