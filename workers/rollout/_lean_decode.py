@@ -37,7 +37,7 @@ def lean_decoder(model: PreTrainedModel) -> LeanDecoder | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default" or getattr(config, "pretraining_tp", 1) != 1:
         return None
-    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+    if getattr(config, "_attn_implementation", "sdpa") != "sdpa":  # the step is sdpa's arithmetic
         return None
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
