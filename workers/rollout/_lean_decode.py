@@ -114,19 +114,25 @@ class _Layer:
         new buffer first. The results are views of the buffer."""
         keys, values = cache.keys, cache.values
         assert keys is not None and values is not None
-        length = keys.shape[2]
         if keys is not self.keys or values is not self.values or not _has_room(keys):
-            spare = max(length, 32)
-            keys = torch.cat([keys, keys.new_empty((*keys.shape[:2], spare, keys.shape[3]))], dim=2)[:, :, :length]
-            values = torch.cat([values, values.new_empty((*values.shape[:2], spare, values.shape[3]))],
-                               dim=2)[:, :, :length]
-        keys = keys.as_strided((*keys.shape[:2], length + 1, keys.shape[3]), keys.stride(), keys.storage_offset())
-        values = values.as_strided((*values.shape[:2], length + 1, values.shape[3]), values.stride(),
-                                   values.storage_offset())
-        keys[:, :, length:] = k
-        values[:, :, length:] = v
-        self.keys, self.values = keys, values
-        return keys, values
+            keys, values = _with_room(keys), _with_room(values)
+        self.keys, self.values = _append(keys, k), _append(values, v)
+        return self.keys, self.values
+
+def _with_room(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` ``[B, H, L, D]`` copied into a buffer with at least 32 spare columns; a view."""
+    length = cache.shape[2]
+    spare = cache.new_empty((*cache.shape[:2], max(length, 32), cache.shape[3]))
+    return torch.cat([cache, spare], dim=2)[:, :, :length]
+
+
+def _append(view: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """``view`` (from :func:`_with_room`) one column longer, ``column`` ``[B, H, 1, D]``
+    written into it in place."""
+    length = view.shape[2]
+    longer = view.as_strided((*view.shape[:2], length + 1, view.shape[3]), view.stride(), view.storage_offset())
+    longer[:, :, length:] = column
+    return longer
 
 
 def _has_room(view: torch.Tensor) -> bool:
