@@ -16,7 +16,7 @@ from channels._errors import (
     TransportError,
     WouldBlock,
 )
-from channels._layout import Coords, Layout
+from channels._layout import Coords, GenCoords, GenerationLayout, Grouping, Layout
 from channels._pack import Packed, pack, unpack
 from channels._protocols import (
     DP,
@@ -61,7 +61,8 @@ __all__ = [
     "CHANNEL_CONCURRENCY_GROUPS", "DP", "ROW_ID_BITS", "AllToAll", "Assignment", "AsyncflowError",
     "Batch", "BatchMeta", "BlockingSendChannel", "BrokenResourceError", "ChannelAddress",
     "ChannelError", "ChannelHost", "ChannelStatistics", "ClosedResourceError", "Collected",
-    "ColumnGroup", "ConfigError", "Coords", "EndOfStream", "FieldSpec", "GroupPlan", "Layout",
+    "ColumnGroup", "ConfigError", "Coords", "EndOfStream", "FieldSpec", "GenCoords", "GenerationLayout",
+    "GroupPlan", "Grouping", "Layout",
     "Metrics", "MicroDP", "MissingFieldError", "OneToAll", "Packed", "Piece", "PullPlan", "PullTiming",
     "RankResult", "RankTiming", "RankZero", "ReceiveChannel", "RemoteReceiveChannel", "RowRuns", "SchemaError", "Segment",
     "SendChannel", "SenderDiedError", "ShardStore", "StoreStats", "StreamItem", "TransferProtocol",

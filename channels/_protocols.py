@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from channels._errors import ConfigError, SchemaError
-from channels._layout import Layout
+from channels._layout import GenerationLayout, Layout
 from channels._schema import (
     BatchMeta,
     ColumnGroup,
@@ -292,28 +292,35 @@ class AllToAll(_Replicated):
 
 
 class MicroDP(_Replicated):
-    """The hybrid engine's generation layout: each training TP group of ``t`` ranks
-    holds ``dg = t / tg`` generation replicas whose TP groups take ranks at stride
-    ``dg``; rows split over all ``d * dg`` generation replicas.
+    """The hybrid engine's generation layout: each training replica of ``p * t``
+    ranks holds ``dg = (p*t) / (pg*tg)`` generation replicas (see
+    :class:`~channels.GenerationLayout`); rows split over all ``d * dg`` of them,
+    replicated within a replica's generation TP/PP ranks, and collected from each
+    replica's generation TP rank 0 on its last generation stage.
 
     Args:
-        tg: generation tensor-parallel size (must divide the training ``t``).
+        tg: generation tensor-parallel size (must divide the training ``t``), with
+            the ``hybridflow`` grouping and ``pg = 1``; None (the default) uses the
+            callee layout's own ``gen`` (whole weights on every rank without one).
     """
 
-    def __init__(self, *, tg: int, balance: Literal["rows", "tokens"] = "rows", group_size: int = 1) -> None:
+    def __init__(self, *, tg: int | None = None, balance: Literal["rows", "tokens"] = "rows",
+                 group_size: int = 1) -> None:
         super().__init__(balance=balance, group_size=group_size)
-        if tg < 1:
-            raise ConfigError(f"MicroDP.tg must be >= 1, got {tg}")
+        if tg is not None and (not isinstance(tg, int) or tg < 1):
+            raise ConfigError(f"MicroDP.tg must be an int >= 1 or None, got {tg!r}")
         self.tg = tg
 
     def replicas(self, layout: Layout) -> list[tuple[int, bool]]:
-        if layout.t % self.tg:
-            raise ConfigError(f"MicroDP.tg={self.tg} must divide the training tensor size t={layout.t}")
-        dg = layout.t // self.tg
+        if self.tg is not None:
+            if layout.t % self.tg:
+                raise ConfigError(f"MicroDP.tg={self.tg} must divide the training tensor size t={layout.t}")
+            layout = Layout(p=layout.p, t=layout.t, d=layout.d, gen=GenerationLayout(tg=self.tg))
+        last = layout.generation.pg - 1
         out = []
         for r in range(layout.world):
-            c = layout.coords(r)
-            out.append((c.dp * dg + c.tp % dg, c.tp < dg and c.pp == layout.p - 1))
+            g = layout.gen_coords(r)
+            out.append((g.replica, g.tp == 0 and g.pp == last))
         return out
 
     def __repr__(self) -> str:

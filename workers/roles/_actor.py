@@ -118,7 +118,7 @@ class ActorWorker(TrainedRole):
                                      process_group=engine_group(ctx))
         self._shuffle = shuffle_generator(config.seed, ctx)
 
-    @register(protocol=MicroDP(tg=1), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
+    @register(protocol=MicroDP(), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
               writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
     def generate(self, prompts: Batch, *, n: int = 1, params: SamplingParams | None = None) -> StreamMethod:
         """Sample ``n`` responses per prompt with the rollout engine.

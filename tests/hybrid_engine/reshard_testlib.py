@@ -1,0 +1,114 @@
+"""Rank code of the resharding tests: every case runs on one gloo world of real
+processes (forked from a server that imported torch once)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from channels import Layout
+from hybrid_engine import ParamSpec, Resharder, expected_bytes, make_plan
+
+
+def specs_for(layout: Layout) -> list[ParamSpec]:
+    """Split along rows and columns, whole, in several dtypes, spread over the stages."""
+    shapes: list[tuple[tuple[int, ...], int | None, torch.dtype]] = [
+        ((16, 8), 0, torch.float32), ((8, 24), 1, torch.float32), ((8,), None, torch.float32),
+        ((32, 4), 0, torch.bfloat16), ((4, 4, 8), 2, torch.float32), ((12, 8), 1, torch.int64),
+    ]
+    out = []
+    for i, (shape, dim, dtype) in enumerate(shapes * 2):
+        out.append(ParamSpec(name=f"w{i}", shape=shape, dtype=dtype, dim=dim, stage=i % layout.p))
+    return out
+
+
+def full_tensors(specs: list[ParamSpec]) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for s in specs:
+        x = torch.randn(s.shape, generator=gen) * 100
+        out[s.name] = x.to(s.dtype)
+    return out
+
+
+def training_shards(layout: Layout, rank: int, specs: list[ParamSpec], full: dict[str, Tensor]) -> dict[str, Tensor]:
+    c = layout.coords(rank)
+    out = {}
+    for s in specs:
+        if s.stage != c.pp:
+            continue
+        x = full[s.name]
+        out[s.name] = (x.chunk(layout.t, s.dim)[c.tp] if s.dim is not None else x).clone()
+    return out
+
+
+def local_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    group = dist.new_group(list(ranks), use_local_synchronization=True)
+    assert group is not None
+    return group
+
+
+def check_case(rank: int, layout: Layout, method: str, bucket_bytes: int) -> dict[str, int]:
+    """One transition and its reverse on this rank; asserts what every rank must see."""
+    specs = specs_for(layout)
+    full = full_tensors(specs)
+    training = training_shards(layout, rank, specs, full)
+    before = {k: v.clone() for k, v in training.items()}
+    plan = make_plan(layout, specs, method=method, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
+    resharder = Resharder(plan, rank, training, local_group)
+    generation = resharder.to_generation()
+    t = layout.t
+    for s in specs:
+        chunks = plan.generation_chunks(rank, s)
+        if not chunks:
+            assert s.name not in generation, (layout, method, rank, s.name)
+            continue
+        want = full[s.name]
+        if s.dim is not None:
+            width = s.shape[s.dim] // t
+            want = want.narrow(s.dim, chunks.start * width, len(chunks) * width)
+        assert torch.equal(generation[s.name], want), (str(layout), method, rank, s.name)
+        own = plan.training_chunk(rank, s)
+        if method == "hybridflow" and own is not None:
+            # Zero redundancy: the training shard lives inside the generation shard.
+            g, x = generation[s.name], training[s.name]
+            assert g.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), (str(layout), rank, s.name)
+    stats = resharder.stats
+    assert stats is not None
+    resharder.to_training()
+    for k, v in training.items():
+        assert torch.equal(v, before[k]) and v.is_contiguous(), (str(layout), method, rank, k)
+        g = generation.get(k)
+        if g is not None and g is not v:
+            assert v.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+    exp = expected_bytes(layout, specs, method)  # type: ignore[arg-type]
+    return {"sent": stats.sent_bytes, "received": stats.received_bytes, "peak": stats.peak_bytes,
+            "resident": stats.resident_bytes, "staging": stats.staging_bytes,
+            "expected_sent": exp.sent, "expected_resident": exp.resident,
+            "largest_shard": max((x.nbytes for x in before.values()), default=0)}
+
+
+def _rank_main(rank: int, world: int, store: str, fn: Callable[[int, Path], None], out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=rank, world_size=world)
+    try:
+        fn(rank, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
+    """Run the module-level ``fn(rank, out_dir)`` on ``world`` processes joined by gloo."""
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    mp.set_forkserver_preload(["torch", "reshard_testlib", "hybrid_engine"])
+    mp.start_processes(_rank_main, args=(world, str(tmp), fn, str(out)), nprocs=world,
+                       start_method="forkserver", join=True)
+    return out
