@@ -96,6 +96,12 @@ class Resharder:
         self.stats: TransitionStats | None = None
         """The last :meth:`to_generation`'s figures."""
 
+    def connect(self) -> None:
+        """Make every process group this rank's buckets use now (collective over
+        each group's members) rather than on the first transition."""
+        for bucket in self._mine:
+            self._group(bucket.group)
+
     # ------------------------------------------------------------------ forward
 
     def to_generation(self) -> dict[str, Tensor]:

@@ -150,6 +150,11 @@ class ReconnectableGroup(dist.ProcessGroup):
         return self._backends is None
 
     @property
+    def timeout(self) -> timedelta:
+        """The collectives' timeout."""
+        return self._timeout
+
+    @property
     def epoch(self) -> int:
         """The epoch of the current inner backends (0 until the first heal)."""
         return self._epoch

@@ -64,6 +64,7 @@ from workers.engines._parallel import (
     MESH_DIM_NAMES,
     Parallelism,
     TensorParallelPlan,
+    apply_tensor_parallel,
     clip_grad_norm,
 )
 
@@ -98,6 +99,7 @@ __all__ = [
     "ValueLoss",
     "ValueLossTerms",
     "WholeBatch",
+    "apply_tensor_parallel",
     "build_inputs",
     "clip_grad_norm",
     "clipped_value_loss",

@@ -67,7 +67,16 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan | None = None) -> None:
+    """Shard ``model``'s projections over the 1-D ``tp_mesh`` in place (DTensor), as
+    the training engine does; the rollout engine generates this way in a generation
+    layout with ``tg > 1``.
+
+    Raises:
+        EngineConfigError: ``tp`` does not divide a head count, or the plan names no
+            linear layer of the model.
+    """
+    plan = plan or TensorParallelPlan()
     tp = tp_mesh.size()
     config = getattr(model, "config", None)
     for name in plan.config_head_fields:
@@ -195,7 +204,7 @@ class Parallelism:
         """
         model.to(self.device_for(model))
         if self.mesh is not None and self.tp_size > 1:
-            _apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
+            apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
         self.replicated = replicate and self.dp_size > 1
         if self.mesh is not None and self.dp_size > 1 and not replicate:
             _apply_fully_shard(model, self.mesh["dp"])

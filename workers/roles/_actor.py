@@ -1,10 +1,16 @@
 """The actor role: generates rollouts, scores its own log-probs, and trains the policy.
 
 Each rank holds a training engine (FSDP2/TP over the role's DeviceMesh on pools of
-more than one rank) and a rollout engine with a full copy of the weights. After
-every optimizer update, and after a checkpoint load, the training weights are
-gathered and loaded into the rollout engine, so the next ``generate`` samples from
-the new policy.
+more than one rank) and a rollout engine. Two ways to give the rollout engine the
+weights:
+
+- without a generation layout (the default), the rollout engine keeps a full copy
+  of the weights; after every optimizer update, and after a checkpoint load, the
+  training weights are gathered and loaded into it;
+- with one (the placement's ``Layout.gen``, native engine), the hybrid engine
+  reshards the training shards into generation shards at the start of every
+  ``generate`` (tensor parallel over the generation TP group when ``tg > 1``) and
+  frees them at its end (:class:`~workers.roles._hybrid.HybridWeights`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from workers.models import load_model, save_pretrained_here
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
 from workers.roles._generation import stream_rollout
+from workers.roles._hybrid import HybridWeights
 from workers.roles._rollout import RolloutConfig, build_rollout, params_for_rank
 from workers.roles._training import (
     UpdateConfig,
@@ -46,7 +53,12 @@ from workers.roles._training import (
     run_updates,
     shuffle_generator,
 )
-from workers.rollout import NativeRolloutConfig, SamplingParams, VLLMRolloutConfig
+from workers.rollout import (
+    NativeRolloutConfig,
+    NativeRolloutEngine,
+    SamplingParams,
+    VLLMRolloutConfig,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,10 +81,15 @@ class ActorConfig:
     taken from the model's config."""
     seed: int = 0
     """Seeds torch's global RNG and the mini-batch shuffling."""
+    reshard_bucket_mb: float = 64.0
+    """With a generation layout: the most megabytes one resharding gather moves (the
+    transition's staging memory beyond the generation shards)."""
 
     def __post_init__(self) -> None:
         check_model_dir("ActorConfig", self.model_dir)
         check_seed("ActorConfig", self.seed)
+        if not isinstance(self.reshard_bucket_mb, int | float) or not self.reshard_bucket_mb > 0:
+            raise ConfigError(f"ActorConfig.reshard_bucket_mb must be > 0, got {self.reshard_bucket_mb!r}")
         check_types("ActorConfig", self, {
             "training": TrainingConfig, "loss": PolicyLoss, "update": UpdateConfig,
             "sampling": SamplingParams, "rollout": (NativeRolloutConfig, VLLMRolloutConfig),
@@ -110,13 +127,24 @@ class ActorWorker(TrainedRole):
         nn.Module.to(model, ctx.device)
         eos = model.config.eos_token_id
         self._eos: int | None = eos[0] if isinstance(eos, list) else eos
-        # The rollout engine takes its full copy before the training engine shards the model.
+        gen = ctx.layout.gen
+        # The ranks of one generation replica sample alike (tensor parallel ones must).
+        self._seed_rank = ctx.layout.gen_coords(ctx.rank).replica if gen is not None else ctx.rank
+        if gen is not None and not isinstance(config.rollout, NativeRolloutConfig):
+            raise ConfigError(f"actor: a generation layout ({ctx.layout}) needs the native rollout engine; "
+                              "vLLM with the hybrid engine is planned")
+        # The rollout engine takes its copy (its model) before the training engine shards the model.
         self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir,
-                                     rank=ctx.rank)
+                                     rank=self._seed_rank)
         self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
                                      head=CausalLMHead(), loss=config.loss,
                                      process_group=engine_group(ctx))
         self._shuffle = shuffle_generator(config.seed, ctx)
+        self._hybrid: HybridWeights | None = None
+        if gen is not None:
+            assert isinstance(self.rollout, NativeRolloutEngine)
+            self._hybrid = HybridWeights(ctx, self.engine.model, self.rollout,
+                                         bucket_bytes=int(config.reshard_bucket_mb * (1 << 20)))
 
     @register(protocol=MicroDP(), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
               writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
@@ -162,9 +190,17 @@ class ActorWorker(TrainedRole):
             raise ConfigError(f"actor.generate: params must be a SamplingParams, got {params!r}")
         require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where="actor.generate")
         chosen = params_for_rank(params or self.config.sampling, eos_token_id=self._eos,
-                                 rank=self.ctx.rank)
+                                 rank=self._seed_rank)
         # A prompt's n samples are one group: data-parallel splits keep them together.
-        return (yield from stream_rollout(self.rollout, prompts, n=n, params=chosen, rank=self.ctx.rank))
+        if self._hybrid is None:
+            return (yield from stream_rollout(self.rollout, prompts, n=n, params=chosen, rank=self.ctx.rank))
+        self._hybrid.to_generation()
+        try:
+            # Tensor-parallel ranks step together: their samples cannot migrate alone.
+            return (yield from stream_rollout(self.rollout, prompts, n=n, params=chosen, rank=self.ctx.rank,
+                                              migratable=self.ctx.layout.generation.tg == 1))
+        finally:
+            self._hybrid.to_training()
 
     @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.OLD_LOGPROBS, F.ENTROPY))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:
@@ -268,6 +304,8 @@ class ActorWorker(TrainedRole):
         save_pretrained_here(self.engine.model, out, state_dict=state)  # type: ignore[arg-type]
 
     def _sync_rollout(self) -> None:
+        if self._hybrid is not None:
+            return  # the next generate reshards the new weights
         # Collective: every rank gathers every tensor, in the same order.
         self.rollout.update_weights(self.engine.named_full_weights())
 

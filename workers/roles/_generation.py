@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from channels import ROW_ID_BITS, Batch, row_id
+from channels import ROW_ID_BITS, Batch, ConfigError, row_id
 from workers._streaming import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
 from workers._streaming import Step as StepEvent
 from workers.roles import _fields as F
@@ -141,9 +141,10 @@ class _Rollout:
 
 
 def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams,
-                   rank: int) -> StreamMethod:
+                   rank: int, migratable: bool = True) -> StreamMethod:
     """Generate ``n`` samples per prompt, reporting each prompt's group when its last
-    sample finishes (see the module docstring); obeys handoff and adopt controls."""
+    sample finishes (see the module docstring); obeys handoff and adopt controls,
+    which a run that is not ``migratable`` (tensor-parallel generation) refuses."""
     empty = Batch(rollout_rows({k: v[:0] for k, v in prompts.items()}, None, n=n, params=params), group_size=n)
     yield Chunk(rows=empty, ids=())  # the schema, for a rank without prompts
     state = _Rollout(engine, prompts, n=n, params=params, rank=rank)
@@ -152,6 +153,9 @@ def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: Sam
             control = yield StepEvent(pending=state.run.pending)
             if isinstance(control, Finish):
                 return
+            if isinstance(control, Handoff | Adopt) and not migratable:
+                raise ConfigError("long-tail migration of a tensor-parallel generation (generation tg > 1) is "
+                                  "not supported; stream without migration")
             if isinstance(control, Handoff):
                 yield Tail(rows=state.tail())
                 return

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from channels import ConfigError
 
+from ._bind import bind_parameters, release_parameters
 from ._native_run import NativeRun
 from ._stop import StopStrings, TextDecoder
 from ._types import (
@@ -112,6 +113,7 @@ class NativeRolloutEngine:
         self._generator = torch.Generator().manual_seed(config.seed)
         self._weights_version = 0
         self._warned_cap = False
+        self._released: dict[str, tuple[int, ...]] | None = None
 
     @property
     def model(self) -> PreTrainedModel:
@@ -215,6 +217,9 @@ class NativeRolloutEngine:
                 distinct id per prompt, or ``params.stop`` is set on an engine
                 without a tokenizer.
         """
+        if self._released is not None:
+            raise ConfigError("the rollout engine's weights were released (release_weights); bind_weights "
+                              "before generating")
         self._check_params(params)
         budgets = resolve_budgets(max_new_tokens, len(prompts), params)
         prompt_lists = [
@@ -285,6 +290,25 @@ class NativeRolloutEngine:
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
                 loaded += 1
         return loaded
+
+    def bind_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Make the model's parameters view the given tensors (no copy): the hybrid
+        engine's generation shards, kept alive by the caller until
+        :meth:`release_weights`. Open runs stop being valid.
+
+        Raises:
+            ConfigError: a name is not a parameter, or a shape or dtype differs.
+        """
+        self._weights_version += 1
+        bound = bind_parameters(self._model, named_tensors, self._released or {})
+        self._released = None
+        return bound
+
+    def release_weights(self) -> None:
+        """Drop the model's parameter memory; generating refuses until :meth:`bind_weights`."""
+        self._weights_version += 1
+        shapes = release_parameters(self._model)
+        self._released = self._released or shapes
 
     def _early_banned(self, params: SamplingParams) -> tuple[int, ...]:
         """The ids ``min_new_tokens`` keeps out of a response's first tokens, as in vLLM.
