@@ -34,6 +34,7 @@ from asyncflow.train._sections import (
     _CFG,
     ActorSection,
     DataSection,
+    GenSection,
     ModelSection,
     OptimSection,
     PlacementSection,
@@ -46,7 +47,7 @@ from channels import ConfigError
 from workers.tasks import ArithmeticTaskConfig, SFTConfig
 
 __all__ = [
-    "ActorSection", "DataSection", "ModelSection", "OptimSection", "PlacementSection", "PoolSection",
+    "ActorSection", "DataSection", "GenSection", "ModelSection", "OptimSection", "PlacementSection", "PoolSection",
     "RunConfig", "ScoreSection", "TrainSection", "WeightedFunction", "algorithm_in", "load_config",
     "needed_roles", "rollout_of", "run_config_type", "validate",
 ]
@@ -330,12 +331,32 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
         if devices % place.t:
             raise ConfigError(f"{key}.t = {place.t} must divide the {devices} devices of pool {place.pool!r} "
                               f"(pools.{place.pool}.devices); change t or the pool's size")
+        if place.gen is not None:
+            _check_gen(config, role, place)
         if role in MODEL_ROLES:
             check_tensor_parallel(role, place.t, heads, source)
         elif place.t != 1:
             scorer = f"{role}.model_dir" if getattr(config, role).model_dir else f"{role}.function"
             raise ConfigError(f"{key}.t = {place.t}: the {role} scorer ({scorer}) runs whole on each device and "
                               "is not split by tensor parallelism; use t = 1 and more data-parallel devices")
+
+
+def _check_gen(config: RunConfig, role: str, place: PlacementSection) -> None:
+    """A generation layout is the actor's, fits its ``t`` and needs the native engine."""
+    key = f"placement.{role}.gen"
+    gen = place.gen
+    assert gen is not None
+    if role != "actor":
+        raise ConfigError(f"{key}: only the actor generates; remove gen from placement.{role}")
+    at_least(f"{key}.t", gen.t, 1, "1 generates with whole weights on each device")
+    if place.t % gen.t:
+        raise ConfigError(f"{key}.t = {gen.t} must divide the actor's training t = {place.t} "
+                          f"(placement.{role}.t); generation groups take ranks of the training groups")
+    if gen.p != 1:
+        raise ConfigError(f"{key}.p = {gen.p}: pipeline parallelism is not supported yet; use p = 1")
+    if config.actor.rollout_engine != "native":
+        raise ConfigError(f"{key} needs actor.rollout_engine = \"native\" (got {config.actor.rollout_engine!r}); "
+                          "vLLM with the hybrid engine is planned")
 
 
 def _check_scores(config: RunConfig) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 
 from asyncflow._pool import ResourcePool, RoleSpec
 from asyncflow.train._config import OptimSection, RunConfig, ScoreSection, needed_roles
-from channels import Layout
+from channels import GenerationLayout, Layout
 from workers.engines import TrainingConfig
 from workers.rewards import ModelRewardConfig, RuleRewardConfig
 from workers.roles import (
@@ -55,8 +57,12 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
         vllm = msgspec.structs.replace(vllm, max_model_len=max(context, vllm.max_model_len))
     rollout = (vllm if a.rollout_engine == "vllm"
                else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed))
+    actor_place = config.placement.get("actor")
+    hybrid = actor_place is not None and actor_place.gen is not None
+    # The hybrid engine reshards tensor-parallel shards: data-parallel ranks keep theirs whole.
+    actor_training = dataclasses.replace(_training(a), data_parallel="replicate") if hybrid else _training(a)
     build = {
-        "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=_training(a), update=_update(a),
+        "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=actor_training, update=_update(a),
                                                    rollout=rollout, seed=config.seed)),
         "ref": lambda: (ReferenceWorker, ReferenceConfig(model_dir=model_dir, seed=config.seed)),
         "critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
@@ -70,7 +76,9 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
     for role in needed_roles(config):
         place = config.placement.get(role)
         pool = pools[place.pool if place else first]
-        layout = Layout.fill(pool.devices, p=place.p, t=place.t) if place else None
+        gen = (GenerationLayout(pg=place.gen.p, tg=place.gen.t, grouping=place.gen.grouping)
+               if place and place.gen else None)
+        layout = Layout.fill(pool.devices, p=place.p, t=place.t, gen=gen) if place else None
         cls, role_config = build[role]()
         specs[role] = RoleSpec(cls=cls, pool=pool, layout=layout, config=role_config)
     return specs

@@ -219,6 +219,17 @@ class PoolSection(msgspec.Struct, **_CFG):
     cores divided among all pools' workers (``asyncflow.ResourcePool.threads``)."""
 
 
+class GenSection(msgspec.Struct, **_CFG):
+    """The actor's generation layout (the hybrid engine): ``gen = { t = 1 }``."""
+
+    t: int = 1
+    """Generation tensor-parallel size; must divide the placement's ``t``."""
+    p: int = 1
+    """Generation pipeline-parallel size; only 1."""
+    grouping: Literal["hybridflow", "vanilla"] = "hybridflow"
+    """How generation groups take the training ranks (``vanilla``: a baseline)."""
+
+
 class PlacementSection(msgspec.Struct, **_CFG):
     """Where a role runs and its parallel layout."""
 
@@ -228,3 +239,9 @@ class PlacementSection(msgspec.Struct, **_CFG):
     """Pipeline-parallel size; only 1 (the engines do not implement pipeline parallelism)."""
     t: int = 1
     """Tensor-parallel size."""
+    gen: GenSection | None = None
+    """The actor only: its generation layout. Unset, every actor rank generates
+    with a full copy of the weights, refreshed after every update; set, the hybrid
+    engine reshards the training shards into generation shards for each
+    generation (native rollout engine; the actor's data-parallel ranks then keep
+    whole tensor-parallel shards)."""
