@@ -6,6 +6,8 @@ Each is a :class:`~workers.Role` with a nested keyword-only ``Config`` and
 
 - :class:`ActorWorker`: ``generate`` (MicroDP, n samples per prompt, consecutive),
   ``log_prob``, ``update`` (then syncs the rollout engine), checkpoints, ``export_hf``;
+  with a generation layout (``Layout.gen``) the hybrid engine reshards its weights
+  for each ``generate`` instead;
 - :class:`ReferenceWorker`: ``log_prob`` -> ``ref_logprobs``;
 - :class:`CriticWorker`: ``values``, ``update``, checkpoints, ``export_hf``;
 - :class:`RewardWorker` / :class:`CostWorker`: ``score`` -> ``scores`` / ``costs``, by a

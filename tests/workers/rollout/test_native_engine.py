@@ -222,6 +222,24 @@ def test_update_weights_changes_greedy_output() -> None:
         engine.update_weights([("lm_head.weight", torch.zeros(2, 2))])
 
 
+def test_bound_weights_are_viewed_not_copied_and_released_weights_refuse_to_generate() -> None:
+    model = build_tiny_model(TinyModelConfig(), seed=0)
+    engine = _engine(model)
+    update = build_tiny_model(TinyModelConfig(), seed=1)
+    held = {name: p.detach().clone() for name, p in update.named_parameters()}
+    engine.release_weights()
+    assert all(p.numel() == 0 for p in engine.model.parameters())
+    with pytest.raises(ConfigError, match="weights were released"):
+        engine.generate(PROMPTS, GREEDY)
+    assert engine.bind_weights(held.items()) == len(held)
+    for name, p in engine.model.named_parameters():  # the same memory, no copy
+        assert p.untyped_storage().data_ptr() == held[name].untyped_storage().data_ptr()
+    _assert_same(engine.generate(PROMPTS, GREEDY), _engine(update).generate(PROMPTS, GREEDY))
+    engine.release_weights()
+    with pytest.raises(ConfigError, match=r"'lm_head\.weight' as \(2, 2\)"):
+        engine.bind_weights([("lm_head.weight", torch.zeros(2, 2))])
+
+
 # Generation runs: stepping, streaming order, export/admit (migration between engines).
 
 
