@@ -1,14 +1,15 @@
 """The hybrid engine's transition from training to generation layout, measured.
 
-    python -m bench.transition --json PATH [--size small] [--repeats 3] [--bucket-mb 64]
+    python -m bench.transition --json PATH [--ranks 4|8] [--size small] [--repeats 3] [--bucket-mb 64]
 
-Four real processes joined by a gloo group hold the training shards of a Llama-
+Four (or eight) real processes joined by a gloo group hold the training shards of a Llama-
 shaped model of at least 100 M parameters (built locally: each rank draws its own
 shards) and move them into the generation layout with each method:
 ``allgather`` (every rank gathers the whole model: the actor before the hybrid
 engine), ``vanilla`` (HybridFlow-V grouping) and ``hybridflow`` (micro-DP groups,
 training shards reused in place). Layouts: ``141-1221`` (train p1-t4-d1, generate
-pg1-tg2-dg2-d1) and ``122-1122`` (train p1-t2-d2, generate pg1-tg1-dg2-d2).
+pg1-tg2-dg2-d1) and ``122-1122`` (train p1-t2-d2, generate pg1-tg1-dg2-d2); with
+8 ranks ``181-1421`` and ``142-1222``.
 
 Per method and layouts: the transition's seconds (median over repeats of the
 slowest rank), bytes sent per rank and peak parameter bytes per rank (max over
@@ -34,8 +35,11 @@ import torch.multiprocessing as mp
 from channels import Layout
 from hybrid_engine import METHODS, ParamSpec, Resharder, expected_bytes, layout_from, make_plan
 
-WORLD = 4
-LAYOUTS = {"141-1221": layout_from(4, 2), "122-1122": layout_from(2, 1, d=2)}
+LAYOUTS = {
+    4: {"141-1221": layout_from(4, 2), "122-1122": layout_from(2, 1, d=2)},
+    8: {"181-1421": layout_from(8, 4), "142-1222": layout_from(4, 2, d=2)},
+}
+"""The benched layouts by number of ranks."""
 SIZES = {  # hidden, intermediate, layers, vocab
     "full": (1024, 2816, 6, 32000),
     "small": (64, 128, 2, 256),
@@ -79,12 +83,12 @@ def _group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return group
 
 
-def _rank_main(rank: int, store: str, size: str, repeats: int, bucket: int, out: str) -> None:
+def _rank_main(rank: int, world: int, store: str, size: str, repeats: int, bucket: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     specs = model_specs(size)
     rows = []
-    for name, layout in LAYOUTS.items():
+    for name, layout in LAYOUTS[world].items():
         shards = _shards(layout, rank, specs)
         methods = [m for m in METHODS if m != "vanilla"]
         resharders: dict[str, Resharder] = {m: Resharder(make_plan(layout, specs, method=m, bucket_bytes=bucket), rank, shards, _group)
@@ -111,25 +115,25 @@ def _rank_main(rank: int, store: str, size: str, repeats: int, bucket: int, out:
                              "s": stats.seconds, "sent": stats.sent_bytes, "peak": stats.peak_bytes,
                              "matches": stats.sent_bytes == exp.sent and stats.resident_bytes == exp.resident})
         del resharders, shards
-    gathered: list[object] = [None] * WORLD
+    gathered: list[object] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
         Path(out).write_text(json.dumps(gathered))
     dist.destroy_process_group()
 
 
-def measure(size: str, repeats: int, bucket: int) -> dict[str, object]:
-    """Run the four ranks and reduce their rows to the JSON figures."""
+def measure(world: int, size: str, repeats: int, bucket: int) -> dict[str, object]:
+    """Run ``world`` ranks and reduce their rows to the JSON figures."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank_main, args=(os.path.join(tmp, "store"), size, repeats, bucket, out),
-                           nprocs=WORLD, start_method="spawn", join=True)
+        mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), size, repeats, bucket, out),
+                           nprocs=world, start_method="spawn", join=True)
         per_rank = json.loads(Path(out).read_text())
     specs = model_specs(size)
     result: dict[str, object] = {"model_bytes": sum(s.nbytes for s in specs),
                                  "params": sum(s.nbytes for s in specs) // 4, "bucket_bytes": bucket,
-                                 "ranks": WORLD}
-    for name in LAYOUTS:
+                                 "ranks": world}
+    for name in LAYOUTS[world]:
         for method in METHODS:
             mine = [[r for r in rows if r["layouts"] == name and r["method"] == method] for rows in per_rank]
             seconds = [max(rank[i]["wall_s"] for rank in mine) for i in range(repeats)]
@@ -149,7 +153,7 @@ def table(result: dict[str, object]) -> str:
     mb = 1 << 20
     lines = ["| layouts | method | seconds | MB sent / rank | peak MB / rank | bytes = formula |",
              "|---|---|---:|---:|---:|---|"]
-    for name in LAYOUTS:
+    for name in LAYOUTS[int(result["ranks"])]:  # type: ignore[call-overload]
         for method in METHODS:
             k = f"{method}_{name}"
             lines.append(f"| {name} | {method} | {result[k + '_s']:.3f} | {result[k + '_bytes'] / mb:.1f} | "  # type: ignore[operator]
@@ -161,15 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     """Measure, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--ranks", type=int, choices=sorted(LAYOUTS), default=4)
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     args = parser.parse_args(argv)
-    result = measure(args.size, args.repeats, int(args.bucket_mb * (1 << 20)))
+    result = measure(args.ranks, args.size, args.repeats, int(args.bucket_mb * (1 << 20)))
     print(f"model: {result['params'] / 1e6:.1f} M parameters, {result['model_bytes'] / (1 << 20):.0f} MB; "  # type: ignore[operator]
-          f"{WORLD} ranks, gloo; bucket {args.bucket_mb:g} MB")
+          f"{args.ranks} ranks, gloo; bucket {args.bucket_mb:g} MB")
     print(table(result))
-    for name in LAYOUTS:
+    for name in LAYOUTS[args.ranks]:
         print(f"{name}: hybridflow / allgather time {result[f'hybridflow_vs_allgather_{name}']:.2f}, "
               f"hybridflow / vanilla {result[f'hybridflow_vs_vanilla_{name}']:.2f}")
     if not all(v for k, v in result.items() if k.endswith("_matches_formula")):
