@@ -2,30 +2,39 @@
 
     python -m bench.transition --json PATH [--ranks 4|8] [--size small] [--repeats 3] [--bucket-mb 64]
 
-Four (or eight) real processes joined by a gloo group hold the training shards of a Llama-
-shaped model of at least 100 M parameters (built locally: each rank draws its own
-shards) and move them into the generation layout with each method:
-``allgather`` (every rank gathers the whole model: the actor before the hybrid
-engine), ``vanilla`` (HybridFlow-V grouping) and ``hybridflow`` (micro-DP groups,
-training shards reused in place). Layouts: ``141-1221`` (train p1-t4-d1, generate
-pg1-tg2-dg2-d1) and ``122-1122`` (train p1-t2-d2, generate pg1-tg1-dg2-d2); with
-8 ranks ``181-1421`` and ``142-1222``.
+Real processes (4, or 8 with ``--ranks 8``) joined by a gloo group hold the
+training shards of a Llama-shaped model of 142.6 M parameters in fp32 (built
+here: each rank draws only its own shards, no download) and move them into the
+generation layout with each method of :mod:`hybrid_engine`: ``allgather`` (every
+rank gathers the whole model: the actor before the hybrid engine), ``vanilla``
+(HybridFlow-V grouping) and ``hybridflow`` (micro-DP groups, training shards
+reused in place). Layouts, named ``<p><t><d>-<pg><tg><dg><d>``: ``141-1221`` and
+``122-1122`` on 4 ranks, ``181-1421`` and ``142-1222`` on 8.
 
-Per method and layouts: the transition's seconds (median over repeats of the
-slowest rank), bytes sent per rank and peak parameter bytes per rank (max over
-ranks), and whether the bytes equal the formulas (``hybrid_engine.expected_bytes``).
-JSON keys ``<method>_<layouts>_<s|bytes|peak_bytes>``, ``..._matches_formula``,
-``hybridflow_vs_<baseline>_<layouts>`` (time ratios), ``model_bytes``, ``params``.
+One measurement: barrier, ``Resharder.to_generation()``, barrier; the slowest
+rank's seconds, the most bytes one rank sent and the highest peak of parameter
+and staging bytes on one rank; then ``to_training()``. Each repeat measures every
+method, in alternating order, so that the machine's drift spreads over all of
+them; seconds are the median over repeats. Every measurement's sent and resident
+bytes are checked against ``hybrid_engine.expected_bytes`` (a mismatch warns; the
+bench still writes its figures).
+
+JSON keys: ``<method>_<layouts>_<s|bytes|peak_bytes|matches_formula>``,
+``hybridflow_vs_<allgather|vanilla>_<layouts>`` (hybridflow's seconds over the
+baseline's), ``model_bytes``, ``params``, ``bucket_bytes``, ``ranks``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,17 +42,39 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from channels import Layout
-from hybrid_engine import METHODS, ParamSpec, Resharder, expected_bytes, layout_from, make_plan
+from hybrid_engine import (
+    METHODS,
+    Method,
+    ParamSpec,
+    Resharder,
+    expected_bytes,
+    layout_from,
+    make_plan,
+)
 
-LAYOUTS = {
-    4: {"141-1221": layout_from(4, 2), "122-1122": layout_from(2, 1, d=2)},
-    8: {"181-1421": layout_from(8, 4), "142-1222": layout_from(4, 2, d=2)},
+LAYOUTS: dict[int, tuple[Layout, ...]] = {
+    4: (layout_from(4, 2), layout_from(2, 1, d=2)),
+    8: (layout_from(8, 4), layout_from(4, 2, d=2)),
 }
-"""The benched layouts by number of ranks."""
+"""The benched layouts (``hybridflow`` grouping) by number of ranks."""
+
 SIZES = {  # hidden, intermediate, layers, vocab
     "full": (1024, 2816, 6, 32000),
     "small": (64, 128, 2, 256),
 }
+
+
+def layouts_name(layout: Layout) -> str:
+    """``<p><t><d>-<pg><tg><dg><d>``, as the JSON keys spell a layout."""
+    g = layout.generation
+    return f"{layout.p}{layout.t}{layout.d}-{g.pg}{g.tg}{layout.dg}{layout.d}"
+
+
+def for_method(layout: Layout, method: Method) -> Layout:
+    """``layout`` with the generation grouping ``method`` needs (``vanilla`` has its own)."""
+    g = layout.generation
+    return layout_from(layout.t, g.tg, p=layout.p, pg=g.pg, d=layout.d,
+                       grouping="vanilla" if method == "vanilla" else "hybridflow")
 
 
 def model_specs(size: str) -> list[ParamSpec]:
@@ -53,7 +84,6 @@ def model_specs(size: str) -> list[ParamSpec]:
     f32 = torch.float32
     specs = [ParamSpec(name="model.embed_tokens.weight", shape=(vocab, hidden), dtype=f32, dim=0)]
     for i in range(layers):
-        p = f"model.layers.{i}."
         for name, shape, dim in [
             ("self_attn.q_proj.weight", (hidden, hidden), 0), ("self_attn.k_proj.weight", (hidden, hidden), 0),
             ("self_attn.v_proj.weight", (hidden, hidden), 0), ("self_attn.o_proj.weight", (hidden, hidden), 1),
@@ -61,14 +91,15 @@ def model_specs(size: str) -> list[ParamSpec]:
             ("mlp.down_proj.weight", (hidden, inter), 1),
             ("input_layernorm.weight", (hidden,), None), ("post_attention_layernorm.weight", (hidden,), None),
         ]:
-            specs.append(ParamSpec(name=p + name, shape=shape, dtype=f32, dim=dim))
+            specs.append(ParamSpec(name=f"model.layers.{i}.{name}", shape=shape, dtype=f32, dim=dim))
     specs.append(ParamSpec(name="model.norm.weight", shape=(hidden,), dtype=f32, dim=None))
     specs.append(ParamSpec(name="lm_head.weight", shape=(vocab, hidden), dtype=f32, dim=0))
     return specs
 
 
 def _shards(layout: Layout, rank: int, specs: list[ParamSpec]) -> dict[str, torch.Tensor]:
-    """This rank's training shards, drawn here (no full tensor is ever built)."""
+    """This rank's training shards, drawn here from a generator seeded by parameter
+    and chunk: no rank ever builds a full tensor it does not hold."""
     tp = layout.coords(rank).tp
     out = {}
     for i, s in enumerate(specs):
@@ -83,106 +114,134 @@ def _group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     return group
 
 
-def _rank_main(rank: int, world: int, store: str, size: str, repeats: int, bucket: int, out: str) -> None:
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What every rank runs (picklable: it crosses into the spawned processes)."""
+
+    world: int
+    size: str
+    repeats: int
+    bucket_bytes: int
+    store: str
+    """The file the ranks rendezvous through."""
+    out: str
+    """Where rank 0 writes the measurements (JSON)."""
+
+
+def _measure_one(resharder: Resharder, specs: list[ParamSpec], method: Method) -> list[float]:
+    """One transition and its reverse: [seconds, sent bytes, peak bytes, 1 if a
+    figure differs from the formulas], each the maximum over ranks."""
+    dist.barrier()
+    start = time.perf_counter()
+    resharder.to_generation()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    stats = resharder.stats
+    assert stats is not None
+    resharder.to_training()
+    exp = expected_bytes(resharder.plan.layout, specs, method)
+    differs = stats.sent_bytes != exp.sent or stats.resident_bytes != exp.resident
+    # float64 holds every byte count here exactly (< 2**53).
+    figures = torch.tensor([seconds, stats.sent_bytes, stats.peak_bytes, float(differs)], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return figures.tolist()
+
+
+def _rank_main(rank: int, job: _Job) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    specs = model_specs(size)
+    dist.init_process_group("gloo", init_method=f"file://{job.store}", rank=rank, world_size=job.world)
+    specs = model_specs(job.size)
     rows = []
-    for name, layout in LAYOUTS[world].items():
-        shards = _shards(layout, rank, specs)
-        methods = [m for m in METHODS if m != "vanilla"]
-        resharders: dict[str, Resharder] = {m: Resharder(make_plan(layout, specs, method=m, bucket_bytes=bucket), rank, shards, _group)
-                      for m in methods}
-        vanilla = layout_from(layout.t, layout.generation.tg, d=layout.d, grouping="vanilla")
-        resharders["vanilla"] = Resharder(make_plan(vanilla, specs, method="vanilla", bucket_bytes=bucket),
-                                          rank, shards, _group)
+    for layout in LAYOUTS[job.world]:
+        name, shards = layouts_name(layout), _shards(layout, rank, specs)
+        # The three share the shards: hybridflow rebinds them in place and its
+        # to_training gives them their own storage back before the next method runs.
+        resharders = {m: Resharder(make_plan(for_method(layout, m), specs, method=m, bucket_bytes=job.bucket_bytes),
+                                   rank, shards, _group) for m in METHODS}
         for r in resharders.values():
-            r.connect()
-        for repeat in range(repeats):
-            order = METHODS if repeat % 2 == 0 else tuple(reversed(METHODS))  # spread drift evenly
-            for method in order:
-                r = resharders[method]
-                dist.barrier()
-                start = time.perf_counter()
-                r.to_generation()
-                dist.barrier()
-                wall = time.perf_counter() - start
-                stats = r.stats
-                assert stats is not None
-                r.to_training()
-                exp = expected_bytes(r.plan.layout, specs, method)
-                rows.append({"layouts": name, "method": method, "repeat": repeat, "wall_s": wall,
-                             "s": stats.seconds, "sent": stats.sent_bytes, "peak": stats.peak_bytes,
-                             "matches": stats.sent_bytes == exp.sent and stats.resident_bytes == exp.resident})
+            r.connect()  # group creation is not part of a transition
+        for repeat in range(job.repeats):
+            for method in METHODS if repeat % 2 == 0 else METHODS[::-1]:
+                seconds, sent, peak, differs = _measure_one(resharders[method], specs, method)
+                rows.append({"layouts": name, "method": method, "s": seconds, "bytes": int(sent),
+                             "peak_bytes": int(peak), "matches_formula": not differs})
         del resharders, shards
-    gathered: list[object] = [None] * world
-    dist.all_gather_object(gathered, rows)
     if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
+        Path(job.out).write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
-def measure(world: int, size: str, repeats: int, bucket: int) -> dict[str, object]:
-    """Run ``world`` ranks and reduce their rows to the JSON figures."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), size, repeats, bucket, out),
-                           nprocs=world, start_method="spawn", join=True)
-        per_rank = json.loads(Path(out).read_text())
+def measure(*, world: int, size: str, repeats: int, bucket_bytes: int) -> dict[str, float | int | bool]:
+    """Run ``world`` ranks; the JSON record (keys in the module text)."""
     specs = model_specs(size)
-    result: dict[str, object] = {"model_bytes": sum(s.nbytes for s in specs),
-                                 "params": sum(s.nbytes for s in specs) // 4, "bucket_bytes": bucket,
-                                 "ranks": world}
-    for name in LAYOUTS[world]:
+    record: dict[str, float | int | bool] = {
+        "model_bytes": sum(s.nbytes for s in specs), "params": sum(math.prod(s.shape) for s in specs),
+        "bucket_bytes": bucket_bytes, "ranks": world}
+    with tempfile.TemporaryDirectory() as tmp:
+        job = _Job(world=world, size=size, repeats=repeats, bucket_bytes=bucket_bytes,
+                   store=os.path.join(tmp, "store"), out=os.path.join(tmp, "rows.json"))
+        mp.start_processes(_rank_main, args=(job,), nprocs=world, start_method="spawn", join=True)
+        rows = json.loads(Path(job.out).read_text())
+    for layout in LAYOUTS[world]:
+        name = layouts_name(layout)
         for method in METHODS:
-            mine = [[r for r in rows if r["layouts"] == name and r["method"] == method] for rows in per_rank]
-            seconds = [max(rank[i]["wall_s"] for rank in mine) for i in range(repeats)]
-            result[f"{method}_{name}_s"] = statistics.median(seconds)
-            result[f"{method}_{name}_bytes"] = max(r["sent"] for rank in mine for r in rank)
-            result[f"{method}_{name}_peak_bytes"] = max(r["peak"] for rank in mine for r in rank)
-            result[f"{method}_{name}_matches_formula"] = all(r["matches"] for rank in mine for r in rank)
+            mine = [r for r in rows if r["layouts"] == name and r["method"] == method]
+            key = f"{method}_{name}"
+            record[f"{key}_s"] = statistics.median(r["s"] for r in mine)
+            record[f"{key}_bytes"] = max(r["bytes"] for r in mine)
+            record[f"{key}_peak_bytes"] = max(r["peak_bytes"] for r in mine)
+            record[f"{key}_matches_formula"] = all(r["matches_formula"] for r in mine)
         for base in ("allgather", "vanilla"):
-            ours, theirs = result[f"hybridflow_{name}_s"], result[f"{base}_{name}_s"]
-            assert isinstance(ours, float) and isinstance(theirs, float)
-            result[f"hybridflow_vs_{base}_{name}"] = ours / theirs
-    return result
+            record[f"hybridflow_vs_{base}_{name}"] = record[f"hybridflow_{name}_s"] / record[f"{base}_{name}_s"]
+    return record
 
 
-def table(result: dict[str, object]) -> str:
-    """The figures as a Markdown table."""
+def table(record: dict[str, float | int | bool]) -> str:
+    """The figures as a Markdown table: one row per layouts and method."""
     mb = 1 << 20
     lines = ["| layouts | method | seconds | MB sent / rank | peak MB / rank | bytes = formula |",
              "|---|---|---:|---:|---:|---|"]
-    for name in LAYOUTS[int(result["ranks"])]:  # type: ignore[call-overload]
+    for layout in LAYOUTS[int(record["ranks"])]:
+        name = layouts_name(layout)
         for method in METHODS:
             k = f"{method}_{name}"
-            lines.append(f"| {name} | {method} | {result[k + '_s']:.3f} | {result[k + '_bytes'] / mb:.1f} | "  # type: ignore[operator]
-                         f"{result[k + '_peak_bytes'] / mb:.1f} | {result[k + '_matches_formula']} |")  # type: ignore[operator]
+            lines.append(f"| {name} | {method} | {record[k + '_s']:.3f} | {record[k + '_bytes'] / mb:.1f} | "
+                         f"{record[k + '_peak_bytes'] / mb:.1f} | {record[k + '_matches_formula']} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Measure, print the table, write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--ranks", type=int, choices=sorted(LAYOUTS), default=4)
-    parser.add_argument("--size", choices=sorted(SIZES), default="full")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", type=Path, help="write the figures here as flat JSON")
+    parser.add_argument("--ranks", type=int, choices=sorted(LAYOUTS), default=4, help="gloo processes")
+    parser.add_argument("--size", choices=sorted(SIZES), default="full",
+                        help="full: 142.6 M parameters; small: a tiny model for the tests")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per method and layouts (median)")
+    parser.add_argument("--bucket-mb", type=float, default=64.0, help="most gathered MB of one bucket")
     args = parser.parse_args(argv)
-    result = measure(args.ranks, args.size, args.repeats, int(args.bucket_mb * (1 << 20)))
-    print(f"model: {result['params'] / 1e6:.1f} M parameters, {result['model_bytes'] / (1 << 20):.0f} MB; "  # type: ignore[operator]
-          f"{args.ranks} ranks, gloo; bucket {args.bucket_mb:g} MB")
-    print(table(result))
-    for name in LAYOUTS[args.ranks]:
-        print(f"{name}: hybridflow / allgather time {result[f'hybridflow_vs_allgather_{name}']:.2f}, "
-              f"hybridflow / vanilla {result[f'hybridflow_vs_vanilla_{name}']:.2f}")
-    if not all(v for k, v in result.items() if k.endswith("_matches_formula")):
-        print("WARNING: some measured bytes differ from the formulas")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.bucket_mb <= 0:
+        parser.error(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    record = measure(world=args.ranks, size=args.size, repeats=args.repeats,
+                     bucket_bytes=int(args.bucket_mb * (1 << 20)))
+    print(f"model: {record['params'] / 1e6:.1f} M parameters, {record['model_bytes'] / (1 << 20):.1f} MB fp32; "
+          f"{args.ranks} ranks on {os.cpu_count()} CPU cores, gloo; bucket {args.bucket_mb:g} MB; "
+          f"median of {args.repeats}")
+    print(table(record))
+    for layout in LAYOUTS[args.ranks]:
+        name = layouts_name(layout)
+        print(f"{name}: hybridflow / allgather time {record[f'hybridflow_vs_allgather_{name}']:.2f}, "
+              f"hybridflow / vanilla {record[f'hybridflow_vs_vanilla_{name}']:.2f}")
+    wrong = [k for k, v in record.items() if k.endswith("_matches_formula") and not v]
+    if wrong:
+        print(f"WARNING: measured bytes differ from hybrid_engine.expected_bytes: {', '.join(wrong)}")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.write_text(json.dumps(record, indent=2))
+        print(f"wrote {args.json}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
