@@ -29,6 +29,7 @@ its baselines, kept for measurement):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -110,7 +111,7 @@ class Plan:
         """The spec named ``name``."""
         return self._by_name[name]
 
-    @property
+    @functools.cached_property
     def _by_name(self) -> dict[str, ParamSpec]:
         return {s.name: s for s in self.specs}
 
@@ -154,7 +155,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def check_specs(layout: Layout, specs: Sequence[ParamSpec]) -> None:

@@ -100,7 +100,8 @@ class Resharder:
         """Make every process group this rank's buckets use now (collective over
         each group's members) rather than on the first transition."""
         for bucket in self._mine:
-            self._group(bucket.group)
+            if len(bucket.group) > 1:
+                self._group(bucket.group)
 
     # ------------------------------------------------------------------ forward
 
@@ -123,8 +124,7 @@ class Resharder:
                 self.generation[spec.name] = self.training[spec.name]
         for bucket in self._mine:
             for name in dict.fromkeys(s.param for slabs in bucket.slabs.values() for s in slabs):
-                self._rebind(name, device)
-            peak = max(peak, self._measure(()))
+                peak = max(peak, self._rebind(name, device))
             s, r, out, held = self._gather(bucket, device)
             sent, received = sent + s, received + r
             staging, peak = max(staging, held), max(peak, self._measure((out,)) + held - out.nbytes)
@@ -158,7 +158,7 @@ class Resharder:
         n = slab.hi - slab.lo
         for s in row:
             n *= s
-        return n * torch.empty((), dtype=spec.dtype).element_size()
+        return n * spec.dtype.itemsize
 
     def _gather(self, bucket: Bucket, device: torch.device) -> tuple[int, int, Tensor, int]:
         """Every contribution of ``bucket`` in one uint8 buffer, in member order;
@@ -172,6 +172,8 @@ class Resharder:
             n = self._slab_bytes(slab)
             send[offset:offset + n].view(piece.dtype).view(piece.shape).copy_(piece)
             offset += n
+        if len(bucket.group) == 1:  # nothing to exchange: the rank's own slabs are the bucket
+            return 0, 0, send, send.nbytes
         out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         group = self._group(bucket.group)
         members = len(bucket.group)
@@ -220,24 +222,27 @@ class Resharder:
             g = self.generation[spec.name] = torch.empty(shape, dtype=spec.dtype, device=device)
         return g
 
-    def _rebind(self, name: str, device: torch.device) -> None:
+    def _rebind(self, name: str, device: torch.device) -> int:
         """With ``hybridflow``, before ``name``'s first bucket: allocate its generation
         tensor, copy the training shard into its place there and rebind the training
-        tensor to that place, freeing its own storage (the gathers fill the rest)."""
+        tensor to that place, freeing its own storage (the gathers fill the rest).
+        Returns the live bytes at the moment both copies exist (0: nothing done)."""
         if self.plan.method != "hybridflow" or name in self._aliased or name not in self.training:
-            return
+            return 0
         spec = self.plan.spec(name)
         own = self.plan.training_chunk(self.rank, spec)
         chunks = self.plan.generation_chunks(self.rank, spec)
         if own is None or own not in chunks or spec.dim is None or self._aliases_whole(spec):
-            return
+            return 0
         width = spec.shape[spec.dim] // self.plan.layout.t
         view = self._generation_tensor(spec, device).narrow(spec.dim, (own - chunks.start) * width, width)
         local = self.training[name]
         with torch.no_grad():
             view.copy_(local)
+            both = self._measure(())
             local.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
         self._aliased.add(name)
+        return both
 
     def _measure(self, extra: Iterable[Tensor]) -> int:
         return _live_bytes([*self.training.values(), *self.generation.values(), *extra])

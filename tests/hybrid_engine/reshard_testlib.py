@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from channels import Layout
 from hybrid_engine import ParamSpec, Resharder, expected_bytes, make_plan
+from workers._meshes import new_reconnectable_group
 
 
 def specs_for(layout: Layout) -> list[ParamSpec]:
@@ -49,9 +51,11 @@ def training_shards(layout: Layout, rank: int, specs: list[ParamSpec], full: dic
 
 
 def local_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    group = dist.new_group(list(ranks), use_local_synchronization=True)
-    assert group is not None
-    return group
+    """The members' group, made by its members only. ``dist.new_group`` names a group
+    from this rank's count of groups made, which differs between ranks that took
+    part in different layouts; the workers' reconnectable groups are named by their
+    ranks (and made once)."""
+    return new_reconnectable_group(ranks, timedelta(seconds=60))
 
 
 def check_case(rank: int, layout: Layout, method: str, bucket_bytes: int) -> dict[str, int]:
@@ -108,7 +112,66 @@ def run_ranks(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
     """Run the module-level ``fn(rank, out_dir)`` on ``world`` processes joined by gloo."""
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    mp.set_forkserver_preload(["torch", "reshard_testlib", "hybrid_engine"])
+    mp.set_forkserver_preload(["torch", "reshard_testlib", "hybrid_engine", "workers._meshes"])
     mp.start_processes(_rank_main, args=(world, str(tmp), fn, str(out)), nprocs=world,
                        start_method="forkserver", join=True)
     return out
+
+
+def _follow(rank: int, case: tuple[Layout, str, int] | None) -> list[str] | None:
+    """Take rank 0's case (None: the end), run it if this rank is in its layout, and
+    gather every rank's error text; None at the end."""
+    box: list[object] = [case]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return None
+    layout, method, bucket = box[0]  # type: ignore[misc]
+    error = ""
+    if rank < layout.world:
+        try:
+            check_case(rank, layout, method, bucket)
+        except Exception as e:  # reported to rank 0, which fails the example
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+    verdicts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, error)
+    return [str(v) for v in verdicts if v]
+
+
+def hypothesis_driver(rank: int, out: Path, examples: int) -> None:
+    """Rank 0 draws layouts that fit the world with hypothesis and broadcasts each;
+    the ranks of the layout run it (the others wait) and every rank's verdict comes
+    back to rank 0, so a failure on any rank fails (and is shrunk by) hypothesis."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from channels import GenerationLayout
+
+    if rank != 0:
+        while _follow(rank, None) is not None:
+            pass
+        return
+    world = dist.get_world_size()
+
+    @st.composite
+    def cases(draw: st.DrawFn) -> tuple[Layout, str, int]:
+        p = draw(st.sampled_from([1, 2, 4]))
+        t = draw(st.sampled_from([t for t in (1, 2, 4, 8) if p * t <= world]))
+        d = draw(st.integers(1, world // (p * t)))
+        pg = draw(st.sampled_from([q for q in (1, 2, 4) if p % q == 0]))
+        tg = draw(st.sampled_from([q for q in (1, 2, 4, 8) if t % q == 0]))
+        grouping = draw(st.sampled_from(["hybridflow", "vanilla"]))
+        layout = Layout(p=p, t=t, d=d, gen=GenerationLayout(pg=pg, tg=tg, grouping=grouping))  # type: ignore[arg-type]
+        method = "vanilla" if grouping == "vanilla" else draw(st.sampled_from(["hybridflow", "allgather"]))
+        return layout, method, draw(st.sampled_from([1024, 1 << 20]))  # 1024: one row from 8 ranks
+
+    @settings(max_examples=examples, deadline=None, database=None)
+    @given(cases())
+    def every_rank_agrees(case: tuple[Layout, str, int]) -> None:
+        errors = _follow(0, case)
+        assert not errors, errors
+
+    try:
+        every_rank_agrees()
+        (out / "ok").write_text("ok")
+    finally:
+        _follow(0, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reshard_testlib import check_case, run_ranks
+from reshard_testlib import check_case, hypothesis_driver, run_ranks
 
 from channels import GenerationLayout, Layout
 
@@ -43,3 +43,14 @@ def test_every_layout_of_four_ranks_reshards_and_reverses_bit_for_bit(tmp_path: 
                 assert got["resident"] == got["expected_resident"], (where, got)
             assert got["staging"] <= 2 * max(bucket, 1 << 8), (where, got)
             assert got["resident"] <= got["peak"] <= got["resident"] + got["staging"] + got["largest_shard"], (where, got)
+
+
+def _hypothesis(rank: int, out: Path) -> None:
+    hypothesis_driver(rank, out, examples=40)
+
+
+def test_random_layouts_up_to_eight_ranks_reshard_and_reverse_on_gloo(tmp_path: Path) -> None:
+    # Hypothesis draws (p, t, d, pg, tg, grouping, method, bucket) on rank 0; the
+    # checks of check_case run on every rank of each drawn layout.
+    out = run_ranks(8, _hypothesis, tmp_path)
+    assert (out / "ok").exists()
