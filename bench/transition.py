@@ -20,6 +20,7 @@ bytes are checked against ``hybrid_engine.expected_bytes`` (a mismatch warns; th
 bench still writes its figures).
 
 JSON keys: ``<method>_<layouts>_<s|bytes|peak_bytes|matches_formula>``,
+``<method>_<layouts>_back_s`` (the reverse, ``to_training``: local, no communication),
 ``hybridflow_vs_<allgather|vanilla>_<layouts>`` (hybridflow's seconds over the
 baseline's), ``model_bytes``, ``params``, ``bucket_bytes``, ``ranks``.
 """
@@ -130,7 +131,8 @@ class _Job:
 
 def _measure_one(resharder: Resharder, specs: list[ParamSpec], method: Method) -> list[float]:
     """One transition and its reverse: [seconds, sent bytes, peak bytes, 1 if a
-    figure differs from the formulas], each the maximum over ranks."""
+    figure differs from the formulas, seconds of the reverse], each the maximum over
+    ranks."""
     dist.barrier()
     start = time.perf_counter()
     resharder.to_generation()
@@ -138,11 +140,15 @@ def _measure_one(resharder: Resharder, specs: list[ParamSpec], method: Method) -
     seconds = time.perf_counter() - start
     stats = resharder.stats
     assert stats is not None
+    back = time.perf_counter()
     resharder.to_training()
+    dist.barrier()
+    back_seconds = time.perf_counter() - back
     exp = expected_bytes(resharder.plan.layout, specs, method)
     differs = stats.sent_bytes != exp.sent or stats.resident_bytes != exp.resident
     # float64 holds every byte count here exactly (< 2**53).
-    figures = torch.tensor([seconds, stats.sent_bytes, stats.peak_bytes, float(differs)], dtype=torch.float64)
+    figures = torch.tensor([seconds, stats.sent_bytes, stats.peak_bytes, float(differs), back_seconds],
+                           dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     return figures.tolist()
 
@@ -162,9 +168,9 @@ def _rank_main(rank: int, job: _Job) -> None:
             r.connect()  # group creation is not part of a transition
         for repeat in range(job.repeats):
             for method in METHODS if repeat % 2 == 0 else METHODS[::-1]:
-                seconds, sent, peak, differs = _measure_one(resharders[method], specs, method)
+                seconds, sent, peak, differs, back = _measure_one(resharders[method], specs, method)
                 rows.append({"layouts": name, "method": method, "s": seconds, "bytes": int(sent),
-                             "peak_bytes": int(peak), "matches_formula": not differs})
+                             "peak_bytes": int(peak), "matches_formula": not differs, "back_s": back})
         del resharders, shards
     if rank == 0:
         Path(job.out).write_text(json.dumps(rows))
@@ -188,6 +194,7 @@ def measure(*, world: int, size: str, repeats: int, bucket_bytes: int) -> dict[s
             mine = [r for r in rows if r["layouts"] == name and r["method"] == method]
             key = f"{method}_{name}"
             record[f"{key}_s"] = statistics.median(r["s"] for r in mine)
+            record[f"{key}_back_s"] = statistics.median(r["back_s"] for r in mine)
             record[f"{key}_bytes"] = max(r["bytes"] for r in mine)
             record[f"{key}_peak_bytes"] = max(r["peak_bytes"] for r in mine)
             record[f"{key}_matches_formula"] = all(r["matches_formula"] for r in mine)
@@ -199,13 +206,14 @@ def measure(*, world: int, size: str, repeats: int, bucket_bytes: int) -> dict[s
 def table(record: dict[str, float | int | bool]) -> str:
     """The figures as a Markdown table: one row per layouts and method."""
     mb = 1 << 20
-    lines = ["| layouts | method | seconds | MB sent / rank | peak MB / rank | bytes = formula |",
-             "|---|---|---:|---:|---:|---|"]
+    lines = ["| layouts | method | seconds | back s | MB sent / rank | peak MB / rank | bytes = formula |",
+             "|---|---|---:|---:|---:|---:|---|"]
     for layout in LAYOUTS[int(record["ranks"])]:
         name = layouts_name(layout)
         for method in METHODS:
             k = f"{method}_{name}"
-            lines.append(f"| {name} | {method} | {record[k + '_s']:.3f} | {record[k + '_bytes'] / mb:.1f} | "
+            lines.append(f"| {name} | {method} | {record[k + '_s']:.3f} | {record[k + '_back_s']:.3f} | "
+                         f"{record[k + '_bytes'] / mb:.1f} | "
                          f"{record[k + '_peak_bytes'] / mb:.1f} | {record[k + '_matches_formula']} |")
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:
 def _keys(layouts: tuple[str, ...]) -> set[str]:
     keys = {"model_bytes", "params", "bucket_bytes", "ranks"}
     for name in layouts:
-        keys |= {f"{m}_{name}_{f}" for m in METHODS for f in ("s", "bytes", "peak_bytes", "matches_formula")}
+        keys |= {f"{m}_{name}_{f}" for m in METHODS for f in ("s", "back_s", "bytes", "peak_bytes", "matches_formula")}
         keys |= {f"hybridflow_vs_{base}_{name}" for base in ("allgather", "vanilla")}
     return keys
 
