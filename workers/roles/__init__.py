@@ -8,6 +8,8 @@ Each is a :class:`~workers.Role` with a nested keyword-only ``Config`` and
   ``log_prob``, ``update`` (then syncs the rollout engine), checkpoints, ``export_hf``;
   with a generation layout (``Layout.gen``) the hybrid engine reshards its weights
   for each ``generate`` instead;
+- :class:`RolloutWorker`: ``generate`` on its own pool (the actor's rows) and
+  ``load_weights`` of ``actor.weights()``, a data future of the actor's shards;
 - :class:`ReferenceWorker`: ``log_prob`` -> ``ref_logprobs``;
 - :class:`CriticWorker`: ``values``, ``update``, checkpoints, ``export_hf``;
 - :class:`RewardWorker` / :class:`CostWorker`: ``score`` -> ``scores`` / ``costs``, by a
@@ -44,7 +46,9 @@ from workers.roles._fields import (
 from workers.roles._reference import ReferenceConfig, ReferenceWorker
 from workers.roles._reward import CostWorker, RewardWorker, ScoreConfig, ScorerConfig, score_summary
 from workers.roles._rollout import RolloutConfig
+from workers.roles._rollout_worker import RolloutWorker, RolloutWorkerConfig
 from workers.roles._training import UpdateConfig
+from workers.roles._weights import WEIGHTS_VERSION
 
 __all__ = [
     "ADVANTAGES",
@@ -63,6 +67,7 @@ __all__ = [
     "SEQUENCE",
     "UID",
     "VALUES",
+    "WEIGHTS_VERSION",
     "ActorConfig",
     "ActorWorker",
     "CostWorker",
@@ -72,6 +77,8 @@ __all__ = [
     "ReferenceWorker",
     "RewardWorker",
     "RolloutConfig",
+    "RolloutWorker",
+    "RolloutWorkerConfig",
     "ScoreConfig",
     "ScorerConfig",
     "UpdateConfig",

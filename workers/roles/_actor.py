@@ -15,6 +15,7 @@ weights:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from channels import DP, Batch, ConfigError, Metrics, MicroDP
+from channels import DP, AllToAll, Batch, ConfigError, Metrics, MicroDP
 from workers import CallInfo, WorkerContext, register
 from workers._streaming import StreamMethod
 from workers.engines import (
@@ -38,9 +39,9 @@ from workers.engines import (
 from workers.models import load_model, save_pretrained_here
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
-from workers.roles._generation import stream_rollout
+from workers.roles._generation import checked_generate
 from workers.roles._hybrid import HybridWeights
-from workers.roles._rollout import RolloutConfig, build_rollout, params_for_rank
+from workers.roles._rollout import RolloutConfig, build_rollout
 from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
@@ -53,6 +54,7 @@ from workers.roles._training import (
     run_updates,
     shuffle_generator,
 )
+from workers.roles._weights import weight_rows
 from workers.rollout import (
     NativeRolloutConfig,
     NativeRolloutEngine,
@@ -184,23 +186,33 @@ class ActorWorker(TrainedRole):
                 (naming the row).
             MissingFieldError: the prompts lack ``prompt_ids`` or ``prompt_mask``.
         """
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(f"actor.generate: n must be an int >= 1, got {n!r}")
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ConfigError(f"actor.generate: params must be a SamplingParams, got {params!r}")
-        require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where="actor.generate")
-        chosen = params_for_rank(params or self.config.sampling, eos_token_id=self._eos,
-                                 rank=self._seed_rank)
         # A prompt's n samples are one group: data-parallel splits keep them together.
+        run = functools.partial(checked_generate, self.rollout, prompts, n=n, params=params,
+                                default=self.config.sampling, eos_token_id=self._eos, seed_rank=self._seed_rank,
+                                rank=self.ctx.rank, where="actor.generate")
         if self._hybrid is None:
-            return (yield from stream_rollout(self.rollout, prompts, n=n, params=chosen, rank=self.ctx.rank))
+            return (yield from run())
         self._hybrid.to_generation()
         try:
             # Tensor-parallel ranks step together: their samples cannot migrate alone.
-            return (yield from stream_rollout(self.rollout, prompts, n=n, params=chosen, rank=self.ctx.rank,
-                                              migratable=self.ctx.layout.generation.tg == 1))
+            return (yield from run(migratable=self.ctx.layout.generation.tg == 1))
         finally:
             self._hybrid.to_training()
+
+    @register(protocol=AllToAll())
+    def weights(self) -> dict[str, Tensor]:
+        """The policy's current weights as a data future, for a rollout role on
+        another pool (``roles.rollout.load_weights(roles.actor.weights())``).
+
+        The ranks of the first data-parallel replica publish one row each: every
+        parameter (by its Hugging Face name) as this rank's tensor-parallel shard,
+        a parameter held whole cut into ``t`` parts, and ``weights_version`` (the
+        optimizer step count); together the rows hold each byte of the model once.
+
+        Raises:
+            ConfigError: a whole parameter's first dimension is not divisible by ``t``.
+        """
+        return weight_rows(self.engine.model, self.ctx, version=self.engine.step)
 
     @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.OLD_LOGPROBS, F.ENTROPY))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:

@@ -27,7 +27,14 @@ from channels import ROW_ID_BITS, Batch, ConfigError, row_id
 from workers._streaming import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
 from workers._streaming import Step as StepEvent
 from workers.roles import _fields as F
-from workers.roles._rollout import RolloutEngine, prompt_budgets, rollout_rows, unpadded_prompts
+from workers.roles._rollout import (
+    RolloutEngine,
+    params_for_rank,
+    prompt_budgets,
+    rollout_rows,
+    unpadded_prompts,
+)
+from workers.roles._training import require_fields
 from workers.rollout import FinishedSample, PartialSample, RolloutOutput, SamplingParams
 
 _ID, _TOKENS, _LOGPROBS, _LENGTH, _DONE, _RNG, _RNG_LEN = (
@@ -138,6 +145,25 @@ class _Rollout:
                                          logprobs=logprobs, rng_state=rng, max_new_tokens=group.budget))
         if partial:
             self.run.admit(partial)
+
+
+def checked_generate(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams | None,
+                     default: SamplingParams, eos_token_id: int | None, seed_rank: int, rank: int,
+                     where: str, migratable: bool = True) -> StreamMethod:
+    """A role's ``generate``: check the call, fill in the model's EOS and the
+    per-rank seed, then :func:`stream_rollout`.
+
+    Raises:
+        ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams (naming ``where``).
+        MissingFieldError: the prompts lack ``prompt_ids`` or ``prompt_mask``.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"{where}: n must be an int >= 1, got {n!r}")
+    if params is not None and not isinstance(params, SamplingParams):
+        raise ConfigError(f"{where}: params must be a SamplingParams, got {params!r}")
+    require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where=where)
+    chosen = params_for_rank(params or default, eos_token_id=eos_token_id, rank=seed_rank)
+    return (yield from stream_rollout(engine, prompts, n=n, params=chosen, rank=rank, migratable=migratable))
 
 
 def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams,

@@ -1,0 +1,101 @@
+"""A rollout role on its own pool takes the actor's weights as a data future, on real
+Ray workers: after an update of a tensor-parallel actor (t = 2), ``rollout.load_weights(
+actor.weights())`` makes the rollout's greedy samples the actor's, and the future holds
+each byte of the model once."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray
+import torch
+from roles_testlib import prompt_columns
+
+import asyncflow as af
+from asyncflow import ResourcePool, RoleSpec
+from channels import Layout
+from workers.engines import TrainingConfig
+from workers.models import TinyModelConfig, load_model, save_tiny_model
+from workers.roles import (
+    WEIGHTS_VERSION,
+    ActorConfig,
+    ActorWorker,
+    RolloutWorker,
+    RolloutWorkerConfig,
+)
+from workers.rollout import SamplingParams
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MODEL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+                        head_dim=32, num_hidden_layers=1)
+POLICY = ResourcePool(name="policy", devices=2)
+GEN = ResourcePool(name="gen", devices=1)
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+@af.transform(reads=("response_mask",), writes=("advantages",))
+def alternating_advantages(batch):
+    """+1 / -1 by row: enough to move the weights."""
+    mask = batch["response_mask"].float()
+    return {"advantages": (1.0 - 2.0 * (torch.arange(mask.shape[0]) % 2).float())[:, None] * mask}
+
+
+@pytest.fixture(scope="module")
+def env(loop_thread, tmp_path_factory):
+    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("policy"), MODEL, seed=0))
+    ray.init(num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
+    session = af.Session()
+
+    async def start() -> af.Roles:
+        await session.__aenter__()
+        return await session.spawn({
+            "actor": RoleSpec(cls=ActorWorker, pool=POLICY, layout=Layout(t=2), config=ActorConfig(
+                model_dir=model_dir, training=TrainingConfig(lr=1e-2),
+                sampling=SamplingParams(max_new_tokens=6, temperature=1.0))),
+            "rollout": RoleSpec(cls=RolloutWorker, pool=GEN, config=RolloutWorkerConfig(model_dir=model_dir)),
+        })
+
+    yield loop_thread, session, loop_thread.run(start()), model_dir
+    loop_thread.run(session.close())
+    af.shutdown_ray()
+
+
+def test_the_rollout_role_samples_what_the_actor_samples_after_loading_its_weights(env) -> None:
+    lt, session, roles, model_dir = env
+
+    async def main():
+        src = await session.put(prompt_columns(), pool=POLICY)
+        rows = roles.actor.generate(src, n=2)
+        await roles.actor.update(rows.map(alternating_advantages))
+        before = await roles.rollout.generate(src, params=GREEDY).fetch()
+        weights = roles.actor.weights()
+        versions = await roles.rollout.load_weights(weights)
+        after = await roles.rollout.generate(src, params=GREEDY).fetch()
+        actor = await roles.actor.generate(src, params=GREEDY).fetch()
+        return before, versions, after, actor, await weights.fetch()
+
+    before, versions, after, actor, weights = lt.run(main())
+    assert versions == [1]  # one optimizer step
+    assert torch.equal(after["response_ids"], actor["response_ids"])
+    assert not torch.equal(before["response_ids"], actor["response_ids"])  # the load changed the policy
+    # One row per tensor-parallel rank; together they hold each byte of the model
+    # once, plus one padding row of each whole 19-row parameter (the vocabulary).
+    assert weights[WEIGHTS_VERSION].tolist() == [1, 1]
+    params = dict(load_model(model_dir).named_parameters())
+    assert set(weights) == {*params, WEIGHTS_VERSION}
+    assert {col.shape[0] for col in weights.values()} == {2}
+    padding = sum(p[0].nbytes for p in params.values() if p.shape[0] % 2)
+    assert sum(weights[n].nbytes for n in params) == sum(p.nbytes for p in params.values()) + padding
+
+
+def test_rows_that_are_not_weights_are_refused(env) -> None:
+    lt, session, roles, _ = env
+
+    async def main():
+        src = await session.put(prompt_columns(), pool=POLICY)
+        await roles.rollout.load_weights(src)
+
+    with pytest.raises(af.RemoteStageError, match=r"ConfigError: rollout\.load_weights needs the rows of actor\.weights"):
+        lt.run(main())
