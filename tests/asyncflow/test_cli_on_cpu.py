@@ -138,17 +138,27 @@ def test_a_killed_worker_ends_the_run_in_one_line_and_resume_continues(tmp_path,
     run = _config(tmp_path, model_dir, steps=10_000, name="run")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
+    # Output goes to files, not pipes: nobody reads a pipe while the run goes on,
+    # and a full pipe would block the run (a hang that looks like ours).
+    out_file, err_file = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=out_file, stderr=err_file, text=True, env=env)
     first = tmp_path / "run" / "checkpoints" / "step_000002" / "state.json"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 200  # inside pytest-timeout's 300 s, so that the run's output is shown
     while not first.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"no checkpoint of step 2 (exit {proc.returncode}); stderr:\n"
+                        f"{(tmp_path / 'stderr.txt').read_text()[-4000:]}")
         time.sleep(0.2)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::WorkerProcess")]
     assert workers
     workers[0].send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    out_file.close()
+    err_file.close()
+    err = (tmp_path / "stderr.txt").read_text()
     last = err.strip().splitlines()[-1]
     assert proc.returncode == 1, err
     assert "Traceback" not in err
