@@ -41,7 +41,7 @@ from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
 from workers.roles._generation import checked_generate
 from workers.roles._hybrid import HybridWeights
-from workers.roles._rollout import RolloutConfig, build_rollout
+from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
 from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
@@ -127,8 +127,7 @@ class ActorWorker(TrainedRole):
         model = load_model(config.model_dir)
         # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
         nn.Module.to(model, ctx.device)
-        eos = model.config.eos_token_id
-        self._eos: int | None = eos[0] if isinstance(eos, list) else eos
+        self._eos = model_eos(model)
         gen = ctx.layout.gen
         # The ranks of one generation replica sample alike (tensor parallel ones must).
         self._seed_rank = ctx.layout.gen_coords(ctx.rank).replica if gen is not None else ctx.rank

@@ -116,6 +116,12 @@ def prompt_budgets(prompts: Mapping[str, Tensor], params: SamplingParams) -> lis
     return budgets
 
 
+def model_eos(model: PreTrainedModel) -> int | None:
+    """The model config's EOS id (the first when it lists several; None without one)."""
+    eos = model.config.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
 def params_for_rank(params: SamplingParams, *, eos_token_id: int | None, rank: int) -> SamplingParams:
     """``params`` with the model's EOS filled in (when unset) and the seed offset by rank."""
     changes: dict[str, object] = {}

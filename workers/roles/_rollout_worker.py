@@ -20,7 +20,7 @@ from workers._streaming import StreamMethod
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._generation import checked_generate
-from workers.roles._rollout import RolloutConfig, build_rollout
+from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
 from workers.roles._training import check_model_dir, check_seed, check_types
 from workers.roles._weights import assemble_weights
 from workers.rollout import NativeRolloutConfig, SamplingParams, VLLMRolloutConfig
@@ -64,8 +64,7 @@ class RolloutWorker(Role):
         torch.manual_seed(config.seed)
         model = load_model(config.model_dir)
         nn.Module.to(model, ctx.device)
-        eos = model.config.eos_token_id
-        self._eos: int | None = eos[0] if isinstance(eos, list) else eos
+        self._eos = model_eos(model)
         self._shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir, rank=ctx.rank)
         self.weights_version: int | None = None

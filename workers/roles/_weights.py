@@ -30,7 +30,8 @@ WEIGHTS_VERSION = "weights_version"
 def _tp_shard(param: Tensor) -> tuple[Tensor, bool]:
     """This rank's tensor-parallel shard of ``param`` and whether it is split; a
     parameter also sharded over data-parallel ranks (FSDP) is gathered over them first
-    (collective over the data-parallel group)."""
+    (collective over the data-parallel group; this path has no test yet: the tests
+    publish tensor-parallel and replicated actors)."""
     if not isinstance(param, DTensor):
         return param.detach(), False
     mesh = param.device_mesh
@@ -55,7 +56,8 @@ def _part(whole: Tensor, parts: int, index: int) -> Tensor:
 def weight_rows(model: nn.Module, ctx: WorkerContext, *, version: int) -> dict[str, Tensor]:
     """This rank's rows of the weights future (see the module text).
 
-    Collective over the model's data-parallel group when it is FSDP-sharded.
+    Collective over the model's data-parallel group when it is FSDP-sharded (not
+    yet covered by a test).
     """
     c, t = ctx.coords, ctx.layout.t
     publish = c.dp == 0 and c.pp == 0
