@@ -160,6 +160,12 @@ def cost_of_long_answers(prompts: list[str], responses: list[str], answers: list
     return [float(len(r)) / 10 for r in responses]
 
 
+def digit_share_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """Partial credit: the share of a response's characters that are digits (so an
+    untrained model's samples differ in reward and an update moves the policy)."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
 def raising_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
     """A reward function with a bug."""
     raise ZeroDivisionError("reward bug")

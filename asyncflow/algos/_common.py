@@ -9,7 +9,7 @@ import msgspec
 from asyncflow._datastream import DataStream, StreamOptions, collect
 from asyncflow._ops import merge
 from channels import ConfigError
-from workers.engines import LossAggregation, PolicyLoss
+from workers.engines import LossAggregation, OffPolicyCorrection, PolicyLoss
 from workers.rollout import SamplingParams
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
@@ -35,18 +35,29 @@ class PolicyConfig(msgspec.Struct, **_CFG):
     (each response's token mean, averaged over responses; the GRPO paper's form) or
     ``"seq-mean-token-sum"``. Overrides the actor's ``TrainingConfig.loss_aggregation``,
     whose default was, and is, token-mean."""
+    off_policy: OffPolicyCorrection = OffPolicyCorrection.DECOUPLED
+    """Asynchronous training (``train.max_staleness`` > 0): how tokens an older policy
+    sampled are corrected. ``"decoupled"``: the ratio against the proximal policy
+    (the actor's at the update's start), each stale token weighted by
+    ``min(pi_prox / pi_behav, is_cap)`` (decoupled PPO, AReaL); ``"behaviour"``:
+    the ratio against the rollout's log-probs (the clip bounds the step). Fresh
+    tokens are trained exactly as synchronous training trains them."""
+    is_cap: float = 2.0
+    """The largest importance weight of a stale token (``"decoupled"``)."""
 
     def __post_init__(self) -> None:
         allowed = [m.value for m in LossAggregation]
         if self.loss_agg not in allowed:
             raise ConfigError(f"policy.loss_agg must be one of {', '.join(map(repr, allowed))}, "
                               f"got {self.loss_agg!r}")
+        if not self.is_cap >= 1.0:
+            raise ConfigError(f"policy.is_cap must be >= 1 (it caps pi_prox / pi_behav), got {self.is_cap}")
 
     def update_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``actor.update``."""
         loss = PolicyLoss(clip_ratio_low=self.clip_ratio, clip_ratio_high=self.clip_ratio_high,
                           dual_clip=self.dual_clip, kl_coef=self.kl_coef, entropy_coef=self.entropy_coef,
-                          loss_agg=self.loss_agg)
+                          loss_agg=self.loss_agg, off_policy=self.off_policy, is_cap=self.is_cap)
         return {"loss": loss}
 
 
@@ -125,7 +136,7 @@ def require_ref_for_kl(algorithm: str, config: Any, ref: Any) -> None:
 
 
 def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
-                     stream: StreamOptions | None) -> tuple[Any, Any]:
+                     stream: StreamOptions | None, rollout: Any = None) -> tuple[Any, Any]:
     """The first half of a critic-free, outcome-reward step: ``config.rollout.n``
     samples per prompt from ``roles.actor``, their ``roles.reward`` scores and, when
     placed, the reference's log-probs, merged. Returns ``(the whole batch, the
@@ -133,9 +144,9 @@ def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
 
     No ``actor.log_prob`` call: the batch goes to ``actor.update`` of the policy
     that sampled it, which takes ``old_logprobs`` from its own forward pass (the
-    same numbers, one forward fewer per step; see ``ActorWorker.update``)."""
-    rollout = roles.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed),
-                                   stream=stream)
+    same numbers, one forward fewer per step; see ``ActorWorker.update``).
+    ``rollout``: samples generated ahead (see :func:`sampled`)."""
+    rollout = sampled(roles, prompts, config, seed=seed, stream=stream, rollout=rollout)
 
     def call(group: Any, method: str) -> Any:
         return call_on_rollout(group, method, rollout, producer=roles.actor, stream=stream)
@@ -143,6 +154,17 @@ def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
     scores = call(roles.reward, "score")
     parts = [rollout, scores] + ([call(roles.ref, "log_prob")] if roles.ref else [])
     return whole(merge_rows(*parts)), whole(scores)
+
+
+def sampled(roles: Any, prompts: Any, config: Any, *, seed: int | None, stream: StreamOptions | None,
+            rollout: Any = None) -> Any:
+    """The step's samples: ``rollout`` when the trainer generated them ahead (a
+    rollout role's rows, possibly of an older policy: ``actor.update`` corrects
+    them by their ``policy_version``), else ``config.rollout.n`` samples per prompt
+    from ``roles.actor.generate``."""
+    if rollout is not None:
+        return rollout
+    return roles.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
 
 
 def merge_rows(*parts: Any) -> Any:

@@ -48,18 +48,21 @@ def _check(config: GRPOConfig) -> None:
     check_group_size(config.rollout.n, "GRPO compares the samples of one prompt; 8 is usual")
 
 
-@algorithm("grpo", config=GRPOConfig, roles=GRPORoles, streams=True, check=_check, wants=ref_for_kl)
+@algorithm("grpo", config=GRPOConfig, roles=GRPORoles, streams=True, samples_ahead=True, check=_check,
+           wants=ref_for_kl)
 async def grpo_step(roles: GRPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: GRPOConfig,
-                    *, seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
+                    *, seed: int | None = None, stream: StreamOptions | None = None,
+                    rollout: DataFuture[Any] | None = None) -> dict[str, float]:
     """One GRPO step: sample ``n`` responses per prompt, score them, normalise the
     scores within each prompt's group and update the actor. ``seed`` seeds the
     step's sampling (a resumed run then samples what an uninterrupted one would).
     With ``stream``, groups flow into the log-prob and reward calls as they finish
     on other pools than the actor's (``call_on_rollout`` says which; the
-    long tail may migrate); the update gets the same rows."""
+    long tail may migrate); the update gets the same rows. ``rollout``: the
+    samples, generated ahead by a rollout role (asynchronous training)."""
     r = GRPORoles.of(roles, algorithm="GRPO")
     require_ref_for_kl("GRPO", config, r.ref)
-    batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream)
+    batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream, rollout=rollout)
     batch = batch.map(group_advantages, scale_by_std=config.scale_by_std)
     actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.reward.stats(scores))
     return actor | score_summary(stats)

@@ -17,6 +17,7 @@ from asyncflow.algos._common import (
     RolloutConfig,
     call_on_rollout,
     merge_rows,
+    sampled,
     whole,
 )
 from asyncflow.algos._registry import RoleSet, algorithm
@@ -58,9 +59,10 @@ def _wants(config: PPOConfig) -> tuple[str, ...]:
     return ("ref",) if config.reward_kl_coef > 0 or config.policy.kl_coef > 0 else ()
 
 
-@algorithm("ppo", config=PPOConfig, roles=PPORoles, streams=True, check=_check, wants=_wants)
+@algorithm("ppo", config=PPOConfig, roles=PPORoles, streams=True, samples_ahead=True, check=_check, wants=_wants)
 async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: PPOConfig, *,
-                   seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
+                   seed: int | None = None, stream: StreamOptions | None = None,
+                   rollout: DataFuture[Any] | None = None) -> dict[str, float]:
     """One PPO step: rollout, reference log-probs, values and scores (each on its
     role's pool, so stages on different pools overlap), GAE on the consumers'
     ranks, then the actor and critic updates side by side. With ``stream``, the
@@ -70,7 +72,7 @@ async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: Data
     r = PPORoles.of(roles, algorithm="PPO")
     if _wants(config) and r.ref is None:
         raise ConfigError("PPO with a KL term (reward_kl_coef or policy.kl_coef > 0) needs a placed ref role")
-    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
+    rollout = sampled(r, prompts, config, seed=seed, stream=stream, rollout=rollout)
 
     def call(group: RoleGroup[Any], method: str) -> Any:
         return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)

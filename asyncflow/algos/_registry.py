@@ -144,6 +144,10 @@ class Algorithm(Generic[C]):
     draws: bool = False
     """``step`` takes ``more=``, a :data:`PromptSource` to draw further prompt
     batches (e.g. dynamic sampling); the trainer counts them in the data position."""
+    samples_ahead: bool = False
+    """``step`` takes ``rollout=``: the step's samples, generated ahead by a rollout
+    role (``train.max_staleness``: possibly by an older policy), which the step
+    uses instead of calling ``actor.generate``."""
     check: Callable[[C], None] | None = None
     """Checks the settings no field can alone; raises ConfigError naming
     ``algorithm.<key>``."""
@@ -162,10 +166,15 @@ class Algorithm(Generic[C]):
 
     async def run_step(self, roles: Mapping[str, RoleGroup[Any]], prompts: Any, config: C, *,
                        seed: int | None, stream: Any = None, state: Any = None,
-                       more: PromptSource | None = None) -> dict[str, float]:
-        """One step with the placed ``roles`` (passing ``stream``, ``state`` and
-        ``more`` when the algorithm takes them)."""
+                       more: PromptSource | None = None, rollout: Any = None) -> dict[str, float]:
+        """One step with the placed ``roles`` (passing ``stream``, ``state``,
+        ``more`` and ``rollout`` when the algorithm takes them)."""
         kwargs: dict[str, Any] = {"seed": seed}
+        if rollout is not None:
+            if not self.samples_ahead:
+                raise ConfigError(f"algorithm {self.name!r} samples in its step; it cannot train on samples "
+                                  "generated ahead (train.max_staleness, a rollout role)")
+            kwargs["rollout"] = rollout
         if stream is not None:
             if not self.streams:
                 raise ConfigError(f"algorithm {self.name!r} does not stream")
@@ -201,7 +210,7 @@ def register(algo: Algorithm[Any]) -> Algorithm[Any]:
 
 
 def algorithm(name: str, *, config: type[C], roles: type[RoleSet], streams: bool = False,
-              state: Callable[[C], Any] | None = None, draws: bool = False,
+              state: Callable[[C], Any] | None = None, draws: bool = False, samples_ahead: bool = False,
               check: Callable[[C], None] | None = None,
               wants: Callable[[C], Iterable[str]] | None = None) -> Callable[[F], F]:
     """Register the decorated ``async def step`` as algorithm ``name`` (see
@@ -209,7 +218,7 @@ def algorithm(name: str, *, config: type[C], roles: type[RoleSet], streams: bool
 
     def decorate(step: F) -> F:
         register(Algorithm(name=name, config=config, roles=roles, step=step, streams=streams, state=state,
-                           draws=draws, check=check, wants=wants))
+                           draws=draws, samples_ahead=samples_ahead, check=check, wants=wants))
         return step
 
     return decorate

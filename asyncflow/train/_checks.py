@@ -23,6 +23,8 @@ from workers.rewards import load_reward_fn
 
 MODEL_ROLES = ("actor", "ref", "critic", "cost_critic")
 """Roles that load the policy's model (and so may split it by tensor parallelism)."""
+ROLLOUT_ROLE = "rollout"
+"""The role that generates on its own pool (``[placement] rollout``), from the actor's weights."""
 
 
 # ----- models and layouts -----

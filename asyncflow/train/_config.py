@@ -25,6 +25,7 @@ from asyncflow.algos import (
 from asyncflow.algos._checks import at_least, check_policy, check_rollout
 from asyncflow.train._checks import (
     MODEL_ROLES,
+    ROLLOUT_ROLE,
     check_tensor_parallel,
     gguf_heads,
     load_score_function,
@@ -249,7 +250,8 @@ def needed_roles(config: RunConfig) -> tuple[str, ...]:
     ones its settings want, and ``ref`` for the KL metric (``train.kl_metric``)
     when the algorithm can use one."""
     also = ("ref",) if config.train.kl_metric else ()
-    return algorithm_in(config).needed_roles(config.algorithm, also=also)
+    roles = algorithm_in(config).needed_roles(config.algorithm, also=also)
+    return (*roles, ROLLOUT_ROLE) if ROLLOUT_ROLE in config.placement else roles
 
 
 def validate(config: RunConfig) -> None:
@@ -314,10 +316,10 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
         at_least(f"pools.{name}.devices", pool.devices, 1)
         if pool.threads is not None:
             at_least(f"pools.{name}.threads", pool.threads, 1)
-    unknown = set(config.placement) - {*MODEL_ROLES, "reward", "cost"}
+    unknown = set(config.placement) - {*MODEL_ROLES, "reward", "cost", ROLLOUT_ROLE}
     if unknown:
         raise ConfigError(f"placement names unknown roles {sorted(unknown)}; roles are "
-                          f"{[*MODEL_ROLES, 'reward', 'cost']}")
+                          f"{[*MODEL_ROLES, 'reward', 'cost', ROLLOUT_ROLE]}")
     for role, place in config.placement.items():
         key = f"placement.{role}"
         if place.pool not in config.pools:
@@ -333,7 +335,9 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
                               f"(pools.{place.pool}.devices); change t or the pool's size")
         if place.gen is not None:
             _check_gen(config, role, place)
-        if role in MODEL_ROLES:
+        if role == ROLLOUT_ROLE:
+            _check_rollout_role(config, place)
+        elif role in MODEL_ROLES:
             check_tensor_parallel(role, place.t, heads, source)
         elif place.t != 1:
             scorer = f"{role}.model_dir" if getattr(config, role).model_dir else f"{role}.function"
@@ -357,6 +361,25 @@ def _check_gen(config: RunConfig, role: str, place: PlacementSection) -> None:
     if config.actor.rollout_engine != "native":
         raise ConfigError(f"{key} needs actor.rollout_engine = \"native\" (got {config.actor.rollout_engine!r}); "
                           "vLLM with the hybrid engine is planned")
+
+
+def _check_rollout_role(config: RunConfig, place: PlacementSection) -> None:
+    """Generation on its own pool: every rank holds whole weights, the actor does
+    not also generate, and the algorithm trains on samples generated ahead."""
+    algo = algorithm_in(config)
+    if not algo.samples_ahead:
+        ahead = sorted(n for n, a in algorithms().items() if a.samples_ahead)
+        raise ConfigError(f"placement.rollout: algorithm {algo.name!r} samples inside its step; a rollout role "
+                          f"works with {', '.join(ahead)}")
+    if place.t != 1 or place.gen is not None:
+        raise ConfigError("placement.rollout: every rollout rank generates with whole weights (t = 1, no gen); "
+                          "a rollout role with its own generation layout is planned")
+    actor = config.placement.get("actor")
+    if actor is not None and actor.gen is not None:
+        raise ConfigError("placement.actor.gen and placement.rollout both set: the actor generates with the "
+                          "hybrid engine or a rollout role generates on its own pool, not both")
+    if config.train.stream:
+        raise ConfigError("train.stream with a rollout role is planned; set train.stream = false")
 
 
 def _check_scores(config: RunConfig) -> None:
@@ -390,7 +413,10 @@ def _check_algorithms(config: RunConfig) -> None:
         streaming = sorted(n for n, a in algorithms().items() if a.streams)
         raise ConfigError(f"train.stream = true works with {', '.join(streaming)}, not {algo.name}; "
                           "set train.stream = false")
-    buildable = {*MODEL_ROLES, "reward", "cost"}
+    if config.train.max_staleness and ROLLOUT_ROLE not in config.placement:
+        raise ConfigError(f"train.max_staleness = {config.train.max_staleness} needs a rollout role on its own "
+                          "pool to generate ahead: add [placement] rollout = { pool = \"...\" }")
+    buildable = {*MODEL_ROLES, "reward", "cost", ROLLOUT_ROLE}
     unknown = [r for r in needed_roles(config) if r not in buildable]
     if unknown:
         raise ConfigError(f"algorithm {algo.name!r} needs roles {unknown} that asyncflow train cannot build; "

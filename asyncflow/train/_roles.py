@@ -20,6 +20,8 @@ from workers.roles import (
     ReferenceConfig,
     ReferenceWorker,
     RewardWorker,
+    RolloutWorker,
+    RolloutWorkerConfig,
     ScoreConfig,
     UpdateConfig,
 )
@@ -59,11 +61,14 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
                else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed))
     actor_place = config.placement.get("actor")
     hybrid = actor_place is not None and actor_place.gen is not None
+    disaggregated = "rollout" in config.placement  # the actor trains, the rollout role generates
     # The hybrid engine reshards tensor-parallel shards: data-parallel ranks keep theirs whole.
     actor_training = dataclasses.replace(_training(a), data_parallel="replicate") if hybrid else _training(a)
     build = {
         "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=actor_training, update=_update(a),
-                                                   rollout=rollout, seed=config.seed)),
+                                                   rollout=None if disaggregated else rollout, seed=config.seed)),
+        "rollout": lambda: (RolloutWorker, RolloutWorkerConfig(model_dir=model_dir, rollout=rollout,
+                                                               seed=config.seed)),
         "ref": lambda: (ReferenceWorker, ReferenceConfig(model_dir=model_dir, seed=config.seed)),
         "critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
                                                       update=_update(config.critic), seed=config.seed)),

@@ -101,6 +101,13 @@ class TrainSection(msgspec.Struct, **_CFG):
     """Long-tail migration while streaming: move the samples still generating onto
     fewer actor ranks once at most this many remain (0: never); ``"auto"`` picks
     the threshold with the simulator from the previous step's response lengths."""
+    max_staleness: int = 0
+    """With a rollout role (``[placement] rollout = { pool = ... }``, generation on its
+    own pool): how many steps generation may run ahead of training. Batch ``j`` is
+    sampled by the actor's weights of step ``j - 1 - max_staleness`` or newer, so
+    generating steps ``n+1 .. n+k`` overlaps training step ``n``; the loss corrects
+    stale tokens (``algorithm.policy.off_policy``). 0: synchronous (the same
+    metrics as generating on the actor)."""
     trace_steps: int = 0
     """Trace the first this many RL steps of the run: ``timeline.png`` (one lane per
     pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the output
@@ -111,7 +118,7 @@ class TrainSection(msgspec.Struct, **_CFG):
         # (see load_config).
         for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints"):
             at_least(f"TrainSection.{name}", getattr(self, name), 1)
-        for name in ("checkpoint_every", "eval_every", "trace_steps", "eval_samples"):
+        for name in ("checkpoint_every", "eval_every", "trace_steps", "eval_samples", "max_staleness"):
             at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
         at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
         at_least("TrainSection.stream_micro_batch", self.stream_micro_batch, 1)

@@ -22,6 +22,7 @@ from asyncflow._ops import merge
 from asyncflow._proxy import Roles
 from asyncflow._session import Session
 from asyncflow.algos import PromptSource
+from asyncflow.train._ahead import SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir
 from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
 from asyncflow.train._metrics import (
@@ -84,6 +85,7 @@ class Trainer:
         self.progress_bar = progress_bar
         self.out = Path(config.output_dir)
         self.checkpoints = CheckpointDir(self.out / "checkpoints", keep=config.train.keep_checkpoints)
+        self._ahead: SamplesAhead | None = None
 
     # ----- set-up -----
 
@@ -187,6 +189,12 @@ class Trainer:
         # unless the algorithm draws more, as DAPO's dynamic sampling does).
         source = _PromptSource(session, prompts, c.train.prompts_per_step, seed=c.seed,
                                skip=int(state.get("batches_drawn", start)))
+        if "rollout" in roles:  # generation on its own pool, up to max_staleness steps ahead
+            self._ahead = SamplesAhead(session, roles, rollout_of(c), max_staleness=c.train.max_staleness,
+                                       last_step=c.train.steps, seed_of=self._seed, next_prompts=source.next,
+                                       start=start)
+            if self.resume:
+                await self._ahead.restore(self.checkpoints.latest(), state.get("in_flight", []))
         bar = _bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
         evaluated: tuple[int, dict[str, float]] = (-1, {})
@@ -195,15 +203,20 @@ class Trainer:
             for step in range(start + 1, c.train.steps + 1):
                 await traced.before_step()
                 t = time.monotonic()
-                drawn = await source.next()
-                metrics = await self._step(roles, drawn, algo_state, seed=c.seed * 1_000_003 + step,
-                                           more=source.next)
+                rollout, ahead_metrics = None, {}
+                if self._ahead is not None:
+                    sampled, ahead_metrics = await self._ahead.for_step(step)
+                    drawn, rollout = sampled.prompts, sampled.rows
+                else:
+                    drawn = await source.next()
+                metrics = await self._step(roles, drawn, algo_state, seed=self._seed(step), more=source.next,
+                                           rollout=rollout) | ahead_metrics
                 metrics["time/step_s"] = time.monotonic() - t
                 traced.after_step()
                 tokens = metrics.get("actor/response_tokens", 0.0)
                 metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
                 if c.train.eval_every and step % c.train.eval_every == 0 and step < c.train.steps:
-                    evaluated = step, await self._evaluate(session, roles, prompts, max_new)
+                    evaluated = step, await self._evaluate(session, roles, prompts, max_new, version=step)
                     metrics |= evaluated[1]
                 log.write(step, metrics)
                 _advance(bar, metrics)
@@ -219,7 +232,7 @@ class Trainer:
         if evaluated[0] == step:  # the time budget ended the run right after an evaluation
             scores = evaluated[1]
         else:
-            scores = await self._evaluate(session, roles, prompts, max_new)
+            scores = await self._evaluate(session, roles, prompts, max_new, version=step)
             log.write(step, scores)
         after = scores["eval/accuracy"]
         if scores.keys() - {"eval/accuracy"}:
@@ -234,31 +247,47 @@ class Trainer:
         return RunResult(accuracy_before=float(state["accuracy_before"]), accuracy_after=after,
                          steps=step, output_dir=self.out, plot=plot)
 
+    def _seed(self, step: int) -> int:
+        """The sampling seed of step ``step`` (of batch ``step`` when sampled ahead)."""
+        return self.config.seed * 1_000_003 + step
+
     async def _step(self, roles: Roles, prompts: DataFuture[Any], algo_state: Any, *, seed: int,
-                    more: PromptSource | None = None) -> dict[str, float]:
+                    more: PromptSource | None = None, rollout: DataFuture[Any] | None = None) -> dict[str, float]:
         c = self.config
         stream = None
         if c.train.stream:
             stream = StreamOptions(micro_batch=c.train.stream_micro_batch, migrate=c.train.migrate)
         return await algorithm_in(c).run_step(roles, prompts, c.algorithm, seed=seed, stream=stream,
-                                              state=algo_state, more=more)
+                                              state=algo_state, more=more, rollout=rollout)
 
-    async def _evaluate(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int) -> dict[str, float]:
+    def _generate(self, roles: Roles, version: int) -> Callable[..., DataFuture[Any]]:
+        """What generates for evaluation: the actor, or the rollout role with the
+        actor's weights of ``version`` (before the first step it holds them)."""
+        if "rollout" not in roles:
+            return roles.actor.generate
+        if self._ahead is None:
+            return roles.rollout.generate
+        ahead = self._ahead
+        return lambda prompts, *, n, params: ahead.generate_now(prompts, version=version, n=n, params=params)
+
+    async def _evaluate(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int, *,
+                        version: int = 0) -> dict[str, float]:
         """Held-out scores: ``eval/accuracy``, the mean reward of greedy responses (the
         task's verifier); with ``train.eval_samples`` = n also ``eval/mean@n`` and
-        ``eval/pass@k`` over n sampled responses per prompt."""
+        ``eval/pass@k`` over n sampled responses per prompt. ``version``: the actor's
+        step (the weights a rollout role must hold)."""
         c = self.config
         held_out = await session.put(prompts.eval_batch(first_uid=EVAL_UID_BASE))
         r = rollout_of(c)
-        greedy = roles.actor.generate(held_out, n=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_new,
-                                                                           stop=r.stop))
+        generate = self._generate(roles, version)
+        greedy = generate(held_out, n=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_new, stop=r.stop))
         stats = score_summary(await roles.reward.stats(roles.reward.score(greedy)))
         out = {"eval/accuracy": float(stats.get("reward/mean", 0.0))}
         n = c.train.eval_samples
         if n:
             params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=max_new,
                                     stop=r.stop)
-            sampled = roles.actor.generate(held_out, n=n, params=params)
+            sampled = generate(held_out, n=n, params=params)
             rows = await merge(sampled.select("uid"), roles.reward.score(sampled)).fetch()
             out |= pass_at_k(rows["uid"], rows["scores"], n=n, threshold=c.train.pass_threshold)
         return out
@@ -270,6 +299,8 @@ class Trainer:
             await roles[role].save_checkpoint(str(tmp / role))
         if self.config.train.export_hf == "checkpoints":
             await roles.actor.export_hf(str(tmp / "policy"))
+        if self._ahead is not None:  # the batches generated ahead, by versions this checkpoint no longer holds
+            state = state | {"in_flight": await self._ahead.save(tmp)}
         final = self.checkpoints.commit(tmp, step, state | {"step": step, "seed": self.config.seed})
         self.say(f"checkpoint: {final}")
 

@@ -34,7 +34,9 @@ from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
 from workers.engines._losses import (
     KLEstimator,
     LossAggregation,
+    OffPolicyCorrection,
     PolicyLossTerms,
+    StalenessTerms,
     ValueLossTerms,
     clipped_value_loss,
     entropy_from_logits,
@@ -48,10 +50,13 @@ from workers.engines._losses import (
     masked_var,
     masked_whiten,
     ppo_policy_loss,
+    staleness_correction,
 )
 from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine
 from workers.engines._objectives import (
+    BEHAVIOUR_LOGPROBS,
     ROW_INDEX,
+    STALE_TOKENS,
     LossFn,
     LossTerms,
     ModelOutputs,
@@ -69,10 +74,12 @@ from workers.engines._parallel import (
 )
 
 __all__ = [
+    "BEHAVIOUR_LOGPROBS",
     "MESH_DIM_NAMES",
     "REPLICATE_MAX_PARAMS",
     "ROW_INDEX",
     "SEQUENCE_FIELDS",
+    "STALE_TOKENS",
     "CausalLMHead",
     "EngineConfigError",
     "FixedSizeMicroBatches",
@@ -86,11 +93,13 @@ __all__ = [
     "ModelHead",
     "ModelOutputs",
     "NLLLoss",
+    "OffPolicyCorrection",
     "OnPolicy",
     "Parallelism",
     "PolicyLoss",
     "PolicyLossTerms",
     "SequenceInputs",
+    "StalenessTerms",
     "TensorParallelPlan",
     "TokenBalancedMicroBatches",
     "TrainingConfig",
@@ -120,4 +129,5 @@ __all__ = [
     "ppo_policy_loss",
     "remax_advantages",
     "scores_to_token_rewards",
+    "staleness_correction",
 ]

@@ -406,6 +406,63 @@ def ppo_policy_loss(
     )
 
 
+class OffPolicyCorrection(enum.StrEnum):
+    """How the policy loss treats tokens an older policy sampled (asynchronous
+    training): their behaviour policy (the rollout's log-probs) is not the
+    proximal policy the update starts from (``old_logprobs``)."""
+
+    DECOUPLED = "decoupled"
+    """Decoupled PPO (Hilton et al. 2021; AReaL): the clipped ratio is taken
+    against the proximal policy, and each stale token's loss is weighted by the
+    truncated importance weight ``min(pi_prox / pi_behav, cap)``."""
+    BEHAVIOUR = "behaviour"
+    """Plain PPO against the behaviour policy: the ratio of stale tokens is taken
+    against the rollout's log-probs (the clip bounds the step); no weight."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StalenessTerms:
+    """What :func:`staleness_correction` gives the policy loss (all ``[B, R]``)."""
+
+    old_logprobs: Tensor
+    """The log-probs the PPO ratio is taken against."""
+    weight: Tensor
+    """Each token's importance weight (1 on fresh tokens)."""
+    truncated: Tensor
+    """1.0 where the weight was capped."""
+
+
+def staleness_correction(old_logprobs: Tensor, behaviour_logprobs: Tensor, stale: Tensor, *,
+                         mode: OffPolicyCorrection, cap: float) -> StalenessTerms:
+    """The off-policy correction of tokens sampled by an older policy.
+
+    Fresh tokens (``stale`` 0: sampled by the policy the update starts from) are
+    left exactly as on-policy training has them (weight 1, ``old_logprobs``), so a
+    run without stale tokens computes what synchronous training computes.
+
+    Args:
+        old_logprobs: ``[B, R]`` the proximal policy's log-probs (the update's start).
+        behaviour_logprobs: ``[B, R]`` the sampling policy's (the rollout engine's).
+        stale: ``[B, R]`` 1 where the token's policy version is older than the update's.
+        mode: decoupled (truncated importance weight) or behaviour (ratio against
+            the behaviour policy).
+        cap: the largest importance weight (``decoupled``).
+
+    Returns:
+        The ratio's reference log-probs, the weights and where they were capped.
+    """
+    stale = stale.bool()
+    if mode == OffPolicyCorrection.BEHAVIOUR:
+        ones = torch.ones_like(old_logprobs)
+        return StalenessTerms(old_logprobs=torch.where(stale, behaviour_logprobs, old_logprobs), weight=ones,
+                              truncated=torch.zeros_like(ones))
+    log_weight = (old_logprobs - behaviour_logprobs).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    raw = torch.exp(log_weight)
+    weight = torch.where(stale, raw.clamp(max=cap), torch.ones_like(raw))
+    return StalenessTerms(old_logprobs=old_logprobs, weight=weight.detach(),
+                          truncated=(stale & (raw > cap)).float())
+
+
 @dataclass(frozen=True, kw_only=True)
 class ValueLossTerms:
     """Unreduced terms of the clipped value loss (all ``[B, R]``)."""

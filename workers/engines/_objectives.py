@@ -22,9 +22,18 @@ from workers.engines._errors import EngineConfigError, enum_field
 from workers.engines._losses import (
     KLEstimator,
     LossAggregation,
+    OffPolicyCorrection,
     clipped_value_loss,
     ppo_policy_loss,
+    staleness_correction,
 )
+
+BEHAVIOUR_LOGPROBS = "behaviour_logprobs"
+"""Optional column of :class:`PolicyLoss`, float32 ``[R]``: the log-probs of the policy
+that sampled the tokens (the rollout engine's), read with :data:`STALE_TOKENS`."""
+STALE_TOKENS = "stale_tokens"
+"""Optional column of :class:`PolicyLoss`, ``[R]``: 1 on tokens an older policy than the
+update's sampled (``PolicyLoss.off_policy`` corrects them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,10 +142,22 @@ class PolicyLoss:
     or ``"seq-mean-token-sum"``. None uses the engine's
     ``TrainingConfig.loss_aggregation``, whose default is ``"token-mean"``: the
     behaviour before this setting existed."""
+    off_policy: OffPolicyCorrection = OffPolicyCorrection.DECOUPLED
+    """How tokens an older policy sampled are corrected, when the batch marks them
+    (:data:`STALE_TOKENS`, with :data:`BEHAVIOUR_LOGPROBS`): ``"decoupled"`` or
+    ``"behaviour"`` (see :class:`~workers.engines.OffPolicyCorrection`). Fresh
+    tokens are never touched."""
+    is_cap: float = 2.0
+    """The largest importance weight of a stale token (``"decoupled"``)."""
 
     def __post_init__(self) -> None:
         for name in ("clip_ratio_low", "clip_ratio_high", "entropy_coef", "kl_coef"):
             _check_non_negative("PolicyLoss", name, getattr(self, name))
+        object.__setattr__(self, "off_policy", enum_field("PolicyLoss.off_policy", OffPolicyCorrection,
+                                                          self.off_policy))
+        if not self.is_cap >= 1.0:
+            raise EngineConfigError(f"PolicyLoss.is_cap must be >= 1 (it caps pi_prox / pi_behav), "
+                                    f"got {self.is_cap}")
         object.__setattr__(self, "loss_agg", _loss_agg("PolicyLoss", self.loss_agg))
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise EngineConfigError(
@@ -157,7 +178,9 @@ class PolicyLoss:
         return self.entropy_coef != 0.0
 
     def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
-        """Per-token PPO loss; metrics: clip_fraction, approx_kl, entropy, kl, dual_clip_fraction.
+        """Per-token PPO loss; metrics: clip_fraction, approx_kl, entropy, kl,
+        dual_clip_fraction and, on a batch with :data:`STALE_TOKENS`,
+        ``stale_fraction``, ``is_weight`` and ``is_truncated_fraction``.
 
         Args:
             outputs: the micro-batch's model outputs (needs ``logprobs``).
@@ -167,9 +190,15 @@ class PolicyLoss:
             The per-token terms.
         """
         logprobs = outputs.require("logprobs")
+        old = batch["old_logprobs"]
+        stale = None
+        if STALE_TOKENS in batch:
+            stale = staleness_correction(old, batch[BEHAVIOUR_LOGPROBS], batch[STALE_TOKENS],
+                                         mode=self.off_policy, cap=self.is_cap)
+            old = stale.old_logprobs
         terms = ppo_policy_loss(
             logprobs,
-            batch["old_logprobs"],
+            old,
             batch["advantages"],
             clip_ratio_low=self.clip_ratio_low,
             clip_ratio_high=self.clip_ratio_high,
@@ -177,7 +206,9 @@ class PolicyLoss:
         )
         per_token = terms.loss
         metrics: dict[str, Tensor] = {"clip_fraction": terms.clipped, "approx_kl": terms.approx_kl}
-        if self.dual_clip is not None:
+        if stale is not None:
+            metrics |= {"stale_fraction": batch[STALE_TOKENS].float(), "is_weight": stale.weight,
+                        "is_truncated_fraction": stale.truncated}
             metrics["dual_clip_fraction"] = terms.dual_clipped
         if outputs.entropy is not None:
             metrics["entropy"] = outputs.entropy.detach()
@@ -187,6 +218,8 @@ class PolicyLoss:
             kl = self.kl_estimator.estimate(logprobs, batch["ref_logprobs"])
             per_token = per_token + self.kl_coef * kl
             metrics["kl"] = kl.detach()
+        if stale is not None:
+            per_token = per_token * stale.weight
         return LossTerms(per_token=per_token, metrics=metrics)
 
 

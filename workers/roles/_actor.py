@@ -11,6 +11,10 @@ weights:
   reshards the training shards into generation shards at the start of every
   ``generate`` (tensor parallel over the generation TP group when ``tg > 1``) and
   frees them at its end (:class:`~workers.roles._hybrid.HybridWeights`).
+
+With ``ActorConfig.rollout=None`` the actor does not generate (a
+:class:`~workers.roles.RolloutWorker` on another pool does, from ``weights()``):
+it holds no second copy of the weights.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from channels import DP, AllToAll, Batch, ConfigError, Metrics, MicroDP
 from workers import CallInfo, WorkerContext, register
 from workers._streaming import StreamMethod
 from workers.engines import (
+    BEHAVIOUR_LOGPROBS,
     ROW_INDEX,
+    STALE_TOKENS,
     CausalLMHead,
     NLLLoss,
     OnPolicy,
@@ -75,9 +81,10 @@ class ActorConfig:
     """The default objective of :meth:`ActorWorker.update` (a call may pass another)."""
     update: UpdateConfig = field(default_factory=UpdateConfig)
     """Epochs and mini-batches of one update call."""
-    rollout: RolloutConfig = field(default_factory=NativeRolloutConfig)
+    rollout: RolloutConfig | None = field(default_factory=NativeRolloutConfig)
     """The rollout engine: ``NativeRolloutConfig()`` or ``VLLMRolloutConfig()``; its seed
-    is offset by the rank."""
+    is offset by the rank. None: the actor does not generate (a rollout role on
+    another pool does, from :meth:`ActorWorker.weights`)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Default sampling of :meth:`ActorWorker.generate`; an unset ``eos_token_id`` is
     taken from the model's config."""
@@ -94,7 +101,7 @@ class ActorConfig:
             raise ConfigError(f"ActorConfig.reshard_bucket_mb must be > 0, got {self.reshard_bucket_mb!r}")
         check_types("ActorConfig", self, {
             "training": TrainingConfig, "loss": PolicyLoss, "update": UpdateConfig,
-            "sampling": SamplingParams, "rollout": (NativeRolloutConfig, VLLMRolloutConfig),
+            "sampling": SamplingParams, "rollout": (NativeRolloutConfig, VLLMRolloutConfig, type(None)),
         })
 
 
@@ -134,9 +141,12 @@ class ActorWorker(TrainedRole):
         if gen is not None and not isinstance(config.rollout, NativeRolloutConfig):
             raise ConfigError(f"actor: a generation layout ({ctx.layout}) needs the native rollout engine; "
                               "vLLM with the hybrid engine is planned")
+        if gen is not None and config.rollout is None:
+            raise ConfigError(f"actor: a generation layout ({ctx.layout}) needs a rollout engine "
+                              "(ActorConfig.rollout is None)")
         # The rollout engine takes its copy (its model) before the training engine shards the model.
-        self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir,
-                                     rank=self._seed_rank)
+        self.rollout = None if config.rollout is None else build_rollout(
+            config.rollout, model=model, model_dir=config.model_dir, rank=self._seed_rank)
         self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
                                      head=CausalLMHead(), loss=config.loss,
                                      process_group=engine_group(ctx))
@@ -176,19 +186,23 @@ class ActorWorker(TrainedRole):
 
         Returns:
             ``rows * n`` rows: every prompt column repeated, plus ``response_ids``,
-            ``response_mask`` (int64 ``[R]``, R = ``max_new_tokens``) and
-            ``rollout_logprobs`` (float32 ``[R]``, raw log-probs).
+            ``response_mask`` (int64 ``[R]``, R = ``max_new_tokens``),
+            ``rollout_logprobs`` (float32 ``[R]``, raw log-probs) and
+            ``policy_version`` (int64 ``[R]``: the optimizer step count).
 
         Raises:
-            ConfigError: ``n`` < 1, ``params`` is not a SamplingParams, or a
+            ConfigError: ``n`` < 1, ``params`` is not a SamplingParams, a
                 ``max_new_tokens`` value is not an int in ``1..params.max_new_tokens``
-                (naming the row).
+                (naming the row), or the actor has no rollout engine.
             MissingFieldError: the prompts lack ``prompt_ids`` or ``prompt_mask``.
         """
+        if self.rollout is None:
+            raise ConfigError("actor.generate: this actor has no rollout engine (ActorConfig.rollout=None); "
+                              "generate with the rollout role (rollout.load_weights(actor.weights()) first)")
         # A prompt's n samples are one group: data-parallel splits keep them together.
         run = functools.partial(checked_generate, self.rollout, prompts, n=n, params=params,
                                 default=self.config.sampling, eos_token_id=self._eos, seed_rank=self._seed_rank,
-                                rank=self.ctx.rank, where="actor.generate")
+                                rank=self.ctx.rank, where="actor.generate", version=self.engine.step)
         if self._hybrid is None:
             return (yield from run())
         self._hybrid.to_generation()
@@ -231,7 +245,7 @@ class ActorWorker(TrainedRole):
         return {F.OLD_LOGPROBS: logprobs.cpu(), F.ENTROPY: entropy.cpu()}
 
     @register(protocol=UPDATE_METRICS, reads=lambda call: _update_reads(call),
-              optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS, F.OLD_LOGPROBS))
+              optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS, F.OLD_LOGPROBS, F.POLICY_VERSION))
     def update(self, batch: Batch, *, loss: PolicyLoss | None = None,
                schedule: UpdateConfig | None = None, ptx: Batch | None = None,
                ptx_coef: float = 0.0) -> dict[str, float]:
@@ -244,6 +258,12 @@ class ActorWorker(TrainedRole):
         from its own forward pass, detached, which gives the same loss and update as
         passing ``log_prob``'s (see :class:`~workers.engines.OnPolicy`); a schedule of
         several steps computes them first with a no-grad pass.
+
+        Rows with ``policy_version`` and ``rollout_logprobs`` (asynchronous training)
+        may have been sampled by an older policy: tokens whose version is below this
+        actor's step are stale, and the loss corrects them as its ``off_policy``
+        says (``old_logprobs`` is then the proximal policy: this actor's at the
+        update's start). Fresh tokens are trained exactly as on-policy ones.
 
         Args:
             batch: this rank's rows.
@@ -272,14 +292,15 @@ class ActorWorker(TrainedRole):
         """
         loss = loss if loss is not None else self.config.loss
         schedule = schedule or self.config.update
-        if F.OLD_LOGPROBS in batch or F.OLD_LOGPROBS not in loss.required_fields:
-            fields = (*F.SEQUENCE, *loss.required_fields)
-            require_fields(batch, fields, where="actor.update")
-            metrics = rollout_consistency(batch, self.engine) | run_updates(
-                self.engine, batch, loss=loss, fields=fields, schedule=schedule, generator=self._shuffle,
+        rows, stale_fields = staleness_columns(batch, self.engine.step)
+        if F.OLD_LOGPROBS in rows or F.OLD_LOGPROBS not in loss.required_fields:
+            fields = (*F.SEQUENCE, *loss.required_fields, *stale_fields)
+            require_fields(rows, fields, where="actor.update")
+            metrics = rollout_consistency(rows, self.engine) | run_updates(
+                self.engine, rows, loss=loss, fields=fields, schedule=schedule, generator=self._shuffle,
                 prefix="actor/")
         else:
-            metrics = self._update_on_policy(batch, loss, schedule)
+            metrics = self._update_on_policy(rows, loss, schedule, stale_fields)
         if ptx is not None and ptx_coef > 0:
             nll = NLLLoss(coef=ptx_coef)
             ptx_metrics = run_updates(self.engine, ptx, loss=nll, fields=(*F.SEQUENCE, *nll.required_fields),
@@ -288,12 +309,14 @@ class ActorWorker(TrainedRole):
         self._sync_rollout()
         return metrics
 
-    def _update_on_policy(self, batch: Batch, loss: PolicyLoss, schedule: UpdateConfig) -> dict[str, float]:
-        """``update`` of rows without ``old_logprobs``: the policy that sampled them is
-        the current one. One optimizer step takes them from its own forward
-        (:class:`~workers.engines.OnPolicy`); more steps compute them first, here,
-        with a no-grad pass (what ``log_prob`` would return, without its call)."""
-        fields = (*F.SEQUENCE, *(f for f in loss.required_fields if f != F.OLD_LOGPROBS))
+    def _update_on_policy(self, batch: Mapping[str, Tensor], loss: PolicyLoss, schedule: UpdateConfig,
+                          stale_fields: tuple[str, ...]) -> dict[str, float]:
+        """``update`` of rows without ``old_logprobs``: they take the current policy's
+        (the proximal policy; the sampling one unless rows are stale). One optimizer
+        step takes them from its own forward (:class:`~workers.engines.OnPolicy`);
+        more steps compute them first, here, with a no-grad pass (what ``log_prob``
+        would return, without its call)."""
+        fields = (*F.SEQUENCE, *(f for f in loss.required_fields if f != F.OLD_LOGPROBS), *stale_fields)
         require_fields(batch, fields, where="actor.update")
         if schedule.epochs * schedule.mini_batches > 1:
             old, _ = self.engine.log_probs(batch)
@@ -315,8 +338,8 @@ class ActorWorker(TrainedRole):
         save_pretrained_here(self.engine.model, out, state_dict=state)  # type: ignore[arg-type]
 
     def _sync_rollout(self) -> None:
-        if self._hybrid is not None:
-            return  # the next generate reshards the new weights
+        if self._hybrid is not None or self.rollout is None:
+            return  # the next generate reshards the new weights, or there is no engine
         # Collective: every rank gathers every tensor, in the same order.
         self.rollout.update_weights(self.engine.named_full_weights())
 
@@ -327,6 +350,18 @@ def _update_reads(call: CallInfo) -> dict[str, tuple[str, ...]]:
     loss = call.arguments.get("loss") or getattr(call.config, "loss", None) or PolicyLoss()
     needed = (f for f in loss.required_fields if f != F.OLD_LOGPROBS)  # computed when absent
     return {"batch": (*F.SEQUENCE, *needed), "ptx": F.SEQUENCE}
+
+
+def staleness_columns(batch: Batch, step: int) -> tuple[Mapping[str, Tensor], tuple[str, ...]]:
+    """``batch`` with the columns :class:`~workers.engines.PolicyLoss` corrects stale
+    tokens by (when it has ``policy_version`` and ``rollout_logprobs``): which tokens
+    an older version than ``step`` sampled, and their behaviour log-probs. Returns
+    the batch and the added column names (none without those columns)."""
+    if F.POLICY_VERSION not in batch or F.ROLLOUT_LOGPROBS not in batch:
+        return batch, ()
+    stale = (batch[F.POLICY_VERSION] < step).to(torch.float32)
+    return ({**batch, STALE_TOKENS: stale, BEHAVIOUR_LOGPROBS: batch[F.ROLLOUT_LOGPROBS]},
+            (STALE_TOKENS, BEHAVIOUR_LOGPROBS))
 
 
 def rollout_consistency(batch: Mapping[str, Tensor], engine: TrainingEngine) -> dict[str, float]:

@@ -25,6 +25,10 @@ RESPONSE_MASK = "response_mask"
 """int64 ``[R]``, 1 on generated tokens."""
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 """float32 ``[R]``: raw (temperature 1) log-probs of the sampled tokens, by the rollout engine."""
+POLICY_VERSION = "policy_version"
+"""int64 ``[R]``: the version of the weights that sampled each token (the actor's
+optimizer step count when they were published); ``ActorWorker.update`` corrects
+tokens older than its own step (``PolicyLoss.off_policy``)."""
 
 # ----- written by the other stages
 OLD_LOGPROBS = "old_logprobs"

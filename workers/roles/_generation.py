@@ -58,8 +58,8 @@ class _Rollout:
     """The bookkeeping of one streamed ``generate`` on one rank."""
 
     def __init__(self, engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams,
-                 rank: int) -> None:
-        self.n, self.params = n, params
+                 rank: int, version: int) -> None:
+        self.n, self.params, self.version = n, params, version
         self.prompt_names = list(prompts)
         lists = unpadded_prompts(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
         budgets = prompt_budgets(prompts, params)
@@ -91,7 +91,7 @@ class _Rollout:
     def _chunk(self, group: _Group) -> Chunk:
         members = sorted(group.done)
         out = RolloutOutput.from_samples([group.prompt] * self.n, [group.done[m] for m in members], self.params)
-        rows = rollout_rows(group.columns, out, n=self.n, params=self.params)
+        rows = rollout_rows(group.columns, out, n=self.n, params=self.params, version=self.version)
         return Chunk(rows=Batch(rows, group_size=self.n), ids=tuple(members))
 
     def tail(self) -> Batch:
@@ -149,9 +149,10 @@ class _Rollout:
 
 def checked_generate(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams | None,
                      default: SamplingParams, eos_token_id: int | None, seed_rank: int, rank: int,
-                     where: str, migratable: bool = True) -> StreamMethod:
+                     where: str, version: int, migratable: bool = True) -> StreamMethod:
     """A role's ``generate``: check the call, fill in the model's EOS and the
-    per-rank seed, then :func:`stream_rollout`.
+    per-rank seed, then :func:`stream_rollout` (``version``: the weights' version,
+    the rows' ``policy_version``).
 
     Raises:
         ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams (naming ``where``).
@@ -163,17 +164,18 @@ def checked_generate(engine: RolloutEngine, prompts: Batch, *, n: int, params: S
         raise ConfigError(f"{where}: params must be a SamplingParams, got {params!r}")
     require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where=where)
     chosen = params_for_rank(params or default, eos_token_id=eos_token_id, rank=seed_rank)
-    return (yield from stream_rollout(engine, prompts, n=n, params=chosen, rank=rank, migratable=migratable))
+    return (yield from stream_rollout(engine, prompts, n=n, params=chosen, rank=rank, version=version,
+                                      migratable=migratable))
 
 
 def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams,
-                   rank: int, migratable: bool = True) -> StreamMethod:
+                   rank: int, version: int = 0, migratable: bool = True) -> StreamMethod:
     """Generate ``n`` samples per prompt, reporting each prompt's group when its last
     sample finishes (see the module docstring); obeys handoff and adopt controls,
     which a run that is not ``migratable`` (tensor-parallel generation) refuses."""
     empty = Batch(rollout_rows({k: v[:0] for k, v in prompts.items()}, None, n=n, params=params), group_size=n)
     yield Chunk(rows=empty, ids=())  # the schema, for a rank without prompts
-    state = _Rollout(engine, prompts, n=n, params=params, rank=rank)
+    state = _Rollout(engine, prompts, n=n, params=params, rank=rank, version=version)
     try:
         while True:
             control = yield StepEvent(pending=state.run.pending)

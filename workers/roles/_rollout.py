@@ -133,7 +133,7 @@ def params_for_rank(params: SamplingParams, *, eos_token_id: int | None, rank: i
 
 
 def rollout_rows(prompts: Mapping[str, Tensor], out: RolloutOutput | None, *, n: int,
-                 params: SamplingParams) -> dict[str, Tensor]:
+                 params: SamplingParams, version: int = 0) -> dict[str, Tensor]:
     """The rows ``generate`` returns: every prompt column repeated ``n`` times
     (consecutively) plus the response columns.
 
@@ -142,6 +142,7 @@ def rollout_rows(prompts: Mapping[str, Tensor], out: RolloutOutput | None, *, n:
         out: the engine's output for the repeated prompts (None when there are none).
         n: samples per prompt.
         params: the sampling parameters (``max_new_tokens`` is the response width).
+        version: the weights' version, every token's ``policy_version``.
 
     Returns:
         The columns, ``rows * n`` rows each.
@@ -154,8 +155,10 @@ def rollout_rows(prompts: Mapping[str, Tensor], out: RolloutOutput | None, *, n:
         columns[F.RESPONSE_IDS] = torch.zeros(0, width, dtype=torch.int64)
         columns[F.RESPONSE_MASK] = torch.zeros(0, width, dtype=torch.int64)
         columns[F.ROLLOUT_LOGPROBS] = torch.zeros(0, width, dtype=torch.float32)
+        columns[F.POLICY_VERSION] = torch.zeros(0, width, dtype=torch.int64)
         return columns
     columns[F.RESPONSE_IDS] = out.response_ids.to(torch.int64)
     columns[F.RESPONSE_MASK] = out.response_mask.to(torch.int64)
     columns[F.ROLLOUT_LOGPROBS] = out.logprobs.to(torch.float32)
+    columns[F.POLICY_VERSION] = torch.full(out.response_ids.shape, version, dtype=torch.int64)
     return columns

@@ -68,17 +68,20 @@ class RolloutWorker(Role):
         self._shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir, rank=ctx.rank)
         self.weights_version: int | None = None
-        """The version of the weights loaded last (None: the model directory's)."""
+        """The version of the weights loaded last (None: the model directory's, which
+        are the actor's version 0 when both start from the same directory)."""
 
     def rank_local(self) -> frozenset[str]:
-        """Both methods: every rank generates with whole weights and loads its own."""
-        return frozenset({"generate", "load_weights"})
+        """``generate``: every rank generates with whole weights (``load_weights``
+        runs on every rank: each must hold the new version)."""
+        return frozenset({"generate"})
 
     @register(protocol=MicroDP(), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
               writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
     def generate(self, prompts: Batch, *, n: int = 1, params: SamplingParams | None = None) -> StreamMethod:
         """Sample ``n`` responses per prompt: the same rows as ``ActorWorker.generate``
-        (see it for the columns, budgets and streaming).
+        (see it for the columns, budgets and streaming); ``policy_version`` is the
+        version loaded last (0: the model directory's weights, the actor's start).
 
         Raises:
             ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams.
@@ -86,7 +89,7 @@ class RolloutWorker(Role):
         """
         return (yield from checked_generate(self.rollout, prompts, n=n, params=params, default=self.config.sampling,
                                             eos_token_id=self._eos, seed_rank=self.ctx.rank, rank=self.ctx.rank,
-                                            where="rollout.generate"))
+                                            where="rollout.generate", version=self.weights_version or 0))
 
     @register(protocol=OneToAll())
     def load_weights(self, weights: Batch) -> int:

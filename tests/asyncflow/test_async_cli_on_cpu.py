@@ -1,0 +1,185 @@
+"""Asynchronous off-policy training through ``asyncflow train`` on real Ray workers:
+the actor trains on one pool while a rollout role generates on another, up to
+``train.max_staleness`` steps ahead.
+
+- ``max_staleness = 0`` reproduces the synchronous run (the actor generating
+  itself) metric for metric;
+- with ``max_staleness = 1`` every batch after the first is one version stale, the
+  loss corrects it, and a run killed after a checkpoint and resumed repeats the
+  uninterrupted run's next steps bit for bit (the in-flight batch is in the
+  checkpoint);
+- settings that cannot work are refused naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncflow.cli import main
+from asyncflow.train import read_metrics
+from workers.models import TinyModelConfig, save_tiny_model
+
+TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
+                       num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
+
+CONFIG = """
+output_dir = "{out}"
+seed = 3
+
+[model]
+path = "{model}"
+
+[task]
+digits = 1
+train_size = 40
+eval_size = 8
+
+[train]
+steps = {steps}
+prompts_per_step = 4
+checkpoint_every = 2
+eval_size = 8
+kl_metric = false
+max_staleness = {staleness}
+
+[algorithm]
+name = "grpo"
+rollout = {{ n = 4, temperature = 1.0, max_new_tokens = 4 }}
+
+[reward]
+function = "support:digit_share_reward"
+
+[actor]
+lr = 1e-2
+micro_batch_size = 16
+
+[pools]
+main = {{ devices = 1, threads = 1 }}
+{more}
+"""
+
+DISAGGREGATED = """gen = { devices = 1, threads = 1 }
+
+[placement]
+rollout = { pool = "gen" }
+"""
+
+
+@pytest.fixture(autouse=True)
+def _environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() sets these for the Ray it starts; later tests' Ray must not inherit them.
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)
+    # Ray's workers inherit this environment: they import the test's reward module.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
+
+
+def _config(tmp: Path, model: str, name: str, *, steps: int = 3, staleness: int = 0,
+            disaggregated: bool = True) -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(CONFIG.format(out=tmp / name, model=model, steps=steps, staleness=staleness,
+                                  more=DISAGGREGATED if disaggregated else ""))
+    return path
+
+
+def _learned(row: dict[str, float]) -> dict[str, float]:
+    """What the step computed (not its timing, not the asynchronous bookkeeping)."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "async/"))}
+
+
+@pytest.mark.slow
+def test_staleness_zero_reproduces_the_synchronous_run(tmp_path: Path, model_dir: str) -> None:
+    assert main(["train", str(_config(tmp_path, model_dir, "sync", disaggregated=False)), "--no-progress"]) == 0
+    assert main(["train", str(_config(tmp_path, model_dir, "async0")), "--no-progress"]) == 0
+    sync = read_metrics(tmp_path / "sync" / "metrics.jsonl")
+    async0 = read_metrics(tmp_path / "async0" / "metrics.jsonl")
+    assert [r["step"] for r in async0] == [r["step"] for r in sync]
+    assert [r["step"] for r in async0][:4] == [0, 1, 2, 3]
+    for s, a in zip(sync, async0, strict=True):
+        assert _learned(a) == _learned(s)
+    steps = async0[1:4]
+    assert any(r["actor/loss"] != 0 for r in steps)  # the policy moved: the equality means something
+    assert all(r["async/staleness"] == 0 and r["actor/stale_fraction"] == 0 for r in steps)
+    assert [r["async/weights_version"] for r in steps] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: str) -> None:
+    """SIGKILL a worker of a ``max_staleness = 1`` run after its first checkpoint:
+    the run ends in one line; ``--resume`` repeats what an uninterrupted run
+    computes after the checkpoint, bit for bit, although the batch generated ahead
+    at the checkpoint came from weights the checkpoint no longer holds (it is in
+    the checkpoint)."""
+    run = _config(tmp_path, model_dir, "run", steps=10_000, staleness=1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    with (tmp_path / "stdout.txt").open("w") as out, (tmp_path / "stderr.txt").open("w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
+                                stdout=out, stderr=err_file, text=True, env=env)
+        first = tmp_path / "run" / "checkpoints" / "step_000002" / "state.json"
+        deadline = time.monotonic() + 200
+        while not first.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"no checkpoint of step 2 (exit {proc.returncode}); stderr:\n"
+                            f"{(tmp_path / 'stderr.txt').read_text()[-4000:]}")
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if p.name().startswith("ray::WorkerProcess")]
+        assert workers
+        workers[0].send_signal(signal.SIGKILL)
+        proc.wait(timeout=120)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 1, err
+    assert err.strip().splitlines()[-1].startswith("asyncflow: RunInterruptedError: ")
+
+    checkpoint = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((checkpoint / "state.json").read_text())
+    resumed_from = state["step"]
+    # The batch generated ahead, by the weights of the step before the checkpoint's.
+    assert state["in_flight"] == [{"batch": resumed_from + 1, "version": resumed_from - 1}]
+    target = resumed_from + 2
+    assert main(["train", str(run), "--resume", "--set", f"train.steps={target}", "--no-progress"]) == 0
+    reference = _config(tmp_path, model_dir, "reference", steps=target, staleness=1)
+    assert main(["train", str(reference), "--no-progress"]) == 0
+    got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
+    want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")}
+    for step in (resumed_from + 1, target):
+        assert _learned(got[step]) == _learned(want[step]), step
+
+    steps = [want[s] for s in range(1, target + 1)]
+    # Batch 1 is the starting policy's; every later one was generated one update behind.
+    assert [r["async/staleness"] for r in steps] == [0] + [1] * (target - 1)
+    assert [r["actor/stale_fraction"] for r in steps] == [0] + [1] * (target - 1)
+    assert steps[0]["actor/is_weight"] == 1 and all(r["actor/is_weight"] != 1 for r in steps[1:])
+    assert [r["async/in_flight"] for r in steps] == [1] * (target - 1) + [0]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--set", "train.max_staleness=1"], "needs a rollout role"),
+    (["--set", "placement.rollout.t=2", "--set", "pools.gen.devices=2"], "whole weights"),
+    (["--set", "train.stream=true"], "train.stream with a rollout role"),
+    (["--set", "algorithm.name=remax"], "samples inside its step"),
+])
+def test_impossible_asynchronous_settings_are_refused(tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str],
+                                                     extra: list[str], message: str) -> None:
+    disaggregated = "train.max_staleness=1" not in extra
+    cfg = _config(tmp_path, model_dir, "bad", disaggregated=disaggregated)
+    assert main(["train", str(cfg), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
