@@ -38,8 +38,8 @@ class PolicyConfig(msgspec.Struct, **_CFG):
     off_policy: OffPolicyCorrection = OffPolicyCorrection.DECOUPLED
     """Asynchronous training (``train.max_staleness`` > 0): how tokens an older policy
     sampled are corrected. ``"decoupled"``: the ratio against the proximal policy
-    (the actor's at the update's start), each stale token weighted by
-    ``min(pi_prox / pi_behav, is_cap)`` (decoupled PPO, AReaL); ``"behaviour"``:
+    (the actor's at the update's start), each stale token's policy-gradient term
+    weighted by ``min(pi_prox / pi_behav, is_cap)`` (decoupled PPO, AReaL); ``"behaviour"``:
     the ratio against the rollout's log-probs (the clip bounds the step). Fresh
     tokens are trained exactly as synchronous training trains them."""
     is_cap: float = 2.0

@@ -203,7 +203,8 @@ class Trainer:
             for step in range(start + 1, c.train.steps + 1):
                 await traced.before_step()
                 t = time.monotonic()
-                rollout, ahead_metrics = None, {}
+                rollout: DataFuture[Any] | None = None
+                ahead_metrics: dict[str, float] = {}
                 if self._ahead is not None:
                     sampled, ahead_metrics = await self._ahead.for_step(step)
                     drawn, rollout = sampled.prompts, sampled.rows

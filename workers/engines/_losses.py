@@ -413,8 +413,8 @@ class OffPolicyCorrection(enum.StrEnum):
 
     DECOUPLED = "decoupled"
     """Decoupled PPO (Hilton et al. 2021; AReaL): the clipped ratio is taken
-    against the proximal policy, and each stale token's loss is weighted by the
-    truncated importance weight ``min(pi_prox / pi_behav, cap)``."""
+    against the proximal policy, and each stale token's policy-gradient term is
+    weighted by the truncated importance weight ``min(pi_prox / pi_behav, cap)``."""
     BEHAVIOUR = "behaviour"
     """Plain PPO against the behaviour policy: the ratio of stale tokens is taken
     against the rollout's log-probs (the clip bounds the step); no weight."""

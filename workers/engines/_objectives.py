@@ -206,9 +206,11 @@ class PolicyLoss:
         )
         per_token = terms.loss
         metrics: dict[str, Tensor] = {"clip_fraction": terms.clipped, "approx_kl": terms.approx_kl}
-        if stale is not None:
+        if stale is not None:  # the importance weight scales the policy-gradient term only
+            per_token = per_token * stale.weight
             metrics |= {"stale_fraction": batch[STALE_TOKENS].float(), "is_weight": stale.weight,
                         "is_truncated_fraction": stale.truncated}
+        if self.dual_clip is not None:
             metrics["dual_clip_fraction"] = terms.dual_clipped
         if outputs.entropy is not None:
             metrics["entropy"] = outputs.entropy.detach()
@@ -218,8 +220,6 @@ class PolicyLoss:
             kl = self.kl_estimator.estimate(logprobs, batch["ref_logprobs"])
             per_token = per_token + self.kl_coef * kl
             metrics["kl"] = kl.detach()
-        if stale is not None:
-            per_token = per_token * stale.weight
         return LossTerms(per_token=per_token, metrics=metrics)
 
 

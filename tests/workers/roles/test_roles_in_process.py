@@ -45,7 +45,8 @@ def test_generate_returns_n_consecutive_samples_per_prompt_with_the_contract_fie
     prompts = prompt_columns()
     out = actor.generate(Batch(prompts), n=3)
     rows = 3 * len(prompts["uid"])
-    assert set(out) == {*prompts, "response_ids", "response_mask", "rollout_logprobs"}
+    assert set(out) == {*prompts, "response_ids", "response_mask", "rollout_logprobs", "policy_version"}
+    assert torch.equal(out["policy_version"], torch.zeros(rows, R, dtype=torch.int64))  # no update yet
     for name in prompts:  # prompt columns repeated, a prompt's samples consecutive
         assert torch.equal(out[name], prompts[name].repeat_interleave(3, dim=0)), name
     assert out["response_ids"].shape == out["response_mask"].shape == (rows, R)

@@ -1,0 +1,217 @@
+"""Asynchronous off-policy GRPO against synchronous GRPO, and weight synchronisation.
+
+Run as ``python -m bench.async_rl --json PATH`` (a Markdown table goes to stdout).
+
+Throughput: the same GRPO workload (a random-initialised Llama, prompts whose
+response budgets are long-tailed with a fixed seed, EOS ignored so every sample
+generates exactly its budget, a rule reward, one optimizer step a batch) runs in
+one session per mode, on this machine's two cores:
+
+- ``sync_one``: the actor generates and trains on one rank with both cores;
+- ``sync_dp2``: the actor on two data-parallel ranks, a core each;
+- ``async<k>`` for k = 0, 1, 2: the actor trains on one rank, a rollout role
+  generates on the other, up to ``k`` steps ahead (the trainer's own
+  :class:`~asyncflow.train._ahead.SamplesAhead` and ``grpo_step(rollout=...)``).
+
+``sync_tokens_per_s`` is the better synchronous placement; ``async<k>_tokens_per_s``
+counts the generated tokens of the measured steps over their wall time (after
+``--warmup`` steps). Weight synchronisation (``bench._weight_sync``): seconds and
+bytes per rank for models of about 10 M, 100 M and 500 M parameters, pulled by a
+rollout role on another pool, and resharded in place by the hybrid engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Ray binds its listeners to the loopback interface when this is set before import.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import asyncflow as af
+from asyncflow._migration import long_tail_lengths
+from asyncflow.algos import GRPOConfig, RolloutConfig, grpo_step
+from asyncflow.tracing import summarise
+from asyncflow.train._ahead import SamplesAhead
+from workers.engines import TrainingConfig
+from workers.models import TinyModelConfig, save_tiny_model
+from workers.rewards import RuleRewardConfig
+from workers.roles import (
+    ActorConfig,
+    ActorWorker,
+    RewardWorker,
+    RolloutWorker,
+    RolloutWorkerConfig,
+    ScoreConfig,
+)
+from workers.rollout import NativeRolloutConfig
+
+MODES = ("sync_one", "sync_dp2", "async0", "async1", "async2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncJob:
+    """The workload's sizes."""
+
+    prompts: int = 16
+    """Prompts per step."""
+    n: int = 4
+    """Samples per prompt (GRPO's group)."""
+    median_tokens: int = 24
+    """Median response budget."""
+    max_tokens: int = 96
+    """Longest response budget (the response width)."""
+    p99_ratio: float = 3.5
+    """The budgets' 99th percentile over their median."""
+    micro_batch: int = 16
+    """Rows per training micro-batch (each trimmed to its longest response)."""
+    prompt_len: int = 8
+    hidden: int = 256
+    layers: int = 4
+    vocab_size: int = 64
+    lr: float = 1e-4
+    seed: int = 0
+
+    def budgets(self) -> list[int]:
+        """Each prompt's response budget (long-tailed, fixed by the seed)."""
+        return long_tail_lengths(self.prompts, median=self.median_tokens, p99_ratio=self.p99_ratio,
+                                 max_len=self.max_tokens, seed=self.seed)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Generated tokens per step."""
+        return self.n * sum(self.budgets())
+
+    def save_model(self, directory: Path) -> str:
+        """Write the policy (and its tokenizer) to ``directory``; its path."""
+        config = TinyModelConfig(hidden_size=self.hidden, intermediate_size=2 * self.hidden,
+                                 num_hidden_layers=self.layers, num_attention_heads=4, num_key_value_heads=4,
+                                 head_dim=self.hidden // 4, vocab_size=self.vocab_size,
+                                 max_position_embeddings=self.prompt_len + self.max_tokens + 8)
+        return str(save_tiny_model(directory, config, seed=self.seed))
+
+    def prompts_batch(self) -> dict[str, torch.Tensor]:
+        """The prompt rows: ids, mask, uid and each prompt's budget."""
+        g = torch.Generator().manual_seed(self.seed)
+        ids = torch.randint(3, 16, (self.prompts, self.prompt_len), generator=g)
+        return {"prompt_ids": ids, "prompt_mask": torch.ones_like(ids), "uid": torch.arange(self.prompts),
+                "max_new_tokens": torch.tensor(self.budgets(), dtype=torch.int64)}
+
+
+def _specs(job: AsyncJob, model_dir: str, mode: str) -> dict[str, af.RoleSpec]:
+    training = TrainingConfig(lr=job.lr, micro_batch_size=job.micro_batch)
+    rollout = NativeRolloutConfig(seed=job.seed, max_batch_size=job.prompts * job.n)
+    reward = (RewardWorker, ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir,
+                                                                fn="bench._e2e_job:digit_reward")))
+    if mode.startswith("sync"):
+        devices, threads = (1, 2) if mode == "sync_one" else (2, 1)
+        main = af.ResourcePool(name="main", devices=devices, threads=threads)
+        actor = ActorConfig(model_dir=model_dir, training=training, rollout=rollout, seed=job.seed)
+        return {"actor": af.RoleSpec(cls=ActorWorker, pool=main, config=actor),
+                "reward": af.RoleSpec(cls=reward[0], pool=main, config=reward[1])}
+    train = af.ResourcePool(name="train", devices=1, threads=1)
+    gen = af.ResourcePool(name="gen", devices=1, threads=1)
+    actor = ActorConfig(model_dir=model_dir, training=training, rollout=None, seed=job.seed)
+    # The reward scores the rows where they are generated; the training pool only trains.
+    return {"actor": af.RoleSpec(cls=ActorWorker, pool=train, config=actor),
+            "reward": af.RoleSpec(cls=reward[0], pool=gen, config=reward[1]),
+            "rollout": af.RoleSpec(cls=RolloutWorker, pool=gen,
+                                   config=RolloutWorkerConfig(model_dir=model_dir, rollout=rollout, seed=job.seed))}
+
+
+async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int) -> dict[str, Any]:
+    """One session: ``warmup + steps`` GRPO steps in ``mode``; the record."""
+    config = GRPOConfig(rollout=RolloutConfig(n=job.n, temperature=1.0, max_new_tokens=job.max_tokens,
+                                              ignore_eos=True))
+    total = warmup + steps
+    with tempfile.TemporaryDirectory(prefix="asyncflow-async-") as tmp:
+        model_dir = job.save_model(Path(tmp) / "policy")
+        async with af.Session() as session:
+            roles = await session.spawn(_specs(job, model_dir, mode))
+            batch = job.prompts_batch()
+
+            async def prompts() -> af.DataFuture[Any]:
+                return await session.put(batch, group_size=1)
+
+            ahead = None
+            if mode.startswith("async"):
+                ahead = SamplesAhead(session, roles, config.rollout, max_staleness=int(mode[-1]), last_step=total,
+                                     seed_of=lambda j: job.seed + j, next_prompts=prompts, start=0)
+            tokens, began, staleness = 0.0, 0.0, []
+            for step in range(1, total + 1):
+                if step == warmup + 1:
+                    await session.start_trace()
+                    began = time.perf_counter()
+                if ahead is None:
+                    metrics = await grpo_step(roles, await prompts(), config, seed=job.seed + step)
+                else:
+                    sampled, lag = await ahead.for_step(step)
+                    metrics = await grpo_step(roles, sampled.prompts, config, seed=job.seed + step,
+                                              rollout=sampled.rows)
+                    staleness.append(lag["async/staleness"])
+                if step > warmup:
+                    tokens += metrics["actor/response_tokens"]
+            elapsed = time.perf_counter() - began
+            summary = summarise(session.stop_trace())
+        af.shutdown_ray()
+    return {"mode": mode, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / steps, "tokens": tokens,
+            "mean_staleness": sum(staleness[warmup:]) / steps if staleness else 0.0,
+            "stage_ms": {k: round(1000 * v / steps) for k, v in sorted(summary.stage_busy_s.items())},
+            "pool_busy_ms": {k: round(1000 * v / steps) for k, v in summary.busy_s.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run every mode (and the weight-sync sizes), print the table, write the JSON."""
+    parser = argparse.ArgumentParser(prog="bench.async_rl")
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--sizes", nargs="*", default=["10m", "100m", "500m"],
+                        help="weight-sync model sizes (none: skip weight sync)")
+    parser.add_argument("--job", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="override the workload's sizes (AsyncJob fields), e.g. hidden=256")
+    args = parser.parse_args(argv)
+    job = AsyncJob(**{k: type(getattr(AsyncJob(), k))(v) for k, v in (item.split("=", 1) for item in args.job)})
+    torch.set_num_threads(1)
+    records = {mode: asyncio.run(measure(job, mode, steps=args.steps, warmup=args.warmup)) for mode in args.modes}
+    out: dict[str, Any] = {"job": asdict(job) | {"budgets": job.budgets(), "tokens_per_step": job.tokens_per_step},
+                           "steps": args.steps, "warmup": args.warmup}
+    for mode, record in records.items():
+        out[f"{mode}_tokens_per_s"] = record["tokens_per_s"]
+        out[f"{mode}_s_per_step"] = record["s_per_step"]
+        if mode.startswith("async"):
+            out[f"{mode}_mean_staleness"] = record["mean_staleness"]
+    syncs = [records[m]["tokens_per_s"] for m in ("sync_one", "sync_dp2") if m in records]
+    if syncs:
+        out["sync_tokens_per_s"] = max(syncs)
+        for k in range(3):
+            if f"async{k}" in records:
+                out[f"async{k}_over_sync"] = records[f"async{k}"]["tokens_per_s"] / out["sync_tokens_per_s"]
+    print("| mode | tokens/s | s/step | busy ms/step by pool | ms/step by stage (summed over ranks) |")
+    print("|---|---|---|---|---|")
+    for mode, record in records.items():
+        print(f"| {mode} | {record['tokens_per_s']:.0f} | {record['s_per_step']:.3f} | {record['pool_busy_ms']} | "
+              f"{record['stage_ms']} |")
+        out[f"{mode}_stage_ms"] = record["stage_ms"]
+    if args.sizes:
+        from bench._weight_sync import weight_sync
+
+        out |= weight_sync(tuple(args.sizes))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2, sort_keys=True))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
