@@ -62,6 +62,10 @@ LAYOUTS: dict[int, tuple[Layout, ...]] = {
 SIZES = {  # hidden, intermediate, layers, vocab
     "full": (1024, 2816, 6, 32000),
     "small": (64, 128, 2, 256),
+    # bench.async_rl's weight-sync sizes (about 10 M, 100 M and 500 M parameters)
+    "10m": (384, 1024, 4, 4000),
+    "100m": (768, 2048, 10, 16000),
+    "500m": (1536, 4096, 14, 32000),
 }
 
 
@@ -127,6 +131,9 @@ class _Job:
     """The file the ranks rendezvous through."""
     out: str
     """Where rank 0 writes the measurements (JSON)."""
+    methods: tuple[Method, ...] = METHODS
+    layouts: tuple[str, ...] | None = None
+    """The layouts measured, by name (None: every one of ``LAYOUTS[world]``)."""
 
 
 def _measure_one(resharder: Resharder, specs: list[ParamSpec], method: Method) -> list[float]:
@@ -158,16 +165,16 @@ def _rank_main(rank: int, job: _Job) -> None:
     dist.init_process_group("gloo", init_method=f"file://{job.store}", rank=rank, world_size=job.world)
     specs = model_specs(job.size)
     rows = []
-    for layout in LAYOUTS[job.world]:
+    for layout in _layouts(job.world, job.layouts):
         name, shards = layouts_name(layout), _shards(layout, rank, specs)
         # The three share the shards: hybridflow rebinds them in place and its
         # to_training gives them their own storage back before the next method runs.
         resharders = {m: Resharder(make_plan(for_method(layout, m), specs, method=m, bucket_bytes=job.bucket_bytes),
-                                   rank, shards, _group) for m in METHODS}
+                                   rank, shards, _group) for m in job.methods}
         for r in resharders.values():
             r.connect()  # group creation is not part of a transition
         for repeat in range(job.repeats):
-            for method in METHODS if repeat % 2 == 0 else METHODS[::-1]:
+            for method in job.methods if repeat % 2 == 0 else job.methods[::-1]:
                 seconds, sent, peak, differs, back = _measure_one(resharders[method], specs, method)
                 rows.append({"layouts": name, "method": method, "s": seconds, "bytes": int(sent),
                              "peak_bytes": int(peak), "matches_formula": not differs, "back_s": back})
@@ -177,20 +184,27 @@ def _rank_main(rank: int, job: _Job) -> None:
     dist.destroy_process_group()
 
 
-def measure(*, world: int, size: str, repeats: int, bucket_bytes: int) -> dict[str, float | int | bool]:
-    """Run ``world`` ranks; the JSON record (keys in the module text)."""
+def _layouts(world: int, names: tuple[str, ...] | None) -> tuple[Layout, ...]:
+    return tuple(layout for layout in LAYOUTS[world] if names is None or layouts_name(layout) in names)
+
+
+def measure(*, world: int, size: str, repeats: int, bucket_bytes: int, methods: tuple[Method, ...] = METHODS,
+            layouts: tuple[str, ...] | None = None) -> dict[str, float | int | bool]:
+    """Run ``world`` ranks; the JSON record (keys in the module text), for
+    ``methods`` and the ``layouts`` named (default: all)."""
     specs = model_specs(size)
     record: dict[str, float | int | bool] = {
         "model_bytes": sum(s.nbytes for s in specs), "params": sum(math.prod(s.shape) for s in specs),
         "bucket_bytes": bucket_bytes, "ranks": world}
     with tempfile.TemporaryDirectory() as tmp:
         job = _Job(world=world, size=size, repeats=repeats, bucket_bytes=bucket_bytes,
-                   store=os.path.join(tmp, "store"), out=os.path.join(tmp, "rows.json"))
+                   store=os.path.join(tmp, "store"), out=os.path.join(tmp, "rows.json"), methods=methods,
+                   layouts=layouts)
         mp.start_processes(_rank_main, args=(job,), nprocs=world, start_method="spawn", join=True)
         rows = json.loads(Path(job.out).read_text())
-    for layout in LAYOUTS[world]:
+    for layout in _layouts(world, layouts):
         name = layouts_name(layout)
-        for method in METHODS:
+        for method in methods:
             mine = [r for r in rows if r["layouts"] == name and r["method"] == method]
             key = f"{method}_{name}"
             record[f"{key}_s"] = statistics.median(r["s"] for r in mine)
@@ -199,7 +213,8 @@ def measure(*, world: int, size: str, repeats: int, bucket_bytes: int) -> dict[s
             record[f"{key}_peak_bytes"] = max(r["peak_bytes"] for r in mine)
             record[f"{key}_matches_formula"] = all(r["matches_formula"] for r in mine)
         for base in ("allgather", "vanilla"):
-            record[f"hybridflow_vs_{base}_{name}"] = record[f"hybridflow_{name}_s"] / record[f"{base}_{name}_s"]
+            if "hybridflow" in methods and base in methods:
+                record[f"hybridflow_vs_{base}_{name}"] = record[f"hybridflow_{name}_s"] / record[f"{base}_{name}_s"]
     return record
 
 
