@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
@@ -169,6 +170,25 @@ def digit_share_reward(prompts: list[str], responses: list[str], answers: list[s
 def raising_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
     """A reward function with a bug."""
     raise ZeroDivisionError("reward bug")
+
+
+def wait_for_a_checkpoint(proc: subprocess.Popen[str], checkpoints: Path, stderr: Path,
+                          *, timeout_s: float = 200) -> None:
+    """Wait until the ``asyncflow train`` run ``proc`` has a complete checkpoint
+    (``checkpoints/latest``); on its exit or after ``timeout_s`` (inside
+    pytest-timeout's 300 s, so that its output is shown), kill it and fail with its
+    stderr. Not a given step's directory: a fast run saves and prunes that between
+    two polls."""
+    import pytest
+
+    deadline = time.monotonic() + timeout_s
+    while not (checkpoints / "latest").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"no checkpoint within {timeout_s:.0f} s (exit {proc.returncode}); stderr:\n"
+                        f"{stderr.read_text()[-4000:]}")
+        time.sleep(0.2)
 
 
 Listener = tuple[str, int]

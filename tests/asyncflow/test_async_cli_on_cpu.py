@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -26,6 +25,7 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.train import read_metrics
+from support import wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
@@ -130,15 +130,7 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     with (tmp_path / "stdout.txt").open("w") as out, (tmp_path / "stderr.txt").open("w") as err_file:
         proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
                                 stdout=out, stderr=err_file, text=True, env=env)
-        first = tmp_path / "run" / "checkpoints" / "step_000002" / "state.json"
-        deadline = time.monotonic() + 200
-        while not first.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                pytest.fail(f"no checkpoint of step 2 (exit {proc.returncode}); stderr:\n"
-                            f"{(tmp_path / 'stderr.txt').read_text()[-4000:]}")
-            time.sleep(0.2)
+        wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", tmp_path / "stderr.txt")
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if p.name().startswith("ray::WorkerProcess")]
         assert workers

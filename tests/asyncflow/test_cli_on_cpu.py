@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +16,7 @@ import pytest
 from asyncflow.cli import main
 from asyncflow.train import load_config, read_metrics
 from channels import ConfigError
+from support import wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
@@ -143,15 +143,7 @@ def test_a_killed_worker_ends_the_run_in_one_line_and_resume_continues(tmp_path,
     out_file, err_file = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
                             stdout=out_file, stderr=err_file, text=True, env=env)
-    first = tmp_path / "run" / "checkpoints" / "step_000002" / "state.json"
-    deadline = time.monotonic() + 200  # inside pytest-timeout's 300 s, so that the run's output is shown
-    while not first.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"no checkpoint of step 2 (exit {proc.returncode}); stderr:\n"
-                        f"{(tmp_path / 'stderr.txt').read_text()[-4000:]}")
-        time.sleep(0.2)
+    wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", tmp_path / "stderr.txt")
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::WorkerProcess")]
     assert workers
     workers[0].send_signal(signal.SIGKILL)
