@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench._weight_sync import params_of
-from bench.transition import LAYOUTS, layouts_name, model_specs
+from bench._weight_sync import COLOCATED, params_of
+from bench.transition import model_specs
 from hybrid_engine import expected_bytes
 
 
@@ -32,9 +32,8 @@ def test_async_rl_writes_the_issue_keys(tmp_path: Path) -> None:
         assert record[key] > 0, key
     assert record["weight_sync_small_bytes"] == 4 * params_of("small")
     assert record["weight_sync_small_params"] == params_of("small")
-    # The hybrid engine's 141-1221 transition: the bytes of the layouts' formula.
-    layout = next(x for x in LAYOUTS[4] if layouts_name(x) == "141-1221")
-    want = expected_bytes(layout, model_specs("small"), "hybridflow").sent
+    # The hybrid engine's 121-1121 transition: the bytes of the layouts' formula.
+    want = expected_bytes(COLOCATED, model_specs("small"), "hybridflow").sent
     assert record["weight_sync_small_colocated_bytes"] == want
     # The measured step is step 2; its batch was generated with the first batch, by version 0.
     assert record["async1_mean_staleness"] == record["async2_mean_staleness"] == 1
