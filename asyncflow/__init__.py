@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "asyncflow._datastream": ("DataStream", "StreamOptions", "collect"),
-    "asyncflow._errors": ("PoolBrokenError", "RemoteStageError", "SessionClosedError", "WorkerDiedError"),
+    "asyncflow._errors": ("CallTimeoutError", "PoolBrokenError", "RemoteStageError", "SessionClosedError", "WorkerDiedError"),
     "asyncflow._future": ("DataFuture", "gather", "transform"),
     "asyncflow._ops": ("merge",),
     "asyncflow._pool": ("CPU_SLOT", "ResourcePool", "RoleSpec"),
@@ -54,6 +54,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from asyncflow._datastream import DataStream, StreamOptions, collect
     from asyncflow._errors import (
+        CallTimeoutError,
         PoolBrokenError,
         RemoteStageError,
         SessionClosedError,

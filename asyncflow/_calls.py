@@ -45,6 +45,8 @@ class Call:
     the pool's ranks only."""
     stream: Any = None
     """The call's ``StreamOptions`` when it streams its rows."""
+    timeout_s: float | None = None
+    """Seconds the call may run once started (its ``timeout_s=`` option); None: no limit."""
     stream_out: Any = None
     """The ``DataStream`` a streamed call feeds."""
     inputs: dict[str, Any] | None = None

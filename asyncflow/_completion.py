@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 
 from asyncflow._calls import Call
-from asyncflow._errors import WorkerDiedError
+from asyncflow._errors import CallTimeoutError, WorkerDiedError
 from asyncflow._failures import peer_error, primary_error, producer_of, settle
 from asyncflow._future import Resolved
 from asyncflow._ledger import ShardLedger
@@ -86,8 +86,16 @@ class CallCompletion:
         ranks = _Ranks()
         rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
         pending: set[asyncio.Future[Any]] = set(tasks)
+        loop = asyncio.get_running_loop()
+        deadline = None if call.timeout_s is None or stream is not None else loop.time() + call.timeout_s
         while pending:
-            done, _ = await asyncio.wait(pending | {pool.died}, return_when=asyncio.FIRST_COMPLETED)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait(pending | {pool.died}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not done:  # the call's timeout_s passed with ranks still running
+                self._timed_out(pool, call, sorted(lanes[rank_of[t]] for t in pending))
+                self._abandon(pending)
+                self._release(ranks.results.values())
+                return
             if pool.died in done:  # one of this pool's processes died: nothing to heal
                 settle(call, self._died_during(pool, call))
                 self._abandon(pending)
@@ -158,10 +166,35 @@ class CallCompletion:
         return WorkerDiedError(role="", method=doing, rank=rank, pool=pool.name if pool else "?",
                                cause="its worker process died", detail=exc.detail)
 
-    def _died_during(self, pool: PoolState, call: Call) -> WorkerDiedError:
+    def _died_during(self, pool: PoolState, call: Call) -> WorkerDiedError | CallTimeoutError:
         d = pool.died.result()
+        if isinstance(d, CallTimeoutError):
+            return CallTimeoutError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,
+                                    cause=f"rank {d.rank} is stuck in {d.role}.{d.method} ({d.cause})",
+                                    timeout_s=d.timeout_s)
         return WorkerDiedError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,
                                cause=d.cause, detail=d.detail)
+
+    def _timed_out(self, pool: PoolState, call: Call, stuck: Sequence[int]) -> None:
+        """``call`` ran past its ``timeout_s`` on ranks ``stuck``: fail it, naming the
+        rows it was pulling, and break the pool (those ranks may still be running it)."""
+        sources: dict[tuple[str, str], set[int]] = {}
+        for r in (call.inputs or {}).values():
+            for seg in _segments(r) if isinstance(r, Resolved) else ():
+                where = self._where.get(seg.worker)
+                if where is not None and where[0] is not pool:
+                    sources.setdefault((seg.key.split("#")[0], where[0].name), set()).add(where[1])
+        pulling = "".join(f"; it pulls rows of {label} from pool {name!r} rank{'s' if len(rs) > 1 else ''} "
+                          f"{', '.join(map(str, sorted(rs)))}" for (label, name), rs in sorted(sources.items()))
+        ranks = ", ".join(map(str, stuck))
+        err = CallTimeoutError(role=call.role, method=call.method, rank=stuck[0], pool=pool.name,
+                               cause=f"did not finish within {call.timeout_s:g} s (timeout_s) on rank"
+                                     f"{'s' if len(stuck) > 1 else ''} {ranks}{pulling}",
+                               timeout_s=call.timeout_s or 0.0)
+        settle(call, err)
+        if not pool.died.done():
+            pool.died.set_result(err)
+        pool.wake.set()
 
     def _complete(self, call: Call, results: list[RankResult], assignment: Any, layout: Layout) -> None:
         produced = {(r.worker, r.key) for r in results if r.key is not None}
@@ -191,6 +224,10 @@ class CallCompletion:
                 self.ledger.release_now({(t.result().worker, t.result().key)})
         for t in pending:
             t.add_done_callback(late)
+
+
+def _segments(resolved: Resolved) -> list[Any]:
+    return [s for g in resolved.meta.groups for s in g.segments]
 
 
 def _quiet(fut: asyncio.Future[Any]) -> None:

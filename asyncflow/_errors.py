@@ -63,12 +63,30 @@ class WorkerDiedError(RemoteStageError):
         super().__init__(role=role, method=method, rank=rank, pool=pool, cause=cause)
 
 
+class CallTimeoutError(RemoteStageError):
+    """A call given ``timeout_s`` did not finish in time on a rank (a stalled pull,
+    a stuck process). The rank may still be running it, so its pool takes no more
+    calls (they fail with :class:`PoolBrokenError`), as after a death.
+
+    ``role``, ``method``, ``rank`` and ``pool`` name the call and the first rank
+    that had not finished.
+
+    Attributes:
+        timeout_s: the call's timeout.
+    """
+
+    def __init__(self, *, role: str, method: str, rank: int, pool: str, cause: str, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        super().__init__(role=role, method=method, rank=rank, pool=pool, cause=cause)
+
+
 class PoolBrokenError(AsyncflowError):
-    """A pool can take no more calls: one of its worker processes died.
+    """A pool can take no more calls: one of its worker processes died, or a call
+    on it timed out (``timeout_s``).
 
     Attributes:
         pool: the pool's name.
-        cause: the :class:`WorkerDiedError` that broke it.
+        cause: the :class:`WorkerDiedError` (or :class:`CallTimeoutError`) that broke it.
     """
 
     def __init__(self, message: str, *, pool: str, cause: BaseException) -> None:

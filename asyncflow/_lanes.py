@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from asyncflow._calls import Call
-from asyncflow._errors import WorkerDiedError
+from asyncflow._errors import CallTimeoutError, WorkerDiedError
 
 
 @dataclass(eq=False, kw_only=True)
@@ -34,8 +34,9 @@ class PoolState:
     name: str
     workers: list[int]
     """Session-wide worker index of each rank."""
-    died: asyncio.Future[WorkerDiedError]
-    """Resolved when one of the pool's worker processes died."""
+    died: asyncio.Future[WorkerDiedError | CallTimeoutError]
+    """Resolved when one of the pool's worker processes died, or a call on it timed
+    out (its rank may still be running it): the pool is broken either way."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the dispatcher may be able to start something."""
     epoch: int = 0
@@ -50,8 +51,8 @@ class PoolState:
     healing: bool = False
 
     @property
-    def broken(self) -> WorkerDiedError | None:
-        """The death that broke the pool, if any."""
+    def broken(self) -> WorkerDiedError | CallTimeoutError | None:
+        """The death (or timeout) that broke the pool, if any."""
         return self.died.result() if self.died.done() else None
 
     @property

@@ -41,6 +41,9 @@ class RoleGroup(Generic[W]):
     """The driver-side proxy of one role: ``group.method(...)`` submits the call to
     every rank of the role's pool and returns a :class:`DataFuture` at once (a
     ``DataStream`` when an argument is a stream or the call has ``stream=...``).
+    ``timeout_s=...`` (seconds, unless the method takes its own ``timeout_s``) bounds
+    how long the call may run once started: past it the call fails with
+    :class:`~asyncflow.CallTimeoutError` and its pool is broken.
 
     ``W`` is the role class. With the mypy plugin on, ``RoleGroup[ActorWorker]``'s
     methods type-check against ``ActorWorker``'s registered methods (data arguments

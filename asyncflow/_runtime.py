@@ -144,11 +144,15 @@ class Runtime:
             raise SessionClosedError("the session is closed")
         kwargs = dict(kwargs)
         options = _stream_options(group, endpoint, kwargs)
+        timeout_s = _timeout_option(group, endpoint, kwargs, streamed=options is not None)
         for value in (*args, *kwargs.values()):
             if isinstance(value, DataFuture | DataStream) and value._runtime is not self:
                 raise ConfigError(f"{group.name}: {value.label} belongs to another session")
         streams = [v for v in (*args, *kwargs.values()) if isinstance(v, DataStream)]
         if streams:
+            if timeout_s is not None:
+                raise ConfigError(f"{group.name}.{endpoint.spec.name}: timeout_s applies to a call on futures, "
+                                  "not to calls on a stream")
             if options is not None:
                 raise ConfigError(f"{group.name}.{endpoint.spec.name}: a streamed call takes futures, not "
                                   "streams; collect() the stream first")
@@ -156,6 +160,7 @@ class Runtime:
         call = bind_call(role=group.name, config=group.config, endpoint=endpoint, layout=group.layout,
                          args=args, kwargs=kwargs, loop=self._loop,
                          rank_local=endpoint.spec.name in group.rank_local)
+        call.timeout_s = timeout_s
         if options is not None:
             call.stream = options
             out: DataStream[Any] = DataStream(label=call.label, fields=output_fields(call), runtime=self,
@@ -282,6 +287,24 @@ class Runtime:
             stats = await asyncio.gather(*(self._transport.stats(w) for w in pool.workers))
             out.extend((pool.name, rank, s) for rank, s in enumerate(stats))
         return out
+
+
+def _timeout_option(group: RoleGroup, endpoint: Endpoint[Any, Any], kwargs: dict[str, Any], *,
+                    streamed: bool) -> float | None:
+    """Pop the driver-side ``timeout_s`` argument of a call (unless the method itself
+    takes one): seconds the call may run once started, else it fails with
+    :class:`CallTimeoutError` and breaks its pool."""
+    if "timeout_s" in endpoint.spec.signature.parameters or "timeout_s" not in kwargs:
+        return None
+    value = kwargs.pop("timeout_s")
+    where = f"{group.name}.{endpoint.spec.name}"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{where}: timeout_s must be a number of seconds > 0 or None, got {value!r}")
+    if streamed:
+        raise ConfigError(f"{where}: timeout_s applies to calls that return a future, not to streamed calls")
+    return float(value)
 
 
 def _stream_options(group: RoleGroup, endpoint: Endpoint[Any, Any], kwargs: dict[str, Any]) -> StreamOptions | None:

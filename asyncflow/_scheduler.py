@@ -42,7 +42,7 @@ import msgspec
 
 from asyncflow._calls import Call, pull_fields
 from asyncflow._completion import CallCompletion
-from asyncflow._errors import PoolBrokenError, SessionClosedError, WorkerDiedError
+from asyncflow._errors import CallTimeoutError, PoolBrokenError, SessionClosedError, WorkerDiedError
 from asyncflow._failures import settle
 from asyncflow._future import DataFuture, Resolved
 from asyncflow._lanes import PoolState, Slot
@@ -85,7 +85,7 @@ class Scheduler(CallCompletion):
 
     def add_pool(self, name: str, workers: Sequence[int]) -> None:
         """Register a pool whose ranks are ``workers`` (session-wide indices)."""
-        died: asyncio.Future[WorkerDiedError] = asyncio.get_running_loop().create_future()
+        died: asyncio.Future[WorkerDiedError | CallTimeoutError] = asyncio.get_running_loop().create_future()
         pool = PoolState(name=name, workers=list(workers), died=died,
                          holders={r: [] for r in range(len(workers))})
         self.pools[name] = pool

@@ -8,7 +8,8 @@ checker ``roles.actor.generat(prompts, nn=2)`` is fine. With this plugin,
   with the method's parameters (``self`` left out), where a data argument (annotated
   ``Batch`` or ``Batch | None``) takes a ``DataFuture`` or ``DataStream`` instead;
   a generator (streaming) method gets the keyword ``stream: bool | StreamOptions |
-  None = None``;
+  None = None``, and every method ``timeout_s: float | None = None`` (unless it
+  has parameters of those names);
 - the call returns ``DataFuture[BatchMeta]`` for a method returning rows (a mapping
   of tensors, a ``Batch``, or a streaming generator) and ``DataFuture[R]`` for
   others (``await roles.actor.update(batch)`` is then ``dict[str, float]``); a
@@ -134,6 +135,11 @@ class RoleGroupPlugin(Plugin):
             names.insert(at, "stream")
             types.insert(at, UnionType.make_union([
                 ctx.api.named_generic_type("builtins.bool", []), Instance(options, []), NoneType()]))
+        if "timeout_s" not in names:  # the driver's per-call timeout
+            at = next((i for i, k in enumerate(kinds) if k == ARG_STAR2), len(kinds))
+            kinds.insert(at, ARG_NAMED_OPT)
+            names.insert(at, "timeout_s")
+            types.insert(at, UnionType.make_union([ctx.api.named_generic_type("builtins.float", []), NoneType()]))
         result = Instance(meta, []) if method.streams or _returns_rows(method.ret) else method.ret
         return CallableType(types, kinds, names, Instance(future, [result]),
                             fallback=ctx.api.named_generic_type("builtins.function", []),

@@ -51,14 +51,15 @@ from asyncflow.algos._transforms import (
     safe_advantages,
     token_rewards,
 )
+from asyncflow.algos._weight_sync import WeightSync
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "Algorithm", "DAPOConfig", "DAPORoles", "GRPOConfig", "GRPORoles", "PPOConfig",
-    "PPORoles", "PolicyConfig", "PromptSource", "RLOOConfig", "RLOORoles", "ReMaxConfig", "ReMaxRoles",
-    "RoleSet", "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState", "algorithm", "algorithm_of",
+    "ENTRY_POINT_GROUP", "Algorithm", "DAPOConfig", "DAPORoles", "GRPOConfig", "GRPORoles", "PPOConfig", "PPORoles",
+    "PolicyConfig", "PromptSource", "RLOOConfig", "RLOORoles", "ReMaxConfig", "ReMaxRoles", "RoleSet",
+    "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState", "WeightSync", "algorithm", "algorithm_of",
     "algorithms", "call_on_rollout", "config_section", "dapo_advantages", "dapo_step", "gae", "get_algorithm",
     "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "leave_one_out",
-    "merge_rows", "overlong_penalties", "ppo_step", "ref_for_kl", "register", "remax_step",
-    "require_ref_for_kl", "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step",
-    "sample_and_score", "token_rewards", "whole",
+    "merge_rows", "overlong_penalties", "ppo_step", "ref_for_kl", "register", "remax_step", "require_ref_for_kl",
+    "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step", "sample_and_score", "token_rewards",
+    "whole",
 ]

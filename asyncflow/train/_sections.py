@@ -108,6 +108,15 @@ class TrainSection(msgspec.Struct, **_CFG):
     generating steps ``n+1 .. n+k`` overlaps training step ``n``; the loss corrects
     stale tokens (``algorithm.policy.off_policy``). 0: synchronous (the same
     metrics as generating on the actor)."""
+    weight_sync_bucket_mb: float = 256.0
+    """With a rollout role: the actor's weights reach it in buckets of at most this
+    many MiB (one ``rollout.load_weights`` call each; a larger parameter is a
+    bucket of its own), so a rollout rank holds at most one bucket beside its
+    weights."""
+    weight_sync_timeout_s: float = 30.0
+    """With a rollout role: seconds one bucket's pull may take once it runs; past
+    it the run stops with an error naming the rollout rank and the actor ranks it
+    pulls from (0: no limit)."""
     trace_steps: int = 0
     """Trace the first this many RL steps of the run: ``timeline.png`` (one lane per
     pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the output
@@ -121,6 +130,9 @@ class TrainSection(msgspec.Struct, **_CFG):
         for name in ("checkpoint_every", "eval_every", "trace_steps", "eval_samples", "max_staleness"):
             at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
         at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
+        if not self.weight_sync_bucket_mb > 0:
+            raise ConfigError(f"TrainSection.weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")
+        at_least("TrainSection.weight_sync_timeout_s", self.weight_sync_timeout_s, 0, "0 means no limit")
         at_least("TrainSection.stream_micro_batch", self.stream_micro_batch, 1)
         if self.migrate != "auto":
             at_least("TrainSection.migrate", self.migrate, 0, '0 turns it off; "auto" picks it')

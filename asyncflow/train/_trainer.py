@@ -16,12 +16,12 @@ from typing import Any
 import msgspec
 
 from asyncflow._datastream import StreamOptions
-from asyncflow._errors import PoolBrokenError, WorkerDiedError
+from asyncflow._errors import CallTimeoutError, PoolBrokenError, WorkerDiedError
 from asyncflow._future import DataFuture
 from asyncflow._ops import merge
 from asyncflow._proxy import Roles
 from asyncflow._session import Session
-from asyncflow.algos import PromptSource
+from asyncflow.algos import PromptSource, WeightSync
 from asyncflow.train._ahead import SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir
 from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
@@ -49,8 +49,8 @@ CURVES = ("reward/mean", "actor/kl_to_ref", "eval/accuracy", "actor/logprob_mism
 
 
 class RunInterruptedError(AsyncflowError):
-    """A run stopped because a worker process died; the message names it and the
-    checkpoint to continue from."""
+    """A run stopped because a worker process died or a call on it stalled past its
+    timeout (a weight pull); the message names it and the checkpoint to continue from."""
 
 
 @dataclass
@@ -159,19 +159,22 @@ class Trainer:
             try:
                 result = await self._loop(session, roles, prompts, max_new, start=start,
                                           state=state | {"accuracy_before": before})
-            except (WorkerDiedError, PoolBrokenError) as e:
+            except (WorkerDiedError, CallTimeoutError, PoolBrokenError) as e:
                 raise self._interrupted(e) from e
         return result
 
-    def _interrupted(self, error: WorkerDiedError | PoolBrokenError) -> RunInterruptedError:
-        """One line: which process died, and where the run can continue from."""
-        died = error if isinstance(error, WorkerDiedError) else error.cause
-        assert isinstance(died, WorkerDiedError)
+    def _interrupted(self, error: WorkerDiedError | CallTimeoutError | PoolBrokenError) -> RunInterruptedError:
+        """One line: which process died (or stalled), and where the run can continue from."""
+        died = error.cause if isinstance(error, PoolBrokenError) else error
+        assert isinstance(died, WorkerDiedError | CallTimeoutError)
         who = f"{died.role} " if died.role else ""
         doing = f" during {died.role}.{died.method}" if died.role else ""
         done = self.checkpoints.complete()
         where = (f"last checkpoint: {done[-1]} (continue with --resume)" if done
                  else "no checkpoint was written yet (rerun from the start)")
+        if isinstance(died, CallTimeoutError):
+            return RunInterruptedError(f"{died.role}.{died.method} stalled on rank {died.rank} of pool {died.pool!r}: "
+                                       f"{died.cause}; {where}")
         return RunInterruptedError(
             f"the {who}worker process of rank {died.rank} in pool {died.pool!r} died{doing}; {where}")
 
@@ -190,9 +193,12 @@ class Trainer:
         source = _PromptSource(session, prompts, c.train.prompts_per_step, seed=c.seed,
                                skip=int(state.get("batches_drawn", start)))
         if "rollout" in roles:  # generation on its own pool, up to max_staleness steps ahead
+            sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=max(1, int(c.train.weight_sync_bucket_mb * 2**20)),
+                              timeout_s=c.train.weight_sync_timeout_s or None)
             self._ahead = SamplesAhead(session, roles, rollout_of(c), max_staleness=c.train.max_staleness,
                                        last_step=c.train.steps, seed_of=self._seed, next_prompts=source.next,
-                                       start=start)
+                                       start=start, sync=sync)
+            await self._ahead.prepare()
             if self.resume:
                 await self._ahead.restore(self.checkpoints.latest(), state.get("in_flight", []))
         bar = _bar(self.progress_bar, start, c.train.steps)
@@ -210,8 +216,10 @@ class Trainer:
                     drawn, rollout = sampled.prompts, sampled.rows
                 else:
                     drawn = await source.next()
-                metrics = await self._step(roles, drawn, algo_state, seed=self._seed(step), more=source.next,
-                                           rollout=rollout) | ahead_metrics
+                stepping = self._step(roles, drawn, algo_state, seed=self._seed(step), more=source.next,
+                                      rollout=rollout)
+                # With a rollout role, a weight load that fails (a stalled pull) ends the step at once.
+                metrics = await (self._ahead.guard(stepping) if self._ahead is not None else stepping) | ahead_metrics
                 metrics["time/step_s"] = time.monotonic() - t
                 traced.after_step()
                 tokens = metrics.get("actor/response_tokens", 0.0)

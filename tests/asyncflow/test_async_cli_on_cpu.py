@@ -50,6 +50,7 @@ checkpoint_every = 2
 eval_size = 8
 kl_metric = false
 max_staleness = {staleness}
+weight_sync_bucket_mb = 0.02    # ~20 KiB: the weights reach the rollout in about ten buckets
 
 [algorithm]
 name = "grpo"

@@ -55,13 +55,17 @@ def test_a_typed_algorithm_type_checks_clean(mypy_output: dict[str, list[str]]) 
     assert mypy_output[OK] == []
 
 
-def test_mypy_reports_a_misspelt_method_and_an_unknown_keyword(mypy_output: dict[str, list[str]]) -> None:
+def test_mypy_reports_a_misspelt_method_an_unknown_keyword_and_a_bad_timeout(
+        mypy_output: dict[str, list[str]]) -> None:
     [method_line] = _marked_lines(BAD, "misspelt method")
     [keyword_line] = _marked_lines(BAD, "unknown keyword")
+    [timeout_line] = _marked_lines(BAD, "timeout_s is seconds")
     assert mypy_output[BAD] == [
         f'{method_line}: error: "generat" of role class "ActorWorker" is not a registered method '
         f'(did you mean "generate"?); its registered methods are: {ACTOR_METHODS}  [attr-defined]',
         f'{keyword_line}: error: Unexpected keyword argument "nn" for "generate" of "ActorWorker"  [call-arg]',
+        f'{timeout_line}: error: Argument "timeout_s" to "generate" of "ActorWorker" has incompatible type "str"; '
+        'expected "float | None"  [arg-type]',
     ]
 
 

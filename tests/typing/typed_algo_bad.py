@@ -1,4 +1,4 @@
-"""A typed algorithm with two mistakes that asyncflow's mypy plugin must report
+"""A typed algorithm with three mistakes that asyncflow's mypy plugin must report
 (``tests/asyncflow/test_typed_roles.py`` runs mypy on it and expects exactly the
 errors marked ``# error``). Not type-checked by ``make test``'s mypy line."""
 
@@ -18,7 +18,8 @@ class Roles:
 
 
 async def step(roles: Roles, prompts: DataFuture[Any]) -> None:
-    """A misspelt method and an unknown keyword."""
+    """A misspelt method, an unknown keyword and a timeout that is not seconds."""
     rollout = roles.actor.generat(prompts, n=2)  # error: misspelt method
     roles.critic.values(rollout)
     roles.actor.generate(prompts, nn=2)  # error: unknown keyword
+    roles.actor.generate(prompts, timeout_s="soon")  # error: timeout_s is seconds

@@ -58,6 +58,8 @@ async def ppo_like_step(roles: PPORoles, prompts: DataFuture[Any], stream: Strea
     # Methods that do not return rows return their own type.
     metrics = await roles.actor.update(rollout, ptx=None, ptx_coef=0.0)
     assert_type(metrics, dict[str, float])
+    # Every call takes the driver's timeout_s.
+    assert_type(roles.actor.update(rollout, timeout_s=30.0), DataFuture[dict[str, float]])
     assert_type(roles.reward.stats(values), DataFuture[dict[str, float]])
     assert_type(roles.critic.save_checkpoint("/tmp/ckpt"), DataFuture[None])  # inherited
 

@@ -70,6 +70,8 @@ class RolloutWorker(Role):
         self.weights_version: int | None = None
         """The version of the weights loaded last (None: the model directory's, which
         are the actor's version 0 when both start from the same directory)."""
+        self._partial: tuple[int, set[str]] | None = None
+        """A version loaded in part (by buckets), and its parameters loaded so far."""
 
     def rank_local(self) -> frozenset[str]:
         """``generate``: every rank generates with whole weights (``load_weights``
@@ -84,32 +86,54 @@ class RolloutWorker(Role):
         version loaded last (0: the model directory's weights, the actor's start).
 
         Raises:
-            ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams.
+            ConfigError: ``n`` < 1, ``params`` is not a SamplingParams, or the
+                weights are loaded in part (see :meth:`load_weights`).
             MissingFieldError: the prompts lack ``prompt_ids`` or ``prompt_mask``.
         """
+        if self._partial is not None:
+            raise ConfigError(f"rollout.generate: the weights of version {self._partial[0]} are loaded in part "
+                              f"({self._loaded_in_part()}); load the rest of them first")
         return (yield from checked_generate(self.rollout, prompts, n=n, params=params, default=self.config.sampling,
                                             eos_token_id=self._eos, seed_rank=self.ctx.rank, rank=self.ctx.rank,
                                             where="rollout.generate", version=self.weights_version or 0))
 
     @register(protocol=OneToAll())
     def load_weights(self, weights: Batch) -> int:
-        """Load the actor's weights (the rows of ``actor.weights()``): every rank pulls
+        """Load the actor's weights (the rows of ``actor.weights()``, or a bucket of
+        them: ``weights.select([...names, "weights_version"])``): every rank pulls
         each parameter's shards from the actor ranks that hold them, peer to peer,
-        once each, and assembles the whole tensors.
+        once each, assembles the whole tensors and copies them into its engine.
+
+        A bucket loads its parameters at once; the version becomes the one
+        ``generate`` samples with when every parameter of it is loaded, and
+        ``generate`` refuses to run on weights loaded in part.
 
         Args:
-            weights: the future ``actor.weights()`` returned.
+            weights: the future ``actor.weights()`` returned, or a selection of it.
 
         Returns:
             Their version (the actor's optimizer step count); one value per rank.
 
         Raises:
-            ConfigError: the rows are not a weights future of this model.
+            ConfigError: the rows are not a weights future of this model, are older
+                than the loaded version, or start a new version while another is
+                loaded in part.
         """
-        tensors, version = assemble_weights(weights, self._shapes)
+        tensors, version = assemble_weights(weights, self._shapes, partial=True)
         if self.weights_version is not None and version < self.weights_version:
             raise ConfigError(f"rollout.load_weights: version {version} is older than the loaded "
                               f"{self.weights_version}")
+        if self._partial is not None and self._partial[0] != version:
+            raise ConfigError(f"rollout.load_weights: version {version} arrived while version {self._partial[0]} "
+                              f"is loaded in part ({self._loaded_in_part()}); load the rest of it first")
         self.rollout.update_weights(tensors.items())
-        self.weights_version = version
+        names = (self._partial[1] if self._partial is not None else set()) | set(tensors)
+        if names >= self._shapes.keys():
+            self.weights_version, self._partial = version, None
+        else:
+            self._partial = (version, names)
         return version
+
+    def _loaded_in_part(self) -> str:
+        assert self._partial is not None
+        return f"{len(self._partial[1])} of {len(self._shapes)} parameters"

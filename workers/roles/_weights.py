@@ -9,18 +9,24 @@ along its first dimension, the last padded with zeros when ``t`` does not divide
 ``n``, so that the ``t`` rows together hold each byte once, plus padding), plus
 :data:`WEIGHTS_VERSION`. Other ranks return no rows. :func:`assemble_weights`
 concatenates the rows back into whole tensors on the receiving side, so a rollout
-rank that pulls the future moves exactly the model's bytes.
+rank that pulls the future moves exactly the model's bytes; :func:`weight_buckets`
+splits the parameters into bounded buckets that are pulled one call each.
+
+The rows are a snapshot of the publishing ranks' shards (a copy in host memory),
+held until the last future naming them is dropped: a pull that comes after the
+actor's next optimizer step still gets the published version. Copy-on-write (no
+copy unless a step comes before the pull) is planned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from channels import ConfigError
+from channels import ConfigError, FieldSpec
 from workers import WorkerContext
 
 WEIGHTS_VERSION = "weights_version"
@@ -66,22 +72,58 @@ def weight_rows(model: nn.Module, ctx: WorkerContext, *, version: int) -> dict[s
         local, split = _tp_shard(param)
         if not split and t > 1:
             local = _part(local, t, c.tp)
-        row = local.unsqueeze(0).cpu()
+        # A snapshot, not a view: the rows may be pulled after the next optimizer
+        # step has changed the parameters in place (a rollout pool pulls them when
+        # it gets to its load, behind the generations queued before it).
+        row = local.unsqueeze(0).to("cpu", copy=True)
         out[name] = row if publish else row[:0]
     out[WEIGHTS_VERSION] = torch.tensor([version] if publish else [], dtype=torch.int64)
     return out
 
 
-def assemble_weights(rows: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, Tensor], int]:
+def weight_buckets(fields: Sequence[FieldSpec], *, rows: int, bucket_bytes: int) -> list[tuple[str, ...]]:
+    """The parameters of a weights future in buckets of at most ``bucket_bytes``
+    (over all ``rows``), in the future's order; a parameter larger than a bucket
+    is a bucket of its own. :data:`WEIGHTS_VERSION` is in none (every bucket
+    carries it).
+
+    Args:
+        fields: the future's columns (``BatchMeta.fields``).
+        rows: the future's rows (the publishing ranks).
+        bucket_bytes: the most bytes a bucket moves (> 0).
+    """
+    if bucket_bytes <= 0:
+        raise ConfigError(f"weight buckets need bucket_bytes > 0, got {bucket_bytes}")
+    buckets: list[tuple[str, ...]] = []
+    current: list[str] = []
+    size = 0
+    for f in fields:
+        if f.name == WEIGHTS_VERSION:
+            continue
+        nbytes = f.row_bytes() * rows
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(f.name)
+        size += nbytes
+    if current:
+        buckets.append(tuple(current))
+    return buckets
+
+
+def assemble_weights(rows: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]], *,
+                     partial: bool = False) -> tuple[dict[str, Tensor], int]:
     """Whole tensors from the rows of a weights future, and their version.
 
     Args:
         rows: the future's columns (``t`` rows each).
         shapes: the receiving model's parameter shapes by name.
+        partial: the rows may hold some of the parameters (a bucket): those are
+            assembled; without it every parameter must be there.
 
     Raises:
         ConfigError: the future is not a weights future, its versions differ, or a
-            parameter is missing or does not fit its shape.
+            parameter is missing (unless ``partial``), unknown, or does not fit its shape.
     """
     if WEIGHTS_VERSION not in rows or rows[WEIGHTS_VERSION].numel() == 0:
         raise ConfigError(f"rollout.load_weights needs the rows of actor.weights() (a {WEIGHTS_VERSION!r} column); "
@@ -89,20 +131,29 @@ def assemble_weights(rows: Mapping[str, Tensor], shapes: Mapping[str, tuple[int,
     versions = rows[WEIGHTS_VERSION].unique()
     if versions.numel() != 1:
         raise ConfigError(f"rollout.load_weights got rows of several weight versions {versions.tolist()}")
+    unknown = sorted(set(rows) - set(shapes) - {WEIGHTS_VERSION})
+    if unknown:
+        raise ConfigError(f"rollout.load_weights: {unknown[:3]} are not parameters of the rollout model")
     out = {}
     for name, shape in shapes.items():
         column = rows.get(name)
         if column is None:
+            if partial:
+                continue
             raise ConfigError(f"rollout.load_weights: the weights lack parameter {name!r} of the rollout model")
-        parts, local, want = column.shape[0], tuple(column.shape[1:]), tuple(shape)
-        same_rank = len(local) == len(want)
-        fits = [d for d in range(len(want)) if same_rank and local[d] * parts == want[d]
-                and all(local[i] == want[i] for i in range(len(want)) if i != d)]
-        if fits:  # tensor-parallel shards, or a whole parameter cut evenly
-            out[name] = column[0] if parts == 1 else torch.cat(list(column), dim=fits[0])
-        elif same_rank and want and local[0] == -(-want[0] // parts) and local[1:] == want[1:]:
-            out[name] = torch.cat(list(column))[:want[0]]  # a whole parameter cut with padding
-        else:
-            raise ConfigError(f"rollout.load_weights: {parts} shards of {name!r} shaped {local} do not make its shape "
-                              f"{want}")
+        out[name] = _whole(name, column, tuple(shape))
     return out, int(versions.item())
+
+
+def _whole(name: str, column: Tensor, want: tuple[int, ...]) -> Tensor:
+    """Parameter ``name`` of shape ``want`` from its ``t`` rows."""
+    parts, local = column.shape[0], tuple(column.shape[1:])
+    same_rank = len(local) == len(want)
+    fits = [d for d in range(len(want)) if same_rank and local[d] * parts == want[d]
+            and all(local[i] == want[i] for i in range(len(want)) if i != d)]
+    if fits:  # tensor-parallel shards, or a whole parameter cut evenly
+        return column[0] if parts == 1 else torch.cat(list(column), dim=fits[0])
+    if same_rank and want and local[0] == -(-want[0] // parts) and local[1:] == want[1:]:
+        return torch.cat(list(column))[:want[0]]  # a whole parameter cut with padding
+    raise ConfigError(f"rollout.load_weights: {parts} shards of {name!r} shaped {local} do not make its shape "
+                      f"{want}")

@@ -14,6 +14,7 @@ from roles_testlib import prompt_columns
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
+from asyncflow.algos import WeightSync
 from channels import Layout
 from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig, load_model, save_tiny_model
@@ -99,3 +100,35 @@ def test_rows_that_are_not_weights_are_refused(env) -> None:
 
     with pytest.raises(af.RemoteStageError, match=r"ConfigError: rollout\.load_weights needs the rows of actor\.weights"):
         lt.run(main())
+
+
+def test_bucketed_loads_give_the_actors_samples_and_generate_waits_for_the_last_bucket(env) -> None:
+    """``WeightSync`` with small buckets: several ``load_weights`` calls, each a
+    selection of one weights future; between them the rollout refuses to generate
+    on weights loaded in part, and after the last it samples what the actor does."""
+    lt, session, roles, _ = env
+
+    async def main():
+        src = await session.put(prompt_columns(), pool=POLICY)
+        await roles.actor.update(roles.actor.generate(src, n=2).map(alternating_advantages))
+        sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=16 << 10, timeout_s=60)
+        await sync.prepare()
+        assert sync.buckets is not None
+        weights = roles.actor.weights()
+        await roles.rollout.load_weights(weights.select((*sync.buckets[0], WEIGHTS_VERSION)))
+        with pytest.raises(af.RemoteStageError, match=r"weights of version \d+ are loaded in part \(\d+ of \d+"):
+            await roles.rollout.generate(src, params=GREEDY)
+        version = await sync.sync()
+        after = await roles.rollout.generate(src, params=GREEDY).fetch()
+        actor = await roles.actor.generate(src, params=GREEDY).fetch()
+        meta = await weights
+        return sync.buckets, version, after, actor, meta
+
+    buckets, version, after, actor, meta = lt.run(main())
+    assert len(buckets) > 2
+    names = [n for bucket in buckets for n in bucket]
+    assert sorted(names) == sorted(f.name for f in meta.fields if f.name != WEIGHTS_VERSION)  # each once
+    sizes = [sum(meta.field(n).row_bytes() * meta.num_rows for n in bucket) for bucket in buckets]
+    assert all(s <= 16 << 10 for s, b in zip(sizes, buckets, strict=True) if len(b) > 1)
+    assert version == 2  # the module's second optimizer step
+    assert torch.equal(after["response_ids"], actor["response_ids"])

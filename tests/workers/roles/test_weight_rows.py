@@ -8,9 +8,9 @@ import pytest
 import torch
 from roles_testlib import local_ctx, small_lm
 
-from channels import ConfigError
+from channels import ConfigError, FieldSpec
 from workers.roles import WEIGHTS_VERSION
-from workers.roles._weights import _part, assemble_weights, weight_rows
+from workers.roles._weights import _part, assemble_weights, weight_buckets, weight_rows
 
 
 def test_shards_and_padded_parts_assemble_into_the_whole_tensors() -> None:
@@ -60,3 +60,61 @@ def test_a_rollout_role_refuses_weights_older_than_its_own(tmp_path) -> None:
     assert rollout.load_weights(Batch(weight_rows(model, local_ctx("actor"), version=2))) == 2
     with pytest.raises(ConfigError, match="version 1 is older than the loaded 2"):
         rollout.load_weights(Batch(weight_rows(model, local_ctx("actor"), version=1)))
+
+
+def test_buckets_hold_each_parameter_once_within_the_bound() -> None:
+    fields = [FieldSpec(name="a", dtype="float32", shape=(10,)),      # 80 bytes over 2 rows
+              FieldSpec(name=WEIGHTS_VERSION, dtype="int64", shape=()),
+              FieldSpec(name="b", dtype="float32", shape=(5,)),       # 40
+              FieldSpec(name="big", dtype="float32", shape=(100,)),   # 800: a bucket of its own
+              FieldSpec(name="c", dtype="float16", shape=(4,))]       # 16
+    assert weight_buckets(fields, rows=2, bucket_bytes=128) == [("a", "b"), ("big",), ("c",)]
+    assert weight_buckets(fields, rows=2, bucket_bytes=1 << 20) == [("a", "b", "big", "c")]
+    with pytest.raises(ConfigError, match="bucket_bytes > 0"):
+        weight_buckets(fields, rows=2, bucket_bytes=0)
+
+
+def test_a_bucket_assembles_its_parameters_and_names_strangers() -> None:
+    rows = {"w": torch.ones(1, 4, 4), WEIGHTS_VERSION: torch.tensor([3])}
+    got, version = assemble_weights(rows, {"w": (4, 4), "v": (2,)}, partial=True)
+    assert version == 3 and set(got) == {"w"}
+    with pytest.raises(ConfigError, match=r"\['x'\] are not parameters of the rollout model"):
+        assemble_weights(rows | {"x": torch.ones(1, 2)}, {"w": (4, 4)}, partial=True)
+
+
+def test_a_rollout_role_loads_a_version_bucket_by_bucket(tmp_path) -> None:
+    """A version counts as loaded once its last parameter is; another version may
+    not start before that, and ``generate`` waits for it."""
+    from roles_testlib import TINY
+
+    from channels import Batch
+    from workers.models import load_model, save_tiny_model
+    from workers.roles import RolloutWorker, RolloutWorkerConfig
+
+    model_dir = str(save_tiny_model(tmp_path, TINY, seed=0))
+    rollout = RolloutWorker(local_ctx("rollout"), RolloutWorkerConfig(model_dir=model_dir))
+    rows = weight_rows(load_model(model_dir), local_ctx("actor"), version=5)
+    names = [n for n in rows if n != WEIGHTS_VERSION]
+    first = {n: rows[n] for n in names[:2]} | {WEIGHTS_VERSION: rows[WEIGHTS_VERSION]}
+    assert rollout.load_weights(Batch(first)) == 5
+    assert rollout.weights_version is None  # not all of version 5 yet
+    with pytest.raises(ConfigError, match=rf"weights of version 5 are loaded in part \(2 of {len(names)} parameters\)"):
+        next(rollout.generate(Batch({"prompt_ids": torch.ones(1, 2, dtype=torch.long),
+                                     "prompt_mask": torch.ones(1, 2, dtype=torch.long)})))
+    newer = weight_rows(load_model(model_dir), local_ctx("actor"), version=6)
+    with pytest.raises(ConfigError, match="version 6 arrived while version 5 is loaded in part"):
+        rollout.load_weights(Batch(newer))
+    rest = {n: rows[n] for n in names[2:]} | {WEIGHTS_VERSION: rows[WEIGHTS_VERSION]}
+    assert rollout.load_weights(Batch(rest)) == 5 and rollout.weights_version == 5
+
+
+def test_published_rows_keep_their_version_when_the_parameters_change() -> None:
+    """The rows are a snapshot: a rollout that pulls them after the actor's next
+    optimizer step (which changes the parameters in place) gets what was published."""
+    model = small_lm()
+    rows = weight_rows(model, local_ctx("actor"), version=1)
+    before = {n: rows[n].clone() for n in rows}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(rows[n], before[n]) for n in rows)

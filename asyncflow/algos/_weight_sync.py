@@ -1,0 +1,85 @@
+"""The actor's weights to a rollout role on another pool, in bounded buckets, each
+pull bounded in time.
+
+``rollout.load_weights(actor.weights())`` moves the whole model in one pull: the
+rollout ranks receive every parameter before they copy any, and a producer that
+stalls holds the pull for good. :class:`WeightSync` queues one ``load_weights``
+call per bucket of parameters instead (selections of one ``actor.weights()``
+future, planned from its metadata), each with ``timeout_s``: a rollout rank then
+holds at most one bucket beside its weights, and a bucket not in within the
+timeout ends in :class:`~asyncflow.CallTimeoutError` naming the rollout rank and
+the actor ranks it pulls from, never a hang. The bytes moved are the model's, as
+with one pull, peer to peer, no gather to one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncflow._future import DataFuture
+from asyncflow._proxy import RoleGroup
+from channels import BatchMeta, ConfigError
+from workers.roles import WEIGHTS_VERSION
+from workers.roles._weights import weight_buckets
+
+BUCKET_BYTES = 256 << 20
+"""Default bytes of one bucket (over all publishing ranks)."""
+
+TIMEOUT_S = 30.0
+"""Default seconds one bucket's pull may take once its call runs: ample for a
+256 MiB bucket (about 0.15 s over gloo on this 2-core machine), and below Ray's
+own limit on a direct-transport fetch (60 s, ``RAY_rdt_fetch_fail_timeout_milliseconds``),
+past which Ray kills both ends of the transfer and the error would name a death
+instead of the stall."""
+
+
+class WeightSync:
+    """Bucketed, time-bounded weight loads from ``actor`` into ``rollout``.
+
+    Call :meth:`prepare` once (it reads the weights' metadata); then
+    :meth:`submit` queues a load without waiting, or ``await sync()`` loads and
+    returns the version.
+
+    Args:
+        actor: the group whose ``weights()`` publishes the weights.
+        rollout: the group whose ``load_weights`` takes them.
+        bucket_bytes: the most bytes of one bucket; a larger parameter is a bucket
+            of its own.
+        timeout_s: seconds a bucket's call may run (None: no limit).
+    """
+
+    def __init__(self, actor: RoleGroup[Any], rollout: RoleGroup[Any], *, bucket_bytes: int = BUCKET_BYTES,
+                 timeout_s: float | None = TIMEOUT_S) -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ConfigError(f"WeightSync: bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+        self.actor, self.rollout = actor, rollout
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
+        self.buckets: list[tuple[str, ...]] | None = None
+        """The parameters of each bucket, once :meth:`prepare` read them."""
+
+    async def prepare(self) -> None:
+        """Plan the buckets from the metadata of one ``actor.weights()`` (its rows
+        stay where they are)."""
+        meta = await self.actor.weights()
+        if not isinstance(meta, BatchMeta):
+            raise ConfigError(f"WeightSync: {self.actor.name}.weights() returned {type(meta).__name__}, not rows")
+        self.buckets = weight_buckets(meta.fields, rows=meta.num_rows, bucket_bytes=self.bucket_bytes)
+
+    def submit(self) -> list[DataFuture[Any]]:
+        """Queue the loads of the actor's current weights, one call per bucket in
+        bucket order (the rollout's pool runs them in that order, before anything
+        queued on it later); returns their futures (each resolves to the version)."""
+        if self.buckets is None:
+            raise ConfigError("WeightSync.submit: call `await sync.prepare()` first")
+        weights = self.actor.weights()
+        if len(self.buckets) == 1:  # the whole model: no selection needed
+            return [self.rollout.load_weights(weights, timeout_s=self.timeout_s)]
+        return [self.rollout.load_weights(weights.select((*names, WEIGHTS_VERSION)), timeout_s=self.timeout_s)
+                for names in self.buckets]
+
+    async def sync(self) -> int:
+        """Load the actor's current weights into every rollout rank; their version."""
+        if self.buckets is None:
+            await self.prepare()
+        versions = [await f for f in self.submit()]
+        return int(versions[-1][0])
