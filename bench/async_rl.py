@@ -158,8 +158,8 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
                     metrics = await grpo_step(roles, await prompts(), config, seed=job.seed + step)
                 else:
                     sampled, lag = await ahead.for_step(step)
-                    metrics = await grpo_step(roles, sampled.prompts, config, seed=job.seed + step,
-                                              rollout=sampled.rows)
+                    metrics = await ahead.guard(grpo_step(ahead.step_roles(), sampled.prompts, config,
+                                                          seed=job.seed + step, rollout=sampled.rows))
                     staleness.append(lag["async/staleness"])
                 if step > warmup:
                     tokens += metrics["actor/response_tokens"]

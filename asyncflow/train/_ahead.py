@@ -11,7 +11,10 @@ peer in buckets, each within ``train.weight_sync_timeout_s``; see
 The pools' queues keep the order; nothing here waits for a generation, so the
 rollout's pool generates batch ``m + 1 .. m + k`` while the actor's pool trains
 on batch ``m``. With ``k = 0`` this is the synchronous loop: load, generate,
-update.
+update. Steps run with :meth:`SamplesAhead.step_roles` queue batch ``m + 1 + k``
+(by version ``m``) as soon as step ``m``'s update is submitted, so that the
+weights, their loads and that generation follow the update on their pools with
+no round trip through the driver in between.
 
 Which version generates which batch depends only on the step numbers, never on
 timing, and every batch is sampled with its own seed, so a run is reproducible
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncflow._future import DataFuture
-from asyncflow._proxy import Roles
+from asyncflow._proxy import RoleGroup, Roles, Submit
 from asyncflow._session import Session
 from asyncflow.algos import RolloutConfig, WeightSync
 from workers.rollout import SamplingParams
@@ -85,6 +88,52 @@ class SamplesAhead:
         """Set to the error of the first weight load that failed (nobody awaits the
         loads themselves: the generations queued after them do)."""
         self._watchers: set[asyncio.Task[None]] = set()
+        self._step: int | None = None
+        """The step :meth:`for_step` last gave samples for."""
+        self._launching: asyncio.Future[None] | None = None
+        """The generations queued when the step's update was submitted, while they queue."""
+
+    def step_roles(self) -> Roles:
+        """The roles to run the steps with: the same groups, except that submitting
+        ``actor.update`` queues the next generations at once (the weights it will
+        produce, their loads and the generation behind them), not after the step's
+        metrics came back: the rollout's pool then finds its next work queued when
+        the update ends, without waiting for the driver. Which version samples
+        which batch is unchanged."""
+        actor = self.roles.actor
+        hooked: RoleGroup[Any] = RoleGroup(self._after_submit(actor._submit), actor.name, actor._spec, actor.layout,
+                           actor.rank_local)
+        return Roles({**{name: self.roles[name] for name in self.roles}, "actor": hooked})
+
+    def _after_submit(self, submit: Submit) -> Submit:
+        def hooked(group: RoleGroup[Any], endpoint: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+            out = submit(group, endpoint, args, kwargs)
+            if endpoint.spec.name == "update" and self._step is not None:
+                step, previous = self._step, self._launching
+                self._step = None  # once a step
+                self._launching = asyncio.ensure_future(self._launch(step + 1 + self.k, newest=step, after=previous))
+            return out
+        return hooked
+
+    async def _launch(self, upto: int, *, newest: int, after: Awaitable[None] | None = None) -> None:
+        """Queue the generations of the batches up to ``upto`` not queued yet, by
+        version ``newest`` (the weights the actor's last submitted update makes)."""
+        if after is not None:
+            await after
+        while self.launched < min(self.last_step, upto):
+            j = self.launched + 1
+            self._refresh(newest)
+            prompts = await self.next_prompts()
+            r = self.rollout
+            rows = self.roles.rollout.generate(prompts, n=r.n, params=r.params(seed=self.seed_of(j)))
+            assert self.loaded is not None
+            self.pending[j] = Sampled(prompts=prompts, rows=rows, version=self.loaded)
+            self.launched = j
+
+    async def settle(self) -> None:
+        """Wait until the generations queued at the last update are all queued."""
+        if self._launching is not None:
+            await self._launching
 
     async def prepare(self) -> None:
         """Plan the weight buckets (reads the weights' metadata once)."""
@@ -115,7 +164,9 @@ class SamplesAhead:
         either: set[asyncio.Future[Any]] = {task, self._sync_failed}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
-            return task.result()
+            result = task.result()
+            await self.settle()
+            return result
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
@@ -129,15 +180,9 @@ class SamplesAhead:
         newest = step - 1  # the actor's version now
         if self.sync.buckets is None:
             await self.prepare()
-        while self.launched < min(self.last_step, step + self.k):
-            j = self.launched + 1
-            self._refresh(newest)
-            prompts = await self.next_prompts()
-            r = self.rollout
-            rows = self.roles.rollout.generate(prompts, n=r.n, params=r.params(seed=self.seed_of(j)))
-            assert self.loaded is not None
-            self.pending[j] = Sampled(prompts=prompts, rows=rows, version=self.loaded)
-            self.launched = j
+        await self.settle()
+        await self._launch(step + self.k, newest=newest)  # the first step, a resumed run's, or no step_roles
+        self._step = step
         sampled = self.pending.pop(step)
         return sampled, {"async/staleness": float(newest - sampled.version),
                          "async/in_flight": float(self.launched - step),

@@ -205,6 +205,7 @@ class Trainer:
         began, step = time.monotonic(), start
         evaluated: tuple[int, dict[str, float]] = (-1, {})
         traced = _TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
+        step_roles = self._ahead.step_roles() if self._ahead is not None else roles
         try:
             for step in range(start + 1, c.train.steps + 1):
                 await traced.before_step()
@@ -216,7 +217,7 @@ class Trainer:
                     drawn, rollout = sampled.prompts, sampled.rows
                 else:
                     drawn = await source.next()
-                stepping = self._step(roles, drawn, algo_state, seed=self._seed(step), more=source.next,
+                stepping = self._step(step_roles, drawn, algo_state, seed=self._seed(step), more=source.next,
                                       rollout=rollout)
                 # With a rollout role, a weight load that fails (a stalled pull) ends the step at once.
                 metrics = await (self._ahead.guard(stepping) if self._ahead is not None else stepping) | ahead_metrics

@@ -144,8 +144,11 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     checkpoint = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     state = json.loads((checkpoint / "state.json").read_text())
     resumed_from = state["step"]
-    # The batch generated ahead, by the weights of the step before the checkpoint's.
-    assert state["in_flight"] == [{"batch": resumed_from + 1, "version": resumed_from - 1}]
+    # The batches generated ahead: the next one by the weights of the step before the
+    # checkpoint's, and the one after by the checkpoint's own (queued as soon as the
+    # checkpoint step's update was).
+    assert state["in_flight"] == [{"batch": resumed_from + 1, "version": resumed_from - 1},
+                                  {"batch": resumed_from + 2, "version": resumed_from}]
     target = resumed_from + 2
     assert main(["train", str(run), "--resume", "--set", f"train.steps={target}", "--no-progress"]) == 0
     reference = _config(tmp_path, model_dir, "reference", steps=target, staleness=1)
