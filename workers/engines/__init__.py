@@ -34,13 +34,7 @@ from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
 from workers.engines._losses import (
     KLEstimator,
     LossAggregation,
-    OffPolicyCorrection,
-    PolicyLossTerms,
-    StalenessTerms,
-    ValueLossTerms,
-    clipped_value_loss,
     entropy_from_logits,
-    grpo_loss,
     kl_k1,
     kl_k2,
     kl_k3,
@@ -49,8 +43,6 @@ from workers.engines._losses import (
     masked_sum,
     masked_var,
     masked_whiten,
-    ppo_policy_loss,
-    staleness_correction,
 )
 from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine
 from workers.engines._objectives import (
@@ -71,6 +63,16 @@ from workers.engines._parallel import (
     TensorParallelPlan,
     apply_tensor_parallel,
     clip_grad_norm,
+)
+from workers.engines._policy_losses import (
+    OffPolicyCorrection,
+    PolicyLossTerms,
+    StalenessTerms,
+    ValueLossTerms,
+    clipped_value_loss,
+    grpo_loss,
+    ppo_policy_loss,
+    staleness_correction,
 )
 
 __all__ = [

@@ -19,9 +19,8 @@ import torch
 from torch import Tensor
 
 from workers.engines._errors import EngineConfigError, enum_field
-from workers.engines._losses import (
-    KLEstimator,
-    LossAggregation,
+from workers.engines._losses import KLEstimator, LossAggregation
+from workers.engines._policy_losses import (
     OffPolicyCorrection,
     clipped_value_loss,
     ppo_policy_loss,
