@@ -39,6 +39,16 @@ async def _pid(session: af.Session, pool: str) -> int:
     return int(pid)
 
 
+async def _load_started(session: af.Session) -> None:
+    """Until a ``load_weights`` call runs on pool ``gen`` (the scheduler started it:
+    its weights exist, and the stopped rollout rank holds it there)."""
+    gen = session._scheduler.pools["gen"]  # type: ignore[union-attr]
+    deadline = time.monotonic() + 60
+    while not any(c.method == "load_weights" for c in gen.running.values()):
+        assert time.monotonic() < deadline, "no load_weights call started within 60 s"
+        await asyncio.sleep(0.05)
+
+
 def test_a_stalled_weight_pull_ends_the_waiting_step_naming_both_ends(tmp_path) -> None:
     model_dir = str(save_tiny_model(tmp_path, MODEL, seed=0))
 
@@ -68,7 +78,7 @@ def test_a_stalled_weight_pull_ends_the_waiting_step_naming_both_ends(tmp_path) 
             os.kill(rollout_pid, signal.SIGSTOP)
             try:
                 await ahead.for_step(2)  # queues version 1's loads (bucket by bucket), then batch 3
-                await asyncio.sleep(1.0)  # the actor publishes in milliseconds
+                await _load_started(session)  # the actor has published: the first bucket's call runs
                 os.kill(actor_pid, signal.SIGSTOP)
                 os.kill(rollout_pid, signal.SIGCONT)
                 started = time.monotonic()
