@@ -11,7 +11,11 @@ one session per mode, on this machine's two cores:
 - ``sync_dp2``: the actor on two data-parallel ranks, a core each;
 - ``async<k>`` for k = 0, 1, 2: the actor trains on one rank, a rollout role
   generates on the other, up to ``k`` steps ahead (the trainer's own
-  :class:`~asyncflow.train._ahead.SamplesAhead` and ``grpo_step(rollout=...)``).
+  :class:`~asyncflow.train._ahead.SamplesAhead` and ``grpo_step(rollout=...)``);
+- ``async1_partial``: ``async1`` with partial rollouts: a generation stops after
+  ``AsyncJob.partial_steps`` engine steps and its long samples go on in the next
+  batches' (the trained tokens of the measured steps then include tokens generated
+  before them, and leave out those still carried at the end).
 
 ``sync_tokens_per_s`` is the best synchronous placement (``sync_one``,
 ``sync_dp2``, or ``async0``, which trains as synchronous training does, metric
@@ -50,6 +54,7 @@ from workers.rewards import RuleRewardConfig
 from workers.roles import (
     ActorConfig,
     ActorWorker,
+    PartialRollout,
     RewardWorker,
     RolloutWorker,
     RolloutWorkerConfig,
@@ -57,7 +62,8 @@ from workers.roles import (
 )
 from workers.rollout import NativeRolloutConfig
 
-MODES = ("sync_one", "sync_dp2", "async0", "async1", "async2")
+MODES = ("sync_one", "sync_dp2", "async0", "async1", "async2", "async1_partial")
+"""``asyncK``: ``max_staleness = K``; ``_partial``: with partial rollouts (``AsyncJob.partial_steps``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +88,11 @@ class AsyncJob:
     vocab_size: int = 64
     lr: float = 1e-4
     seed: int = 0
+    partial_steps: int = 32
+    """Partial rollouts (the ``_partial`` modes): engine steps a generation runs before
+    its unfinished samples carry over to the next batch's."""
+    partial_carries: int = 8
+    """... and how many batches a sample may be carried over to."""
 
     def budgets(self) -> list[int]:
         """Each prompt's response budget (long-tailed, fixed by the seed)."""
@@ -147,8 +158,11 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
 
             ahead = None
             if mode.startswith("async"):
-                ahead = SamplesAhead(session, roles, config.rollout, max_staleness=int(mode[-1]), last_step=total,
-                                     seed_of=lambda j: job.seed + j, next_prompts=prompts, start=0)
+                partial = (PartialRollout(decode_steps=job.partial_steps, max_carries=job.partial_carries)
+                           if mode.endswith("_partial") else None)
+                ahead = SamplesAhead(session, roles, config.rollout, max_staleness=int(mode[len("async")]),
+                                     last_step=total, seed_of=lambda j: job.seed + j, next_prompts=prompts, start=0,
+                                     partial=partial)
             tokens, began, staleness = 0.0, 0.0, []
             for step in range(1, total + 1):
                 if step == warmup + 1:
@@ -201,9 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     syncs = [records[m]["tokens_per_s"] for m in ("sync_one", "sync_dp2", "async0") if m in records]
     if syncs:
         out["sync_tokens_per_s"] = max(syncs)
-        for k in (1, 2):
-            if f"async{k}" in records:
-                out[f"async{k}_over_sync"] = records[f"async{k}"]["tokens_per_s"] / out["sync_tokens_per_s"]
+        for mode in ("async1", "async2", "async1_partial"):
+            if mode in records:
+                out[f"{mode}_over_sync"] = records[mode]["tokens_per_s"] / out["sync_tokens_per_s"]
     print("| mode | tokens/s | s/step | busy ms/step by pool | ms/step by stage (summed over ranks) |")
     print("|---|---|---|---|---|")
     for mode, record in records.items():

@@ -416,6 +416,10 @@ def _check_algorithms(config: RunConfig) -> None:
     if config.train.max_staleness and ROLLOUT_ROLE not in config.placement:
         raise ConfigError(f"train.max_staleness = {config.train.max_staleness} needs a rollout role on its own "
                           "pool to generate ahead: add [placement] rollout = { pool = \"...\" }")
+    if config.train.partial_rollout_decode_steps and ROLLOUT_ROLE not in config.placement:
+        raise ConfigError(f"train.partial_rollout_decode_steps = {config.train.partial_rollout_decode_steps} needs "
+                          "a rollout role on its own pool (partial rollouts carry samples between its calls): add "
+                          "[placement] rollout = { pool = \"...\" }")
     buildable = {*MODEL_ROLES, "reward", "cost", ROLLOUT_ROLE}
     unknown = [r for r in needed_roles(config) if r not in buildable]
     if unknown:

@@ -117,6 +117,22 @@ class TrainSection(msgspec.Struct, **_CFG):
     """With a rollout role: seconds one bucket's pull may take once it runs; past
     it the run stops with an error naming the rollout rank and the actor ranks it
     pulls from (0: no limit)."""
+    partial_rollout_decode_steps: int = 0
+    """With a rollout role: partial rollouts. A batch's generation stops after this
+    many engine steps (once each rollout rank finished a group); its unfinished
+    samples go on in the next batch's generation, under the newer weights it is
+    sampled by (each token's ``policy_version`` says which version sampled it,
+    and the loss corrects it as it corrects stale batches), so a long response no
+    longer holds up a step. A batch then holds the groups that finished in it:
+    fewer or more than ``prompts_per_step``. A sample's first tokens may be up to
+    ``partial_rollout_max_carries`` versions older than ``max_staleness`` allows.
+    0: off (every batch is its own prompts' groups)."""
+    partial_rollout: Literal["continue", "restart"] = "continue"
+    """With ``partial_rollout_decode_steps``: ``continue`` a carried sample from its
+    tokens so far, or ``restart`` it from its prompt under the newer weights."""
+    partial_rollout_max_carries: int = 1
+    """With ``partial_rollout_decode_steps``: how many batches a sample may be carried
+    over to; it finishes in the last, whatever its length."""
     trace_steps: int = 0
     """Trace the first this many RL steps of the run: ``timeline.png`` (one lane per
     pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the output
@@ -125,9 +141,10 @@ class TrainSection(msgspec.Struct, **_CFG):
     def __post_init__(self) -> None:
         # "TrainSection.steps ... - at `$.train`" reaches the user as "train.steps ..."
         # (see load_config).
-        for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints"):
+        for name in ("steps", "prompts_per_step", "eval_size", "keep_checkpoints", "partial_rollout_max_carries"):
             at_least(f"TrainSection.{name}", getattr(self, name), 1)
-        for name in ("checkpoint_every", "eval_every", "trace_steps", "eval_samples", "max_staleness"):
+        for name in ("checkpoint_every", "eval_every", "trace_steps", "eval_samples", "max_staleness",
+                     "partial_rollout_decode_steps"):
             at_least(f"TrainSection.{name}", getattr(self, name), 0, "0 turns it off")
         at_least("TrainSection.max_seconds", self.max_seconds, 0, "0 means no limit")
         if not self.weight_sync_bucket_mb > 0:

@@ -36,7 +36,7 @@ from asyncflow.train._prompts import RunPrompts, run_prompts
 from asyncflow.train._roles import role_specs
 from channels import AsyncflowError, ConfigError
 from workers.models import CharTokenizer, check_supported_checkpoint, gguf_to_hf_dir
-from workers.roles import score_summary
+from workers.roles import PartialRollout, score_summary
 from workers.rollout import SamplingParams
 from workers.tasks import check_fits_context, generate_splits, iter_problem_batches, sft_warm_start
 
@@ -195,9 +195,13 @@ class Trainer:
         if "rollout" in roles:  # generation on its own pool, up to max_staleness steps ahead
             sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=max(1, int(c.train.weight_sync_bucket_mb * 2**20)),
                               timeout_s=c.train.weight_sync_timeout_s or None)
+            train = c.train
+            partial = (PartialRollout(train.partial_rollout_decode_steps, train.partial_rollout,
+                                      train.partial_rollout_max_carries)
+                       if train.partial_rollout_decode_steps else None)
             self._ahead = SamplesAhead(session, roles, rollout_of(c), max_staleness=c.train.max_staleness,
                                        last_step=c.train.steps, seed_of=self._seed, next_prompts=source.next,
-                                       start=start, sync=sync)
+                                       start=start, sync=sync, partial=partial)
             await self._ahead.prepare()
             if self.resume:
                 await self._ahead.restore(self.checkpoints.latest(), state.get("in_flight", []))

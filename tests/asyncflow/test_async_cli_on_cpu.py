@@ -6,8 +6,8 @@ the actor trains on one pool while a rollout role generates on another, up to
   itself) metric for metric;
 - with ``max_staleness = 1`` every batch after the first is one version stale, the
   loss corrects it, and a run killed after a checkpoint and resumed repeats the
-  uninterrupted run's next steps bit for bit (the in-flight batch is in the
-  checkpoint);
+  uninterrupted run's next steps bit for bit (the in-flight batches are in the
+  checkpoint, and so are the samples partial rollouts carry to the next batch);
 - settings that cannot work are refused naming the key.
 """
 
@@ -50,11 +50,12 @@ checkpoint_every = 2
 eval_size = 8
 kl_metric = false
 max_staleness = {staleness}
+partial_rollout_decode_steps = {partial}
 weight_sync_bucket_mb = 0.02    # ~20 KiB: the weights reach the rollout in about ten buckets
 
 [algorithm]
 name = "grpo"
-rollout = {{ n = 4, temperature = 1.0, max_new_tokens = 4 }}
+rollout = {{ n = 4, temperature = 1.0, max_new_tokens = {max_new}, stop = {stop} }}
 
 [reward]
 function = "support:digit_share_reward"
@@ -90,11 +91,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _config(tmp: Path, model: str, name: str, *, steps: int = 3, staleness: int = 0,
-            disaggregated: bool = True) -> Path:
+            disaggregated: bool = True, partial: int = 0, max_new: int = 4, stop: tuple[str, ...] = ()) -> Path:
     path = tmp / f"{name}.toml"
-    path.write_text(CONFIG.format(out=tmp / name, model=model, steps=steps, staleness=staleness,
+    path.write_text(CONFIG.format(out=tmp / name, model=model, steps=steps, staleness=staleness, partial=partial,
+                                  max_new=max_new, stop=json.dumps(list(stop)),
                                   more=DISAGGREGATED if disaggregated else ""))
     return path
+
+
+STOP = ("1", "3", "5", "7", "9")
+"""The killed run's responses end at an odd digit: groups finish at different
+decode steps, so that partial rollouts carry some over."""
 
 
 def _learned(row: dict[str, float]) -> dict[str, float]:
@@ -120,12 +127,15 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path: Path, model_dir
 
 @pytest.mark.slow
 def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: str) -> None:
-    """SIGKILL a worker of a ``max_staleness = 1`` run after its first checkpoint:
-    the run ends in one line; ``--resume`` repeats what an uninterrupted run
-    computes after the checkpoint, bit for bit, although the batch generated ahead
-    at the checkpoint came from weights the checkpoint no longer holds (it is in
-    the checkpoint)."""
-    run = _config(tmp_path, model_dir, "run", steps=10_000, staleness=1)
+    """SIGKILL a worker of a ``max_staleness = 1`` run with partial rollouts after its
+    first checkpoint: the run ends in one line; ``--resume`` repeats what an
+    uninterrupted run computes after the checkpoint, bit for bit, although the
+    batches generated ahead at the checkpoint came from weights the checkpoint no
+    longer holds, and the rollout rank that held the carried samples is gone (both
+    are in the checkpoint)."""
+    # One engine step a batch (two tokens) before unfinished samples carry over.
+    run = _config(tmp_path, model_dir, "run", steps=10_000, staleness=1, partial=1, max_new=8,
+                  stop=STOP)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
     with (tmp_path / "stdout.txt").open("w") as out, (tmp_path / "stderr.txt").open("w") as err_file:
@@ -149,9 +159,11 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     # checkpoint step's update was).
     assert state["in_flight"] == [{"batch": resumed_from + 1, "version": resumed_from - 1},
                                   {"batch": resumed_from + 2, "version": resumed_from}]
+    assert (checkpoint / "in_flight" / "carried.pt").is_file()
     target = resumed_from + 2
     assert main(["train", str(run), "--resume", "--set", f"train.steps={target}", "--no-progress"]) == 0
-    reference = _config(tmp_path, model_dir, "reference", steps=target, staleness=1)
+    reference = _config(tmp_path, model_dir, "reference", steps=target, staleness=1, partial=1, max_new=8,
+                  stop=STOP)
     assert main(["train", str(reference), "--no-progress"]) == 0
     got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
     want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")}
@@ -164,17 +176,22 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     assert [r["actor/stale_fraction"] for r in steps] == [0] + [1] * (target - 1)
     assert steps[0]["actor/is_weight"] == 1 and all(r["actor/is_weight"] != 1 for r in steps[1:])
     assert [r["async/in_flight"] for r in steps] == [1] * (target - 1) + [0]
+    # Carried samples finished under newer weights: some samples span two versions.
+    assert steps[0]["actor/mixed_version_samples"] == 0
+    assert any(r["actor/mixed_version_samples"] > 0 for r in steps[1:])
+    assert max(r["actor/version_lag_max"] for r in steps) >= 2  # a carried token: one more than max_staleness
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--set", "train.max_staleness=1"], "needs a rollout role"),
+    (["--set", "train.partial_rollout_decode_steps=2"], "partial rollouts carry samples between its calls"),
     (["--set", "placement.rollout.t=2", "--set", "pools.gen.devices=2"], "whole weights"),
     (["--set", "train.stream=true"], "train.stream with a rollout role"),
     (["--set", "algorithm.name=remax"], "samples inside its step"),
 ])
 def test_impossible_asynchronous_settings_are_refused(tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str],
                                                      extra: list[str], message: str) -> None:
-    disaggregated = "train.max_staleness=1" not in extra
+    disaggregated = not any(e.startswith(("train.max_staleness", "train.partial_rollout")) for e in extra)
     cfg = _config(tmp_path, model_dir, "bad", disaggregated=disaggregated)
     assert main(["train", str(cfg), *extra]) == 2
     err = capsys.readouterr().err

@@ -22,13 +22,14 @@ def test_async_rl_writes_the_issue_keys(tmp_path: Path) -> None:
     out = tmp_path / "async_rl.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench.async_rl", "--json", str(out), "--steps", "1", "--warmup", "1",
-         "--modes", "sync_one", "async1", "async2", "--sizes", "small",
-         "--job", "prompts=2", "n=2", "micro_batch=4", "median_tokens=4", "max_tokens=8", "p99_ratio=2"],
+         "--modes", "sync_one", "async1", "async2", "async1_partial", "--sizes", "small",
+         "--job", "prompts=2", "n=2", "micro_batch=4", "median_tokens=4", "max_tokens=8", "p99_ratio=2",
+         "partial_steps=2"],
         capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
-    for key in ("sync_tokens_per_s", "async1_tokens_per_s", "async2_tokens_per_s", "weight_sync_small_s",
-                "weight_sync_small_colocated_s"):
+    for key in ("sync_tokens_per_s", "async1_tokens_per_s", "async2_tokens_per_s", "async1_partial_tokens_per_s",
+                "weight_sync_small_s", "weight_sync_small_colocated_s"):
         assert record[key] > 0, key
     assert record["weight_sync_small_bytes"] == 4 * params_of("small")
     assert record["weight_sync_small_params"] == params_of("small")

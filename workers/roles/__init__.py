@@ -8,7 +8,8 @@ Each is a :class:`~workers.Role` with a nested keyword-only ``Config`` and
   ``log_prob``, ``update`` (then syncs the rollout engine), checkpoints, ``export_hf``;
   with a generation layout (``Layout.gen``) the hybrid engine reshards its weights
   for each ``generate`` instead;
-- :class:`RolloutWorker`: ``generate`` on its own pool (the actor's rows) and
+- :class:`RolloutWorker`: ``generate`` on its own pool (the actor's rows; with
+  :class:`PartialRollout`, long samples carried over to the next call) and
   ``load_weights`` of ``actor.weights()``, a data future of the actor's shards;
 - :class:`ReferenceWorker`: ``log_prob`` -> ``ref_logprobs``;
 - :class:`CriticWorker`: ``values``, ``update``, checkpoints, ``export_hf``;
@@ -46,7 +47,7 @@ from workers.roles._fields import (
 from workers.roles._reference import ReferenceConfig, ReferenceWorker
 from workers.roles._reward import CostWorker, RewardWorker, ScoreConfig, ScorerConfig, score_summary
 from workers.roles._rollout import RolloutConfig
-from workers.roles._rollout_worker import RolloutWorker, RolloutWorkerConfig
+from workers.roles._rollout_worker import PartialRollout, RolloutWorker, RolloutWorkerConfig
 from workers.roles._training import UpdateConfig
 from workers.roles._weights import WEIGHTS_VERSION
 
@@ -73,6 +74,7 @@ __all__ = [
     "CostWorker",
     "CriticConfig",
     "CriticWorker",
+    "PartialRollout",
     "ReferenceConfig",
     "ReferenceWorker",
     "RewardWorker",

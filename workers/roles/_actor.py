@@ -31,9 +31,7 @@ from channels import DP, AllToAll, Batch, ConfigError, Metrics, MicroDP
 from workers import CallInfo, WorkerContext, register
 from workers._streaming import StreamMethod
 from workers.engines import (
-    BEHAVIOUR_LOGPROBS,
     ROW_INDEX,
-    STALE_TOKENS,
     CausalLMHead,
     NLLLoss,
     OnPolicy,
@@ -48,6 +46,7 @@ from workers.roles._checkpoint import TrainedRole
 from workers.roles._generation import checked_generate
 from workers.roles._hybrid import HybridWeights
 from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
+from workers.roles._staleness import VERSION_METRICS_REDUCE, staleness_columns, version_metrics
 from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
@@ -108,6 +107,7 @@ class ActorConfig:
 UPDATE_METRICS = Metrics(over=DP(), tokens="actor/response_tokens", reduce={
     "actor/response_tokens": "sum", "actor/logprob_mismatch": "token_mean", "actor/kl_to_ref": "token_mean",
     "actor/logprob_mismatch_max": "max", "actor/steps": "max", "actor/steps_skipped": "max",
+    **VERSION_METRICS_REDUCE,
 })
 """How :meth:`ActorWorker.update`'s metrics combine over its data-parallel ranks. The
 update already reduces them over the ranks (equal on every rank) except
@@ -293,6 +293,7 @@ class ActorWorker(TrainedRole):
         loss = loss if loss is not None else self.config.loss
         schedule = schedule or self.config.update
         rows, stale_fields = staleness_columns(batch, self.engine.step)
+        lags = version_metrics(rows, self.engine.step)
         if F.OLD_LOGPROBS in rows or F.OLD_LOGPROBS not in loss.required_fields:
             fields = (*F.SEQUENCE, *loss.required_fields, *stale_fields)
             require_fields(rows, fields, where="actor.update")
@@ -307,7 +308,7 @@ class ActorWorker(TrainedRole):
                                       schedule=UpdateConfig(), generator=self._shuffle, prefix="actor/ptx_")
             metrics |= ptx_metrics
         self._sync_rollout()
-        return metrics
+        return metrics | lags
 
     def _update_on_policy(self, batch: Mapping[str, Tensor], loss: PolicyLoss, schedule: UpdateConfig,
                           stale_fields: tuple[str, ...]) -> dict[str, float]:
@@ -350,18 +351,6 @@ def _update_reads(call: CallInfo) -> dict[str, tuple[str, ...]]:
     loss = call.arguments.get("loss") or getattr(call.config, "loss", None) or PolicyLoss()
     needed = (f for f in loss.required_fields if f != F.OLD_LOGPROBS)  # computed when absent
     return {"batch": (*F.SEQUENCE, *needed), "ptx": F.SEQUENCE}
-
-
-def staleness_columns(batch: Batch, step: int) -> tuple[Mapping[str, Tensor], tuple[str, ...]]:
-    """``batch`` with the columns :class:`~workers.engines.PolicyLoss` corrects stale
-    tokens by (when it has ``policy_version`` and ``rollout_logprobs``): which tokens
-    an older version than ``step`` sampled, and their behaviour log-probs. Returns
-    the batch and the added column names (none without those columns)."""
-    if F.POLICY_VERSION not in batch or F.ROLLOUT_LOGPROBS not in batch:
-        return batch, ()
-    stale = (batch[F.POLICY_VERSION] < step).to(torch.float32)
-    return ({**batch, STALE_TOKENS: stale, BEHAVIOUR_LOGPROBS: batch[F.ROLLOUT_LOGPROBS]},
-            (STALE_TOKENS, BEHAVIOUR_LOGPROBS))
 
 
 def rollout_consistency(batch: Mapping[str, Tensor], engine: TrainingEngine) -> dict[str, float]:

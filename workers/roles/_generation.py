@@ -8,8 +8,8 @@ finishes, so micro-batches hold whole groups.
 
 A :class:`~workers.Tail` holds, per sample of every group not yet reported, the
 prompt's columns plus ``_tail_*`` columns: row id, tokens and log-probs so far,
-whether the sample is already finished, and the sampler state when the engine
-carries one. The adopting rank re-prefills the unfinished ones and reports the
+the policy version of each token, whether the sample is already finished, and the
+sampler state when the engine carries one. The adopting rank re-prefills the unfinished ones and reports the
 groups under their original row ids. A prompt's own token budget (its optional
 ``max_new_tokens`` column) travels as one of its columns and stays the budget of
 its samples on the adopting rank.
@@ -37,9 +37,10 @@ from workers.roles._rollout import (
 from workers.roles._training import require_fields
 from workers.rollout import FinishedSample, PartialSample, RolloutOutput, SamplingParams
 
-_ID, _TOKENS, _LOGPROBS, _LENGTH, _DONE, _RNG, _RNG_LEN = (
-    "_tail_id", "_tail_tokens", "_tail_logprobs", "_tail_length", "_tail_done", "_tail_rng", "_tail_rng_length")
-_TAIL = (_ID, _TOKENS, _LOGPROBS, _LENGTH, _DONE, _RNG, _RNG_LEN)
+_ID, _TOKENS, _LOGPROBS, _VERSIONS, _LENGTH, _DONE, _RNG, _RNG_LEN, _CARRIES = (
+    "_tail_id", "_tail_tokens", "_tail_logprobs", "_tail_versions", "_tail_length", "_tail_done", "_tail_rng",
+    "_tail_rng_length", "_tail_carries")
+_TAIL = (_ID, _TOKENS, _LOGPROBS, _VERSIONS, _LENGTH, _DONE, _RNG, _RNG_LEN, _CARRIES)
 _LOCAL_MASK = (1 << ROW_ID_BITS) - 1
 
 
@@ -71,6 +72,16 @@ class _Rollout:
         # The engine's own sample indices (0..N-1, what batch generate seeds by) and
         # adopted samples' indices map to row ids.
         self.ids = [row_id(rank, k) for k in range(len(lists) * n)]
+        self.rank = rank
+        self.versions: dict[int, list[int]] = {}
+        """Per row id of an adopted sample: the policy version of each carried token
+        (the tokens this run adds are ``version``'s)."""
+        self.carries: dict[int, int] = {}
+        """Per group: how many calls carried it over (partial rollouts; 0 when absent)."""
+        self.must_finish: set[int] = set()
+        """Carried groups this call may not carry over again (:meth:`adopt`'s ``limit``)."""
+        self.reported = 0
+        """Groups reported so far."""
         per_sample = None if budgets is None else [b for b in budgets for _ in range(n)]
         self.run = engine.start([p for p in lists for _ in range(n)], params, max_new_tokens=per_sample)
 
@@ -85,14 +96,33 @@ class _Rollout:
             group = self.groups[self.group_of(rid)]
             group.done[rid] = s
             if len(group.done) == self.n:
-                chunks.append(self._chunk(self.groups.pop(self.group_of(rid))))
+                key = self.group_of(rid)
+                chunks.append(self._chunk(self.groups.pop(key)))
+                self.must_finish.discard(key)
+                self.carries.pop(key, None)
+                self.reported += 1
         return chunks
+
+    def may_stop(self) -> bool:
+        """Whether a call that carries its unfinished samples over may end here: no
+        group that must finish in it is unfinished, and a group was reported (or
+        none is left), so each call makes progress."""
+        return not self.must_finish and (self.reported > 0 or not self.groups)
 
     def _chunk(self, group: _Group) -> Chunk:
         members = sorted(group.done)
         out = RolloutOutput.from_samples([group.prompt] * self.n, [group.done[m] for m in members], self.params)
         rows = rollout_rows(group.columns, out, n=self.n, params=self.params, version=self.version)
+        versions = rows[F.POLICY_VERSION]
+        for i, rid in enumerate(members):
+            prefix = self.versions.pop(rid, None)
+            if prefix:
+                versions[i, :len(prefix)] = torch.tensor(prefix, dtype=versions.dtype)
         return Chunk(rows=Batch(rows, group_size=self.n), ids=tuple(members))
+
+    def _token_versions(self, rid: int, length: int) -> list[int]:
+        prefix = self.versions.get(rid, [])
+        return prefix[:length] + [self.version] * (length - len(prefix))
 
     def tail(self) -> Batch:
         """Everything not reported yet, as tail rows (the run is emptied)."""
@@ -107,23 +137,42 @@ class _Rollout:
                 elif rid in partial:
                     p = partial[rid]
                     rows.append((group, rid, p.response_ids, p.logprobs, False, p.rng_state or b""))
-        self.groups.clear()
         rng_width = max((len(r[5]) for r in rows), default=0)
         cols: dict[str, Tensor] = {name: torch.cat([r[0].columns[name] for r in rows]) if rows
                                    else torch.zeros(0) for name in self.prompt_names}
         cols[_ID] = torch.tensor([r[1] for r in rows], dtype=torch.int64)
         cols[_TOKENS] = _padded([r[2] for r in rows], width, torch.int64, self.params.pad_token_id)
         cols[_LOGPROBS] = _padded([r[3] for r in rows], width, torch.float32, 0)
+        cols[_VERSIONS] = _padded([self._token_versions(r[1], len(r[2])) for r in rows], width, torch.int64, 0)
         cols[_LENGTH] = torch.tensor([len(r[2]) for r in rows], dtype=torch.int64)
         cols[_DONE] = torch.tensor([r[4] for r in rows], dtype=torch.bool)
         cols[_RNG] = _padded([list(r[5]) for r in rows], rng_width, torch.uint8, 0)
         cols[_RNG_LEN] = torch.tensor([len(r[5]) for r in rows], dtype=torch.int64)
+        cols[_CARRIES] = torch.tensor([self.carries.get(self.group_of(r[1]), 0) for r in rows], dtype=torch.int64)
+        self.groups.clear()
+        self.versions.clear()
+        self.carries.clear()
         return Batch(cols)
 
-    def adopt(self, tail: Batch) -> None:
-        """Continue another rank's tail rows here."""
+    def adopt(self, tail: Batch, *, renumber: bool = False, limit: int | None = None) -> None:
+        """Continue another rank's tail rows here; ``renumber``: they are an earlier
+        call's carried samples, which take row ids after this call's own; those
+        carried ``limit`` times already must finish in this call (see :meth:`may_stop`)."""
         partial: list[PartialSample] = []
-        for i, rid in enumerate(tail[_ID].tolist()):
+        ids = tail[_ID].tolist()
+        if renumber:
+            keys = sorted({self.group_of(rid) for rid in ids})
+            first = len(self.ids)  # this call's own samples come first
+            new_key = {key: row_id(self.rank, first + g * self.n) for g, key in enumerate(keys)}
+            ids = [new_key[self.group_of(rid)] + (rid & _LOCAL_MASK) % self.n for rid in ids]
+            self.ids.extend([-1] * (len(keys) * self.n))  # reserved: ids by position, set below
+        carries = tail[_CARRIES].tolist() if _CARRIES in tail else [0] * len(ids)
+        for rid, times in zip(ids, carries, strict=True):
+            key = self.group_of(rid)
+            self.carries[key] = int(times)
+            if renumber and (limit is None or times >= limit):
+                self.must_finish.add(key)
+        for i, rid in enumerate(ids):
             key = self.group_of(rid)
             if key not in self.groups:
                 cols = {k: tail[k][i:i + 1] for k in self.prompt_names}
@@ -134,8 +183,14 @@ class _Rollout:
             length = int(tail[_LENGTH][i])
             tokens = tail[_TOKENS][i, :length].tolist()
             logprobs = tail[_LOGPROBS][i, :length].tolist()
-            index = len(self.ids)
-            self.ids.append(rid)
+            if length:
+                self.versions[rid] = tail[_VERSIONS][i, :length].tolist()
+            if renumber:
+                index = (rid & _LOCAL_MASK)
+                self.ids[index] = rid
+            else:
+                index = len(self.ids)
+                self.ids.append(rid)
             if bool(tail[_DONE][i]):
                 self.groups[key].done[rid] = FinishedSample(index=index, response_ids=tokens, logprobs=logprobs)
                 continue
@@ -147,12 +202,42 @@ class _Rollout:
             self.run.admit(partial)
 
 
+@dataclass(eq=False)
+class CarryOver:
+    """Partial rollouts: a ``generate`` call decodes at most ``after`` steps (once it
+    has reported a group), and its unfinished samples wait here for the next call
+    with a carry-over, which continues them (under its weights); a group carried
+    ``limit`` times must finish in the call it reaches. ``restart``: they start
+    again from their prompts instead (their tokens so far are dropped)."""
+
+    after: int
+    limit: int = 1
+    restart: bool = False
+    rows: Batch | None = None
+    """The carried samples as tail rows (see the module docstring), between calls."""
+
+    def keep(self, tail: Batch) -> None:
+        """Hold ``tail`` (a run's unfinished groups) for the next call."""
+        if not tail.num_rows:
+            self.rows = None
+            return
+        cols = dict(tail)
+        cols[_CARRIES] = cols[_CARRIES] + 1
+        if self.restart:
+            unfinished = ~cols[_DONE]
+            cols[_LENGTH] = torch.where(unfinished, 0, cols[_LENGTH])
+            for name in (_TOKENS, _LOGPROBS, _VERSIONS):
+                cols[name] = torch.where(unfinished[:, None], torch.zeros_like(cols[name]), cols[name])
+        self.rows = Batch(cols)
+
+
 def checked_generate(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams | None,
                      default: SamplingParams, eos_token_id: int | None, seed_rank: int, rank: int,
-                     where: str, version: int, migratable: bool = True) -> StreamMethod:
+                     where: str, version: int, migratable: bool = True,
+                     carry: CarryOver | None = None) -> StreamMethod:
     """A role's ``generate``: check the call, fill in the model's EOS and the
     per-rank seed, then :func:`stream_rollout` (``version``: the weights' version,
-    the rows' ``policy_version``).
+    the rows' ``policy_version``; ``carry``: partial rollouts).
 
     Raises:
         ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams (naming ``where``).
@@ -165,17 +250,25 @@ def checked_generate(engine: RolloutEngine, prompts: Batch, *, n: int, params: S
     require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where=where)
     chosen = params_for_rank(params or default, eos_token_id=eos_token_id, rank=seed_rank)
     return (yield from stream_rollout(engine, prompts, n=n, params=chosen, rank=rank, version=version,
-                                      migratable=migratable))
+                                      migratable=migratable, carry=carry))
 
 
 def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams,
-                   rank: int, version: int = 0, migratable: bool = True) -> StreamMethod:
+                   rank: int, version: int = 0, migratable: bool = True,
+                   carry: CarryOver | None = None) -> StreamMethod:
     """Generate ``n`` samples per prompt, reporting each prompt's group when its last
     sample finishes (see the module docstring); obeys handoff and adopt controls,
-    which a run that is not ``migratable`` (tensor-parallel generation) refuses."""
+    which a run that is not ``migratable`` (tensor-parallel generation) refuses.
+    With ``carry``, the samples it holds are continued first and the call ends
+    after ``carry.after`` decode steps once it may (:meth:`_Rollout.may_stop`),
+    leaving its unfinished samples in ``carry``."""
     empty = Batch(rollout_rows({k: v[:0] for k, v in prompts.items()}, None, n=n, params=params), group_size=n)
     yield Chunk(rows=empty, ids=())  # the schema, for a rank without prompts
     state = _Rollout(engine, prompts, n=n, params=params, rank=rank, version=version)
+    steps = 0
+    if carry is not None and carry.rows is not None:
+        state.adopt(carry.rows, renumber=True, limit=carry.limit)
+        carry.rows = None
     try:
         while True:
             control = yield StepEvent(pending=state.run.pending)
@@ -193,6 +286,10 @@ def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: Sam
             if state.run.pending:
                 for chunk in state.finished(state.run.step()):  # noqa: UP028 (controls come at Steps only)
                     yield chunk
+                steps += 1
+                if carry is not None and steps >= carry.after and state.run.pending and state.may_stop():
+                    carry.keep(state.tail())
+                    return
     finally:
         state.run.close()
 

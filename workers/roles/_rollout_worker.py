@@ -4,11 +4,20 @@ actor's weights as a data future (``roles.rollout.load_weights(roles.actor.weigh
 Colocated training (the actor generates itself) and disaggregated generation (the
 actor trains on one pool, this role generates on another) are two placements of
 the same algorithm: the rows ``generate`` returns are the actor's ``generate`` rows.
+
+Partial rollouts (``generate(..., partial=PartialRollout(decode_steps=T))``): a call
+decodes at most ``T`` steps once it has finished a group; each rank keeps its
+unfinished samples and the next such call continues them (under the weights it
+holds then: each token's ``policy_version`` says which generated it) or restarts
+them, beside its own prompts' samples, up to ``max_carries`` calls. A long response then spreads over calls
+instead of holding one up. The carried samples are this role's state:
+:meth:`RolloutWorker.carried` and :meth:`RolloutWorker.restore_carried` checkpoint them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -19,11 +28,41 @@ from workers._role import Role
 from workers._streaming import StreamMethod
 from workers.models import load_model
 from workers.roles import _fields as F
-from workers.roles._generation import checked_generate
+from workers.roles._generation import CarryOver, checked_generate
 from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
 from workers.roles._training import check_model_dir, check_seed, check_types
 from workers.roles._weights import assemble_weights
 from workers.rollout import NativeRolloutConfig, SamplingParams, VLLMRolloutConfig
+
+_CARRIED_COLUMNS = "rows"
+
+
+@dataclass(frozen=True)
+class PartialRollout:
+    """How :meth:`RolloutWorker.generate` carries long samples over to its next call."""
+
+    decode_steps: int
+    """Engine steps a call runs (once it has finished a group of its own, and every
+    carried sample) before it returns what finished and keeps the rest; the
+    native engine's first step samples two tokens (prefill and one decode)."""
+    mode: Literal["continue", "restart"] = "continue"
+    """``continue``: the next call goes on from the tokens so far, under its weights;
+    ``restart``: it samples them again from the prompt (every token of a sample
+    then comes from one version)."""
+    max_carries: int = 1
+    """How many calls a sample may be carried over to: one carried this many times
+    finishes in the call it reaches, whatever its length (its first tokens are
+    then at most this many calls older than the call's weights)."""
+
+    def __post_init__(self) -> None:
+        steps = self.decode_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ConfigError(f"PartialRollout.decode_steps must be an int >= 1, got {steps!r}")
+        carries = self.max_carries
+        if not isinstance(carries, int) or isinstance(carries, bool) or carries < 1:
+            raise ConfigError(f"PartialRollout.max_carries must be an int >= 1, got {carries!r}")
+        if self.mode not in ("continue", "restart"):
+            raise ConfigError(f"PartialRollout.mode must be 'continue' or 'restart', got {self.mode!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +111,8 @@ class RolloutWorker(Role):
         are the actor's version 0 when both start from the same directory)."""
         self._partial: tuple[int, set[str]] | None = None
         """A version loaded in part (by buckets), and its parameters loaded so far."""
+        self._carry: CarryOver | None = None
+        """Partial rollouts: the samples the last ``generate`` with ``partial`` left unfinished."""
 
     def rank_local(self) -> frozenset[str]:
         """``generate``: every rank generates with whole weights (``load_weights``
@@ -80,22 +121,56 @@ class RolloutWorker(Role):
 
     @register(protocol=MicroDP(), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
               writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
-    def generate(self, prompts: Batch, *, n: int = 1, params: SamplingParams | None = None) -> StreamMethod:
+    def generate(self, prompts: Batch, *, n: int = 1, params: SamplingParams | None = None,
+                 partial: PartialRollout | None = None) -> StreamMethod:
         """Sample ``n`` responses per prompt: the same rows as ``ActorWorker.generate``
         (see it for the columns, budgets and streaming); ``policy_version`` is the
         version loaded last (0: the model directory's weights, the actor's start).
 
+        With ``partial`` (partial rollouts, see the module docstring) the rows are
+        the groups that finished in this call: its own prompts' first, then the
+        carried ones (continued from the last such call; their earlier tokens keep
+        the version that sampled them); each rank's output is then not its
+        prompts' groups, and the call is not streamed.
+
         Raises:
-            ConfigError: ``n`` < 1, ``params`` is not a SamplingParams, or the
-                weights are loaded in part (see :meth:`load_weights`).
+            ConfigError: ``n`` < 1, ``params`` is not a SamplingParams, ``partial``
+                is not a PartialRollout, or the weights are loaded in part (see
+                :meth:`load_weights`).
             MissingFieldError: the prompts lack ``prompt_ids`` or ``prompt_mask``.
         """
         if self._partial is not None:
             raise ConfigError(f"rollout.generate: the weights of version {self._partial[0]} are loaded in part "
                               f"({self._loaded_in_part()}); load the rest of them first")
+        carry = None
+        if partial is not None:
+            if not isinstance(partial, PartialRollout):
+                raise ConfigError(f"rollout.generate: partial must be a PartialRollout, got {partial!r}")
+            rows = self._carry.rows if self._carry is not None else None
+            carry = self._carry = CarryOver(after=partial.decode_steps, limit=partial.max_carries,
+                                            restart=partial.mode == "restart", rows=rows)
         return (yield from checked_generate(self.rollout, prompts, n=n, params=params, default=self.config.sampling,
                                             eos_token_id=self._eos, seed_rank=self.ctx.rank, rank=self.ctx.rank,
-                                            where="rollout.generate", version=self.weights_version or 0))
+                                            where="rollout.generate", version=self.weights_version or 0,
+                                            carry=carry))
+
+    @register(protocol=OneToAll())
+    def carried(self) -> dict[str, Any]:
+        """The samples partial rollouts carry to the next call, for a checkpoint:
+        ``{"rank": r, "rows": columns or None}``; one value per rank."""
+        rows = self._carry.rows if self._carry is not None else None
+        return {"rank": self.ctx.rank, _CARRIED_COLUMNS: None if rows is None else dict(rows)}
+
+    @register(protocol=OneToAll())
+    def restore_carried(self, carried: list[dict[str, Any]]) -> int:
+        """Hold the carried samples :meth:`carried` returned (a resumed run's): this
+        rank takes those of the ranks ``r`` with ``r % world_size`` = its rank.
+        Returns how many samples it holds."""
+        mine = [Batch(c[_CARRIED_COLUMNS]) for c in carried
+                if c[_CARRIED_COLUMNS] is not None and int(c["rank"]) % self.ctx.world_size == self.ctx.rank]
+        rows = Batch.concat(mine) if mine else None
+        self._carry = CarryOver(after=1, rows=rows)  # the next generate's ``partial`` sets how it goes on
+        return 0 if rows is None else rows.num_rows
 
     @register(protocol=OneToAll())
     def load_weights(self, weights: Batch) -> int:

@@ -10,7 +10,7 @@ import torch
 from channels import Batch
 from workers.engines import BEHAVIOUR_LOGPROBS, STALE_TOKENS
 from workers.roles import fields
-from workers.roles._actor import staleness_columns
+from workers.roles._staleness import staleness_columns, version_metrics
 
 
 def _rows(**extra: torch.Tensor) -> Batch:
@@ -41,3 +41,15 @@ def test_tokens_older_than_the_step_are_stale_and_keep_their_rollout_logprobs() 
     assert all(rows[k] is v for k, v in batch.items())  # the batch's own columns, untouched
     fresh, _ = staleness_columns(batch, step=2)
     assert fresh[STALE_TOKENS].sum() == 0  # version == step is the current policy
+
+
+def test_version_metrics_measure_the_lag_of_response_tokens_and_mixed_samples() -> None:
+    batch = {
+        fields.RESPONSE_MASK: torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]]),
+        fields.POLICY_VERSION: torch.tensor([[2, 2, 4], [3, 3, 0], [0, 0, 0]]),  # padding is not a token
+    }
+    got = version_metrics(batch, step=4)
+    assert got["actor/version_lag_mean"] == pytest.approx((2 + 2 + 0 + 1 + 1) / 5)
+    assert got["actor/version_lag_max"] == 2
+    assert got["actor/mixed_version_samples"] == pytest.approx(1 / 2)  # of the samples with tokens
+    assert version_metrics({fields.RESPONSE_MASK: batch[fields.RESPONSE_MASK]}, step=4) == {}
