@@ -14,8 +14,9 @@ one session per mode, on this machine's two cores:
   :class:`~asyncflow.train._ahead.SamplesAhead` and ``grpo_step(rollout=...)``);
 - ``async1_partial``: ``async1`` with partial rollouts: a generation stops after
   ``AsyncJob.partial_steps`` engine steps and its long samples go on in the next
-  batches' (the trained tokens of the measured steps then include tokens generated
-  before them, and leave out those still carried at the end).
+  batches' (its tokens are those its generations sampled: what the steps trained,
+  corrected by the tokens carried in and out of the measured calls; warm-up of
+  at least ``max_tokens / partial_steps + 1`` steps).
 
 ``sync_tokens_per_s`` is the best synchronous placement (``sync_one``,
 ``sync_dp2``, or ``async0``, which trains as synchronous training does, metric
@@ -62,7 +63,7 @@ from workers.roles import (
 )
 from workers.rollout import NativeRolloutConfig
 
-MODES = ("sync_one", "sync_dp2", "async0", "async1", "async2", "async1_partial")
+MODES = ("sync_one", "sync_dp2", "async0", "async1", "async2", "async1_partial", "async2_partial")
 """``asyncK``: ``max_staleness = K``; ``_partial``: with partial rollouts (``AsyncJob.partial_steps``)."""
 
 
@@ -146,6 +147,10 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
     """One session: ``warmup + steps`` GRPO steps in ``mode``; the record."""
     config = GRPOConfig(rollout=RolloutConfig(n=job.n, temperature=1.0, max_new_tokens=job.max_tokens,
                                               ignore_eos=True))
+    if mode.endswith("_partial"):
+        # Warm up until the longest sample's chain of generations (``partial_steps`` each)
+        # has run through once: the carry-over is then in its usual state.
+        warmup = max(warmup, -(-job.max_tokens // job.partial_steps) + 1)
     total = warmup + steps
     with tempfile.TemporaryDirectory(prefix="asyncflow-async-") as tmp:
         model_dir = job.save_model(Path(tmp) / "policy")
@@ -163,7 +168,8 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
                 ahead = SamplesAhead(session, roles, config.rollout, max_staleness=int(mode[len("async")]),
                                      last_step=total, seed_of=lambda j: job.seed + j, next_prompts=prompts, start=0,
                                      partial=partial)
-            tokens, began, staleness = 0.0, 0.0, []
+            trained: dict[int, float] = {}
+            began, staleness, carried_before = 0.0, [], None
             for step in range(1, total + 1):
                 if step == warmup + 1:
                     await session.start_trace()
@@ -172,18 +178,38 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
                     metrics = await grpo_step(roles, await prompts(), config, seed=job.seed + step)
                 else:
                     sampled, lag = await ahead.for_step(step)
+                    if ahead.partial is not None and step == warmup + 1:
+                        carried_before = roles.rollout.carried()  # after the generation of batch step + k
                     metrics = await ahead.guard(grpo_step(ahead.step_roles(), sampled.prompts, config,
                                                           seed=job.seed + step, rollout=sampled.rows))
                     staleness.append(lag["async/staleness"])
-                if step > warmup:
-                    tokens += metrics["actor/response_tokens"]
+                trained[step] = metrics["actor/response_tokens"]
             elapsed = time.perf_counter() - began
+            tokens = sum(trained[s] for s in range(warmup + 1, total + 1))
+            if ahead is not None and carried_before is not None:
+                tokens = await _generated(roles, trained, carried_before, first=warmup + 2 + ahead.k) * steps
             summary = summarise(session.stop_trace())
         af.shutdown_ray()
     return {"mode": mode, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / steps, "tokens": tokens,
             "mean_staleness": sum(staleness[warmup:]) / steps if staleness else 0.0,
             "stage_ms": {k: round(1000 * v / steps) for k, v in sorted(summary.stage_busy_s.items())},
             "pool_busy_ms": {k: round(1000 * v / steps) for k, v in summary.busy_s.items()}}
+
+
+async def _generated(roles: Any, trained: dict[int, float], carried_before: Any, *, first: int) -> float:
+    """Partial rollouts: the tokens a generation samples on average, over the calls of
+    batches ``first ..`` the last: what their steps trained, plus the tokens carried
+    after the last call, less those carried before ``first`` (a step's batch may hold
+    tokens sampled by earlier calls, and leave some of its own to later ones)."""
+    last = max(trained)
+    if first > last:  # too few steps to tell: what they trained
+        return trained[last]
+
+    def tokens(values: list[dict[str, Any]]) -> int:
+        return sum(int(v["tokens"]) for v in values)
+
+    before, after = tokens(await carried_before), tokens(await roles.rollout.carried())
+    return (sum(trained[s] for s in range(first, last + 1)) + after - before) / (last - first + 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     syncs = [records[m]["tokens_per_s"] for m in ("sync_one", "sync_dp2", "async0") if m in records]
     if syncs:
         out["sync_tokens_per_s"] = max(syncs)
-        for mode in ("async1", "async2", "async1_partial"):
+        for mode in ("async1", "async2", "async1_partial", "async2_partial"):
             if mode in records:
                 out[f"{mode}_over_sync"] = records[mode]["tokens_per_s"] / out["sync_tokens_per_s"]
     print("| mode | tokens/s | s/step | busy ms/step by pool | ms/step by stage (summed over ranks) |")

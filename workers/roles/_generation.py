@@ -41,6 +41,8 @@ _ID, _TOKENS, _LOGPROBS, _VERSIONS, _LENGTH, _DONE, _RNG, _RNG_LEN, _CARRIES = (
     "_tail_id", "_tail_tokens", "_tail_logprobs", "_tail_versions", "_tail_length", "_tail_done", "_tail_rng",
     "_tail_rng_length", "_tail_carries")
 _TAIL = (_ID, _TOKENS, _LOGPROBS, _VERSIONS, _LENGTH, _DONE, _RNG, _RNG_LEN, _CARRIES)
+TAIL_LENGTH = _LENGTH
+"""The tail rows' column of response tokens so far."""
 _LOCAL_MASK = (1 << ROW_ID_BITS) - 1
 
 

@@ -28,7 +28,7 @@ from workers._role import Role
 from workers._streaming import StreamMethod
 from workers.models import load_model
 from workers.roles import _fields as F
-from workers.roles._generation import CarryOver, checked_generate
+from workers.roles._generation import TAIL_LENGTH, CarryOver, checked_generate
 from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
 from workers.roles._training import check_model_dir, check_seed, check_types
 from workers.roles._weights import assemble_weights
@@ -157,9 +157,11 @@ class RolloutWorker(Role):
     @register(protocol=OneToAll())
     def carried(self) -> dict[str, Any]:
         """The samples partial rollouts carry to the next call, for a checkpoint:
-        ``{"rank": r, "rows": columns or None}``; one value per rank."""
+        ``{"rank": r, "rows": columns or None, "tokens": their response tokens so
+        far}``; one value per rank."""
         rows = self._carry.rows if self._carry is not None else None
-        return {"rank": self.ctx.rank, _CARRIED_COLUMNS: None if rows is None else dict(rows)}
+        tokens = 0 if rows is None else int(rows[TAIL_LENGTH].sum())
+        return {"rank": self.ctx.rank, _CARRIED_COLUMNS: None if rows is None else dict(rows), "tokens": tokens}
 
     @register(protocol=OneToAll())
     def restore_carried(self, carried: list[dict[str, Any]]) -> int:

@@ -64,6 +64,9 @@ def test_a_call_returns_what_finished_and_the_next_finishes_the_rest_under_its_w
     # The first call stops after 2 engine steps (3 tokens: prefill and one decode,
     # then one more): the groups of budget 1, 2 and 3 finished.
     assert sorted(set(first["uid"].tolist())) == [100, 102, 104]
+    again = _rollout(model_dir)
+    again.generate(_prompts(100), n=N, partial=PartialRollout(decode_steps=2))
+    assert again.carried()["tokens"] == 2 * N * 3  # the two 8-token groups, 3 tokens each so far
     assert all(v == 0 for v in first["policy_version"].flatten().tolist())
     # The second finishes its own short groups and every carried one (its rows come after).
     uids = second["uid"].tolist()
