@@ -4,6 +4,7 @@ resume, held-out evaluation before and after, and a plot of the curves."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import shutil
@@ -34,6 +35,7 @@ from asyncflow.train._metrics import (
 )
 from asyncflow.train._prompts import RunPrompts, run_prompts
 from asyncflow.train._roles import role_specs
+from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from channels import AsyncflowError, ConfigError
 from workers.models import CharTokenizer, check_supported_checkpoint, gguf_to_hf_dir
 from workers.roles import PartialRollout, score_summary
@@ -49,8 +51,10 @@ CURVES = ("reward/mean", "actor/kl_to_ref", "eval/accuracy", "actor/logprob_mism
 
 
 class RunInterruptedError(AsyncflowError):
-    """A run stopped because a worker process died or a call on it stalled past its
-    timeout (a weight pull); the message names it and the checkpoint to continue from."""
+    """A run stopped because a worker process died, a call on it stalled past its
+    timeout (a weight pull), or SIGTERM / SIGINT asked it to (see
+    :class:`~asyncflow.train._signals.StopRequest`); the message names why and the
+    checkpoint to continue from."""
 
 
 @dataclass
@@ -64,7 +68,6 @@ class RunResult:
     plot: Path | None
 
 
-Say = Callable[[str], None]
 
 
 class Trainer:
@@ -156,11 +159,20 @@ class Trainer:
                 log = MetricsLog(self.out, tensorboard=False)
                 log.write(0, scores)
                 log.close()
+            stop = StopRequest(self.say)
+            stop.install()
             try:
                 result = await self._loop(session, roles, prompts, max_new, start=start,
-                                          state=state | {"accuracy_before": before})
+                                          state=state | {"accuracy_before": before}, stop=stop)
             except (WorkerDiedError, CallTimeoutError, PoolBrokenError) as e:
                 raise self._interrupted(e) from e
+            except asyncio.CancelledError:
+                if not stop.now:
+                    raise
+                raise RunInterruptedError(f"stopped by {stop.signal} twice, during a step; "
+                                          f"{self._where_to_go_on()}") from None
+            finally:
+                stop.remove()
         return result
 
     def _interrupted(self, error: WorkerDiedError | CallTimeoutError | PoolBrokenError) -> RunInterruptedError:
@@ -169,17 +181,20 @@ class Trainer:
         assert isinstance(died, WorkerDiedError | CallTimeoutError)
         who = f"{died.role} " if died.role else ""
         doing = f" during {died.role}.{died.method}" if died.role else ""
-        done = self.checkpoints.complete()
-        where = (f"last checkpoint: {done[-1]} (continue with --resume)" if done
-                 else "no checkpoint was written yet (rerun from the start)")
+        where = self._where_to_go_on()
         if isinstance(died, CallTimeoutError):
             return RunInterruptedError(f"{died.role}.{died.method} stalled on rank {died.rank} of pool {died.pool!r}: "
                                        f"{died.cause}; {where}")
         return RunInterruptedError(
             f"the {who}worker process of rank {died.rank} in pool {died.pool!r} died{doing}; {where}")
 
+    def _where_to_go_on(self) -> str:
+        done = self.checkpoints.complete()
+        return (f"last checkpoint: {done[-1]} (continue with --resume)" if done
+                else "no checkpoint was written yet (rerun from the start)")
+
     async def _loop(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int, *, start: int,
-                    state: dict[str, Any]) -> RunResult:
+                    state: dict[str, Any], stop: StopRequest) -> RunResult:
         c = self.config
         log = MetricsLog(self.out)
         algo = algorithm_in(c)
@@ -208,7 +223,7 @@ class Trainer:
         bar = _bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
         evaluated: tuple[int, dict[str, float]] = (-1, {})
-        traced = _TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
+        traced = TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
         step_roles = self._ahead.step_roles() if self._ahead is not None else roles
         try:
             for step in range(start + 1, c.train.steps + 1):
@@ -234,8 +249,12 @@ class Trainer:
                     metrics |= evaluated[1]
                 log.write(step, metrics)
                 _advance(bar, metrics)
-                if c.train.checkpoint_every and step % c.train.checkpoint_every == 0:
+                saving = bool(c.train.checkpoint_every and step % c.train.checkpoint_every == 0)
+                if saving or stop.signal is not None:
                     await self._save(roles, step, state | _saved(algo_state, source))
+                if stop.signal is not None:
+                    raise RunInterruptedError(f"stopped by {stop.signal} after step {step}; "
+                                              f"{self._where_to_go_on()}")
                 if c.train.max_seconds and time.monotonic() - began > c.train.max_seconds:
                     self.say(f"time budget of {c.train.max_seconds:.0f} s reached after step {step}")
                     break
@@ -324,38 +343,6 @@ class Trainer:
                 if not (ckpt / role).exists():
                     raise ConfigError(f"--resume: checkpoint {ckpt} has no {role} (placement changed?)")
                 await roles[role].load_checkpoint(str(ckpt / role))
-
-
-class _TracedSteps:
-    """Traces the first ``steps`` RL steps of a run into ``out``."""
-
-    def __init__(self, session: Session, out: Path, steps: int, *, say: Say) -> None:
-        self.session, self.out, self.left, self.say = session, out, steps, say
-        self.on = False
-
-    async def before_step(self) -> None:
-        if self.left and not self.on:
-            await self.session.start_trace()
-            self.on = True
-        if self.on:
-            self.session.mark_step()
-
-    def after_step(self) -> None:
-        if self.on:
-            self.left -= 1
-            if not self.left:
-                self.close()
-
-    def close(self) -> None:
-        if not self.on:
-            return
-        self.on, self.left = False, 0
-        from asyncflow.tracing import write_chrome_trace, write_timeline_png
-
-        trace = self.session.stop_trace()
-        png = write_timeline_png(trace, self.out / "timeline.png", title=f"{len(trace.steps)} traced RL steps")
-        write_chrome_trace(trace, self.out / "trace.json")
-        self.say(f"trace of {len(trace.steps)} steps: {png} and {self.out / 'trace.json'} (ui.perfetto.dev)")
 
 
 def _saved(algo_state: Any, source: _PromptSource) -> dict[str, Any]:

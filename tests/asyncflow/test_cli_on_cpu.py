@@ -130,6 +130,60 @@ def test_raising_reward_function_is_named_with_the_sample(tmp_path, model_dir, c
     assert "support:raising_reward" in err and "sample" in err and "ZeroDivisionError" in err
 
 
+def _start(tmp_path: Path, run: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
+    """``asyncflow train run`` in a subprocess, its stderr in ``<name>.stderr``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    err = tmp_path / f"{name}.stderr"
+    with (tmp_path / f"{name}.stdout").open("w") as out_file, err.open("w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
+                                stdout=out_file, stderr=err_file, text=True, env=env)
+    return proc, err
+
+
+@pytest.mark.slow
+def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at_once(tmp_path, model_dir) -> None:
+    """A preempted run (SIGTERM) finishes its step, checkpoints it and exits with one
+    line naming that checkpoint, which ``--resume`` continues from; two SIGINTs
+    (Ctrl-C twice) stop it at once, keeping the last checkpoint. Ray's own handler
+    (a native stack trace) never runs, and no worker outlives the command."""
+    run = _config(tmp_path, model_dir, steps=10_000, name="run")
+    proc, err_path = _start(tmp_path, run, "run")
+    wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", err_path)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    err = err_path.read_text()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "SIGTERM received" not in err, err
+    last = err.strip().splitlines()[-1]
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    step = json.loads((tmp_path / "run" / "checkpoints" / latest / "state.json").read_text())["step"]
+    assert last == (f"asyncflow: RunInterruptedError: stopped by SIGTERM after step {step}; last checkpoint: "
+                    f"{tmp_path / 'run' / 'checkpoints' / latest} (continue with --resume)")
+    assert latest == f"step_{step:06d}"
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, [p.name() for p in alive]
+    assert main(["train", str(run), "--resume", "--set", f"train.steps={step + 1}", "--no-progress"]) == 0
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert steps[-1] == step + 1 and steps.count(step) == 1  # the stopped step's row, once
+
+    again = _config(tmp_path, model_dir, steps=10_000, name="again")
+    proc, err_path = _start(tmp_path, again, "again")
+    wait_for_a_checkpoint(proc, tmp_path / "again" / "checkpoints", err_path)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    err = err_path.read_text()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("asyncflow: RunInterruptedError: stopped by SIGINT twice, during a step; last checkpoint: ")
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, [p.name() for p in alive]
+
+
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_run_in_one_line_and_resume_continues(tmp_path, model_dir) -> None:
     """SIGKILL a worker of a running ``asyncflow train``: it exits non-zero with one

@@ -1,0 +1,94 @@
+"""What a run does between its steps beside training: stop when asked (SIGTERM,
+SIGINT) and trace its first steps."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncflow._session import Session
+
+Say = Callable[[str], None]
+"""Where a run's messages go."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """SIGTERM or SIGINT (Ctrl-C) during a run. The first ends the run at the next
+    step boundary, after a checkpoint of that step, so that a preempted job loses
+    no step it finished; a second one ends it at once (the last checkpoint stays).
+
+    Installed on the running loop for the run's duration, after Ray started (its
+    driver installs its own SIGTERM handler, which prints a native stack trace);
+    :meth:`remove` gives the default handlers back.
+    """
+
+    def __init__(self, say: Say) -> None:
+        self.say = say
+        self.signal: str | None = None
+        """The first signal's name; None while no stop was asked for."""
+        self.now = False
+        """A second signal came: the run was cancelled where it stood."""
+        self._task: asyncio.Task[object] | None = None
+
+    def install(self) -> None:
+        """Catch the stop signals on the running loop (its current task is the run)."""
+        self._task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self._received, sig)
+
+    def remove(self) -> None:
+        """Give the stop signals their default handlers back."""
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _received(self, sig: signal.Signals) -> None:
+        if self.signal is None:
+            self.signal = sig.name
+            self.say(f"{sig.name}: stopping after this step, once its checkpoint is written "
+                     f"({sig.name} again stops at once)")
+            return
+        if not self.now and self._task is not None:
+            self.now = True
+            self._task.cancel()
+
+
+class TracedSteps:
+    """Traces the first ``steps`` RL steps of a run into ``out``."""
+
+    def __init__(self, session: Session, out: Path, steps: int, *, say: Say) -> None:
+        self.session, self.out, self.left, self.say = session, out, steps, say
+        self.on = False
+
+    async def before_step(self) -> None:
+        """Start tracing (the first step) and mark the step."""
+        if self.left and not self.on:
+            await self.session.start_trace()
+            self.on = True
+        if self.on:
+            self.session.mark_step()
+
+    def after_step(self) -> None:
+        """Count the step; after the last, write the trace."""
+        if self.on:
+            self.left -= 1
+            if not self.left:
+                self.close()
+
+    def close(self) -> None:
+        """Write ``timeline.png`` and ``trace.json`` of the steps traced so far."""
+        if not self.on:
+            return
+        self.on, self.left = False, 0
+        from asyncflow.tracing import write_chrome_trace, write_timeline_png
+
+        trace = self.session.stop_trace()
+        png = write_timeline_png(trace, self.out / "timeline.png", title=f"{len(trace.steps)} traced RL steps")
+        write_chrome_trace(trace, self.out / "trace.json")
+        self.say(f"trace of {len(trace.steps)} steps: {png} and {self.out / 'trace.json'} (ui.perfetto.dev)")
