@@ -1,0 +1,37 @@
+"""``StopRequest``: the first SIGTERM/SIGINT asks the run to stop after its step,
+a second cancels it where it stands; removing it gives the default handlers back.
+Real signals to this process, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from asyncflow.train._signals import StopRequest
+
+
+def test_the_first_signal_asks_for_a_stop_and_a_second_cancels_the_run() -> None:
+    said: list[str] = []
+
+    async def run() -> StopRequest:
+        stop = StopRequest(said.append)
+        stop.install()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.05)  # the loop runs the handler
+            assert stop.signal == "SIGTERM" and not stop.now
+            os.kill(os.getpid(), signal.SIGINT)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.sleep(10)  # the step the second signal stops at once
+            assert stop.now
+        finally:
+            stop.remove()
+        return stop
+
+    asyncio.run(run())
+    assert len(said) == 1 and said[0].startswith("SIGTERM: stopping after this step")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
