@@ -41,7 +41,7 @@ TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 test: $(STAMP)
 	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
 	$(PY) -m mypy asyncflow channels workers hybrid_engine $(TYPED_FIXTURE)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) -m bench.transfer --json bench-transfer.json
