@@ -167,6 +167,12 @@ def digit_share_reward(prompts: list[str], responses: list[str], answers: list[s
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
 
 
+def sleepy_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """:func:`digit_share_reward` after 2 s: a step long enough to act in the middle of."""
+    time.sleep(2.0)
+    return digit_share_reward(prompts, responses, answers)
+
+
 def raising_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
     """A reward function with a bug."""
     raise ZeroDivisionError("reward bug")

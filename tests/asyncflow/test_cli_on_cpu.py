@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -132,8 +133,8 @@ def test_raising_reward_function_is_named_with_the_sample(tmp_path, model_dir, c
 
 def _start(tmp_path: Path, run: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
     """``asyncflow train run`` in a subprocess, its stderr in ``<name>.stderr``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    paths = [str(Path(__file__).parents[2]), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the package, and support's rewards
     err = tmp_path / f"{name}.stderr"
     with (tmp_path / f"{name}.stdout").open("w") as out_file, err.open("w") as err_file:
         proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
@@ -168,11 +169,20 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at
     steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert steps[-1] == step + 1 and steps.count(step) == 1  # the stopped step's row, once
 
-    again = _config(tmp_path, model_dir, steps=10_000, name="again")
+    # Steps of over 2 s (the reward sleeps), so that the second Ctrl-C, sent once the
+    # first is acknowledged, comes in the middle of one. (Two signals sent at once
+    # would reach Python as one.)
+    again = _config(tmp_path, model_dir, steps=10_000, name="again",
+                    extra='\n[reward]\nfunction = "support:sleepy_reward"\n')
     proc, err_path = _start(tmp_path, again, "again")
     wait_for_a_checkpoint(proc, tmp_path / "again" / "checkpoints", err_path)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGINT)
+    out_path = tmp_path / "again.stdout"
+    deadline = time.monotonic() + 60
+    while "SIGINT: stopping after this step" not in out_path.read_text() + err_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     err = err_path.read_text()
