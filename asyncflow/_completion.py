@@ -87,7 +87,7 @@ class CallCompletion:
         rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
         pending: set[asyncio.Future[Any]] = set(tasks)
         loop = asyncio.get_running_loop()
-        deadline = None if call.timeout_s is None or stream is not None else loop.time() + call.timeout_s
+        deadline = None if call.timeout_s is None else loop.time() + call.timeout_s  # never set on a streamed call
         while pending:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             done, _ = await asyncio.wait(pending | {pool.died}, timeout=left, return_when=asyncio.FIRST_COMPLETED)

@@ -45,8 +45,7 @@ class StopRequest:
         """Give the stop signals their default handlers back."""
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+            loop.remove_signal_handler(sig)  # SIGINT gets default_int_handler back, SIGTERM SIG_DFL
 
     def _received(self, sig: signal.Signals) -> None:
         if self.signal is None:

@@ -68,8 +68,6 @@ class RunResult:
     plot: Path | None
 
 
-
-
 class Trainer:
     """Runs one configuration.
 
@@ -210,14 +208,12 @@ class Trainer:
         if "rollout" in roles:  # generation on its own pool, up to max_staleness steps ahead
             sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=max(1, int(c.train.weight_sync_bucket_mb * 2**20)),
                               timeout_s=c.train.weight_sync_timeout_s or None)
-            train = c.train
-            partial = (PartialRollout(train.partial_rollout_decode_steps, train.partial_rollout,
-                                      train.partial_rollout_max_carries)
-                       if train.partial_rollout_decode_steps else None)
+            partial = (PartialRollout(c.train.partial_rollout_decode_steps, c.train.partial_rollout,
+                                      c.train.partial_rollout_max_carries)
+                       if c.train.partial_rollout_decode_steps else None)
             self._ahead = SamplesAhead(session, roles, rollout_of(c), max_staleness=c.train.max_staleness,
                                        last_step=c.train.steps, seed_of=self._seed, next_prompts=source.next,
                                        start=start, sync=sync, partial=partial)
-            await self._ahead.prepare()
             if self.resume:
                 await self._ahead.restore(self.checkpoints.latest(), state.get("in_flight", []))
         bar = _bar(self.progress_bar, start, c.train.steps)

@@ -142,6 +142,19 @@ def _start(tmp_path: Path, run: Path, name: str) -> tuple[subprocess.Popen[str],
     return proc, err
 
 
+def _ended_in_one_line(proc: subprocess.Popen[str], err_path: Path, workers: list[psutil.Process],
+                       *, never: str) -> str:
+    """Wait for ``proc``; check it failed (exit 1) without a traceback or ``never`` on
+    stderr and left no worker behind; its last stderr line."""
+    proc.wait(timeout=120)
+    err = err_path.read_text()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and never not in err, err
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, [p.name() for p in alive]
+    return err.strip().splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at_once(tmp_path, model_dir) -> None:
     """A preempted run (SIGTERM) finishes its step, checkpoints it and exits with one
@@ -153,18 +166,12 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at
     wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", err_path)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    err = err_path.read_text()
-    assert proc.returncode == 1, err
-    assert "Traceback" not in err and "SIGTERM received" not in err, err
-    last = err.strip().splitlines()[-1]
+    last = _ended_in_one_line(proc, err_path, workers, never="SIGTERM received")  # Ray's native trace
     latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     step = json.loads((tmp_path / "run" / "checkpoints" / latest / "state.json").read_text())["step"]
     assert last == (f"asyncflow: RunInterruptedError: stopped by SIGTERM after step {step}; last checkpoint: "
                     f"{tmp_path / 'run' / 'checkpoints' / latest} (continue with --resume)")
     assert latest == f"step_{step:06d}"
-    _, alive = psutil.wait_procs(workers, timeout=30)
-    assert not alive, [p.name() for p in alive]
     assert main(["train", str(run), "--resume", "--set", f"train.steps={step + 1}", "--no-progress"]) == 0
     steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert steps[-1] == step + 1 and steps.count(step) == 1  # the stopped step's row, once
@@ -184,14 +191,8 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at
         assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
-    err = err_path.read_text()
-    assert proc.returncode == 1, err
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    last = err.strip().splitlines()[-1]
+    last = _ended_in_one_line(proc, err_path, workers, never="KeyboardInterrupt")
     assert last.startswith("asyncflow: RunInterruptedError: stopped by SIGINT twice, during a step; last checkpoint: ")
-    _, alive = psutil.wait_procs(workers, timeout=30)
-    assert not alive, [p.name() for p in alive]
 
 
 @pytest.mark.slow

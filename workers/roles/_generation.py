@@ -8,9 +8,10 @@ finishes, so micro-batches hold whole groups.
 
 A :class:`~workers.Tail` holds, per sample of every group not yet reported, the
 prompt's columns plus ``_tail_*`` columns: row id, tokens and log-probs so far,
-the policy version of each token, whether the sample is already finished, and the
-sampler state when the engine carries one. The adopting rank re-prefills the unfinished ones and reports the
-groups under their original row ids. A prompt's own token budget (its optional
+the policy version of each token, whether the sample is already finished, the
+sampler state when the engine carries one, and how many calls carried it over
+(partial rollouts). The adopting rank re-prefills the unfinished ones and reports
+the groups under their original row ids. A prompt's own token budget (its optional
 ``max_new_tokens`` column) travels as one of its columns and stays the budget of
 its samples on the adopting rank.
 """
@@ -81,7 +82,7 @@ class _Rollout:
         self.carries: dict[int, int] = {}
         """Per group: how many calls carried it over (partial rollouts; 0 when absent)."""
         self.must_finish: set[int] = set()
-        """Carried groups this call may not carry over again (:meth:`adopt`'s ``limit``)."""
+        """Carried groups this call may not carry over again (see :meth:`adopt`)."""
         self.reported = 0
         """Groups reported so far."""
         per_sample = None if budgets is None else [b for b in budgets for _ in range(n)]
@@ -156,26 +157,26 @@ class _Rollout:
         self.carries.clear()
         return Batch(cols)
 
-    def adopt(self, tail: Batch, *, renumber: bool = False, limit: int | None = None) -> None:
-        """Continue another rank's tail rows here; ``renumber``: they are an earlier
-        call's carried samples, which take row ids after this call's own; those
-        carried ``limit`` times already must finish in this call (see :meth:`may_stop`)."""
+    def adopt(self, tail: Batch, *, limit: int | None = None) -> None:
+        """Continue another rank's tail rows here. With ``limit``, they are an earlier
+        call's carried samples: they take row ids after this call's own, and the
+        groups carried ``limit`` times already must finish in this call (see
+        :meth:`may_stop`)."""
         partial: list[PartialSample] = []
         ids = tail[_ID].tolist()
+        carries = tail[_CARRIES].tolist()
+        renumber = limit is not None
         if renumber:
             keys = sorted({self.group_of(rid) for rid in ids})
             first = len(self.ids)  # this call's own samples come first
             new_key = {key: row_id(self.rank, first + g * self.n) for g, key in enumerate(keys)}
             ids = [new_key[self.group_of(rid)] + (rid & _LOCAL_MASK) % self.n for rid in ids]
             self.ids.extend([-1] * (len(keys) * self.n))  # reserved: ids by position, set below
-        carries = tail[_CARRIES].tolist() if _CARRIES in tail else [0] * len(ids)
-        for rid, times in zip(ids, carries, strict=True):
-            key = self.group_of(rid)
-            self.carries[key] = int(times)
-            if renumber and (limit is None or times >= limit):
-                self.must_finish.add(key)
         for i, rid in enumerate(ids):
             key = self.group_of(rid)
+            self.carries[key] = carries[i]
+            if limit is not None and carries[i] >= limit:
+                self.must_finish.add(key)
             if key not in self.groups:
                 cols = {k: tail[k][i:i + 1] for k in self.prompt_names}
                 prompt = unpadded_prompts(cols[F.PROMPT_IDS], cols[F.PROMPT_MASK])[0]
@@ -188,7 +189,7 @@ class _Rollout:
             if length:
                 self.versions[rid] = tail[_VERSIONS][i, :length].tolist()
             if renumber:
-                index = (rid & _LOCAL_MASK)
+                index = rid & _LOCAL_MASK
                 self.ids[index] = rid
             else:
                 index = len(self.ids)
@@ -269,7 +270,7 @@ def stream_rollout(engine: RolloutEngine, prompts: Batch, *, n: int, params: Sam
     state = _Rollout(engine, prompts, n=n, params=params, rank=rank, version=version)
     steps = 0
     if carry is not None and carry.rows is not None:
-        state.adopt(carry.rows, renumber=True, limit=carry.limit)
+        state.adopt(carry.rows, limit=carry.limit)
         carry.rows = None
     try:
         while True:

@@ -111,8 +111,9 @@ class RolloutWorker(Role):
         are the actor's version 0 when both start from the same directory)."""
         self._partial: tuple[int, set[str]] | None = None
         """A version loaded in part (by buckets), and its parameters loaded so far."""
-        self._carry: CarryOver | None = None
-        """Partial rollouts: the samples the last ``generate`` with ``partial`` left unfinished."""
+        self._carry = CarryOver(after=1)
+        """Partial rollouts: the samples the last ``generate`` with ``partial`` left
+        unfinished (each such call sets how it goes on)."""
 
     def rank_local(self) -> frozenset[str]:
         """``generate``: every rank generates with whole weights (``load_weights``
@@ -146,9 +147,8 @@ class RolloutWorker(Role):
         if partial is not None:
             if not isinstance(partial, PartialRollout):
                 raise ConfigError(f"rollout.generate: partial must be a PartialRollout, got {partial!r}")
-            rows = self._carry.rows if self._carry is not None else None
-            carry = self._carry = CarryOver(after=partial.decode_steps, limit=partial.max_carries,
-                                            restart=partial.mode == "restart", rows=rows)
+            carry = self._carry
+            carry.after, carry.limit, carry.restart = partial.decode_steps, partial.max_carries, partial.mode == "restart"
         return (yield from checked_generate(self.rollout, prompts, n=n, params=params, default=self.config.sampling,
                                             eos_token_id=self._eos, seed_rank=self.ctx.rank, rank=self.ctx.rank,
                                             where="rollout.generate", version=self.weights_version or 0,
@@ -159,7 +159,7 @@ class RolloutWorker(Role):
         """The samples partial rollouts carry to the next call, for a checkpoint:
         ``{"rank": r, "rows": columns or None, "tokens": their response tokens so
         far}``; one value per rank."""
-        rows = self._carry.rows if self._carry is not None else None
+        rows = self._carry.rows
         tokens = 0 if rows is None else int(rows[TAIL_LENGTH].sum())
         return {"rank": self.ctx.rank, _CARRIED_COLUMNS: None if rows is None else dict(rows), "tokens": tokens}
 
@@ -171,7 +171,7 @@ class RolloutWorker(Role):
         mine = [Batch(c[_CARRIED_COLUMNS]) for c in carried
                 if c[_CARRIED_COLUMNS] is not None and int(c["rank"]) % self.ctx.world_size == self.ctx.rank]
         rows = Batch.concat(mine) if mine else None
-        self._carry = CarryOver(after=1, rows=rows)  # the next generate's ``partial`` sets how it goes on
+        self._carry.rows = rows
         return 0 if rows is None else rows.num_rows
 
     @register(protocol=OneToAll())
