@@ -28,7 +28,7 @@ _EXPORTS = {
     "asyncflow._select": ("concat",),
     "asyncflow._session": ("Session", "shutdown_ray"),
     "channels": ("DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError", "Layout", "Metrics",
-                 "MicroDP", "MissingFieldError", "OneToAll", "RankZero", "SchemaError", "TransferProtocol",
+                 "MicroDP", "MissingFieldError", "OneToAll", "RankZero", "SchemaError", "TensorShards", "TransferProtocol",
                  "TransportError"),
     "workers": ("Adopt", "CallInfo", "Chunk", "Finish", "Handoff", "Role", "Step", "Tail", "WorkerContext",
                 "register"),
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
         OneToAll,
         RankZero,
         SchemaError,
+        TensorShards,
         TransferProtocol,
         TransportError,
     )

@@ -345,6 +345,39 @@ class OneToAll(TransferProtocol):
         return None
 
 
+class TensorShards(TransferProtocol):
+    """Rows that are tensor-parallel shards (row ``k`` of ``R`` holds the ``k``-th of
+    ``R`` shards, as ``actor.weights()`` publishes them), to a callee laid out with
+    tensor size ``t``: the rank with tensor coordinate ``j`` gets the rows that make
+    its own shard, rows ``j*R/t .. (j+1)*R/t - 1`` when ``t`` divides ``R``, or row
+    ``j*R // t`` (a larger shard it cuts its part from) when ``R`` divides ``t``.
+    Every data-parallel replica and pipeline stage gets the same rows; values come
+    back as a list in rank order.
+
+    Raises:
+        ConfigError: (at dispatch) neither of ``R`` and ``t`` divides the other.
+    """
+
+    def distribute(self, meta: BatchMeta, layout: Layout, row_lengths: Sequence[int] | None) -> list[Assignment]:
+        rows, t = meta.num_rows, layout.t
+        if rows == 0:
+            return [()] * layout.world
+        if rows % t and t % rows:
+            raise ConfigError(f"TensorShards: {rows} shard rows cannot be split over tensor size {t} "
+                              f"(layout {layout}); one of them must divide the other")
+        out: list[Assignment] = []
+        for r in range(layout.world):
+            j = layout.coords(r).tp
+            lo, hi = (j * rows // t, (j + 1) * rows // t) if rows % t == 0 else (j * rows // t, j * rows // t + 1)
+            out.append(((lo, hi),))
+        return out
+
+    def collect(self, results: Sequence[RankResult], layout: Layout, assignments: Sequence[Assignment] | None) -> Any:
+        if any(r.key is not None for r in results):
+            return _batch_from(results, None)
+        return [r.value for r in results]
+
+
 class RankZero(TransferProtocol):
     """Rank 0 gets every row; the other ranks run without rows (e.g. to join a
     collective). Rank 0's output is the result."""

@@ -250,9 +250,10 @@ class WorkerProcess(ChannelHost):
     def _emitter(self, spec: CallSpec, endpoint: Endpoint[Any, Any], sink: StreamSink
                  ) -> Callable[[str, Batch | None, tuple[int, ...], int], None]:
         seq = itertools.count()
+        reports = _reports_rows(endpoint.spec.protocol, getattr(self.roles[spec.role], "ctx", None))
 
         def emit(kind: str, rows: Batch | None, ids: tuple[int, ...], pending: int) -> None:
-            if rows is None:
+            if rows is None or (kind == "rows" and not reports):
                 sink.send(StreamItem(kind="progress", rank=self.rank, worker=self.index, pending=pending))
                 return
             key = f"{spec.out_key}/{self.rank}.{next(seq)}"
@@ -468,3 +469,11 @@ def _import_quietly(modules: tuple[str, ...]) -> None:
             importlib.import_module(name)
         except Exception:  # the role's own import raises it again, with context
             logger.debug("preloading %s failed", name, exc_info=True)
+
+
+def _reports_rows(protocol: Any, ctx: WorkerContext | None) -> bool:
+    """Whether this rank's streamed rows are the call's: the output rank of its
+    replica under a replicated protocol (``DP``, ``MicroDP``); the replica's other
+    ranks (tensor-parallel copies of the same rows) report progress only."""
+    replicas = getattr(protocol, "replicas", None)
+    return replicas is None or ctx is None or bool(replicas(ctx.layout)[ctx.rank][1])

@@ -10,6 +10,11 @@ holds at most one bucket beside its weights, and a bucket not in within the
 timeout ends in :class:`~asyncflow.CallTimeoutError` naming the rollout rank and
 the actor ranks it pulls from, never a hang. The bytes moved are the model's, as
 with one pull, peer to peer, no gather to one rank.
+
+A rollout role laid out tensor parallel (``t > 1``) loads the parameters it splits
+with ``load_weight_shards``, in buckets of their own: each rollout rank pulls only
+the rows of its shard, so a split parameter's bytes cross once per replica, not
+once per rank; the parameters it holds whole every rank pulls whole.
 """
 
 from __future__ import annotations
@@ -56,14 +61,22 @@ class WeightSync:
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.buckets: list[tuple[str, ...]] | None = None
         """The parameters of each bucket, once :meth:`prepare` read them."""
+        self.sharded: list[bool] = []
+        """Per bucket: its parameters are split over the rollout's tensor-parallel
+        ranks (loaded with ``load_weight_shards``)."""
 
     async def prepare(self) -> None:
         """Plan the buckets from the metadata of one ``actor.weights()`` (its rows
-        stay where they are)."""
+        stay where they are) and the parameters the rollout role splits."""
         meta = await self.actor.weights()
         if not isinstance(meta, BatchMeta):
             raise ConfigError(f"WeightSync: {self.actor.name}.weights() returned {type(meta).__name__}, not rows")
-        self.buckets = weight_buckets(meta.fields, rows=meta.num_rows, bucket_bytes=self.bucket_bytes)
+        split = set((await self.rollout.split_parameters())[0]) if self.rollout.layout.t > 1 else set()
+        whole = weight_buckets([f for f in meta.fields if f.name not in split], rows=meta.num_rows,
+                               bucket_bytes=self.bucket_bytes)
+        shards = weight_buckets([f for f in meta.fields if f.name in split], rows=meta.num_rows,
+                                bucket_bytes=self.bucket_bytes)
+        self.buckets, self.sharded = whole + shards, [False] * len(whole) + [True] * len(shards)
 
     def submit(self) -> list[DataFuture[Any]]:
         """Queue the loads of the actor's current weights, one call per bucket in
@@ -72,10 +85,11 @@ class WeightSync:
         if self.buckets is None:
             raise ConfigError("WeightSync.submit: call `await sync.prepare()` first")
         weights = self.actor.weights()
-        if len(self.buckets) == 1:  # the whole model: no selection needed
+        if self.sharded == [False]:  # the whole model at once: no selection needed
             return [self.rollout.load_weights(weights, timeout_s=self.timeout_s)]
-        return [self.rollout.load_weights(weights.select((*names, WEIGHTS_VERSION)), timeout_s=self.timeout_s)
-                for names in self.buckets]
+        return [(self.rollout.load_weight_shards if sharded else self.rollout.load_weights)(
+                    weights.select((*names, WEIGHTS_VERSION)), timeout_s=self.timeout_s)
+                for names, sharded in zip(self.buckets, self.sharded, strict=True)]
 
     async def sync(self) -> int:
         """Load the actor's current weights into every rollout rank; their version."""

@@ -333,11 +333,12 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
         if devices % place.t:
             raise ConfigError(f"{key}.t = {place.t} must divide the {devices} devices of pool {place.pool!r} "
                               f"(pools.{place.pool}.devices); change t or the pool's size")
+        if role == ROLLOUT_ROLE:
+            _check_rollout_role(config, place, heads, source)
+            continue
         if place.gen is not None:
             _check_gen(config, role, place)
-        if role == ROLLOUT_ROLE:
-            _check_rollout_role(config, place)
-        elif role in MODEL_ROLES:
+        if role in MODEL_ROLES:
             check_tensor_parallel(role, place.t, heads, source)
         elif place.t != 1:
             scorer = f"{role}.model_dir" if getattr(config, role).model_dir else f"{role}.function"
@@ -363,17 +364,23 @@ def _check_gen(config: RunConfig, role: str, place: PlacementSection) -> None:
                           "vLLM with the hybrid engine is planned")
 
 
-def _check_rollout_role(config: RunConfig, place: PlacementSection) -> None:
-    """Generation on its own pool: every rank holds whole weights, the actor does
-    not also generate, and the algorithm trains on samples generated ahead."""
+def _check_rollout_role(config: RunConfig, place: PlacementSection, heads: tuple[int, int], source: str) -> None:
+    """Generation on its own pool: its layout (``t``) is its generation layout (the
+    native engine when tensor parallel), the actor does not also generate, and the
+    algorithm trains on samples generated ahead."""
     algo = algorithm_in(config)
     if not algo.samples_ahead:
         ahead = sorted(n for n, a in algorithms().items() if a.samples_ahead)
         raise ConfigError(f"placement.rollout: algorithm {algo.name!r} samples inside its step; a rollout role "
                           f"works with {', '.join(ahead)}")
-    if place.t != 1 or place.gen is not None:
-        raise ConfigError("placement.rollout: every rollout rank generates with whole weights (t = 1, no gen); "
-                          "a rollout role with its own generation layout is planned")
+    if place.gen is not None:
+        raise ConfigError("placement.rollout.gen: a rollout role's own layout is its generation layout; remove gen "
+                          "and set placement.rollout.t (tensor-parallel generation) instead")
+    if place.t > 1:
+        check_tensor_parallel(ROLLOUT_ROLE, place.t, heads, source)
+        if config.actor.rollout_engine != "native":
+            raise ConfigError(f"placement.rollout.t = {place.t} needs actor.rollout_engine = \"native\" (got "
+                              f"{config.actor.rollout_engine!r}); tensor-parallel generation with vLLM is planned")
     actor = config.placement.get("actor")
     if actor is not None and actor.gen is not None:
         raise ConfigError("placement.actor.gen and placement.rollout both set: the actor generates with the "

@@ -125,6 +125,21 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path: Path, model_dir
     assert [r["async/weights_version"] for r in steps] == [0, 1, 2]
 
 
+def test_a_tensor_parallel_rollout_role_trains_ahead(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``placement.rollout.t = 2``: the rollout generates tensor parallel on its own
+    2-rank pool from the shards each rank pulls; its log-probs are the actor's."""
+    two_heads = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=32, num_hidden_layers=1)
+    model = str(save_tiny_model(tmp_path_factory.mktemp("two_heads"), two_heads, seed=0))
+    cfg = _config(tmp_path, model, "tp", steps=3, staleness=1)
+    assert main(["train", str(cfg), "--no-progress", "--set", "pools.gen.devices=2",
+                 "--set", "placement.rollout.t=2"]) == 0
+    steps = [r for r in read_metrics(tmp_path / "tp" / "metrics.jsonl") if "actor/loss" in r]
+    assert [r["async/staleness"] for r in steps] == [0, 1, 1]
+    assert any(r["actor/loss"] != 0 for r in steps)
+    assert steps[0]["actor/logprob_mismatch"] < 1e-4  # fresh tokens: the rollout's log-probs are the actor's
+
+
 @pytest.mark.slow
 def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: str) -> None:
     """SIGKILL a worker of a ``max_staleness = 1`` run with partial rollouts after its
@@ -185,7 +200,8 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
 @pytest.mark.parametrize(("extra", "message"), [
     (["--set", "train.max_staleness=1"], "needs a rollout role"),
     (["--set", "train.partial_rollout_decode_steps=2"], "partial rollouts carry samples between its calls"),
-    (["--set", "placement.rollout.t=2", "--set", "pools.gen.devices=2"], "whole weights"),
+    (["--set", "placement.rollout.t=2", "--set", "pools.gen.devices=2"], "must divide the model's num_attention_heads"),
+    (["--set", "placement.rollout.gen.t=1"], "a rollout role's own layout is its generation layout"),
     (["--set", "train.stream=true"], "train.stream with a rollout role"),
     (["--set", "algorithm.name=remax"], "samples inside its step"),
 ])

@@ -27,6 +27,7 @@ from channels import (
     SchemaError,
     Segment,
     ShardStore,
+    TensorShards,
     assemble,
     merge_meta,
     plan_pull,
@@ -145,6 +146,19 @@ def test_other_protocols() -> None:
     assert OneToAll().collect(vals, layout, None) == [v.value for v in vals]
     with pytest.raises(SchemaError, match="not a number"):
         Metrics().collect([RankResult(rank=0, worker=0, value={"a": "x"})], Layout(), None)
+
+
+def test_tensor_shards_give_each_tensor_rank_the_rows_of_its_shard() -> None:
+    two, four, one, three = (_sharded(n, [])[0] for n in (2, 4, 1, 3))
+    # t = 2 over d = 2 (ranks: dp-major, tp fastest): rank j of t takes row j of 2.
+    assert TensorShards().distribute(two, Layout(t=2, d=2), None) == [((0, 1),), ((1, 2),)] * 2
+    assert TensorShards().distribute(four, Layout(t=2), None) == [((0, 2),), ((2, 4),)]  # two rows each
+    assert TensorShards().distribute(two, Layout(t=4), None) == [((0, 1),), ((0, 1),), ((1, 2),), ((1, 2),)]
+    assert TensorShards().distribute(one, Layout(d=3), None) == [((0, 1),)] * 3
+    with pytest.raises(ConfigError, match="3 shard rows cannot be split over tensor size 2"):
+        TensorShards().distribute(three, Layout(t=2), None)
+    vals = [RankResult(rank=r, worker=r, value=r) for r in range(2)]
+    assert TensorShards().collect(vals, Layout(t=2), None) == [0, 1]
 
 
 def test_collect_rejects_ranks_with_different_row_shapes() -> None:

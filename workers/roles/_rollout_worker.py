@@ -5,6 +5,10 @@ Colocated training (the actor generates itself) and disaggregated generation (th
 actor trains on one pool, this role generates on another) are two placements of
 the same algorithm: the rows ``generate`` returns are the actor's ``generate`` rows.
 
+Its layout is its generation layout: with ``t > 1`` (native engine) the ranks of a
+replica generate tensor parallel, each holding its shards of the split parameters
+(:meth:`RolloutWorker.load_weight_shards` pulls only those).
+
 Partial rollouts (``generate(..., partial=PartialRollout(decode_steps=T))``): a call
 decodes at most ``T`` steps once it has finished a group; each rank keeps its
 unfinished samples and the next such call continues them (under the weights it
@@ -21,18 +25,25 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
-from channels import Batch, ConfigError, MicroDP, OneToAll
+from channels import DP, Batch, ConfigError, OneToAll, TensorShards
 from workers import WorkerContext, register
 from workers._role import Role
 from workers._streaming import StreamMethod
+from workers.engines import apply_tensor_parallel
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._generation import TAIL_LENGTH, CarryOver, checked_generate
 from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
 from workers.roles._training import check_model_dir, check_seed, check_types
-from workers.roles._weights import assemble_weights
-from workers.rollout import NativeRolloutConfig, SamplingParams, VLLMRolloutConfig
+from workers.roles._weights import assemble_shards, assemble_weights, local_shard
+from workers.rollout import (
+    NativeRolloutConfig,
+    NativeRolloutEngine,
+    SamplingParams,
+    VLLMRolloutConfig,
+)
 
 _CARRIED_COLUMNS = "rows"
 
@@ -101,11 +112,28 @@ class RolloutWorker(Role):
         super().__init__(ctx)
         self.config = config
         torch.manual_seed(config.seed)
+        layout = ctx.layout
+        if layout.p != 1:
+            raise ConfigError(f"rollout role: pipeline stages (layout {layout}) are not supported; use p = 1")
+        if layout.t > 1 and not isinstance(config.rollout, NativeRolloutConfig):
+            raise ConfigError(f"rollout role: tensor-parallel generation (layout {layout}) needs the native rollout "
+                              "engine; vLLM's tensor parallelism is planned")
+        self._tp, self._tp_size = ctx.coords.tp, layout.t
+        replica = ctx.coords.dp  # the ranks of one replica sample the same tokens
         model = load_model(config.model_dir)
         nn.Module.to(model, ctx.device)
         self._eos = model_eos(model)
         self._shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir, rank=ctx.rank)
+        self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir, rank=replica)
+        if layout.t > 1:
+            assert isinstance(self.rollout, NativeRolloutEngine)
+            model = self.rollout.model  # the engine's own copy
+            apply_tensor_parallel(model, ctx.mesh["tp"])
+        self._split = {name: (tuple(p._local_tensor.shape), p.placements[0].dim)
+                       for name, p in model.named_parameters()
+                       if isinstance(p, DTensor) and isinstance(p.placements[0], Shard)}
+        """Tensor-parallel parameters: name -> (this rank's shard shape, split dim)."""
+        self._replica = replica
         self.weights_version: int | None = None
         """The version of the weights loaded last (None: the model directory's, which
         are the actor's version 0 when both start from the same directory)."""
@@ -116,11 +144,12 @@ class RolloutWorker(Role):
         unfinished (each such call sets how it goes on)."""
 
     def rank_local(self) -> frozenset[str]:
-        """``generate``: every rank generates with whole weights (``load_weights``
-        runs on every rank: each must hold the new version)."""
-        return frozenset({"generate"})
+        """``generate`` when every rank holds whole weights (``load_weights`` runs on
+        every rank: each must hold the new version); nothing when tensor parallel
+        (the ranks of a replica decode together)."""
+        return frozenset({"generate"}) if self._tp_size == 1 else frozenset()
 
-    @register(protocol=MicroDP(), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
+    @register(protocol=DP(), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
               writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
     def generate(self, prompts: Batch, *, n: int = 1, params: SamplingParams | None = None,
                  partial: PartialRollout | None = None) -> StreamMethod:
@@ -150,26 +179,28 @@ class RolloutWorker(Role):
             carry = self._carry
             carry.after, carry.limit, carry.restart = partial.decode_steps, partial.max_carries, partial.mode == "restart"
         return (yield from checked_generate(self.rollout, prompts, n=n, params=params, default=self.config.sampling,
-                                            eos_token_id=self._eos, seed_rank=self.ctx.rank, rank=self.ctx.rank,
+                                            eos_token_id=self._eos, seed_rank=self._replica, rank=self.ctx.rank,
                                             where="rollout.generate", version=self.weights_version or 0,
-                                            carry=carry))
+                                            migratable=self._tp_size == 1, carry=carry))
 
     @register(protocol=OneToAll())
     def carried(self) -> dict[str, Any]:
         """The samples partial rollouts carry to the next call, for a checkpoint:
         ``{"rank": r, "rows": columns or None, "tokens": their response tokens so
-        far}``; one value per rank."""
-        rows = self._carry.rows
+        far}``, ``r`` the data-parallel replica; one value per rank (the other
+        tensor-parallel ranks of a replica hold copies and report none)."""
+        rows = self._carry.rows if self._tp == 0 else None
         tokens = 0 if rows is None else int(rows[TAIL_LENGTH].sum())
-        return {"rank": self.ctx.rank, _CARRIED_COLUMNS: None if rows is None else dict(rows), "tokens": tokens}
+        return {"rank": self._replica, _CARRIED_COLUMNS: None if rows is None else dict(rows), "tokens": tokens}
 
     @register(protocol=OneToAll())
     def restore_carried(self, carried: list[dict[str, Any]]) -> int:
         """Hold the carried samples :meth:`carried` returned (a resumed run's): this
-        rank takes those of the ranks ``r`` with ``r % world_size`` = its rank.
+        rank takes those of the replicas ``r`` with ``r % d`` = its replica.
         Returns how many samples it holds."""
+        d = self.ctx.layout.d
         mine = [Batch(c[_CARRIED_COLUMNS]) for c in carried
-                if c[_CARRIED_COLUMNS] is not None and int(c["rank"]) % self.ctx.world_size == self.ctx.rank]
+                if c[_CARRIED_COLUMNS] is not None and int(c["rank"]) % d == self._replica]
         rows = Batch.concat(mine) if mine else None
         self._carry.rows = rows
         return 0 if rows is None else rows.num_rows
@@ -179,7 +210,9 @@ class RolloutWorker(Role):
         """Load the actor's weights (the rows of ``actor.weights()``, or a bucket of
         them: ``weights.select([...names, "weights_version"])``): every rank pulls
         each parameter's shards from the actor ranks that hold them, peer to peer,
-        once each, assembles the whole tensors and copies them into its engine.
+        once each, assembles the whole tensors and copies them into its engine (a
+        tensor-parallel rank keeps its shard of the parameters it splits;
+        :meth:`load_weight_shards` pulls only that shard).
 
         A bucket loads its parameters at once; the version becomes the one
         ``generate`` samples with when every parameter of it is loaded, and
@@ -197,6 +230,33 @@ class RolloutWorker(Role):
                 loaded in part.
         """
         tensors, version = assemble_weights(weights, self._shapes, partial=True)
+        for name, (_, dim) in self._split.items():
+            if name in tensors:
+                tensors[name] = local_shard(tensors[name], dim, self._tp, self._tp_size)
+        return self._load(tensors, version)
+
+    @register(protocol=TensorShards())
+    def load_weight_shards(self, weights: Batch) -> int:
+        """Load this rank's tensor-parallel shards of split parameters (a selection
+        of ``actor.weights()`` naming only parameters this role splits, see
+        :meth:`split_parameters`): rank ``j`` of ``t`` pulls only the rows that make
+        its shard (:class:`~channels.TensorShards`), so a tensor-parallel rollout
+        moves each split parameter's bytes once over its ranks. Same versions and
+        loading in part as :meth:`load_weights`; one value per rank.
+
+        Raises:
+            ConfigError: as :meth:`load_weights`, or a parameter is not split here.
+        """
+        tensors, version = assemble_shards(weights, self._split, index=self._tp, parts=self._tp_size)
+        return self._load(tensors, version)
+
+    @register(protocol=OneToAll())
+    def split_parameters(self) -> list[str]:
+        """The parameters this role holds tensor-parallel shards of (none when
+        ``t = 1``), for :meth:`load_weight_shards`; one value per rank."""
+        return sorted(self._split)
+
+    def _load(self, tensors: dict[str, torch.Tensor], version: int) -> int:
         if self.weights_version is not None and version < self.weights_version:
             raise ConfigError(f"rollout.load_weights: version {version} is older than the loaded "
                               f"{self.weights_version}")

@@ -12,6 +12,11 @@ concatenates the rows back into whole tensors on the receiving side, so a rollou
 rank that pulls the future moves exactly the model's bytes; :func:`weight_buckets`
 splits the parameters into bounded buckets that are pulled one call each.
 
+A rollout role laid out tensor parallel (``t > 1``) needs only its own shard of
+each split parameter: pulled with :class:`~channels.TensorShards`, its rank ``j``
+receives just the rows that make that shard and :func:`assemble_shards` joins
+(or cuts) them; parameters it holds whole it pulls whole.
+
 The rows are a snapshot of the publishing ranks' shards (a copy in host memory),
 held until the last future naming them is dropped: a pull that comes after the
 actor's next optimizer step still gets the published version. Copy-on-write (no
@@ -125,12 +130,7 @@ def assemble_weights(rows: Mapping[str, Tensor], shapes: Mapping[str, tuple[int,
         ConfigError: the future is not a weights future, its versions differ, or a
             parameter is missing (unless ``partial``), unknown, or does not fit its shape.
     """
-    if WEIGHTS_VERSION not in rows or rows[WEIGHTS_VERSION].numel() == 0:
-        raise ConfigError(f"rollout.load_weights needs the rows of actor.weights() (a {WEIGHTS_VERSION!r} column); "
-                          f"got fields {sorted(rows)}")
-    versions = rows[WEIGHTS_VERSION].unique()
-    if versions.numel() != 1:
-        raise ConfigError(f"rollout.load_weights got rows of several weight versions {versions.tolist()}")
+    version = _version(rows)
     unknown = sorted(set(rows) - set(shapes) - {WEIGHTS_VERSION})
     if unknown:
         raise ConfigError(f"rollout.load_weights: {unknown[:3]} are not parameters of the rollout model")
@@ -142,7 +142,7 @@ def assemble_weights(rows: Mapping[str, Tensor], shapes: Mapping[str, tuple[int,
                 continue
             raise ConfigError(f"rollout.load_weights: the weights lack parameter {name!r} of the rollout model")
         out[name] = _whole(name, column, tuple(shape))
-    return out, int(versions.item())
+    return out, version
 
 
 def _whole(name: str, column: Tensor, want: tuple[int, ...]) -> Tensor:
@@ -157,3 +157,65 @@ def _whole(name: str, column: Tensor, want: tuple[int, ...]) -> Tensor:
         return torch.cat(list(column))[:want[0]]  # a whole parameter cut with padding
     raise ConfigError(f"rollout.load_weights: {parts} shards of {name!r} shaped {local} do not make its shape "
                       f"{want}")
+
+
+def local_shard(whole: Tensor, dim: int, index: int, parts: int) -> Tensor:
+    """Part ``index`` of ``parts`` equal parts of ``whole`` along ``dim``.
+
+    Raises:
+        ConfigError: ``parts`` does not divide the size of ``dim``.
+    """
+    size = whole.shape[dim]
+    if size % parts:
+        raise ConfigError(f"a parameter of shape {tuple(whole.shape)} cannot be split in {parts} along dim {dim}")
+    return whole.narrow(dim, index * (size // parts), size // parts)
+
+
+def assemble_shards(rows: Mapping[str, Tensor], shards: Mapping[str, tuple[tuple[int, ...], int]], *,
+                    index: int, parts: int) -> tuple[dict[str, Tensor], int]:
+    """This rank's tensor-parallel shards from the rows :class:`~channels.TensorShards`
+    gave it, and their version.
+
+    Args:
+        rows: the received columns: ``m`` consecutive of the ``R`` published shard
+            rows (``m = R / parts``), or one row that holds ``parts / R`` of this
+            rank's shards (``index`` picks one of them).
+        shards: the split parameters to assemble: name -> (local shape, split dim).
+        index: this rank's tensor coordinate.
+        parts: the tensor size (``t``) of the receiving layout.
+
+    Raises:
+        ConfigError: the rows are not a weights future, a parameter is unknown, or
+            the rows of one do not make its shard.
+    """
+    version = _version(rows)
+    unknown = sorted(set(rows) - set(shards) - {WEIGHTS_VERSION})
+    if unknown:
+        raise ConfigError(f"rollout.load_weight_shards: {unknown[:3]} are not split parameters of the rollout model")
+    out = {}
+    for name, column in rows.items():
+        if name == WEIGHTS_VERSION:
+            continue
+        want, dim = shards[name]
+        joined = column[0] if column.shape[0] == 1 else torch.cat(list(column), dim=dim)
+        have = tuple(joined.shape)
+        if have != want:
+            ok = len(have) == len(want) and have[dim] % want[dim] == 0 and all(
+                have[i] == want[i] for i in range(len(want)) if i != dim)
+            if not ok:
+                raise ConfigError(f"rollout.load_weight_shards: {column.shape[0]} rows of {name!r} shaped "
+                                  f"{tuple(column.shape[1:])} do not make its shard {want} along dim {dim}")
+            pieces = have[dim] // want[dim]
+            joined = local_shard(joined, dim, index % pieces, pieces)
+        out[name] = joined
+    return out, version
+
+
+def _version(rows: Mapping[str, Tensor]) -> int:
+    if WEIGHTS_VERSION not in rows or rows[WEIGHTS_VERSION].numel() == 0:
+        raise ConfigError(f"rollout.load_weights needs the rows of actor.weights() (a {WEIGHTS_VERSION!r} column); "
+                          f"got fields {sorted(rows)}")
+    versions = rows[WEIGHTS_VERSION].unique()
+    if versions.numel() != 1:
+        raise ConfigError(f"rollout.load_weights got rows of several weight versions {versions.tolist()}")
+    return int(versions.item())

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from channels import ConfigError
@@ -262,7 +263,8 @@ class NativeRolloutEngine:
 
         Args:
             named_tensors: ``(name, tensor)`` pairs named as in ``model.state_dict()``;
-                any subset of the parameters may be given.
+                any subset of the parameters may be given; a tensor-parallel
+                parameter (a DTensor) takes this rank's shard.
 
         Returns:
             The number of tensors loaded.
@@ -282,10 +284,12 @@ class NativeRolloutEngine:
                         f"update_weights got {name!r}, which is not a tensor of the model; "
                         f"use the names of model.state_dict(), e.g. {example!r}"
                     )
+                if isinstance(target, DTensor):  # tensor parallel: this rank's shard
+                    target = target._local_tensor
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ConfigError(
                         f"update_weights got {name!r} with shape {tuple(tensor.shape)}, but the "
-                        f"model's is {tuple(target.shape)}"
+                        f"model's is {tuple(target.shape)} (this rank's shard when tensor parallel)"
                     )
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
                 loaded += 1

@@ -10,7 +10,13 @@ from roles_testlib import local_ctx, small_lm
 
 from channels import ConfigError, FieldSpec
 from workers.roles import WEIGHTS_VERSION
-from workers.roles._weights import _part, assemble_weights, weight_buckets, weight_rows
+from workers.roles._weights import (
+    _part,
+    assemble_shards,
+    assemble_weights,
+    weight_buckets,
+    weight_rows,
+)
 
 
 def test_shards_and_padded_parts_assemble_into_the_whole_tensors() -> None:
@@ -26,6 +32,30 @@ def test_shards_and_padded_parts_assemble_into_the_whole_tensors() -> None:
     assert version == 4
     for name, want in (("col", col), ("row", row), ("whole", whole)):
         assert torch.equal(got[name], want), name
+
+
+@pytest.mark.parametrize("published", [1, 2, 4])
+def test_a_tensor_rank_assembles_its_own_shard_from_the_rows_it_gets(published) -> None:
+    """A rollout of t = 2 from an actor of ``published`` shard rows: rank j gets rows
+    j*R/2 .. (j+1)*R/2 - 1 (R >= 2) or the single row (R = 1) and keeps its half."""
+    gen = torch.Generator().manual_seed(0)
+    col, row = torch.randn(8, 4, generator=gen), torch.randn(4, 8, generator=gen)
+    for j in range(2):
+        lo, hi = (j * published // 2, (j + 1) * published // 2) if published >= 2 else (0, 1)
+        rows = {"col": torch.stack(list(col.chunk(published, 0)))[lo:hi],
+                "row": torch.stack(list(row.chunk(published, 1)))[lo:hi],
+                WEIGHTS_VERSION: torch.tensor([3] * (hi - lo))}
+        got, version = assemble_shards(rows, {"col": ((4, 4), 0), "row": ((4, 4), 1)}, index=j, parts=2)
+        assert version == 3
+        assert torch.equal(got["col"], col.chunk(2, 0)[j]) and torch.equal(got["row"], row.chunk(2, 1)[j])
+
+
+def test_shard_rows_that_do_not_make_the_shard_are_refused() -> None:
+    rows = {"col": torch.zeros(1, 3, 4), WEIGHTS_VERSION: torch.tensor([1])}
+    with pytest.raises(ConfigError, match=r"1 rows of 'col' shaped \(3, 4\) do not make its shard \(4, 4\)"):
+        assemble_shards(rows, {"col": ((4, 4), 0)}, index=0, parts=2)
+    with pytest.raises(ConfigError, match="are not split parameters"):
+        assemble_shards({**rows, "norm": torch.zeros(1, 4)}, {"col": ((3, 4), 0)}, index=0, parts=2)
 
 
 def test_one_rank_publishes_every_parameter_whole() -> None:
