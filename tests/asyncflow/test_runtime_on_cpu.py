@@ -212,7 +212,8 @@ def test_raising_method_names_role_method_rank_and_cancels_dependents(env) -> No
 
 def _stored_objects() -> list:
     """The cluster's objects but actor handles (a pending call's return counts 0 bytes)."""
-    return [o for o in list_objects(limit=10_000, raise_on_missing_output=False)
+    address = ray.get_runtime_context().gcs_address  # this test's cluster, whatever else runs here
+    return [o for o in list_objects(address=address, limit=10_000, raise_on_missing_output=False)
             if o.reference_type != "ACTOR_HANDLE"]
 
 
