@@ -10,6 +10,7 @@ from asyncflow._datastream import DataStream, StreamOptions, collect
 from asyncflow._ops import merge
 from channels import ConfigError
 from workers.engines import LossAggregation, OffPolicyCorrection, PolicyLoss
+from workers.roles import REF_LOGPROBS, SCORES
 from workers.rollout import SamplingParams
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
@@ -151,9 +152,25 @@ def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
     def call(group: Any, method: str) -> Any:
         return call_on_rollout(group, method, rollout, producer=roles.actor, stream=stream)
 
-    scores = call(roles.reward, "score")
-    parts = [rollout, scores] + ([call(roles.ref, "log_prob")] if roles.ref else [])
+    scores = rollout if carries(rollout, SCORES) else call(roles.reward, "score")
+    parts = [rollout] + ([] if scores is rollout else [scores])
+    parts += [call(roles.ref, "log_prob")] if ref_needed(roles, rollout) else []
     return whole(merge_rows(*parts)), whole(scores)
+
+
+def carries(rows: Any, field: str) -> bool:
+    """Whether ``rows`` carry ``field`` already: samples generated ahead come with the
+    scores and reference log-probs of the roles that share the rollout's pool (the
+    trainer queues those calls right behind each generation), and a step does not
+    compute them again."""
+    fields = getattr(rows, "fields", None)
+    return fields is not None and field in fields
+
+
+def ref_needed(roles: Any, rollout: Any) -> bool:
+    """Whether the step calls ``ref.log_prob``: a reference is placed and the samples
+    do not carry its log-probs yet (see :func:`carries`)."""
+    return roles.ref is not None and not carries(rollout, REF_LOGPROBS)
 
 
 def sampled(roles: Any, prompts: Any, config: Any, *, seed: int | None, stream: StreamOptions | None,

@@ -125,6 +125,31 @@ def test_staleness_zero_reproduces_the_synchronous_run(tmp_path: Path, model_dir
     assert [r["async/weights_version"] for r in steps] == [0, 1, 2]
 
 
+def test_scorers_on_the_rollout_pool_score_each_batch_behind_its_generation(tmp_path: Path, model_dir: str) -> None:
+    """Reward and reference on the rollout's pool: each batch's scores and reference
+    log-probs are queued right behind its generation (in the step that queued it,
+    depending on it), not by the step that trains on it; still, at
+    ``max_staleness = 0`` the run is the synchronous one metric for metric."""
+    kl = ["--set", "train.kl_metric=true", "--no-progress"]
+    assert main(["train", str(_config(tmp_path, model_dir, "sync", disaggregated=False)), *kl]) == 0
+    assert main(["train", str(_config(tmp_path, model_dir, "ahead")), *kl, "--trace", "--set", "train.trace_steps=3",
+                 "--set", "placement.reward.pool=gen", "--set", "placement.ref.pool=gen"]) == 0
+    sync = read_metrics(tmp_path / "sync" / "metrics.jsonl")
+    ahead = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
+    assert any("actor/kl_to_ref" in r for r in sync) and any(r.get("actor/loss") for r in sync)
+    for s, a in zip(sync, ahead, strict=True):
+        assert _learned(a) == _learned(s)
+    events = json.loads((tmp_path / "ahead" / "trace.json").read_text())["traceEvents"]
+    calls = {e["args"]["call_id"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "driver"}
+    generations = {i: e for i, e in calls.items() if e["name"] == "rollout.generate"}
+    scorers = [e for e in calls.values() if e["name"] in ("reward.score", "ref.log_prob")]
+    assert len(scorers) >= 4
+    for e in scorers:  # each depends on a generation queued in the same step
+        (source,) = [generations[d] for d in e["args"]["deps"] if d in generations]
+        assert source["args"]["step"] == e["args"]["step"]
+    assert {e["args"]["step"] for e in scorers} - {0}  # queued while an earlier step trained
+
+
 def test_a_tensor_parallel_rollout_role_trains_ahead(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """``placement.rollout.t = 2``: the rollout generates tensor parallel on its own
     2-rank pool from the shards each rank pulls; its log-probs are the actor's."""
