@@ -17,13 +17,13 @@ from channels._errors import (
     WouldBlock,
 )
 from channels._layout import Coords, GenCoords, GenerationLayout, Grouping, Layout
+from channels._metrics import Metrics, reduce_metrics
 from channels._pack import Packed, pack, unpack
 from channels._protocols import (
     DP,
     AllToAll,
     Assignment,
     Collected,
-    Metrics,
     MicroDP,
     OneToAll,
     PullTiming,
@@ -32,7 +32,6 @@ from channels._protocols import (
     RankZero,
     TensorShards,
     TransferProtocol,
-    reduce_metrics,
     split_rows,
 )
 from channels._pull import GroupPlan, Piece, PullPlan, assemble, plan_pull

@@ -16,9 +16,9 @@ from asyncflow.algos._common import (
     carries,
     merge_rows,
     ref_for_kl,
-    ref_needed,
     require_ref_for_kl,
     sample_and_score,
+    scores_and_ref,
     whole,
 )
 from asyncflow.algos._dapo import (
@@ -61,7 +61,7 @@ __all__ = [
     "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState", "WeightSync", "algorithm", "algorithm_of",
     "algorithms", "call_on_rollout", "carries", "config_section", "dapo_advantages", "dapo_step", "gae", "get_algorithm",
     "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "leave_one_out",
-    "merge_rows", "overlong_penalties", "ppo_step", "ref_for_kl", "ref_needed", "register", "remax_step", "require_ref_for_kl",
-    "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step", "sample_and_score", "token_rewards",
+    "merge_rows", "overlong_penalties", "ppo_step", "ref_for_kl", "register", "remax_step", "require_ref_for_kl",
+    "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step", "sample_and_score", "scores_and_ref", "token_rewards",
     "whole",
 ]

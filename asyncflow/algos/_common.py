@@ -152,10 +152,8 @@ def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
     def call(group: Any, method: str) -> Any:
         return call_on_rollout(group, method, rollout, producer=roles.actor, stream=stream)
 
-    scores = rollout if carries(rollout, SCORES) else call(roles.reward, "score")
-    parts = [rollout] + ([] if scores is rollout else [scores])
-    parts += [call(roles.ref, "log_prob")] if ref_needed(roles, rollout) else []
-    return whole(merge_rows(*parts)), whole(scores)
+    scores, parts = scores_and_ref(roles, rollout, call)
+    return whole(merge_rows(rollout, *parts)), whole(scores)
 
 
 def carries(rows: Any, field: str) -> bool:
@@ -167,10 +165,15 @@ def carries(rows: Any, field: str) -> bool:
     return fields is not None and field in fields
 
 
-def ref_needed(roles: Any, rollout: Any) -> bool:
-    """Whether the step calls ``ref.log_prob``: a reference is placed and the samples
-    do not carry its log-probs yet (see :func:`carries`)."""
-    return roles.ref is not None and not carries(rollout, REF_LOGPROBS)
+def scores_and_ref(roles: Any, rollout: Any, call: Any) -> tuple[Any, list[Any]]:
+    """The samples' scores (``roles.reward.score``) and the parts a step merges into
+    the samples: those scores and, when a reference is placed, its log-probs, each
+    called (``call(group, method)``) unless the samples carry them (:func:`carries`)."""
+    scores = rollout if carries(rollout, SCORES) else call(roles.reward, "score")
+    parts = [] if scores is rollout else [scores]
+    if roles.ref is not None and not carries(rollout, REF_LOGPROBS):
+        parts.append(call(roles.ref, "log_prob"))
+    return scores, parts
 
 
 def sampled(roles: Any, prompts: Any, config: Any, *, seed: int | None, stream: StreamOptions | None,

@@ -16,23 +16,15 @@ from asyncflow.algos._common import (
     PolicyConfig,
     RolloutConfig,
     call_on_rollout,
-    carries,
     merge_rows,
-    ref_needed,
     sampled,
+    scores_and_ref,
     whole,
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
 from channels import ConfigError
-from workers.roles import (
-    SCORES,
-    ActorWorker,
-    CriticWorker,
-    ReferenceWorker,
-    RewardWorker,
-    score_summary,
-)
+from workers.roles import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, score_summary
 
 
 class PPOConfig(msgspec.Struct, **_CFG):
@@ -87,14 +79,12 @@ async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: Data
         return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)
 
     old, values = call(r.actor, "log_prob"), call(r.critic, "values")
-    scores = rollout if carries(rollout, SCORES) else call(r.reward, "score")
-    more = [] if scores is rollout else [scores]
+    scores, parts = scores_and_ref(r, rollout, call)
+    batch = merge_rows(rollout, old, values, *parts)
     if r.ref is not None:
-        ref = [call(r.ref, "log_prob")] if ref_needed(r, rollout) else []
-        batch = merge_rows(rollout, old, *ref, values, *more)
         batch = batch.map(kl_penalised_rewards, kl_coef=config.reward_kl_coef)
     else:
-        batch = merge_rows(rollout, old, values, *more).map(token_rewards)
+        batch = batch.map(token_rewards)
     batch = whole(batch).map(gae, gamma=config.gamma, lam=config.lam)
     actor, critic, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
                                         r.critic.update(batch), r.reward.stats(whole(scores)))

@@ -130,10 +130,7 @@ def assemble_weights(rows: Mapping[str, Tensor], shapes: Mapping[str, tuple[int,
         ConfigError: the future is not a weights future, its versions differ, or a
             parameter is missing (unless ``partial``), unknown, or does not fit its shape.
     """
-    version = _version(rows)
-    unknown = sorted(set(rows) - set(shapes) - {WEIGHTS_VERSION})
-    if unknown:
-        raise ConfigError(f"rollout.load_weights: {unknown[:3]} are not parameters of the rollout model")
+    version = _checked(rows, shapes, "rollout.load_weights", "parameters")
     out = {}
     for name, shape in shapes.items():
         column = rows.get(name)
@@ -188,10 +185,7 @@ def assemble_shards(rows: Mapping[str, Tensor], shards: Mapping[str, tuple[tuple
         ConfigError: the rows are not a weights future, a parameter is unknown, or
             the rows of one do not make its shard.
     """
-    version = _version(rows)
-    unknown = sorted(set(rows) - set(shards) - {WEIGHTS_VERSION})
-    if unknown:
-        raise ConfigError(f"rollout.load_weight_shards: {unknown[:3]} are not split parameters of the rollout model")
+    version = _checked(rows, shards, "rollout.load_weight_shards", "split parameters")
     out = {}
     for name, column in rows.items():
         if name == WEIGHTS_VERSION:
@@ -211,11 +205,16 @@ def assemble_shards(rows: Mapping[str, Tensor], shards: Mapping[str, tuple[tuple
     return out, version
 
 
-def _version(rows: Mapping[str, Tensor]) -> int:
+def _checked(rows: Mapping[str, Tensor], known: Mapping[str, object], where: str, what: str) -> int:
+    """The version of the rows of a weights future, all of whose columns but the
+    version are ``known`` parameters (``what`` and ``where`` name them in the error)."""
     if WEIGHTS_VERSION not in rows or rows[WEIGHTS_VERSION].numel() == 0:
-        raise ConfigError(f"rollout.load_weights needs the rows of actor.weights() (a {WEIGHTS_VERSION!r} column); "
+        raise ConfigError(f"{where} needs the rows of actor.weights() (a {WEIGHTS_VERSION!r} column); "
                           f"got fields {sorted(rows)}")
     versions = rows[WEIGHTS_VERSION].unique()
     if versions.numel() != 1:
-        raise ConfigError(f"rollout.load_weights got rows of several weight versions {versions.tolist()}")
+        raise ConfigError(f"{where} got rows of several weight versions {versions.tolist()}")
+    unknown = sorted(set(rows) - set(known) - {WEIGHTS_VERSION})
+    if unknown:
+        raise ConfigError(f"{where}: {unknown[:3]} are not {what} of the rollout model")
     return int(versions.item())

@@ -5,62 +5,25 @@ each byte of the model once."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-import ray
 import torch
 from roles_testlib import prompt_columns
+from rollout_testlib import GREEDY, MODEL, POLICY, actor_and_rollout, alternating_advantages
 
 import asyncflow as af
-from asyncflow import ResourcePool, RoleSpec
+from asyncflow import ResourcePool
 from asyncflow.algos import WeightSync
-from channels import Layout
-from workers.engines import TrainingConfig
-from workers.models import TinyModelConfig, load_model, save_tiny_model
-from workers.roles import (
-    WEIGHTS_VERSION,
-    ActorConfig,
-    ActorWorker,
-    RolloutWorker,
-    RolloutWorkerConfig,
-)
-from workers.rollout import SamplingParams
+from workers.models import load_model, save_tiny_model
+from workers.roles import WEIGHTS_VERSION
 
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-MODEL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-                        head_dim=32, num_hidden_layers=1)
-POLICY = ResourcePool(name="policy", devices=2)
 GEN = ResourcePool(name="gen", devices=1)
-GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
-
-
-@af.transform(reads=("response_mask",), writes=("advantages",))
-def alternating_advantages(batch):
-    """+1 / -1 by row: enough to move the weights."""
-    mask = batch["response_mask"].float()
-    return {"advantages": (1.0 - 2.0 * (torch.arange(mask.shape[0]) % 2).float())[:, None] * mask}
 
 
 @pytest.fixture(scope="module")
 def env(loop_thread, tmp_path_factory):
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("policy"), MODEL, seed=0))
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
-    session = af.Session()
-
-    async def start() -> af.Roles:
-        await session.__aenter__()
-        return await session.spawn({
-            "actor": RoleSpec(cls=ActorWorker, pool=POLICY, layout=Layout(t=2), config=ActorConfig(
-                model_dir=model_dir, training=TrainingConfig(lr=1e-2),
-                sampling=SamplingParams(max_new_tokens=6, temperature=1.0))),
-            "rollout": RoleSpec(cls=RolloutWorker, pool=GEN, config=RolloutWorkerConfig(model_dir=model_dir)),
-        })
-
-    yield loop_thread, session, loop_thread.run(start()), model_dir
-    loop_thread.run(session.close())
-    af.shutdown_ray()
+    with actor_and_rollout(loop_thread, model_dir, gen=GEN) as (session, roles):
+        yield loop_thread, session, roles, model_dir
 
 
 def test_the_rollout_role_samples_what_the_actor_samples_after_loading_its_weights(env) -> None:
