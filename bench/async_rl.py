@@ -35,6 +35,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
@@ -48,7 +49,7 @@ import asyncflow as af
 from asyncflow._migration import long_tail_lengths
 from asyncflow.algos import GRPOConfig, RolloutConfig, grpo_step
 from asyncflow.tracing import summarise
-from asyncflow.train._ahead import SamplesAhead
+from asyncflow.train._ahead import Sampled, SamplesAhead
 from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.rewards import RuleRewardConfig
@@ -170,20 +171,31 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
                                      partial=partial)
             trained: dict[int, float] = {}
             began, staleness, carried_before = 0.0, [], None
-            for step in range(1, total + 1):
-                if step == warmup + 1:
-                    await session.start_trace()
-                    began = time.perf_counter()
-                if ahead is None:
+            if ahead is None:
+                for step in range(1, total + 1):
+                    if step == warmup + 1:
+                        await session.start_trace()
+                        began = time.perf_counter()
                     metrics = await grpo_step(roles, await prompts(), config, seed=job.seed + step)
-                else:
-                    sampled, lag = await ahead.for_step(step)
-                    if ahead.partial is not None and step == warmup + 1:
-                        carried_before = roles.rollout.carried()  # after the generation of batch step + k
-                    metrics = await ahead.guard(grpo_step(ahead.step_roles(), sampled.prompts, config,
-                                                          seed=job.seed + step, rollout=sampled.rows))
+                    trained[step] = metrics["actor/response_tokens"]
+            else:
+                step_roles = ahead.step_roles()
+
+                async def run(step: int, sampled: Sampled, lag: dict[str, float]) -> dict[str, float]:
                     staleness.append(lag["async/staleness"])
-                trained[step] = metrics["actor/response_tokens"]
+                    return await grpo_step(step_roles, sampled.prompts, config, seed=job.seed + step,
+                                           rollout=sampled.rows)
+
+                # The warm-up's last step is not overlapped: the measured steps start from a drained queue.
+                run_steps = ahead.steps(1, total, run, overlap=lambda m: m != warmup)
+                async with contextlib.aclosing(run_steps):
+                    async for step, metrics in run_steps:
+                        trained[step] = metrics["actor/response_tokens"]
+                        if step == warmup:
+                            if ahead.partial is not None:
+                                carried_before = roles.rollout.carried()  # after the generation of batch step + k
+                            await session.start_trace()
+                            began = time.perf_counter()
             elapsed = time.perf_counter() - began
             tokens = sum(trained[s] for s in range(warmup + 1, total + 1))
             if ahead is not None and carried_before is not None:

@@ -14,7 +14,10 @@ on batch ``m``. With ``k = 0`` this is the synchronous loop: load, generate,
 update. Steps run with :meth:`SamplesAhead.step_roles` queue batch ``m + 1 + k``
 (by version ``m``) as soon as step ``m``'s update is submitted, so that the
 weights, their loads and that generation follow the update on their pools with
-no round trip through the driver in between.
+no round trip through the driver in between. :meth:`SamplesAhead.steps` does the
+same for the training pool: step ``m + 1``'s calls are queued once step ``m``
+submitted its update, so its update follows step ``m``'s without waiting for
+step ``m``'s metrics to reach the driver.
 
 Which version generates which batch depends only on the step numbers, never on
 timing, and every batch is sampled with its own seed, so a run is reproducible
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -113,6 +116,10 @@ class SamplesAhead:
         """The step :meth:`for_step` last gave samples for."""
         self._launching: asyncio.Future[None] | None = None
         """The generations queued when the step's update was submitted, while they queue."""
+        self._submitted: dict[int, asyncio.Future[None]] = {}
+        """Per step given samples: done once its ``actor.update`` is submitted."""
+        self.started: int | None = None
+        """The step :meth:`steps` started before the one it last yielded ended."""
 
     def step_roles(self) -> Roles:
         """The roles to run the steps with: the same groups, except that submitting
@@ -132,6 +139,9 @@ class SamplesAhead:
             if endpoint.spec.name == "update" and self._step is not None:
                 step, previous = self._step, self._launching
                 self._step = None  # once a step
+                submitted = self._submission(step)
+                if not submitted.done():
+                    submitted.set_result(None)
                 self._launching = asyncio.ensure_future(self._launch(step + 1 + self.k, newest=step, after=previous))
             return out
         return hooked
@@ -207,10 +217,61 @@ class SamplesAhead:
         await self.settle()
         await self._launch(step + self.k, newest=newest)  # the first step, a resumed run's, or no step_roles
         self._step = step
+        self._submitted = {j: f for j, f in self._submitted.items() if j >= step}
+        self._submission(step)
         sampled = self.pending.pop(step)
         return sampled, {"async/staleness": float(newest - sampled.version),
                          "async/in_flight": float(self.launched - step),
                          "async/weights_version": float(self.loaded or 0)}
+
+    async def steps(self, first: int, last: int, run: Callable[[int, Sampled, dict[str, float]], Awaitable[T]], *,
+                    overlap: Callable[[int], bool]) -> AsyncGenerator[tuple[int, T], None]:
+        """Run steps ``first .. last`` in order, each as ``run(step, sampled, metrics)``
+        (with :meth:`for_step`'s samples and metrics, guarded by :meth:`guard`, on
+        :meth:`step_roles`), yielding each step and its result.
+
+        Where ``overlap(m)`` (asked when step ``m`` starts) allows it, step ``m + 1``
+        starts as soon as step ``m`` has submitted its ``actor.update``: its calls
+        then queue on their pools behind step ``m``'s, and the training pool starts
+        its next update without waiting for step ``m``'s metrics to reach the
+        driver. Each pool runs its calls in the order they were submitted, so the
+        results are those of steps run one after the other, provided a step submits
+        no call after it awaited one once its update is submitted (GRPO and PPO
+        submit the update last). Refuse the overlap where the driver must act
+        between two steps: an evaluation, a checkpoint, the last step. While a
+        step started ahead runs, :attr:`started` holds it; to end early, make
+        ``overlap`` refuse and take the steps until :attr:`started` is None. An
+        error, or leaving before the last step, cancels the step started ahead."""
+        ahead: asyncio.Task[T] | None = None
+        try:
+            for step in range(first, last + 1):
+                task = ahead if ahead is not None else asyncio.ensure_future(self._run(step, run))
+                ahead = None
+                if step < last and overlap(step):
+                    either: set[asyncio.Future[Any]] = {task, self._submission(step)}
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                    if not task.done():
+                        ahead = asyncio.ensure_future(self._run(step + 1, run))
+                        self.started = step + 1
+                result = await task
+                yield step, result
+                self.started = None
+        finally:
+            self.started = None
+            if ahead is not None:
+                ahead.cancel()
+                with contextlib.suppress(BaseException):
+                    await ahead
+
+    def _submission(self, step: int) -> asyncio.Future[None]:
+        """Done once step ``step`` submitted its ``actor.update``."""
+        if step not in self._submitted:
+            self._submitted[step] = asyncio.get_running_loop().create_future()
+        return self._submitted[step]
+
+    async def _run(self, step: int, run: Callable[[int, Sampled, dict[str, float]], Awaitable[T]]) -> T:
+        sampled, metrics = await self.for_step(step)
+        return await self.guard(run(step, sampled, metrics))
 
     def generate_now(self, prompts: DataFuture[Any], *, version: int, n: int,
                      params: SamplingParams) -> DataFuture[Any]:

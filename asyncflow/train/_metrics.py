@@ -1,5 +1,5 @@
-"""Where a run's metrics go: a JSONL file, TensorBoard, and a PNG of the curves at
-the end; pass@k of sampled held-out responses."""
+"""Where a run's metrics go: a JSONL file, TensorBoard, a progress bar, and a PNG
+of the curves at the end; pass@k of sampled held-out responses."""
 
 from __future__ import annotations
 
@@ -125,3 +125,22 @@ def pass_at_k(uid: Tensor, scores: Tensor, *, n: int, threshold: float) -> dict[
         out[f"eval/pass@{k}"] = sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in correct.values()) / len(counts)
         k *= 2
     return out
+
+
+def progress_bar(enabled: bool, start: int, total: int) -> Any:
+    """A tqdm bar over the RL steps (None when not ``enabled``)."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="RL", unit="step", dynamic_ncols=True)
+
+
+def advance_bar(bar: Any, m: dict[str, float]) -> None:
+    """One step on ``bar`` (if any), showing the step's reward, KL, tokens/s and mismatch."""
+    if bar is None:
+        return
+    shown = {"reward": m.get("reward/mean"), "kl": m.get("actor/kl_to_ref", m.get("actor/approx_kl")),
+             "tok/s": m.get("throughput/tokens_per_s"), "mismatch": m.get("actor/logprob_mismatch")}
+    bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items() if v is not None}, refresh=False)
+    bar.update(1)

@@ -5,23 +5,33 @@ Both give the trainer the same three things: how many training prompts there are
 a batch of them by index (with uids unique over the run), and the fixed held-out
 batch. Batches of training indices are drawn by :func:`iter_problem_batches` over
 ``range(train_size)``, so a run's data order is a function of the seed and of the
-number of batches drawn, which checkpoints keep (exact resume).
+number of batches drawn, which checkpoints keep (exact resume);
+:class:`TrainBatches` draws them and puts each on the first pool.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
+from asyncflow._future import DataFuture
+from asyncflow._session import Session
 from asyncflow.train._config import RunConfig
 from channels import ConfigError
 from workers.data import PromptDataset, load_prompt_tokenizer, load_rows
 from workers.models import CharTokenizer, check_supported_checkpoint
-from workers.tasks import ArithmeticProblem, check_fits_context, generate_splits, prompt_batch
+from workers.tasks import (
+    ArithmeticProblem,
+    check_fits_context,
+    generate_splits,
+    iter_problem_batches,
+    prompt_batch,
+)
 
 
 class RunPrompts(Protocol):
@@ -131,3 +141,20 @@ def run_prompts(config: RunConfig, model_dir: str, max_new_tokens: int) -> RunPr
     if config.data.train:
         return FilePrompts.build(config, model_dir, max_new_tokens)
     return ArithmeticPrompts.build(config, model_dir, max_new_tokens)
+
+
+class TrainBatches:
+    """The training prompts, one batch at a time, put on the first pool; ``next``
+    is also what an algorithm that draws more (``Algorithm.draws``) calls."""
+
+    def __init__(self, session: Session, prompts: RunPrompts, size: int, *, seed: int, skip: int) -> None:
+        self.session, self.prompts, self.size = session, prompts, size
+        order = iter_problem_batches(range(prompts.train_size), size, seed=seed)
+        self._batches = itertools.islice(order, skip, None)
+        self.drawn = skip
+
+    async def next(self) -> DataFuture[Any]:
+        """The next batch of prompts (uids unique over the run)."""
+        indices = next(self._batches)
+        self.drawn += 1
+        return await self.session.put(self.prompts.train_batch(indices, first_uid=(self.drawn - 1) * self.size))

@@ -5,14 +5,14 @@ resume, held-out evaluation before and after, and a plot of the curves."""
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -23,26 +23,29 @@ from asyncflow._ops import merge
 from asyncflow._proxy import Roles
 from asyncflow._session import Session
 from asyncflow.algos import PromptSource, WeightSync
-from asyncflow.train._ahead import SamplesAhead
+from asyncflow.train._ahead import Sampled, SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir
 from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
 from asyncflow.train._metrics import (
     MetricsLog,
+    advance_bar,
     pass_at_k,
     plot_curves,
+    progress_bar,
     read_metrics,
     truncate_after,
 )
-from asyncflow.train._prompts import RunPrompts, run_prompts
+from asyncflow.train._prompts import RunPrompts, TrainBatches, run_prompts
 from asyncflow.train._roles import role_specs
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from channels import AsyncflowError, ConfigError
 from workers.models import CharTokenizer, check_supported_checkpoint, gguf_to_hf_dir
 from workers.roles import PartialRollout, score_summary
 from workers.rollout import SamplingParams
-from workers.tasks import check_fits_context, generate_splits, iter_problem_batches, sft_warm_start
+from workers.tasks import check_fits_context, generate_splits, sft_warm_start
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVAL_UID_BASE = 1 << 40
 """Uids of evaluation prompts (never equal to a training prompt's)."""
@@ -203,7 +206,7 @@ class Trainer:
                 algo_state = msgspec.convert(state["algorithm_state"], type(algo_state))
         # The data position of a resumed run: the batches drawn so far (one a step,
         # unless the algorithm draws more, as DAPO's dynamic sampling does).
-        source = _PromptSource(session, prompts, c.train.prompts_per_step, seed=c.seed,
+        source = TrainBatches(session, prompts, c.train.prompts_per_step, seed=c.seed,
                                skip=int(state.get("batches_drawn", start)))
         if "rollout" in roles:  # generation on its own pool, up to max_staleness steps ahead
             sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=max(1, int(c.train.weight_sync_bucket_mb * 2**20)),
@@ -216,44 +219,58 @@ class Trainer:
                                        start=start, sync=sync, partial=partial)
             if self.resume:
                 await self._ahead.restore(self.checkpoints.latest(), state.get("in_flight", []))
-        bar = _bar(self.progress_bar, start, c.train.steps)
+        bar = progress_bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
         evaluated: tuple[int, dict[str, float]] = (-1, {})
         traced = TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
+        ending = False  # the time budget is spent: no step starts ahead any more
+
+        def evaluates(m: int) -> bool:
+            return bool(c.train.eval_every and m % c.train.eval_every == 0 and m < c.train.steps)
+
+        def saves(m: int) -> bool:
+            return bool(c.train.checkpoint_every and m % c.train.checkpoint_every == 0)
+
+        def overlap(m: int) -> bool:
+            """May step m + 1 start before step m's metrics are back (see SamplesAhead.steps)?"""
+            return (c.train.overlap_steps and algo.state is None and not algo.draws and not ending
+                    and stop.signal is None and not evaluates(m) and not saves(m)
+                    and not (traced.on and traced.left <= 1))
+
+        async def run(m: int, sampled: Sampled | None = None, ahead: dict[str, float] | None = None) -> dict[str, float]:
+            await traced.before_step()
+            drawn = sampled.prompts if sampled is not None else await source.next()
+            return await self._step(step_roles, drawn, algo_state, seed=self._seed(m), more=source.next,
+                                    rollout=sampled.rows if sampled is not None else None) | (ahead or {})
+
         step_roles = self._ahead.step_roles() if self._ahead is not None else roles
+        steps = (self._ahead.steps(start + 1, c.train.steps, run, overlap=overlap) if self._ahead is not None
+                 else _one_by_one(start + 1, c.train.steps, run))
         try:
-            for step in range(start + 1, c.train.steps + 1):
-                await traced.before_step()
-                t = time.monotonic()
-                rollout: DataFuture[Any] | None = None
-                ahead_metrics: dict[str, float] = {}
-                if self._ahead is not None:
-                    sampled, ahead_metrics = await self._ahead.for_step(step)
-                    drawn, rollout = sampled.prompts, sampled.rows
-                else:
-                    drawn = await source.next()
-                stepping = self._step(step_roles, drawn, algo_state, seed=self._seed(step), more=source.next,
-                                      rollout=rollout)
-                # With a rollout role, a weight load that fails (a stalled pull) ends the step at once.
-                metrics = await (self._ahead.guard(stepping) if self._ahead is not None else stepping) | ahead_metrics
-                metrics["time/step_s"] = time.monotonic() - t
-                traced.after_step()
-                tokens = metrics.get("actor/response_tokens", 0.0)
-                metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
-                if c.train.eval_every and step % c.train.eval_every == 0 and step < c.train.steps:
-                    evaluated = step, await self._evaluate(session, roles, prompts, max_new, version=step)
-                    metrics |= evaluated[1]
-                log.write(step, metrics)
-                _advance(bar, metrics)
-                saving = bool(c.train.checkpoint_every and step % c.train.checkpoint_every == 0)
-                if saving or stop.signal is not None:
-                    await self._save(roles, step, state | _saved(algo_state, source))
-                if stop.signal is not None:
-                    raise RunInterruptedError(f"stopped by {stop.signal} after step {step}; "
-                                              f"{self._where_to_go_on()}")
-                if c.train.max_seconds and time.monotonic() - began > c.train.max_seconds:
-                    self.say(f"time budget of {c.train.max_seconds:.0f} s reached after step {step}")
-                    break
+            t = time.monotonic()
+            async with contextlib.aclosing(steps):
+                async for step, metrics in steps:
+                    ahead = self._ahead.started if self._ahead is not None else None  # started before this ended
+                    metrics["time/step_s"] = time.monotonic() - t
+                    traced.after_step()
+                    tokens = metrics.get("actor/response_tokens", 0.0)
+                    metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
+                    if evaluates(step):
+                        evaluated = step, await self._evaluate(session, roles, prompts, max_new, version=step)
+                        metrics |= evaluated[1]
+                    log.write(step, metrics)
+                    advance_bar(bar, metrics)
+                    if saves(step) or (stop.signal is not None and ahead is None):
+                        await self._save(roles, step, state | _saved(algo_state, source))
+                    if stop.signal is not None and ahead is None:
+                        raise RunInterruptedError(f"stopped by {stop.signal} after step {step}; "
+                                                  f"{self._where_to_go_on()}")
+                    if c.train.max_seconds and time.monotonic() - began > c.train.max_seconds:
+                        ending = True
+                        if ahead is None:
+                            self.say(f"time budget of {c.train.max_seconds:.0f} s reached after step {step}")
+                            break
+                    t = time.monotonic()
         finally:
             if bar is not None:
                 bar.close()
@@ -341,7 +358,13 @@ class Trainer:
                 await roles[role].load_checkpoint(str(ckpt / role))
 
 
-def _saved(algo_state: Any, source: _PromptSource) -> dict[str, Any]:
+async def _one_by_one(first: int, last: int, run: Callable[[int], Awaitable[T]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Steps ``first .. last``, each started after the one before ended."""
+    for step in range(first, last + 1):
+        yield step, await run(step)
+
+
+def _saved(algo_state: Any, source: TrainBatches) -> dict[str, Any]:
     """The algorithm's state and the data position, as a checkpoint keeps them."""
     out: dict[str, Any] = {"batches_drawn": source.drawn}
     if algo_state is not None:
@@ -349,40 +372,6 @@ def _saved(algo_state: Any, source: _PromptSource) -> dict[str, Any]:
     return out
 
 
-class _PromptSource:
-    """The training prompts, one batch at a time, put on the first pool; ``next``
-    is also what an algorithm that draws more (``Algorithm.draws``) calls."""
-
-    def __init__(self, session: Session, prompts: RunPrompts, size: int, *, seed: int, skip: int) -> None:
-        self.session, self.prompts, self.size = session, prompts, size
-        order = iter_problem_batches(range(prompts.train_size), size, seed=seed)
-        self._batches = itertools.islice(order, skip, None)
-        self.drawn = skip
-
-    async def next(self) -> DataFuture[Any]:
-        """The next batch of prompts (uids unique over the run)."""
-        indices = next(self._batches)
-        self.drawn += 1
-        return await self.session.put(self.prompts.train_batch(indices, first_uid=(self.drawn - 1) * self.size))
-
-
 def _more_scores(scores: dict[str, float]) -> str:
     more = {k.removeprefix("eval/"): v for k, v in scores.items() if k != "eval/accuracy"}
     return "".join(f", {k} {v:.3f}" for k, v in more.items())
-
-
-def _bar(enabled: bool, start: int, total: int) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, desc="RL", unit="step", dynamic_ncols=True)
-
-
-def _advance(bar: Any, m: dict[str, float]) -> None:
-    if bar is None:
-        return
-    shown = {"reward": m.get("reward/mean"), "kl": m.get("actor/kl_to_ref", m.get("actor/approx_kl")),
-             "tok/s": m.get("throughput/tokens_per_s"), "mismatch": m.get("actor/logprob_mismatch")}
-    bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items() if v is not None}, refresh=False)
-    bar.update(1)

@@ -13,6 +13,7 @@ the actor trains on one pool while a rollout role generates on another, up to
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -148,6 +149,33 @@ def test_scorers_on_the_rollout_pool_score_each_batch_behind_its_generation(tmp_
         (source,) = [generations[d] for d in e["args"]["deps"] if d in generations]
         assert source["args"]["step"] == e["args"]["step"]
     assert {e["args"]["step"] for e in scorers} - {0}  # queued while an earlier step trained
+
+
+def test_the_next_step_queues_behind_the_update_with_the_same_results(tmp_path: Path, model_dir: str) -> None:
+    """``train.overlap_steps``: step ``m + 1``'s update is submitted while step ``m``'s
+    runs (the driver no longer waits for step ``m``'s metrics before it), except
+    after a checkpoint step; the metrics are those of steps run one after the other."""
+    common = ["--no-progress", "--trace", "--set", "train.trace_steps=5", "--set", "train.checkpoint_every=3"]
+    assert main(["train", str(_config(tmp_path, model_dir, "apart", steps=5, staleness=1)), *common,
+                 "--set", "train.overlap_steps=false"]) == 0
+    assert main(["train", str(_config(tmp_path, model_dir, "overlapped", steps=5, staleness=1)), *common]) == 0
+    apart = read_metrics(tmp_path / "apart" / "metrics.jsonl")
+    overlapped = read_metrics(tmp_path / "overlapped" / "metrics.jsonl")
+    assert any(r.get("actor/loss") for r in apart)
+    for a, o in zip(apart, overlapped, strict=True):
+        assert _learned(o) == _learned(a)
+
+    def submitted_before_the_last_ended(name: str) -> list[bool]:
+        events = json.loads((tmp_path / name / "trace.json").read_text())["traceEvents"]
+        updates = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "driver"
+                          and e["name"] == "actor.update"), key=lambda e: e["ts"])
+        assert len(updates) == 5
+        # A driver event starts when its pool starts the call; it was submitted queued_ms before.
+        return [b["ts"] - 1000 * b["args"]["queued_ms"] < a["ts"] + a["dur"] for a, b in itertools.pairwise(updates)]
+
+    assert submitted_before_the_last_ended("apart") == [False] * 4
+    # Steps 2 and 3 queue while 1 and 2 run; step 3 checkpoints, so step 4 waits for it.
+    assert submitted_before_the_last_ended("overlapped") == [True, True, False, True]
 
 
 def test_a_tensor_parallel_rollout_role_trains_ahead(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
