@@ -11,7 +11,9 @@ one session per mode, on this machine's two cores:
 - ``sync_dp2``: the actor on two data-parallel ranks, a core each;
 - ``async<k>`` for k = 0, 1, 2: the actor trains on one rank, a rollout role
   generates on the other, up to ``k`` steps ahead (the trainer's own
-  :class:`~asyncflow.train._ahead.SamplesAhead` and ``grpo_step(rollout=...)``);
+  :class:`~asyncflow.train._ahead.SamplesAhead` and ``grpo_step(rollout=...)``;
+  with ``--overlap`` each step starts once the last submitted its update,
+  ``train.overlap_steps``);
 - ``async1_partial``: ``async1`` with partial rollouts: a generation stops after
   ``AsyncJob.partial_steps`` engine steps and its long samples go on in the next
   batches' (its tokens are those its generations sampled: what the steps trained,
@@ -144,8 +146,11 @@ def _specs(job: AsyncJob, model_dir: str, mode: str) -> dict[str, af.RoleSpec]:
                                    config=RolloutWorkerConfig(model_dir=model_dir, rollout=rollout, seed=job.seed))}
 
 
-async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transport: str = "auto") -> dict[str, Any]:
-    """One session: ``warmup + steps`` GRPO steps in ``mode``; the record."""
+async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transport: str = "auto",
+                  overlap: bool = False) -> dict[str, Any]:
+    """One session: ``warmup + steps`` GRPO steps in ``mode``; the record. ``overlap``:
+    asynchronous modes start each step once the last submitted its update
+    (:meth:`SamplesAhead.steps`, ``train.overlap_steps``); else after it ended."""
     config = GRPOConfig(rollout=RolloutConfig(n=job.n, temperature=1.0, max_new_tokens=job.max_tokens,
                                               ignore_eos=True))
     if mode.endswith("_partial"):
@@ -187,7 +192,7 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
                                            rollout=sampled.rows)
 
                 # The warm-up's last step is not overlapped: the measured steps start from a drained queue.
-                run_steps = ahead.steps(1, total, run, overlap=lambda m: m != warmup)
+                run_steps = ahead.steps(1, total, run, overlap=lambda m: overlap and m != warmup)
                 async with contextlib.aclosing(run_steps):
                     async for step, metrics in run_steps:
                         trained[step] = metrics["actor/response_tokens"]
@@ -235,15 +240,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="weight-sync model sizes (none: skip weight sync)")
     parser.add_argument("--transport", default="auto", choices=["auto", "object_store"],
                         help="how rows move between workers (asyncflow.Session's transport)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="asynchronous modes: start each step once the last submitted its update "
+                             "(train.overlap_steps = true)")
     parser.add_argument("--job", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="override the workload's sizes (AsyncJob fields), e.g. hidden=256")
     args = parser.parse_args(argv)
     job = AsyncJob(**{k: type(getattr(AsyncJob(), k))(v) for k, v in (item.split("=", 1) for item in args.job)})
     torch.set_num_threads(1)
-    records = {mode: asyncio.run(measure(job, mode, steps=args.steps, warmup=args.warmup, transport=args.transport))
+    records = {mode: asyncio.run(measure(job, mode, steps=args.steps, warmup=args.warmup, transport=args.transport,
+                                         overlap=args.overlap))
                for mode in args.modes}
     out: dict[str, Any] = {"job": asdict(job) | {"budgets": job.budgets(), "tokens_per_step": job.tokens_per_step},
-                           "steps": args.steps, "warmup": args.warmup}
+                           "steps": args.steps, "warmup": args.warmup, "overlap_steps": args.overlap}
     for mode, record in records.items():
         out[f"{mode}_tokens_per_s"] = record["tokens_per_s"]
         out[f"{mode}_s_per_step"] = record["s_per_step"]

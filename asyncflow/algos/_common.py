@@ -36,13 +36,17 @@ class PolicyConfig(msgspec.Struct, **_CFG):
     (each response's token mean, averaged over responses; the GRPO paper's form) or
     ``"seq-mean-token-sum"``. Overrides the actor's ``TrainingConfig.loss_aggregation``,
     whose default was, and is, token-mean."""
-    off_policy: OffPolicyCorrection = OffPolicyCorrection.DECOUPLED
+    off_policy: OffPolicyCorrection = OffPolicyCorrection.BEHAVIOUR
     """Asynchronous training (``train.max_staleness`` > 0): how tokens an older policy
-    sampled are corrected. ``"decoupled"``: the ratio against the proximal policy
-    (the actor's at the update's start), each stale token's policy-gradient term
-    weighted by ``min(pi_prox / pi_behav, is_cap)`` (decoupled PPO, AReaL); ``"behaviour"``:
-    the ratio against the rollout's log-probs (the clip bounds the step). Fresh
-    tokens are trained exactly as synchronous training trains them."""
+    sampled are corrected. ``"behaviour"`` (default): the clipped ratio against the
+    rollout's log-probs, so the clip also stops pushing a stale token the updates
+    since its sampling already moved past the clip range; ``"decoupled"``: the
+    ratio against the proximal policy (the actor's at the update's start), each
+    stale token's policy-gradient term weighted by ``min(pi_prox / pi_behav, is_cap)``
+    (decoupled PPO, AReaL). Fresh tokens are trained exactly as synchronous
+    training trains them. On the main job (GRPO, one update a batch) behaviour
+    reached 0.57-0.61 held-out accuracy after 150 steps at ``max_staleness`` 1
+    and 2 on every seed tried, decoupled 0.37-0.51 (synchronous: 0.50-0.58)."""
     is_cap: float = 2.0
     """The largest importance weight of a stale token (``"decoupled"``)."""
 

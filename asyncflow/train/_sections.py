@@ -108,14 +108,16 @@ class TrainSection(msgspec.Struct, **_CFG):
     generating steps ``n+1 .. n+k`` overlaps training step ``n``; the loss corrects
     stale tokens (``algorithm.policy.off_policy``). 0: synchronous (the same
     metrics as generating on the actor)."""
-    overlap_steps: bool = True
+    overlap_steps: bool = False
     """With a rollout role (GRPO, PPO): queue step ``m + 1``'s calls once step ``m``
     submitted its update, so that the training pool goes on to the next update
     without waiting for step ``m``'s metrics to reach the driver. The results are
     those of steps run one after the other (each pool runs its calls in the order
     they were queued). Never across an evaluation, a checkpoint, the last traced
-    step, a stop request or the time budget's end. False: each step starts after
-    the one before ended."""
+    step, a stop request or the time budget's end. Off by default: on a 2-core CPU
+    machine, where both pools share the cores, it was 9-12 % slower (the rollout's
+    generations slowed more than the training pool's idle gap shrank); for pools
+    on devices of their own."""
     weight_sync_bucket_mb: float = 256.0
     """With a rollout role: the actor's weights reach it in buckets of at most this
     many MiB (one ``rollout.load_weights`` call each; a larger parameter is a

@@ -100,6 +100,8 @@ def _config(tmp: Path, model: str, name: str, *, steps: int = 3, staleness: int 
     return path
 
 
+DECOUPLED = ("--set", "algorithm.policy.off_policy=decoupled")
+
 STOP = ("1", "3", "5", "7", "9")
 """The killed run's responses end at an odd digit: groups finish at different
 decode steps, so that partial rollouts carry some over."""
@@ -158,12 +160,19 @@ def test_the_next_step_queues_behind_the_update_with_the_same_results(tmp_path: 
     common = ["--no-progress", "--trace", "--set", "train.trace_steps=5", "--set", "train.checkpoint_every=3"]
     assert main(["train", str(_config(tmp_path, model_dir, "apart", steps=5, staleness=1)), *common,
                  "--set", "train.overlap_steps=false"]) == 0
-    assert main(["train", str(_config(tmp_path, model_dir, "overlapped", steps=5, staleness=1)), *common]) == 0
+    assert main(["train", str(_config(tmp_path, model_dir, "overlapped", steps=5, staleness=1)), *common,
+                 "--set", "train.overlap_steps=true"]) == 0
     apart = read_metrics(tmp_path / "apart" / "metrics.jsonl")
     overlapped = read_metrics(tmp_path / "overlapped" / "metrics.jsonl")
     assert any(r.get("actor/loss") for r in apart)
     for a, o in zip(apart, overlapped, strict=True):
         assert _learned(o) == _learned(a)
+    # The default correction (behaviour): a stale batch's ratio is taken against the
+    # rollout's log-probs (approx_kl > 0 at the update's start), with no weight.
+    steps = [r for r in overlapped if "actor/loss" in r]
+    assert [r["async/staleness"] for r in steps] == [0, 1, 1, 1, 1]
+    assert steps[0]["actor/approx_kl"] == 0 and all(r["actor/approx_kl"] != 0 for r in steps[1:])
+    assert all(r["actor/is_weight"] == 1 for r in steps)
 
     def submitted_before_the_last_ended(name: str) -> list[bool]:
         events = json.loads((tmp_path / name / "trace.json").read_text())["traceEvents"]
@@ -207,7 +216,7 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
     with (tmp_path / "stdout.txt").open("w") as out, (tmp_path / "stderr.txt").open("w") as err_file:
-        proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
+        proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress", *DECOUPLED],
                                 stdout=out, stderr=err_file, text=True, env=env)
         wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", tmp_path / "stderr.txt")
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
@@ -229,17 +238,18 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
                                   {"batch": resumed_from + 2, "version": resumed_from}]
     assert (checkpoint / "in_flight" / "carried.pt").is_file()
     target = resumed_from + 2
-    assert main(["train", str(run), "--resume", "--set", f"train.steps={target}", "--no-progress"]) == 0
+    assert main(["train", str(run), "--resume", "--set", f"train.steps={target}", "--no-progress", *DECOUPLED]) == 0
     reference = _config(tmp_path, model_dir, "reference", steps=target, staleness=1, partial=1, max_new=8,
                   stop=STOP)
-    assert main(["train", str(reference), "--no-progress"]) == 0
+    assert main(["train", str(reference), "--no-progress", *DECOUPLED]) == 0
     got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
     want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")}
     for step in (resumed_from + 1, target):
         assert _learned(got[step]) == _learned(want[step]), step
 
     steps = [want[s] for s in range(1, target + 1)]
-    # Batch 1 is the starting policy's; every later one was generated one update behind.
+    # Batch 1 is the starting policy's; every later one was generated one update behind
+    # and (decoupled correction) weighted by the truncated importance weight.
     assert [r["async/staleness"] for r in steps] == [0] + [1] * (target - 1)
     assert [r["actor/stale_fraction"] for r in steps] == [0] + [1] * (target - 1)
     assert steps[0]["actor/is_weight"] == 1 and all(r["actor/is_weight"] != 1 for r in steps[1:])

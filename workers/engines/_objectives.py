@@ -141,11 +141,11 @@ class PolicyLoss:
     or ``"seq-mean-token-sum"``. None uses the engine's
     ``TrainingConfig.loss_aggregation``, whose default is ``"token-mean"``: the
     behaviour before this setting existed."""
-    off_policy: OffPolicyCorrection = OffPolicyCorrection.DECOUPLED
+    off_policy: OffPolicyCorrection = OffPolicyCorrection.BEHAVIOUR
     """How tokens an older policy sampled are corrected, when the batch marks them
-    (:data:`STALE_TOKENS`, with :data:`BEHAVIOUR_LOGPROBS`): ``"decoupled"`` or
-    ``"behaviour"`` (see :class:`~workers.engines.OffPolicyCorrection`). Fresh
-    tokens are never touched."""
+    (:data:`STALE_TOKENS`, with :data:`BEHAVIOUR_LOGPROBS`): ``"behaviour"``
+    (default) or ``"decoupled"`` (see :class:`~workers.engines.OffPolicyCorrection`).
+    Fresh tokens are never touched."""
     is_cap: float = 2.0
     """The largest importance weight of a stale token (``"decoupled"``)."""
 
