@@ -117,7 +117,7 @@ class SamplesAhead:
         self._launching: asyncio.Future[None] | None = None
         """The generations queued when the step's update was submitted, while they queue."""
         self._submitted: dict[int, asyncio.Future[None]] = {}
-        """Per step given samples: done once its ``actor.update`` is submitted."""
+        """Per step :meth:`steps` started: done once its ``actor.update`` is submitted."""
         self.started: int | None = None
         """The step :meth:`steps` started before the one it last yielded ended."""
 
@@ -139,8 +139,8 @@ class SamplesAhead:
             if endpoint.spec.name == "update" and self._step is not None:
                 step, previous = self._step, self._launching
                 self._step = None  # once a step
-                submitted = self._submission(step)
-                if not submitted.done():
+                submitted = self._submitted.get(step)
+                if submitted is not None and not submitted.done():
                     submitted.set_result(None)
                 self._launching = asyncio.ensure_future(self._launch(step + 1 + self.k, newest=step, after=previous))
             return out
@@ -217,8 +217,6 @@ class SamplesAhead:
         await self.settle()
         await self._launch(step + self.k, newest=newest)  # the first step, a resumed run's, or no step_roles
         self._step = step
-        self._submitted = {j: f for j, f in self._submitted.items() if j >= step}
-        self._submission(step)
         sampled = self.pending.pop(step)
         return sampled, {"async/staleness": float(newest - sampled.version),
                          "async/in_flight": float(self.launched - step),
@@ -242,32 +240,33 @@ class SamplesAhead:
         step started ahead runs, :attr:`started` holds it; to end early, make
         ``overlap`` refuse and take the steps until :attr:`started` is None. An
         error, or leaving before the last step, cancels the step started ahead."""
+
+        def start(step: int) -> asyncio.Task[T]:
+            self._submitted[step] = asyncio.get_running_loop().create_future()  # before it can submit
+            return asyncio.ensure_future(self._run(step, run))
+
         ahead: asyncio.Task[T] | None = None
         try:
             for step in range(first, last + 1):
-                task = ahead if ahead is not None else asyncio.ensure_future(self._run(step, run))
+                task = ahead if ahead is not None else start(step)
                 ahead = None
                 if step < last and overlap(step):
-                    either: set[asyncio.Future[Any]] = {task, self._submission(step)}
+                    either: set[asyncio.Future[Any]] = {task, self._submitted[step]}
                     await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                     if not task.done():
-                        ahead = asyncio.ensure_future(self._run(step + 1, run))
+                        ahead = start(step + 1)
                         self.started = step + 1
+                del self._submitted[step]
                 result = await task
                 yield step, result
                 self.started = None
         finally:
             self.started = None
+            self._submitted.clear()
             if ahead is not None:
                 ahead.cancel()
                 with contextlib.suppress(BaseException):
                     await ahead
-
-    def _submission(self, step: int) -> asyncio.Future[None]:
-        """Done once step ``step`` submitted its ``actor.update``."""
-        if step not in self._submitted:
-            self._submitted[step] = asyncio.get_running_loop().create_future()
-        return self._submitted[step]
 
     async def _run(self, step: int, run: Callable[[int, Sampled, dict[str, float]], Awaitable[T]]) -> T:
         sampled, metrics = await self.for_step(step)

@@ -250,7 +250,7 @@ class Trainer:
             t = time.monotonic()
             async with contextlib.aclosing(steps):
                 async for step, metrics in steps:
-                    ahead = self._ahead.started if self._ahead is not None else None  # started before this ended
+                    in_flight = self._ahead.started if self._ahead is not None else None  # started before this ended
                     metrics["time/step_s"] = time.monotonic() - t
                     traced.after_step()
                     tokens = metrics.get("actor/response_tokens", 0.0)
@@ -260,14 +260,14 @@ class Trainer:
                         metrics |= evaluated[1]
                     log.write(step, metrics)
                     advance_bar(bar, metrics)
-                    if saves(step) or (stop.signal is not None and ahead is None):
+                    if saves(step) or (stop.signal is not None and in_flight is None):
                         await self._save(roles, step, state | _saved(algo_state, source))
-                    if stop.signal is not None and ahead is None:
+                    if stop.signal is not None and in_flight is None:
                         raise RunInterruptedError(f"stopped by {stop.signal} after step {step}; "
                                                   f"{self._where_to_go_on()}")
                     if c.train.max_seconds and time.monotonic() - began > c.train.max_seconds:
                         ending = True
-                        if ahead is None:
+                        if in_flight is None:
                             self.say(f"time budget of {c.train.max_seconds:.0f} s reached after step {step}")
                             break
                     t = time.monotonic()

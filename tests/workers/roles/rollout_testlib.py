@@ -1,6 +1,7 @@
 """Shared setup of the rollout-role tests on real Ray workers: a tensor-parallel
 actor (t = 2) on its own pool beside a rollout role on another, the model they
-share and a transform that moves the weights."""
+share, a transform that moves the weights, and one update followed by a planned
+bucketed weight sync."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Any
 
 import ray
 import torch
+from roles_testlib import prompt_columns
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
+from asyncflow.algos import WeightSync
 from channels import Layout
 from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig
@@ -59,3 +62,13 @@ def actor_and_rollout(loop_thread: Any, model_dir: str, *, gen: ResourcePool,
     finally:
         loop_thread.run(session.close())
         af.shutdown_ray()
+
+
+async def updated_and_planned(session: af.Session, roles: af.Roles) -> tuple[af.DataFuture[Any], WeightSync]:
+    """Put the test prompts on :data:`POLICY`, move the actor's weights with one
+    update, and plan a :class:`WeightSync` of 16 KiB buckets; the prompts and the sync."""
+    src = await session.put(prompt_columns(), pool=POLICY)
+    await roles.actor.update(roles.actor.generate(src, n=2).map(alternating_advantages))
+    sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=16 << 10, timeout_s=60)
+    await sync.prepare()
+    return src, sync

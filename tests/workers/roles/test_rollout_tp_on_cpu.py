@@ -10,11 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 from roles_testlib import prompt_columns
-from rollout_testlib import GREEDY, MODEL, POLICY, actor_and_rollout, alternating_advantages
+from rollout_testlib import (
+    GREEDY,
+    MODEL,
+    POLICY,
+    actor_and_rollout,
+    updated_and_planned,
+)
 
 import asyncflow as af
 from asyncflow import ResourcePool
-from asyncflow.algos import WeightSync
 from channels import Layout
 from workers.models import load_model, save_tiny_model
 from workers.roles import WEIGHTS_VERSION, RolloutWorker, RolloutWorkerConfig
@@ -35,10 +40,7 @@ def test_each_rollout_rank_pulls_its_shards_and_samples_the_actors_tokens(env) -
     lt, session, roles, model_dir = env
 
     async def main():
-        src = await session.put(prompt_columns(), pool=POLICY)
-        await roles.actor.update(roles.actor.generate(src, n=2).map(alternating_advantages))
-        sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=16 << 10, timeout_s=60)
-        await sync.prepare()
+        src, sync = await updated_and_planned(session, roles)
         await session.start_trace()
         version = await sync.sync()
         trace = session.stop_trace()

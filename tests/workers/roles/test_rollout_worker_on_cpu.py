@@ -8,11 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 from roles_testlib import prompt_columns
-from rollout_testlib import GREEDY, MODEL, POLICY, actor_and_rollout, alternating_advantages
+from rollout_testlib import (
+    GREEDY,
+    MODEL,
+    POLICY,
+    actor_and_rollout,
+    alternating_advantages,
+    updated_and_planned,
+)
 
 import asyncflow as af
 from asyncflow import ResourcePool
-from asyncflow.algos import WeightSync
 from workers.models import load_model, save_tiny_model
 from workers.roles import WEIGHTS_VERSION
 
@@ -72,10 +78,7 @@ def test_bucketed_loads_give_the_actors_samples_and_generate_waits_for_the_last_
     lt, session, roles, _ = env
 
     async def main():
-        src = await session.put(prompt_columns(), pool=POLICY)
-        await roles.actor.update(roles.actor.generate(src, n=2).map(alternating_advantages))
-        sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=16 << 10, timeout_s=60)
-        await sync.prepare()
+        src, sync = await updated_and_planned(session, roles)
         assert sync.buckets is not None
         weights = roles.actor.weights()
         await roles.rollout.load_weights(weights.select((*sync.buckets[0], WEIGHTS_VERSION)))
