@@ -66,8 +66,12 @@ class PPOJob:
     """Rows per streamed micro-batch."""
     actor: TinyModelConfig = field(default_factory=lambda: _llama(128, 256, 4))
     """Actor and reference."""
-    critic: TinyModelConfig = field(default_factory=lambda: _llama(256, 512, 2))
-    reward: TinyModelConfig = field(default_factory=lambda: _llama(384, 768, 2))
+    critic: TinyModelConfig = field(default_factory=lambda: _llama(128, 256, 4))
+    """The actor's shape (a critic is commonly initialised from the policy)."""
+    reward: TinyModelConfig = field(default_factory=lambda: _llama(512, 1024, 2))
+    """Wider than the policy: scoring a batch costs about 4x the reference's
+    log-probs here, so the critic+reward pool has work to overlap with generation
+    (streaming), while one call (the score) dominates what that pool does after it."""
     seed: int = 0
 
     def lengths(self) -> list[int]:

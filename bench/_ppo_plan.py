@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncflow as af
@@ -10,6 +12,36 @@ from bench._ppo_job import PLACEMENTS, ROLES, Models, PPOJob, Runner
 
 CORES = 2
 """The machine's cores (the benchmark's placements use two devices)."""
+
+
+def separated(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether two placements' repeated timings tell them apart: one's upper
+    quartile is below the other's lower quartile."""
+    qa, qb = _quartiles(a), _quartiles(b)
+    return qa[1] < qb[0] or qb[1] < qa[0]
+
+
+def order_agrees(repeats: Mapping[str, Sequence[float]],
+                 predicted: Mapping[str, float]) -> tuple[bool, list[list[str]]]:
+    """Whether ``predicted`` orders every pair of placements the measurements
+    separate (:func:`separated`) as they do; and the pairs they do not separate
+    (ties: any order of those agrees)."""
+    names = sorted(repeats)
+    agrees, tied = True, []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if not separated(repeats[a], repeats[b]):
+                tied.append([a, b])
+            elif (statistics.median(repeats[a]) < statistics.median(repeats[b])) != (predicted[a] < predicted[b]):
+                agrees = False
+    return agrees, tied
+
+
+def _quartiles(xs: Sequence[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 class PPOPlanJob:
@@ -27,8 +59,10 @@ class PPOPlanJob:
 async def predictions(job: PPOJob, placements: list[str], *, measured: dict[str, Any]) -> dict[str, Any]:
     """Profile the workload, predict every benched placement and mode, compare."""
     with Models(job) as models:
-        found = await profile(PPOPlanJob(job, models), devices=2)
-    out: dict[str, Any] = {"plan_step_overhead_s": found.step_overhead_s}
+        found = await profile(PPOPlanJob(job, models), devices=2, cores=CORES)
+    out: dict[str, Any] = {"plan_step_overhead_s": found.step_overhead_s,
+                           "plan_interference": found.interference,
+                           "plan_profiled_overlapped_s": found.overlapped_s}
     for p in placements:
         placement = PLACEMENTS[p]
         out[f"{p}_sequential_predicted_s"] = sequential_s(found, placement)
@@ -44,7 +78,13 @@ async def predictions(job: PPOJob, placements: list[str], *, measured: dict[str,
         out[f"plan_{mode}_order_measured"] = by_measured
         out[f"plan_{mode}_order_predicted"] = by_predicted
         out[f"plan_{mode}_order_matches"] = by_measured == by_predicted
+        runs = measured.get("runs", {})
+        if all(p in runs for p in placements):
+            repeats = {p: runs[p][mode]["repeats_s"] for p in placements}
+            agrees, tied = order_agrees(repeats, {p: out[f"{p}_{mode}_predicted_s"] for p in placements})
+            out[f"plan_{mode}_order_agrees"] = agrees
+            out[f"plan_{mode}_tied"] = tied
     ranked = rank(found.batch, found.costs, candidates(list(ROLES), 2, cores=CORES), cores=CORES,
-                  step_overhead_s=found.step_overhead_s)
+                  step_overhead_s=found.step_overhead_s, interference=found.interference)
     out["plan_ranked"] = [{"placement": pl.describe(), "predicted_s": pr.step_s} for pl, pr in ranked]
     return out

@@ -12,8 +12,9 @@ same work. Placements on two devices (``bench._ppo_job.PLACEMENTS``):
 - ``split``: actor+ref on one 1-rank pool, critic+reward on another;
 - ``standalone``: four 1-rank pools (four processes share the two cores).
 
-Each placement runs, in one session, the same loop (``asyncflow.algos.ppo_step``)
-three ways, alternating within each repeat:
+Each placement runs the same loop (``asyncflow.algos.ppo_step``) three ways, in
+rounds: every round gives each placement a fresh session running each mode once,
+placements one after the other, so machine drift weighs on all alike:
 
 - ``sequential``: one call at a time (``session.serial``): every call awaited
   before the next;
@@ -89,28 +90,41 @@ def describe(job: PPOJob, placement: str, mode: str, wall: float, trace: Trace, 
     }
 
 
-async def measure(job: PPOJob, placement: str, *, steps: int, repeats: int, out: Path | None) -> dict[str, Any]:
-    """Every mode on one placement, in one session; the median repeat of each."""
-    runs: dict[str, list[tuple[float, Trace]]] = {m: [] for m in MODES}
+async def _round(job: PPOJob, models: Models, placement: str, steps: int) -> dict[str, tuple[float, Trace]]:
+    """One session on ``placement``: warm-up steps, then each mode once."""
+    async with af.Session() as session:
+        runner = await Runner.start(job, models, PLACEMENTS[placement], session)
+        await runner.steps(1)  # warm-up: first calls load kernels and allocate
+        await runner.steps(1, stream=True)
+        got = {mode: await _run(runner, mode, steps) for mode in MODES}
+    af.shutdown_ray()
+    return got
+
+
+async def measure(job: PPOJob, placements: list[str], *, steps: int, repeats: int,
+                  out: Path | None) -> dict[str, dict[str, Any]]:
+    """Every placement and mode, ``repeats`` rounds; the median repeat of each.
+
+    Each round runs every placement in turn, each in a fresh session, so a drift of
+    the machine's speed (other tenants, clock) weighs on every placement alike
+    rather than on whichever ran during it."""
+    runs: dict[str, dict[str, list[tuple[float, Trace]]]] = {p: {m: [] for m in MODES} for p in placements}
     with Models(job) as models:
-        async with af.Session() as session:
-            runner = await Runner.start(job, models, PLACEMENTS[placement], session)
-            await runner.steps(1)  # warm-up: first calls load kernels and allocate
-            await runner.steps(1, stream=True)
-            for _ in range(repeats):
-                for mode in MODES:
-                    runs[mode].append(await _run(runner, mode, steps))
-        af.shutdown_ray()
-    found: dict[str, Any] = {}
-    for mode, got in runs.items():
-        wall, trace = sorted(got, key=lambda r: r[0])[len(got) // 2]
-        found[mode] = describe(job, placement, mode, wall, trace, steps)
-        found[mode]["repeats_s"] = [w / steps for w, _ in got]
-        if out is not None:
-            title = f"PPO, {placement} ({PLACEMENTS[placement].describe()}), {mode}"
-            found[mode]["timeline"] = str(write_timeline_png(trace, out / f"ppo_{placement}_{mode}.png",
-                                                             title=title))
-            found[mode]["trace"] = str(write_chrome_trace(trace, out / f"ppo_{placement}_{mode}.json"))
+        for _ in range(repeats):
+            for placement in placements:
+                for mode, timed in (await _round(job, models, placement, steps)).items():
+                    runs[placement][mode].append(timed)
+    found: dict[str, dict[str, Any]] = {}
+    for placement, by_mode in runs.items():
+        found[placement] = {}
+        for mode, got in by_mode.items():
+            wall, median = sorted(got, key=lambda r: r[0])[len(got) // 2]
+            f = found[placement][mode] = describe(job, placement, mode, wall, median, steps)
+            f["repeats_s"] = [w / steps for w, _ in got]
+            if out is not None:
+                title = f"PPO, {placement} ({PLACEMENTS[placement].describe()}), {mode}"
+                f["timeline"] = str(write_timeline_png(median, out / f"ppo_{placement}_{mode}.png", title=title))
+                f["trace"] = str(write_chrome_trace(median, out / f"ppo_{placement}_{mode}.json"))
     return found
 
 
@@ -121,8 +135,8 @@ async def run(job: PPOJob, placements: list[str], *, steps: int, repeats: int, o
                                       "max_len": job.max_len, "micro_batch": job.micro_batch,
                                       "tokens_per_step": job.tokens_per_step()},
                               "steps": steps, "repeats": repeats, "runs": {}}
-    for placement in placements:
-        found = await measure(job, placement, steps=steps, repeats=repeats, out=out)
+    measured = await measure(job, placements, steps=steps, repeats=repeats, out=out)
+    for placement, found in measured.items():
         record["runs"][placement] = found
         seq, ovl, st = (found[m]["s_per_step"] for m in MODES)
         record.update({

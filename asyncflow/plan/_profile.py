@@ -4,13 +4,17 @@
 so no call shares the machine with another) under two placements: every role on
 its own 1-device pool, and every role on one pool of all the devices. The traces
 give each call's cost on 1 and on N ranks (:class:`CostModel`) and the job's call
-graph, batch and streamed (:class:`Workload`). :func:`predict` then simulates
-any placement. This module runs Ray (lazily imported); the rest of the package
+graph, batch and streamed (:class:`Workload`). On a CPU machine it then times a
+few steps of the first placement with calls overlapping, and fits how much calls
+side by side slow each other (``Profile.interference``). :func:`predict` then
+simulates any placement. This module runs Ray (lazily imported); the rest of the package
 is pure.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -57,6 +61,12 @@ class Profile:
     step_overhead_s: float = 0.0
     """Driver time per step outside any call (the serial steps' wall time minus
     their calls' time, per step)."""
+    overlapped_s: dict[str, float] = field(default_factory=dict)
+    """On a CPU machine, seconds per step of the 1-device-per-role placement with
+    calls overlapping (``"batch"``, ``"stream"``): what ``interference`` is fitted to."""
+    interference: float = 0.0
+    """How much calls side by side slow each other beyond sharing cores (the
+    simulator's ``interference``), fitted to ``overlapped_s``; 0 on GPUs."""
 
 
 def profile_placements(roles: Sequence[str], devices: int) -> dict[str, Placement]:
@@ -68,16 +78,20 @@ def profile_placements(roles: Sequence[str], devices: int) -> dict[str, Placemen
     return out
 
 
-async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int = 2) -> Profile:
+async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int = 2,
+                  cores: int | None = None) -> Profile:
     """Run ``job`` serially under :func:`profile_placements` and fit its costs.
 
     Each placement gets its own session: a warm-up step of each kind, then
     ``steps`` traced batch steps (and ``steps`` streamed ones with ``stream``).
+    With ``cores`` (a CPU machine), the first placement then runs ``steps`` more of
+    each kind with calls overlapping, and ``Profile.interference`` is fitted to them.
     """
     from asyncflow._session import Session, shutdown_ray
 
     traces: dict[str, list[Trace]] = {}
     overheads: list[float] = []
+    overlapped: dict[str, float] = {}
     for name, placement in profile_placements(job.roles, devices).items():
         async with Session() as session:
             stepper = await job.start(placement, session)
@@ -95,11 +109,42 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
                 traces[name].append(trace)
                 busy = sum(c.seconds for c in trace.calls)
                 overheads.append(max(0.0, (trace.end - trace.start) - busy) / steps)
+            session.serial = False
+            if cores is not None and name == "1":
+                for kind in kinds:
+                    began = time.perf_counter()
+                    for _ in range(steps):
+                        await stepper.step(stream=kind)
+                    overlapped["stream" if kind else "batch"] = (time.perf_counter() - began) / steps
         shutdown_ray()
     one = traces["1"]
-    return Profile(costs=CostModel.from_traces(*(t for ts in traces.values() for t in ts)),
-                   batch=Workload.from_trace(one[0]), stream=Workload.from_trace(one[1]) if stream else None,
-                   traces=traces, step_overhead_s=min(overheads))
+    found = Profile(costs=CostModel.from_traces(*(t for ts in traces.values() for t in ts)),
+                    batch=Workload.from_trace(one[0]), stream=Workload.from_trace(one[1]) if stream else None,
+                    traces=traces, step_overhead_s=min(overheads), overlapped_s=overlapped)
+    if cores is not None:
+        found.interference = fit_interference(found, profile_placements(job.roles, devices)["1"], cores=cores)
+    return found
+
+
+_GRID = tuple(i / 100 for i in range(101))
+
+
+def fit_interference(found: Profile, placement: Placement, *, cores: int,
+                     grid: Sequence[float] = _GRID) -> float:
+    """The ``interference`` in ``grid`` whose predictions of ``placement`` come
+    closest to ``found.overlapped_s`` (least squares of the log ratios); 0 when
+    nothing overlapping was timed."""
+    runs = [(w, found.overlapped_s[k]) for k, w in (("batch", found.batch), ("stream", found.stream))
+            if w is not None and found.overlapped_s.get(k)]
+    if not runs:
+        return 0.0
+
+    def error(a: float) -> float:
+        return sum(math.log(simulate(w, found.costs, placement, cores=cores, interference=a,
+                                     step_overhead_s=found.step_overhead_s).step_s / s) ** 2
+                   for w, s in runs)
+
+    return min(grid, key=error)
 
 
 def predict(found: Profile, placement: Placement, *, cores: int | None, stream: bool = False,
@@ -108,7 +153,7 @@ def predict(found: Profile, placement: Placement, *, cores: int | None, stream: 
     streamed variant, as the algorithm loops run it there, without migration)."""
     workload = found.stream if stream and found.stream is not None else found.batch
     return simulate(workload, found.costs, placement, steps=steps, cores=cores,
-                    step_overhead_s=found.step_overhead_s)
+                    step_overhead_s=found.step_overhead_s, interference=found.interference)
 
 
 def sequential_s(found: Profile, placement: Placement) -> float:

@@ -24,7 +24,11 @@ An event-driven simulation of ``asyncflow._scheduler``'s dispatchers, one per po
 - On a CPU machine each worker process runs ``max(1, cores // world)`` threads;
   when the busy workers (ranks held by running calls) want more threads than there
   are cores, every running call progresses at ``cores / threads wanted``
-  (processor sharing).
+  (processor sharing). Calls running side by side also slow each other where
+  they do not share a core (memory bandwidth, caches, the driver's work for
+  them): with ``interference`` a, a call's rate is further divided by ``1 + a *
+  o``, ``o`` the busy cores that other calls' threads take (``a`` is fitted
+  from a profiled overlapped run, see :func:`asyncflow.plan.profile`).
 
 Rates are piecewise constant: they change only when a call starts or ends, so the
 simulation jumps from event to event (a call ends, a watched micro-batch is
@@ -100,8 +104,9 @@ class _Pool:
 
 class _Simulation:
     def __init__(self, workload: Workload, costs: CostModel, placement: Placement, *,
-                 cores: int | None, step_overhead_s: float) -> None:
+                 cores: int | None, step_overhead_s: float, interference: float) -> None:
         self.costs, self.cores, self.overhead = costs, cores, step_overhead_s
+        self.interference = interference
         self.pool_of = dict(placement.roles)
         self.pools = {n: _Pool(name=n, devices=d, free=set(range(d)))
                       for n, d in placement.pools.items()}
@@ -150,26 +155,31 @@ class _Simulation:
         if self.next_step < len(self.by_step):
             self.submit_at = self.now + self.overhead
 
-    def rate(self) -> float:
+    def rates(self) -> dict[int, float]:
+        """Each running call's progress per second (see the module docstring)."""
         if self.cores is None:
-            return 1.0
-        wanted = self.threads * sum(len(r.held) for r in self.running.values())
-        return 1.0 if wanted <= self.cores else self.cores / wanted
+            return dict.fromkeys(self.running, 1.0)
+        wanted = {i: self.threads * len(r.held) for i, r in self.running.items()}
+        total = sum(wanted.values())
+        if not total:
+            return dict.fromkeys(self.running, 1.0)
+        share, busy = min(1.0, self.cores / total), min(total, self.cores)
+        return {i: share / (1.0 + self.interference * busy * (1.0 - w / total)) for i, w in wanted.items()}
 
     def advance(self) -> None:
         """Jump to the next event, then end the calls that are done."""
-        rate = self.rate()
+        rates = self.rates()
         dt = float("inf") if self.submit_at is None else self.submit_at - self.now
-        for r in self.running.values():
-            dt = min(dt, (r.work - r.done) / rate)
+        for i, r in self.running.items():
+            dt = min(dt, (r.work - r.done) / rates[i])
             marks = [*r.watch, *(f * r.work for f, _ in r.releases)]
             ahead = [w for w in marks if w - r.done > _TOL * (1.0 + r.work)]
             if ahead:
-                dt = min(dt, (min(ahead) - r.done) / rate)
+                dt = min(dt, (min(ahead) - r.done) / rates[i])
         dt = max(0.0, dt)
         self.now += dt
-        for r in self.running.values():
-            r.done += rate * dt
+        for i, r in self.running.items():
+            r.done += rates[i] * dt
             while r.releases and r.progress_reached(r.releases[0][0]):
                 self.give_back(r, r.releases.pop(0)[1])
         for r in [r for r in self.running.values() if r.progress_reached(1.0)]:
@@ -279,7 +289,8 @@ def _lane_fractions(release: tuple[float, ...], lanes: int) -> list[float]:
 
 
 def simulate(workload: Workload, costs: CostModel, placement: Placement, *, steps: int = 3,
-             cores: int | None = None, step_overhead_s: float = 0.0, migrate: bool = False) -> Prediction:
+             cores: int | None = None, step_overhead_s: float = 0.0, migrate: bool = False,
+             interference: float = 0.0) -> Prediction:
     """Predict how long the workload's steps take under ``placement``.
 
     Args:
@@ -293,13 +304,15 @@ def simulate(workload: Workload, costs: CostModel, placement: Placement, *, step
             step's calls (also before the first step).
         migrate: the streamed calls migrate their long tail (rank-local calls on
             their micro-batches stay per micro-batch on the producer's pool).
+        interference: how much calls side by side on a CPU machine slow each
+            other beyond sharing cores (see the module docstring; 0: not at all).
 
     Returns:
         The prediction, with every simulated call in ``spans``.
 
     Raises:
         ValueError: a role of the workload has no pool in ``placement``, bad
-            ``steps``, ``cores`` or ``step_overhead_s``, or the workload cannot
+            ``steps``, ``cores``, ``step_overhead_s`` or ``interference``, or the workload cannot
             finish (a call waits for one queued behind it).
         MissingCostError: ``costs`` never measured a method the workload calls.
     """
@@ -313,21 +326,23 @@ def simulate(workload: Workload, costs: CostModel, placement: Placement, *, step
         raise ValueError(f"cores must be >= 1 (or None for GPUs), got {cores}")
     if step_overhead_s < 0:
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
+    if interference < 0:
+        raise ValueError(f"interference must be >= 0, got {interference}")
     workload = workload.on_placement(placement.roles, placement.pools, migrate=migrate)
     sim = _Simulation(workload.repeat(steps), costs, placement, cores=cores,
-                      step_overhead_s=step_overhead_s)
+                      step_overhead_s=step_overhead_s, interference=interference)
     sim.run()
     return sim.prediction()
 
 
 def rank(workload: Workload, costs: CostModel, placements: Sequence[Placement], *,
-         cores: int | None = None, steps: int = 3,
-         step_overhead_s: float = 0.0) -> list[tuple[Placement, Prediction]]:
+         cores: int | None = None, steps: int = 3, step_overhead_s: float = 0.0,
+         interference: float = 0.0) -> list[tuple[Placement, Prediction]]:
     """Simulate every placement and sort them by predicted seconds per step
     (fastest first; ties keep ``placements``' order).
 
     Arguments and errors as for :func:`simulate`.
     """
-    results = [(p, simulate(workload, costs, p, steps=steps, cores=cores,
-                            step_overhead_s=step_overhead_s)) for p in placements]
+    results = [(p, simulate(workload, costs, p, steps=steps, cores=cores, step_overhead_s=step_overhead_s,
+                            interference=interference)) for p in placements]
     return sorted(results, key=lambda pair: pair[1].step_s)

@@ -88,8 +88,9 @@ async def plan(config: RunConfig, *, devices: int, cores: int | None
             model_dir = str(gguf_to_hf_dir(config.model.gguf, Path(tmp) / "model", key="model.gguf"))
         if config.sft is not None:
             model_dir = str(save_tiny_model(Path(tmp) / "model", config.sft.model, seed=config.seed))
-        found = await profile(TrainPlanJob(config, model_dir), devices=devices, stream=stream)
+        found = await profile(TrainPlanJob(config, model_dir), devices=devices, stream=stream, cores=cores)
     workload = found.stream if stream and config.train.stream and found.stream is not None else found.batch
     ranked = rank(workload, found.costs, candidates(list(needed_roles(config)), devices, cores=cores),
-                  cores=cores, step_overhead_s=found.step_overhead_s)
+                  cores=cores, step_overhead_s=found.step_overhead_s,
+                  interference=found.interference)
     return found, ranked

@@ -14,11 +14,13 @@ from asyncflow.plan import (
     MissingCostError,
     Placement,
     Prediction,
+    Profile,
     SimSpan,
     StreamPart,
     WorkCall,
     Workload,
     candidates,
+    fit_interference,
     rank,
     simulate,
 )
@@ -174,6 +176,36 @@ def test_cpu_contention_rate_changes_when_a_call_ends() -> None:
     pred = simulate(w, c, place(pa=(1, "a"), pb=(1, "b")), steps=1, cores=1)
     assert span(pred, "a.f#0").end == pytest.approx(2.0)  # half speed while b runs
     assert span(pred, "b.f#1").end == pytest.approx(4.0)  # 1 s done by then, 2 s alone
+
+
+def test_calls_side_by_side_slow_each_other_by_the_interference() -> None:
+    w, c = work(call(0, "a"), call(1, "b")), costs(a_1=1.0, b_1=3.0)
+    pred = simulate(w, c, place(pa=(1, "a"), pb=(1, "b")), steps=1, cores=2, interference=0.5)
+    assert span(pred, "a.f#0").end == pytest.approx(1.5)  # the other call takes 1 core: rate 1 / 1.5
+    assert span(pred, "b.f#1").end == pytest.approx(3.5)  # 1 s of work done by then, 2 s alone
+    # Without cores (GPUs) nothing is shared; a call alone is never slowed, whatever its ranks.
+    assert simulate(w, c, place(pa=(1, "a"), pb=(1, "b")), steps=1, interference=0.5).step_s == pytest.approx(3.0)
+    gang = simulate(work(call(0, "a")), costs(a_2=1.0), place(p=(2, "a")), steps=1, cores=2, interference=0.5)
+    assert gang.step_s == pytest.approx(1.0)
+
+
+def test_interference_adds_to_sharing_the_cores() -> None:
+    w = work(*(call(i, f"r{i}") for i in range(4)))
+    c = costs(r0_1=1.0, r1_1=1.0, r2_1=1.0, r3_1=1.0)
+    standalone = place(p0=(1, "r0"), p1=(1, "r1"), p2=(1, "r2"), p3=(1, "r3"))
+    # Half a core each, and the other three calls take 2 * 3/4 of the busy cores.
+    pred = simulate(w, c, standalone, steps=1, cores=2, interference=0.5)
+    assert pred.step_s == pytest.approx(2.0 * (1 + 0.5 * 1.5))
+    with pytest.raises(ValueError, match="interference"):
+        simulate(w, c, standalone, steps=1, cores=2, interference=-0.1)
+
+
+def test_fit_interference_finds_the_slowdown_of_the_timed_overlapped_steps() -> None:
+    w, c = work(call(0, "a"), call(1, "b")), costs(a_1=1.0, b_1=1.0)
+    pair = place(pa=(1, "a"), pb=(1, "b"))
+    found = Profile(costs=c, batch=w, stream=None, overlapped_s={"batch": 1.3})
+    assert fit_interference(found, pair, cores=2) == pytest.approx(0.3)  # two calls side by side: 1 + a
+    assert fit_interference(Profile(costs=c, batch=w, stream=None), pair, cores=2) == 0.0
 
 
 def test_a_call_waiting_for_one_queued_behind_it_is_reported() -> None:
