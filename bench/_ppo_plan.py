@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncflow as af
-from asyncflow.plan import Placement, candidates, predict, profile, rank, sequential_s
+from asyncflow.plan import Placement, candidates, predict, profile, rank_profiled, sequential_s
 from bench._ppo_job import PLACEMENTS, ROLES, Models, PPOJob, Runner
 
 CORES = 2
@@ -84,7 +84,6 @@ async def predictions(job: PPOJob, placements: list[str], *, measured: dict[str,
             agrees, tied = order_agrees(repeats, {p: out[f"{p}_{mode}_predicted_s"] for p in placements})
             out[f"plan_{mode}_order_agrees"] = agrees
             out[f"plan_{mode}_tied"] = tied
-    ranked = rank(found.batch, found.costs, candidates(list(ROLES), 2, cores=CORES), cores=CORES,
-                  step_overhead_s=found.step_overhead_s, interference=found.interference)
+    ranked = rank_profiled(found, candidates(list(ROLES), 2, cores=CORES), cores=CORES)
     out["plan_ranked"] = [{"placement": pl.describe(), "predicted_s": pr.step_s} for pl, pr in ranked]
     return out

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--placement", action="append", choices=sorted(PLACEMENTS),
                         help="repeatable; default: colocate, split, standalone")
     parser.add_argument("--steps", type=int, default=2, help="steps per run")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds: each runs every placement and mode once (the median is kept)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds: each runs every placement and mode once (the median is kept)")
     parser.add_argument("--prompts", type=int, default=PPOJob.prompts)
     parser.add_argument("--plan", action="store_true", help="also record the planner's predictions")
     a = parser.parse_args(argv)

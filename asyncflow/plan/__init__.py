@@ -28,6 +28,7 @@ from asyncflow.plan._profile import (
     predict,
     profile,
     profile_placements,
+    rank_profiled,
     sequential_s,
 )
 from asyncflow.plan._simulate import Prediction, SimSpan, rank, simulate
@@ -60,6 +61,7 @@ __all__ = [
     "profile",
     "profile_placements",
     "rank",
+    "rank_profiled",
     "sequential_s",
     "set_partitions",
     "simulate",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from asyncflow.plan._candidates import Placement
-from asyncflow.plan._simulate import Prediction, simulate
+from asyncflow.plan._simulate import Prediction, rank, simulate
 from asyncflow.plan._workload import CostModel, Workload
 
 if TYPE_CHECKING:
@@ -68,6 +68,10 @@ class Profile:
     """How much calls side by side slow each other beyond sharing cores (the
     simulator's ``interference``), fitted to ``overlapped_s``; 0 on GPUs."""
 
+    def workload(self, stream: bool) -> Workload:
+        """The streamed workload when ``stream`` and profiled, else the batch one."""
+        return self.stream if stream and self.stream is not None else self.batch
+
 
 def profile_placements(roles: Sequence[str], devices: int) -> dict[str, Placement]:
     """The placements :func:`profile` runs: one pool per role with 1 device, and
@@ -92,7 +96,8 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
     traces: dict[str, list[Trace]] = {}
     overheads: list[float] = []
     overlapped: dict[str, float] = {}
-    for name, placement in profile_placements(job.roles, devices).items():
+    placements = profile_placements(job.roles, devices)
+    for name, placement in placements.items():
         async with Session() as session:
             stepper = await job.start(placement, session)
             session.serial = True
@@ -122,7 +127,7 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
                     batch=Workload.from_trace(one[0]), stream=Workload.from_trace(one[1]) if stream else None,
                     traces=traces, step_overhead_s=min(overheads), overlapped_s=overlapped)
     if cores is not None:
-        found.interference = fit_interference(found, profile_placements(job.roles, devices)["1"], cores=cores)
+        found.interference = fit_interference(found, placements["1"], cores=cores)
     return found
 
 
@@ -134,8 +139,7 @@ def fit_interference(found: Profile, placement: Placement, *, cores: int,
     """The ``interference`` in ``grid`` whose predictions of ``placement`` come
     closest to ``found.overlapped_s`` (least squares of the log ratios); 0 when
     nothing overlapping was timed."""
-    runs = [(w, found.overlapped_s[k]) for k, w in (("batch", found.batch), ("stream", found.stream))
-            if w is not None and found.overlapped_s.get(k)]
+    runs = [(found.workload(kind == "stream"), s) for kind, s in found.overlapped_s.items() if s]
     if not runs:
         return 0.0
 
@@ -151,9 +155,16 @@ def predict(found: Profile, placement: Placement, *, cores: int | None, stream: 
             steps: int = 3) -> Prediction:
     """Seconds per step of the profiled job under ``placement`` (``stream``: the
     streamed variant, as the algorithm loops run it there, without migration)."""
-    workload = found.stream if stream and found.stream is not None else found.batch
-    return simulate(workload, found.costs, placement, steps=steps, cores=cores,
+    return simulate(found.workload(stream), found.costs, placement, steps=steps, cores=cores,
                     step_overhead_s=found.step_overhead_s, interference=found.interference)
+
+
+def rank_profiled(found: Profile, placements: Sequence[Placement], *, cores: int | None,
+                  stream: bool = False) -> list[tuple[Placement, Prediction]]:
+    """:func:`~asyncflow.plan.rank` of ``placements`` on the profiled job, as
+    :func:`predict` predicts each (the driver's overhead and the fitted interference)."""
+    return rank(found.workload(stream), found.costs, placements, cores=cores,
+                step_overhead_s=found.step_overhead_s, interference=found.interference)
 
 
 def sequential_s(found: Profile, placement: Placement) -> float:

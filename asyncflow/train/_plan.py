@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from asyncflow._session import Session
-from asyncflow.plan import Placement, Prediction, Profile, candidates, profile, rank
+from asyncflow.plan import Placement, Prediction, Profile, candidates, profile, rank_profiled
 from asyncflow.train._config import (
     PlacementSection,
     PoolSection,
@@ -89,8 +89,6 @@ async def plan(config: RunConfig, *, devices: int, cores: int | None
         if config.sft is not None:
             model_dir = str(save_tiny_model(Path(tmp) / "model", config.sft.model, seed=config.seed))
         found = await profile(TrainPlanJob(config, model_dir), devices=devices, stream=stream, cores=cores)
-    workload = found.stream if stream and config.train.stream and found.stream is not None else found.batch
-    ranked = rank(workload, found.costs, candidates(list(needed_roles(config)), devices, cores=cores),
-                  cores=cores, step_overhead_s=found.step_overhead_s,
-                  interference=found.interference)
+    ranked = rank_profiled(found, candidates(list(needed_roles(config)), devices, cores=cores), cores=cores,
+                           stream=stream and config.train.stream)
     return found, ranked

@@ -22,6 +22,7 @@ from asyncflow.plan import (
     candidates,
     fit_interference,
     rank,
+    rank_profiled,
     simulate,
 )
 from asyncflow.tracing._records import CallRecord, RankSpan, Trace
@@ -205,6 +206,10 @@ def test_fit_interference_finds_the_slowdown_of_the_timed_overlapped_steps() -> 
     pair = place(pa=(1, "a"), pb=(1, "b"))
     found = Profile(costs=c, batch=w, stream=None, overlapped_s={"batch": 1.3})
     assert fit_interference(found, pair, cores=2) == pytest.approx(0.3)  # two calls side by side: 1 + a
+    found.interference = 0.3
+    one_pool = place(p=(1, "a b"))  # one after the other: 2 s, whatever the interference
+    ranked = rank_profiled(found, [one_pool, pair], cores=2)
+    assert [p for p, _ in ranked] == [pair, one_pool] and ranked[0][1].step_s == pytest.approx(1.3)
     assert fit_interference(Profile(costs=c, batch=w, stream=None), pair, cores=2) == 0.0
 
 
