@@ -14,11 +14,28 @@ CORES = 2
 """The machine's cores (the benchmark's placements use two devices)."""
 
 
+def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """Round by round, placement a's time over placement b's (the rounds pair them:
+    each round runs every placement back to back, so the machine's drift between
+    rounds divides out)."""
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
 def separated(a: Sequence[float], b: Sequence[float]) -> bool:
-    """Whether two placements' repeated timings tell them apart: one's upper
-    quartile is below the other's lower quartile."""
-    qa, qb = _quartiles(a), _quartiles(b)
-    return qa[1] < qb[0] or qb[1] < qa[0]
+    """Whether two placements' repeated timings tell them apart: the interquartile
+    range of their round-by-round ratios lies wholly on one side of 1."""
+    low, high = _quartiles(paired_ratios(a, b))
+    return high < 1.0 or low > 1.0
+
+
+def measured_order(repeats: Mapping[str, Sequence[float]]) -> list[str]:
+    """Placements fastest first, by the median over rounds of each one's time
+    relative to its round (divided by the geometric mean of the round's times)."""
+    names = sorted(repeats)
+    rounds = list(zip(*(repeats[p] for p in names), strict=True))
+    scale = [statistics.geometric_mean(r) for r in rounds]
+    relative = {p: statistics.median(repeats[p][i] / scale[i] for i in range(len(rounds))) for p in names}
+    return sorted(names, key=relative.__getitem__)
 
 
 def order_agrees(repeats: Mapping[str, Sequence[float]],
@@ -32,7 +49,7 @@ def order_agrees(repeats: Mapping[str, Sequence[float]],
         for b in names[i + 1:]:
             if not separated(repeats[a], repeats[b]):
                 tied.append([a, b])
-            elif (statistics.median(repeats[a]) < statistics.median(repeats[b])) != (predicted[a] < predicted[b]):
+            elif (statistics.median(paired_ratios(repeats[a], repeats[b])) < 1.0) != (predicted[a] < predicted[b]):
                 agrees = False
     return agrees, tied
 
@@ -62,10 +79,11 @@ async def predictions(job: PPOJob, placements: list[str], *, measured: dict[str,
         found = await profile(PPOPlanJob(job, models), devices=2, cores=CORES)
     out: dict[str, Any] = {"plan_step_overhead_s": found.step_overhead_s,
                            "plan_interference": found.interference,
+                           "plan_oversubscription": found.oversubscription,
                            "plan_profiled_overlapped_s": found.overlapped_s}
     for p in placements:
         placement = PLACEMENTS[p]
-        out[f"{p}_sequential_predicted_s"] = sequential_s(found, placement)
+        out[f"{p}_sequential_predicted_s"] = sequential_s(found, placement, cores=CORES)
         out[f"{p}_overlapped_predicted_s"] = predict(found, placement, cores=CORES).step_s
         out[f"{p}_stream_predicted_s"] = predict(found, placement, cores=CORES, stream=True).step_s
         for mode in ("sequential", "overlapped", "stream"):
@@ -73,15 +91,15 @@ async def predictions(job: PPOJob, placements: list[str], *, measured: dict[str,
             if got:
                 out[f"{p}_{mode}_predicted_error"] = out[f"{p}_{mode}_predicted_s"] / got - 1
     for mode in ("overlapped", "stream"):
-        by_measured = sorted(placements, key=lambda p: measured.get(f"{p}_{mode}_s", 0.0))
         by_predicted = sorted(placements, key=lambda p: out[f"{p}_{mode}_predicted_s"])
-        out[f"plan_{mode}_order_measured"] = by_measured
         out[f"plan_{mode}_order_predicted"] = by_predicted
-        out[f"plan_{mode}_order_matches"] = by_measured == by_predicted
         runs = measured.get("runs", {})
         if all(p in runs for p in placements):
             repeats = {p: runs[p][mode]["repeats_s"] for p in placements}
+            by_measured = measured_order(repeats)
             agrees, tied = order_agrees(repeats, {p: out[f"{p}_{mode}_predicted_s"] for p in placements})
+            out[f"plan_{mode}_order_measured"] = by_measured
+            out[f"plan_{mode}_order_matches"] = by_measured == by_predicted
             out[f"plan_{mode}_order_agrees"] = agrees
             out[f"plan_{mode}_tied"] = tied
     ranked = rank_profiled(found, candidates(list(ROLES), 2, cores=CORES), cores=CORES)

@@ -25,13 +25,14 @@ from asyncflow.plan._profile import (
     Profile,
     Stepper,
     fit_interference,
+    fit_oversubscription,
     predict,
     profile,
     profile_placements,
     rank_profiled,
     sequential_s,
 )
-from asyncflow.plan._simulate import Prediction, SimSpan, rank, simulate
+from asyncflow.plan._simulate import Prediction, SimSpan, oversubscribed, rank, simulate
 from asyncflow.plan._workload import (
     CostModel,
     CostSample,
@@ -57,6 +58,8 @@ __all__ = [
     "candidates",
     "compositions",
     "fit_interference",
+    "fit_oversubscription",
+    "oversubscribed",
     "predict",
     "profile",
     "profile_placements",

@@ -28,7 +28,11 @@ An event-driven simulation of ``asyncflow._scheduler``'s dispatchers, one per po
   they do not share a core (memory bandwidth, caches, the driver's work for
   them): with ``interference`` a, a call's rate is further divided by ``1 + a *
   o``, ``o`` the busy cores that other calls' threads take (``a`` is fitted
-  from a profiled overlapped run, see :func:`asyncflow.plan.profile`).
+  from a profiled overlapped run, see :func:`asyncflow.plan.profile`). A
+  placement with more worker processes than cores is slower even one call at a
+  time (its processes take turns on the cores): with ``oversubscription`` s, every
+  call's rate is divided by ``1 + s * max(0, world - cores) / cores`` (``s`` is
+  fitted from profiled serial runs with fewer and with more processes).
 
 Rates are piecewise constant: they change only when a call starts or ends, so the
 simulation jumps from event to event (a call ends, a watched micro-batch is
@@ -104,9 +108,11 @@ class _Pool:
 
 class _Simulation:
     def __init__(self, workload: Workload, costs: CostModel, placement: Placement, *,
-                 cores: int | None, step_overhead_s: float, interference: float) -> None:
+                 cores: int | None, step_overhead_s: float, interference: float,
+                 oversubscription: float) -> None:
         self.costs, self.cores, self.overhead = costs, cores, step_overhead_s
         self.interference = interference
+        self.slowdown = 1.0 if cores is None else oversubscribed(placement.world, cores, oversubscription)
         self.pool_of = dict(placement.roles)
         self.pools = {n: _Pool(name=n, devices=d, free=set(range(d)))
                       for n, d in placement.pools.items()}
@@ -162,8 +168,8 @@ class _Simulation:
         wanted = {i: self.threads * len(r.held) for i, r in self.running.items()}
         total = sum(wanted.values())
         if not total:
-            return dict.fromkeys(self.running, 1.0)
-        share, busy = min(1.0, self.cores / total), min(total, self.cores)
+            return dict.fromkeys(self.running, 1.0 / self.slowdown)
+        share, busy = min(1.0, self.cores / total) / self.slowdown, min(total, self.cores)
         return {i: share / (1.0 + self.interference * busy * (1.0 - w / total)) for i, w in wanted.items()}
 
     def advance(self) -> None:
@@ -290,7 +296,7 @@ def _lane_fractions(release: tuple[float, ...], lanes: int) -> list[float]:
 
 def simulate(workload: Workload, costs: CostModel, placement: Placement, *, steps: int = 3,
              cores: int | None = None, step_overhead_s: float = 0.0, migrate: bool = False,
-             interference: float = 0.0) -> Prediction:
+             interference: float = 0.0, oversubscription: float = 0.0) -> Prediction:
     """Predict how long the workload's steps take under ``placement``.
 
     Args:
@@ -306,13 +312,17 @@ def simulate(workload: Workload, costs: CostModel, placement: Placement, *, step
             their micro-batches stay per micro-batch on the producer's pool).
         interference: how much calls side by side on a CPU machine slow each
             other beyond sharing cores (see the module docstring; 0: not at all).
+        oversubscription: how much more every call costs per worker process
+            beyond one per core, relative to the cores (see
+            :func:`oversubscribed`; 0: nothing).
 
     Returns:
         The prediction, with every simulated call in ``spans``.
 
     Raises:
         ValueError: a role of the workload has no pool in ``placement``, bad
-            ``steps``, ``cores``, ``step_overhead_s`` or ``interference``, or the workload cannot
+            ``steps``, ``cores``, ``step_overhead_s``, ``interference`` or
+            ``oversubscription``, or the workload cannot
             finish (a call waits for one queued behind it).
         MissingCostError: ``costs`` never measured a method the workload calls.
     """
@@ -328,21 +338,32 @@ def simulate(workload: Workload, costs: CostModel, placement: Placement, *, step
         raise ValueError(f"step_overhead_s must be >= 0, got {step_overhead_s}")
     if interference < 0:
         raise ValueError(f"interference must be >= 0, got {interference}")
+    if oversubscription < 0:
+        raise ValueError(f"oversubscription must be >= 0, got {oversubscription}")
     workload = workload.on_placement(placement.roles, placement.pools, migrate=migrate)
     sim = _Simulation(workload.repeat(steps), costs, placement, cores=cores,
-                      step_overhead_s=step_overhead_s, interference=interference)
+                      step_overhead_s=step_overhead_s, interference=interference,
+                      oversubscription=oversubscription)
     sim.run()
     return sim.prediction()
 
 
 def rank(workload: Workload, costs: CostModel, placements: Sequence[Placement], *,
          cores: int | None = None, steps: int = 3, step_overhead_s: float = 0.0,
-         interference: float = 0.0) -> list[tuple[Placement, Prediction]]:
+         interference: float = 0.0, oversubscription: float = 0.0) -> list[tuple[Placement, Prediction]]:
     """Simulate every placement and sort them by predicted seconds per step
     (fastest first; ties keep ``placements``' order).
 
     Arguments and errors as for :func:`simulate`.
     """
     results = [(p, simulate(workload, costs, p, steps=steps, cores=cores, step_overhead_s=step_overhead_s,
-                            interference=interference)) for p in placements]
+                            interference=interference, oversubscription=oversubscription))
+               for p in placements]
     return sorted(results, key=lambda pair: pair[1].step_s)
+
+
+def oversubscribed(world: int, cores: int, oversubscription: float) -> float:
+    """How many times longer every call takes on a CPU machine when ``world``
+    single-rank worker processes share ``cores`` cores: ``1 + oversubscription *
+    max(0, world - cores) / cores`` (1 with no more processes than cores)."""
+    return 1.0 + oversubscription * max(0, world - cores) / cores

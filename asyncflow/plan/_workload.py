@@ -281,13 +281,7 @@ class CostModel:
         A call's ranks are its rank spans; a gang call traced without spans counts
         as running on its whole pool, a rank-local one without spans is skipped.
         """
-        samples = []
-        for trace in traces:
-            for c in trace.calls:
-                d = len(c.ranks) or (0 if c.rank_local else trace.pools.get(c.pool, 0))
-                if c.ok and d > 0:
-                    samples.append(CostSample(c.role, c.method, d, rows_in(c) / d, c.seconds))
-        return cls(samples)
+        return cls(s for trace in traces for s in trace_samples(trace))
 
     def known(self) -> list[tuple[str, str]]:
         """The ``(role, method)`` pairs measured."""
@@ -321,6 +315,17 @@ class CostModel:
             return self._fits[role, method, ranks](rows / ranks)
         d0 = min(measured, key=lambda d: (abs(d - ranks), -d))
         return self._fits[role, method, d0](rows / d0) * d0 / ranks
+
+
+def trace_samples(trace: Trace, scale: float = 1.0) -> list[CostSample]:
+    """The calls of ``trace`` that succeeded as cost samples, their seconds times
+    ``scale`` (see :meth:`CostModel.from_traces` for their ranks)."""
+    samples = []
+    for c in trace.calls:
+        d = len(c.ranks) or (0 if c.rank_local else trace.pools.get(c.pool, 0))
+        if c.ok and d > 0:
+            samples.append(CostSample(c.role, c.method, d, rows_in(c) / d, c.seconds * scale))
+    return samples
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> _Line:

@@ -21,6 +21,8 @@ from asyncflow.plan import (
     Workload,
     candidates,
     fit_interference,
+    fit_oversubscription,
+    oversubscribed,
     rank,
     rank_profiled,
     simulate,
@@ -211,6 +213,30 @@ def test_fit_interference_finds_the_slowdown_of_the_timed_overlapped_steps() -> 
     ranked = rank_profiled(found, [one_pool, pair], cores=2)
     assert [p for p, _ in ranked] == [pair, one_pool] and ranked[0][1].step_s == pytest.approx(1.3)
     assert fit_interference(Profile(costs=c, batch=w, stream=None), pair, cores=2) == 0.0
+
+
+def test_more_processes_than_cores_slow_every_call_even_one_at_a_time() -> None:
+    w = work(*(call(i, f"r{i}", deps=[i - 1] if i else []) for i in range(4)))  # a chain: one at a time
+    c = costs(r0_1=1.0, r1_1=1.0, r2_1=1.0, r3_1=1.0)
+    standalone = place(p0=(1, "r0"), p1=(1, "r1"), p2=(1, "r2"), p3=(1, "r3"))
+    split = place(pa=(1, "r0 r1"), pb=(1, "r2 r3"))
+    assert oversubscribed(4, 2, 0.2) == pytest.approx(1.2) and oversubscribed(2, 2, 0.2) == 1.0
+    assert simulate(w, c, standalone, steps=1, cores=2, oversubscription=0.2).step_s == pytest.approx(4.8)
+    assert simulate(w, c, split, steps=1, cores=2, oversubscription=0.2).step_s == pytest.approx(4.0)
+    assert simulate(w, c, standalone, steps=1, oversubscription=0.2).step_s == pytest.approx(4.0)  # GPUs
+    with pytest.raises(ValueError, match="oversubscription"):
+        simulate(w, c, standalone, steps=1, cores=2, oversubscription=-0.1)
+
+
+def test_fit_oversubscription_compares_the_same_serial_calls_on_more_and_fewer_processes() -> None:
+    crowded = Trace(calls=[record(1, "a", "a", 0.0, 1.2), record(2, "b", "b", 1.2, 2.4),
+                           record(3, "c", "c", 2.4, 3.0, ok=False)])  # a failed call does not count
+    packed = Trace(calls=[record(1, "a", "core0", 0.0, 1.0), record(2, "b", "core1", 1.0, 2.0),
+                          record(3, "c", "core0", 2.0, 2.1, ok=False)])
+    # 4 processes on 2 cores took 1.2x: 1 + s * (4 - 2) / 2.
+    assert fit_oversubscription(crowded, packed, 4, cores=2) == pytest.approx(0.2)
+    assert fit_oversubscription(packed, crowded, 4, cores=2) == 0.0  # faster when crowded: noise
+    assert fit_oversubscription(crowded, packed, 2, cores=2) == 0.0  # no more processes than cores
 
 
 def test_a_call_waiting_for_one_queued_behind_it_is_reported() -> None:
