@@ -40,7 +40,7 @@ TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 test: $(STAMP)
 	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
-	$(PY) -m mypy asyncflow channels workers hybrid_engine $(TYPED_FIXTURE)
+	$(PY) -m mypy asyncflow channels workers hybrid_engine bench $(TYPED_FIXTURE)
 	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
@@ -50,7 +50,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check asyncflow workers channels hybrid_engine bench tests
 
 typecheck: $(STAMP)
-	$(PY) -m mypy asyncflow workers channels hybrid_engine $(TYPED_FIXTURE)
+	$(PY) -m mypy asyncflow workers channels hybrid_engine bench $(TYPED_FIXTURE)
 
 clean-venv:
 	rm -rf $(VENV)

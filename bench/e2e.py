@@ -56,7 +56,7 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
             trl: bool, load: int) -> dict[str, Any]:
     """Every placement (and TRL) once per round, alternating; the record."""
     common = ["--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
-    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in placements} | ({"trl": []} if trl else {})
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in [*placements, *(["trl"] if trl else [])]}
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(load)]
     for b in burners:
         b.start()

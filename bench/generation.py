@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -89,7 +89,7 @@ def _check_full(out: RolloutOutput, new_tokens: int) -> None:
 
 
 def run(
-    *, model: str, dtype: str, threads: int, batch: int, new_tokens: int, runs: int
+    *, model: str, dtype: Literal["float32", "bfloat16"], threads: int, batch: int, new_tokens: int, runs: int
 ) -> dict[str, Any]:
     """Time both engines and vLLM's weight update.
 
