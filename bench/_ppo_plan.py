@@ -91,17 +91,13 @@ async def predictions(job: PPOJob, placements: list[str], *, measured: dict[str,
             if got:
                 out[f"{p}_{mode}_predicted_error"] = out[f"{p}_{mode}_predicted_s"] / got - 1
     for mode in ("overlapped", "stream"):
-        by_predicted = sorted(placements, key=lambda p: out[f"{p}_{mode}_predicted_s"])
-        out[f"plan_{mode}_order_predicted"] = by_predicted
-        runs = measured.get("runs", {})
-        if all(p in runs for p in placements):
-            repeats = {p: runs[p][mode]["repeats_s"] for p in placements}
-            by_measured = measured_order(repeats)
-            agrees, tied = order_agrees(repeats, {p: out[f"{p}_{mode}_predicted_s"] for p in placements})
-            out[f"plan_{mode}_order_measured"] = by_measured
-            out[f"plan_{mode}_order_matches"] = by_measured == by_predicted
-            out[f"plan_{mode}_order_agrees"] = agrees
-            out[f"plan_{mode}_tied"] = tied
+        predicted = {p: out[f"{p}_{mode}_predicted_s"] for p in placements}
+        repeats = {p: measured["runs"][p][mode]["repeats_s"] for p in placements}
+        by_predicted, by_measured = sorted(placements, key=predicted.__getitem__), measured_order(repeats)
+        agrees, tied = order_agrees(repeats, predicted)
+        out.update({f"plan_{mode}_order_predicted": by_predicted, f"plan_{mode}_order_measured": by_measured,
+                    f"plan_{mode}_order_matches": by_measured == by_predicted,
+                    f"plan_{mode}_order_agrees": agrees, f"plan_{mode}_tied": tied})
     ranked = rank_profiled(found, candidates(list(ROLES), 2, cores=CORES), cores=CORES)
     out["plan_ranked"] = [{"placement": pl.describe(), "predicted_s": pr.step_s} for pl, pr in ranked]
     return out

@@ -9,9 +9,8 @@ few steps of the first placement with calls overlapping, and fits how much calls
 side by side slow each other (``Profile.interference``); and where the roles
 outnumber the cores, it runs the job serially once more on one 1-device pool per
 core, and fits how much every call slows with more processes than cores
-(``Profile.oversubscription``). :func:`predict` then
-simulates any placement. This module runs Ray (lazily imported); the rest of the package
-is pure.
+(``Profile.oversubscription``). :func:`predict` then simulates any placement.
+This module runs Ray (lazily imported); the rest of the package is pure.
 """
 
 from __future__ import annotations
@@ -75,8 +74,6 @@ class Profile:
     simulator's ``oversubscription``), fitted to the serial runs of the ``"1"`` and
     ``"packed"`` placements; 0 on GPUs or with no more roles than cores. ``costs``
     are those of a machine with no more processes than cores."""
-    cores: int | None = None
-    """The CPU cores profiled on (``None``: GPUs)."""
 
     def workload(self, stream: bool) -> Workload:
         """The streamed workload when ``stream`` and profiled, else the batch one."""
@@ -150,7 +147,7 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
     costs = CostModel([s for name, ts in traces.items() for t in ts for s in trace_samples(t, 1 / slowdown[name])])
     found = Profile(costs=costs, batch=Workload.from_trace(one[0]),
                     stream=Workload.from_trace(one[1]) if stream else None, traces=traces,
-                    step_overhead_s=min(overheads), overlapped_s=overlapped, oversubscription=over, cores=cores)
+                    step_overhead_s=min(overheads), overlapped_s=overlapped, oversubscription=over)
     if cores is not None:
         found.interference = fit_interference(found, placements["1"], cores=cores)
     return found
