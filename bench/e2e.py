@@ -11,13 +11,22 @@ alternating round by round, so both see the same machine. Per run: seconds per
 step (the median of ``--steps`` after ``--warmup`` steps), generated tokens/s,
 asyncflow's per-stage milliseconds and where its start-up seconds went.
 
-``--threads N`` gives every process N torch threads (both frameworks); without it
+Each round also runs the workload in plain PyTorch with no framework
+(``bench._e2e_floor``: one process, and two processes splitting the prompts with
+one gradient all-reduce): the floor the eager arithmetic sets on this machine,
+which no framework running it can beat. ``--no-floor`` skips it.
+
+``--threads N`` gives every process N torch threads (every side); without it
 each keeps its own default. ``--load K`` runs K busy processes beside the runs
 (a shared machine).
 
 Top-level keys: ``asyncflow_tokens_per_s`` (best placement), ``trl_tokens_per_s``
 and ``ratio`` (their quotient), ``<placement>_s_per_step``, ``trl_s_per_step``,
-``best_placement``.
+``best_placement``; with the floor, ``floor_s_per_step`` and
+``floor_tokens_per_s`` (the faster of its two), ``floor_<ranks>_s_per_step``,
+``asyncflow_vs_floor`` (asyncflow's tokens/s over the floor's) and, with TRL,
+``floor_ratio`` (the floor's tokens/s over TRL's: the highest ``ratio`` eager
+PyTorch allows here).
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from typing import Any
 from asyncflow.tracing import markdown_table
 from bench._e2e_job import PLACEMENTS, E2EJob
 
+FLOOR_RANKS = (1, 2)
+"""The floor's runs: one process with every core's threads, two splitting the prompts."""
+
 
 def run_one(module: str, args: list[str]) -> dict[str, Any]:
     """Run ``python -m module args`` and return the JSON record on its last line."""
@@ -53,10 +65,11 @@ def _burn() -> None:
 
 
 def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, threads: int | None,
-            trl: bool, load: int) -> dict[str, Any]:
-    """Every placement (and TRL) once per round, alternating; the record."""
+            trl: bool, load: int, floor: bool = True) -> dict[str, Any]:
+    """Every placement (and TRL, and the floor) once per round, alternating; the record."""
     common = ["--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
-    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in [*placements, *(["trl"] if trl else [])]}
+    floors = [f"floor_{ranks}" for ranks in FLOOR_RANKS] if floor else []
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in [*placements, *(["trl"] if trl else []), *floors]}
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(load)]
     for b in burners:
         b.start()
@@ -66,6 +79,8 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
                 runs[placement].append(run_one("bench._e2e_asyncflow", ["--placement", placement, *common]))
             if trl:
                 runs["trl"].append(run_one("bench._e2e_trl", common))
+            for name, ranks in zip(floors, FLOOR_RANKS, strict=False):
+                runs[name].append(run_one("bench._e2e_floor", ["--ranks", str(ranks), *common]))
     finally:
         for b in burners:
             b.terminate()
@@ -73,14 +88,19 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
     record: dict[str, Any] = {"job": job.as_dict(), "rounds": rounds, "steps": steps, "warmup": warmup,
                               "threads": threads, "load": load, "runs": runs}
     for name, got in runs.items():
-        key = "trl" if name == "trl" else name
-        record[f"{key}_s_per_step"] = statistics.median(r["s_per_step"] for r in got)
+        record[f"{name}_s_per_step"] = statistics.median(r["s_per_step"] for r in got)
     best = min(placements, key=lambda p: record[f"{p}_s_per_step"])
     record["best_placement"] = best
     record["asyncflow_tokens_per_s"] = job.tokens_per_step / record[f"{best}_s_per_step"]
     if trl:
         record["trl_tokens_per_s"] = job.tokens_per_step / record["trl_s_per_step"]
         record["ratio"] = record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"]
+    if floors:
+        record["floor_s_per_step"] = min(record[f"{name}_s_per_step"] for name in floors)
+        record["floor_tokens_per_s"] = job.tokens_per_step / record["floor_s_per_step"]
+        record["asyncflow_vs_floor"] = record["asyncflow_tokens_per_s"] / record["floor_tokens_per_s"]
+        if trl:
+            record["floor_ratio"] = record["floor_tokens_per_s"] / record["trl_tokens_per_s"]
     record["load_avg"] = os.getloadavg()
     return record
 
@@ -110,15 +130,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process, both frameworks")
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the runs")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when it is installed")
+    parser.add_argument("--no-floor", action="store_true", help="skip the plain-PyTorch floor")
     args = parser.parse_args(argv)
     trl = not args.no_trl and importlib.util.find_spec("trl") is not None
     if not trl and not args.no_trl:
         print("TRL is not installed (pip install -e '.[compare]'): asyncflow only", file=sys.stderr)
     record = measure(args.placement or list(PLACEMENTS), rounds=args.rounds, steps=args.steps,
-                     warmup=args.warmup, threads=args.threads, trl=trl, load=args.load)
+                     warmup=args.warmup, threads=args.threads, trl=trl, load=args.load, floor=not args.no_floor)
     print(table(record))
     if trl:
         print(f"\nasyncflow ({record['best_placement']}) / TRL tokens/s: {record['ratio']:.2f}x")
+    if "floor_tokens_per_s" in record:
+        print(f"asyncflow / plain-PyTorch floor tokens/s: {record['asyncflow_vs_floor']:.2f}x")
+    if "floor_ratio" in record:
+        print(f"floor / TRL tokens/s (the highest ratio eager PyTorch allows here): {record['floor_ratio']:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))

@@ -22,7 +22,7 @@ def _run(tmp_path: Path, *args: str) -> dict:
 
 
 def test_asyncflow_side_records_steps_stages_and_startup(tmp_path: Path) -> None:
-    record = _run(tmp_path, "--placement", "split", "--no-trl")
+    record = _run(tmp_path, "--placement", "split", "--no-trl", "--no-floor")
     assert record["best_placement"] == "split"
     assert record["asyncflow_tokens_per_s"] == pytest.approx(record["job"]["tokens_per_step"]
                                                               / record["split_s_per_step"])
@@ -36,7 +36,43 @@ def test_asyncflow_side_records_steps_stages_and_startup(tmp_path: Path) -> None
 
 def test_trl_side_and_the_ratio(tmp_path: Path) -> None:
     pytest.importorskip("trl", reason="the optional compare extra (pip install -e '.[compare]')")
-    record = _run(tmp_path, "--placement", "one")
+    record = _run(tmp_path, "--placement", "one", "--no-floor")
     assert record["ratio"] == pytest.approx(record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"])
     (run,) = record["runs"]["trl"]
     assert run["framework"] == "trl" and len(run["steps_s"]) == 2
+
+
+def test_the_floor_runs_on_one_and_two_ranks_beside_asyncflow(tmp_path: Path) -> None:
+    record = _run(tmp_path, "--placement", "one", "--no-trl")
+    assert record["floor_s_per_step"] == min(record["floor_1_s_per_step"], record["floor_2_s_per_step"])
+    assert record["asyncflow_vs_floor"] == pytest.approx(record["asyncflow_tokens_per_s"]
+                                                         / record["floor_tokens_per_s"])
+    assert "floor_ratio" not in record, "no TRL, no ratio to it"
+    for ranks in (1, 2):
+        (run,) = record["runs"][f"floor_{ranks}"]
+        assert run["ranks"] == ranks and len(run["steps_s"]) == 2
+        assert set(run["stage_ms"]) == {"generate", "reward", "ref", "update"}
+        assert 0 <= run["last_metrics"]["kl_to_ref"] < 1, "one step of lr 1e-4 from the reference"
+
+
+def test_the_floors_decode_samples_from_the_model() -> None:
+    """The floor's log-probs of the tokens it sampled are the model's (a forward
+    pass over the whole sequences), so its decode is the workload's real arithmetic."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench._e2e_floor import generate, token_logprobs
+    from bench._e2e_job import E2EJob
+
+    job = E2EJob(prompts=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(job.save_model(Path(tmp) / "m"))
+    torch.manual_seed(0)
+    prompts = job.prompt_ids()
+    tokens, logprobs = generate(model, prompts, job.new_tokens)
+    assert tokens.shape == logprobs.shape == (job.prompts, job.new_tokens)
+    with torch.no_grad():
+        forward = token_logprobs(model, torch.cat([prompts, tokens], dim=1), job.prompt_len)
+    torch.testing.assert_close(logprobs, forward, atol=1e-5, rtol=0)
