@@ -155,21 +155,27 @@ class Parallelism:
         self._device = device
         self.replicated = False
         """Whether :meth:`parallelize` kept a whole copy on every data-parallel rank."""
+        # Read once: slicing a DeviceMesh recomputes its layout (a few hundred
+        # microseconds), and the update reduces over "dp" several times a step.
+        self._dp_size = 1 if mesh is None else mesh["dp"].size()
+        self._dp_rank = 0 if mesh is None else mesh["dp"].get_local_rank()
+        self._tp_size = 1 if mesh is None else mesh["tp"].size()
+        self._dp_group = None if mesh is None or self._dp_size == 1 else mesh.get_group("dp")
 
     @property
     def dp_size(self) -> int:
         """Number of data-parallel ranks (1 without a mesh)."""
-        return 1 if self.mesh is None else self.mesh["dp"].size()
+        return self._dp_size
 
     @property
     def dp_rank(self) -> int:
         """This rank's position in its data-parallel group (0 without a mesh)."""
-        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+        return self._dp_rank
 
     @property
     def tp_size(self) -> int:
         """Number of tensor-parallel ranks (1 without a mesh)."""
-        return 1 if self.mesh is None else self.mesh["tp"].size()
+        return self._tp_size
 
     def device_for(self, model: nn.Module) -> torch.device:
         """The device the model trains on.
@@ -222,7 +228,7 @@ class Parallelism:
                 p.grad = torch.zeros_like(p)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
         flat = torch.cat([g.reshape(-1) for g in local])  # type: ignore[union-attr]
-        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+        dist.all_reduce(flat, group=self._dp_group)
         flat /= self.dp_size
         offset = 0
         for g in local:
@@ -242,8 +248,8 @@ class Parallelism:
         Returns:
             ``tensor``.
         """
-        if self.mesh is not None and self.dp_size > 1:
-            dist.all_reduce(tensor, op=op, group=self.mesh.get_group("dp"))
+        if self._dp_group is not None:
+            dist.all_reduce(tensor, op=op, group=self._dp_group)
         return tensor
 
     def max_over_dp(self, value: int, device: torch.device) -> int:
