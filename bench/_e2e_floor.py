@@ -10,8 +10,8 @@ log-probs (one no-grad forward), and one clipped-ratio update with the KL
 penalty, gradient clipping and AdamW. With two ranks each takes half the prompts
 (whole groups) and the gradients are averaged with one all-reduce over gloo.
 Nothing is scheduled, serialised or sent between processes besides that
-all-reduce, so no framework running the same eager arithmetic on this machine
-can be faster than the better of these figures.
+all-reduce: the better of these figures is about the fastest the workload's
+eager arithmetic runs on this machine, which a framework only adds to.
 """
 
 from __future__ import annotations

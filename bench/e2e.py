@@ -13,8 +13,8 @@ asyncflow's per-stage milliseconds and where its start-up seconds went.
 
 Each round also runs the workload in plain PyTorch with no framework
 (``bench._e2e_floor``: one process, and two processes splitting the prompts with
-one gradient all-reduce): the floor the eager arithmetic sets on this machine,
-which no framework running it can beat. ``--no-floor`` skips it.
+one gradient all-reduce): about the fastest the eager arithmetic runs on this
+machine, which a framework's scheduling only adds to. ``--no-floor`` skips it.
 
 ``--threads N`` gives every process N torch threads (every side); without it
 each keeps its own default. ``--load K`` runs K busy processes beside the runs
@@ -25,8 +25,8 @@ and ``ratio`` (their quotient), ``<placement>_s_per_step``, ``trl_s_per_step``,
 ``best_placement``; with the floor, ``floor_s_per_step`` and
 ``floor_tokens_per_s`` (the faster of its two), ``floor_<ranks>_s_per_step``,
 ``asyncflow_vs_floor`` (asyncflow's tokens/s over the floor's) and, with TRL,
-``floor_ratio`` (the floor's tokens/s over TRL's: the highest ``ratio`` eager
-PyTorch allows here).
+``floor_ratio`` (the floor's tokens/s over TRL's: about the highest ``ratio``
+a framework could reach here in eager PyTorch).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     if "floor_tokens_per_s" in record:
         print(f"asyncflow / plain-PyTorch floor tokens/s: {record['asyncflow_vs_floor']:.2f}x")
     if "floor_ratio" in record:
-        print(f"floor / TRL tokens/s (the highest ratio eager PyTorch allows here): {record['floor_ratio']:.2f}x")
+        print(f"floor / TRL tokens/s (about the most a framework could reach here): {record['floor_ratio']:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))
