@@ -21,8 +21,8 @@ def _run(tmp_path: Path, *args: str) -> dict:
     return record
 
 
-def test_asyncflow_side_records_steps_stages_and_startup(tmp_path: Path) -> None:
-    record = _run(tmp_path, "--placement", "split", "--no-trl", "--no-floor")
+def test_asyncflow_side_records_steps_stages_and_startup_and_the_floor_beside(tmp_path: Path) -> None:
+    record = _run(tmp_path, "--placement", "split", "--no-trl")
     assert record["best_placement"] == "split"
     assert record["asyncflow_tokens_per_s"] == pytest.approx(record["job"]["tokens_per_step"]
                                                               / record["split_s_per_step"])
@@ -32,6 +32,16 @@ def test_asyncflow_side_records_steps_stages_and_startup(tmp_path: Path) -> None
     assert set(run["pool_busy_ms"]) == {"policy", "side"}
     assert run["startup_s"]["imported"] < run["startup_s"]["roles_spawned"] < run["startup_s"]["first_step_done"]
     assert 0 <= run["last_metrics"]["actor/logprob_mismatch"] < 1e-4
+    # The plain-PyTorch floor, on one and two ranks, in the same rounds.
+    assert record["floor_s_per_step"] == min(record["floor_1_s_per_step"], record["floor_2_s_per_step"])
+    assert record["asyncflow_vs_floor"] == pytest.approx(record["asyncflow_tokens_per_s"]
+                                                         / record["floor_tokens_per_s"])
+    assert "floor_ratio" not in record, "no TRL, no ratio to it"
+    for ranks in (1, 2):
+        (floor,) = record["runs"][f"floor_{ranks}"]
+        assert floor["ranks"] == ranks and len(floor["steps_s"]) == 2
+        assert set(floor["stage_ms"]) == {"generate", "reward", "ref", "update"}
+        assert 0 <= floor["last_metrics"]["kl_to_ref"] < 1, "one step of lr 1e-4 from the reference"
 
 
 def test_trl_side_and_the_ratio(tmp_path: Path) -> None:
@@ -40,19 +50,6 @@ def test_trl_side_and_the_ratio(tmp_path: Path) -> None:
     assert record["ratio"] == pytest.approx(record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"])
     (run,) = record["runs"]["trl"]
     assert run["framework"] == "trl" and len(run["steps_s"]) == 2
-
-
-def test_the_floor_runs_on_one_and_two_ranks_beside_asyncflow(tmp_path: Path) -> None:
-    record = _run(tmp_path, "--placement", "one", "--no-trl")
-    assert record["floor_s_per_step"] == min(record["floor_1_s_per_step"], record["floor_2_s_per_step"])
-    assert record["asyncflow_vs_floor"] == pytest.approx(record["asyncflow_tokens_per_s"]
-                                                         / record["floor_tokens_per_s"])
-    assert "floor_ratio" not in record, "no TRL, no ratio to it"
-    for ranks in (1, 2):
-        (run,) = record["runs"][f"floor_{ranks}"]
-        assert run["ranks"] == ranks and len(run["steps_s"]) == 2
-        assert set(run["stage_ms"]) == {"generate", "reward", "ref", "update"}
-        assert 0 <= run["last_metrics"]["kl_to_ref"] < 1, "one step of lr 1e-4 from the reference"
 
 
 def test_the_floors_decode_samples_from_the_model() -> None:
