@@ -23,6 +23,7 @@ _START = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import queue  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -186,12 +187,32 @@ def measure(job: E2EJob, *, ranks: int, steps: int, warmup: int, threads: int | 
                  for r in range(ranks)]
         for p in procs:
             p.start()
-        record: dict[str, Any] = out.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
+        try:
+            record = _wait_for_record(out, procs, timeout_s=600)
+            for p in procs:
+                p.join(timeout=60)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"a floor rank failed: exit codes {[p.exitcode for p in procs]}")
     return record
+
+
+def _wait_for_record(out: Any, procs: list[Any], *, timeout_s: float) -> dict[str, Any]:
+    """Rank 0's record from ``out``; raises as soon as a rank dies without one (its
+    peer would wait in the all-reduce) or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            record: dict[str, Any] = out.get(timeout=1.0)
+            return record
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a floor rank failed: exit codes {[p.exitcode for p in procs]}") from None
+    raise TimeoutError(f"the floor gave no record within {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> None:

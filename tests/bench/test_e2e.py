@@ -73,3 +73,25 @@ def test_the_floors_decode_samples_from_the_model() -> None:
     with torch.no_grad():
         forward = token_logprobs(model, torch.cat([prompts, tokens], dim=1), job.prompt_len)
     torch.testing.assert_close(logprobs, forward, atol=1e-5, rtol=0)
+
+
+def _exit_with(code: int) -> None:
+    raise SystemExit(code)
+
+
+def test_a_floor_rank_that_dies_fails_the_run_at_once() -> None:
+    """A rank that dies without a record ends the wait with its exit code (its peer
+    would otherwise wait in the all-reduce until the timeout)."""
+    import multiprocessing
+    import time
+
+    from bench._e2e_floor import _wait_for_record
+
+    ctx = multiprocessing.get_context("fork")
+    dead = ctx.Process(target=_exit_with, args=(3,))
+    dead.start()
+    dead.join()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exit codes \[3\]"):
+        _wait_for_record(ctx.Queue(), [dead], timeout_s=60)
+    assert time.monotonic() - started < 30
