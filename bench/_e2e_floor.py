@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from bench._e2e_job import E2EJob, digit_reward  # noqa: E402
 
@@ -61,7 +62,7 @@ def generate(model: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.
             q = attn.q_proj(h).view(rows, n, -1, head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(rows, n, -1, head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(rows, n, -1, head_dim).transpose(1, 2)
-            q, k = _rotary(q, k, cos, sin)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
             keys[i][:, :, start:start + n] = k
             values[i][:, :, start:start + n] = v
             o = F.scaled_dot_product_attention(q, keys[i][:, :, :start + n], values[i][:, :, :start + n],
@@ -84,17 +85,6 @@ def generate(model: Any, prompts: torch.Tensor, new_tokens: int) -> tuple[torch.
             if t + 1 < new_tokens:
                 logits = forward(inner.embed_tokens(token), length + t)
     return tokens, logprobs
-
-
-def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos[:, None], sin[:, None]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
 
 
 def token_logprobs(model: Any, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -146,11 +136,8 @@ def _rank(rank: int, world: int, port: int, job: E2EJob, steps: int, warmup: int
             grads = [p.grad for p in policy.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
-            flat /= world
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for g, part in zip(grads, flat.div_(world).split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()
         clock.append(time.perf_counter())
@@ -196,8 +183,12 @@ def measure(job: E2EJob, *, ranks: int, steps: int, warmup: int, threads: int | 
                 if p.is_alive():
                     p.terminate()
         if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a floor rank failed: exit codes {[p.exitcode for p in procs]}")
+            raise _rank_failed(procs)
     return record
+
+
+def _rank_failed(procs: list[Any]) -> RuntimeError:
+    return RuntimeError(f"a floor rank failed: exit codes {[p.exitcode for p in procs]}")
 
 
 def _wait_for_record(out: Any, procs: list[Any], *, timeout_s: float) -> dict[str, Any]:
@@ -209,9 +200,8 @@ def _wait_for_record(out: Any, procs: list[Any], *, timeout_s: float) -> dict[st
             record: dict[str, Any] = out.get(timeout=1.0)
             return record
         except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"a floor rank failed: exit codes {[p.exitcode for p in procs]}") from None
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise _rank_failed(procs) from None
     raise TimeoutError(f"the floor gave no record within {timeout_s:.0f} s")
 
 

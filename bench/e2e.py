@@ -68,7 +68,7 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
             trl: bool, load: int, floor: bool = True) -> dict[str, Any]:
     """Every placement (and TRL, and the floor) once per round, alternating; the record."""
     common = ["--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
-    floors = [f"floor_{ranks}" for ranks in FLOOR_RANKS] if floor else []
+    floors = {f"floor_{ranks}": ranks for ranks in FLOOR_RANKS} if floor else {}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in [*placements, *(["trl"] if trl else []), *floors]}
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(load)]
     for b in burners:
@@ -79,7 +79,7 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
                 runs[placement].append(run_one("bench._e2e_asyncflow", ["--placement", placement, *common]))
             if trl:
                 runs["trl"].append(run_one("bench._e2e_trl", common))
-            for name, ranks in zip(floors, FLOOR_RANKS, strict=False):
+            for name, ranks in floors.items():
                 runs[name].append(run_one("bench._e2e_floor", ["--ranks", str(ranks), *common]))
     finally:
         for b in burners:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating (the median is kept)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per process, both frameworks")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process, every side")
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the runs")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when it is installed")
     parser.add_argument("--no-floor", action="store_true", help="skip the plain-PyTorch floor")
