@@ -113,6 +113,37 @@ class _TrackedWork(dist.Work):
         return self._inner()._source_rank()
 
 
+class _CompletedWork(dist.Work):
+    """The ``Work`` of a collective its backend already completed when it returned.
+
+    Since torch 2.8, NCCL returns no ``Work`` (Python ``None``) for a synchronous
+    collective (``opts.asyncOp`` false: what ``dist.all_reduce`` and friends pass
+    without ``async_op=True``): it has already made the caller's current CUDA stream
+    wait for the result. Torch's Python wrappers accept ``None``, but a Python
+    process group must return a ``Work`` (C++ callers cast ``None`` to an empty
+    pointer), so the group returns this one: nothing to wait for, and nothing a
+    poison could take away.
+    """
+
+    def __init__(self, result: object) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        future: torch.futures.Future[object] = torch.futures.Future()
+        future.set_result(self._result)
+        return future
+
+
 class ReconnectableGroup(dist.ProcessGroup):
     """A process group whose inner backends can be dropped (:meth:`poison`) and rebuilt (:meth:`heal`).
 
@@ -201,7 +232,12 @@ class ReconnectableGroup(dist.ProcessGroup):
                 self._backends[device_type] = self._connect(device_type)
             return self._backends[device_type]
 
-    def _track(self, work: Any) -> _TrackedWork:
+    def _track(self, work: Any, result: object = None) -> dist.Work:
+        """``work`` as a Work that :meth:`poison` can release; a backend's ``None``
+        (a synchronous collective it completed already) as a completed Work whose
+        future holds ``result``."""
+        if work is None:
+            return _CompletedWork(result)
         tracked = _TrackedWork(work, self.ranks)
         with self._lock:
             self._works.add(tracked)
@@ -269,63 +305,63 @@ class ReconnectableGroup(dist.ProcessGroup):
             op, opts = opts, dist.AllreduceOptions()
             if op is not None:
                 opts.reduceOp = op
-        return self._track(self._inner(tensors).allreduce(tensors, opts))
+        return self._track(self._inner(tensors).allreduce(tensors, opts), tensors)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
         opts = _opts(opts, dist.AllreduceCoalescedOptions)
-        return self._track(self._inner(tensors).allreduce_coalesced(tensors, opts))
+        return self._track(self._inner(tensors).allreduce_coalesced(tensors, opts), tensors)
 
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         opts = _opts(opts, dist.BroadcastOptions)
-        return self._track(self._inner(tensors).broadcast(tensors, opts))
+        return self._track(self._inner(tensors).broadcast(tensors, opts), tensors)
 
     def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._track(self._inner(tensors).reduce(tensors, _opts(opts, dist.ReduceOptions)))
+        return self._track(self._inner(tensors).reduce(tensors, _opts(opts, dist.ReduceOptions)), tensors)
 
     def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._track(self._inner(ins).allgather(outs, ins, _opts(opts, AllgatherOptions)))
+        return self._track(self._inner(ins).allgather(outs, ins, _opts(opts, AllgatherOptions)), outs)
 
     def allgather_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         opts = _opts(opts, AllgatherOptions)
-        return self._track(self._inner(ins).allgather_coalesced(outs, ins, opts))
+        return self._track(self._inner(ins).allgather_coalesced(outs, ins, opts), outs)
 
     def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         opts = _opts(opts, AllgatherOptions)
-        return self._track(self._inner(inp)._allgather_base(out, inp, opts))
+        return self._track(self._inner(inp)._allgather_base(out, inp, opts), [out])
 
     def all_gather_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         inner, opts = self._inner(ins), _opts(opts, AllgatherOptions)
         if hasattr(inner, "allgather_into_tensor_coalesced"):
-            return self._track(inner.allgather_into_tensor_coalesced(outs, ins, opts))
-        return self._track(_one_by_one(inner._allgather_base, outs, ins, opts))
+            return self._track(inner.allgather_into_tensor_coalesced(outs, ins, opts), outs)
+        return self._track(_one_by_one(inner._allgather_base, outs, ins, opts), outs)
 
     def gather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._track(self._inner(ins).gather(outs, ins, _opts(opts, dist.GatherOptions)))
+        return self._track(self._inner(ins).gather(outs, ins, _opts(opts, dist.GatherOptions)), outs)
 
     def scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._track(self._inner(outs).scatter(outs, ins, _opts(opts, dist.ScatterOptions)))
+        return self._track(self._inner(outs).scatter(outs, ins, _opts(opts, dist.ScatterOptions)), outs)
 
     def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
         opts = _opts(opts, dist.ReduceScatterOptions)
-        return self._track(self._inner(outs).reduce_scatter(outs, ins, opts))
+        return self._track(self._inner(outs).reduce_scatter(outs, ins, opts), outs)
 
     def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         opts = _opts(opts, dist.ReduceScatterOptions)
-        return self._track(self._inner(inp)._reduce_scatter_base(out, inp, opts))
+        return self._track(self._inner(inp)._reduce_scatter_base(out, inp, opts), [out])
 
     def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         inner, opts = self._inner(ins), _opts(opts, dist.ReduceScatterOptions)
         if hasattr(inner, "reduce_scatter_tensor_coalesced"):
-            return self._track(inner.reduce_scatter_tensor_coalesced(outs, ins, opts))
-        return self._track(_one_by_one(inner._reduce_scatter_base, outs, ins, opts))
+            return self._track(inner.reduce_scatter_tensor_coalesced(outs, ins, opts), outs)
+        return self._track(_one_by_one(inner._reduce_scatter_base, outs, ins, opts), outs)
 
     def alltoall(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._track(self._inner(ins).alltoall(outs, ins, _opts(opts, dist.AllToAllOptions)))
+        return self._track(self._inner(ins).alltoall(outs, ins, _opts(opts, dist.AllToAllOptions)), outs)
 
     def all_to_all_single(self, out: Any, inp: Any, out_splits: Any,  # type: ignore[override]
                           in_splits: Any, opts: Any = None) -> dist.Work:
         opts = _opts(opts, dist.AllToAllOptions)
-        return self._track(self._inner(inp).alltoall_base(out, inp, out_splits, in_splits, opts))
+        return self._track(self._inner(inp).alltoall_base(out, inp, out_splits, in_splits, opts), [out])
 
     def barrier(self, opts: Any = None) -> dist.Work:  # type: ignore[override]
         opts = _opts(opts, dist.BarrierOptions)
@@ -336,10 +372,10 @@ class ReconnectableGroup(dist.ProcessGroup):
         return self._track(self._inner(tensors).send(tensors, dst, tag))
 
     def recv(self, tensors: Any, src: int, tag: int) -> dist.Work:
-        return self._track(self._inner(tensors).recv(tensors, src, tag))
+        return self._track(self._inner(tensors).recv(tensors, src, tag), tensors)
 
     def recv_anysource(self, tensors: Any, tag: int) -> dist.Work:
-        return self._track(self._inner(tensors).recv_anysource(tensors, tag))
+        return self._track(self._inner(tensors).recv_anysource(tensors, tag), tensors)
 
     # The older names of the same collectives, still called by parts of torch.
     _allgather_base = all_gather_single  # type: ignore[assignment]
@@ -350,12 +386,14 @@ class ReconnectableGroup(dist.ProcessGroup):
 
 
 def _one_by_one(single: Any, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
-                opts: Any) -> dist.Work:
-    """A coalesced op as single ops (gloo binds none): waits for all but the last."""
+                opts: Any) -> dist.Work | None:
+    """A coalesced op as single ops (gloo binds none): waits for all but the last
+    (a backend's None: it completed already)."""
     works = [single(out, inp, opts) for out, inp in zip(outs, ins, strict=True)]
     assert works, "a coalesced collective of no tensors"
     for work in works[:-1]:
-        work.wait()
+        if work is not None:
+            work.wait()
     return works[-1]
 
 

@@ -277,6 +277,48 @@ def test_every_collective_reaches_the_inner_backend(tmp_path: Path) -> None:
     _run(2, _every_collective_ranks, tmp_path)
 
 
+class _SynchronousBackend:
+    """Gloo behind NCCL's contract since torch 2.8: a collective whose options say
+    ``asyncOp=False`` completes before it returns and returns no ``Work`` (None)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._inner, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any) -> Any:
+            work = method(*args)
+            opts = next((a for a in args if hasattr(a, "asyncOp")), None)
+            if opts is None or opts.asyncOp or not isinstance(work, dist.Work):
+                return work
+            work.wait()
+            return None
+        return call
+
+
+def _synchronous_backend_ranks(rank: int, out: Path) -> None:
+    group = new_reconnectable_group([0, 1], TIMEOUT)
+    group._backends = {"cpu": _SynchronousBackend(group._backends["cpu"])}  # type: ignore[dict-item]
+    values = torch.tensor([float(rank)])
+    dist.all_reduce(values, group=group)  # the first collective: GPU CI saw it raise
+    assert values.tolist() == [1.0]
+    work = dist.all_reduce(values, group=group, async_op=True)
+    assert work is not None and work.wait() and values.tolist() == [2.0]
+    _every_collective_ranks(rank, out)
+    poison_all()  # a completed collective has nothing for a poison to take away
+    with pytest.raises(GroupPoisonedError):
+        dist.all_reduce(values, group=group)
+
+
+def test_a_backend_that_completes_synchronously_returns_no_work(tmp_path: Path) -> None:
+    """NCCL returns None for a synchronous collective; the group's callers get a
+    completed Work, not a released one (GroupPoisonedError on a healthy group)."""
+    _run(2, _synchronous_backend_ranks, tmp_path)
+
+
 def test_groups_are_cached_by_ranks_and_one_rank_groups_work(tmp_path: Path) -> None:
     _run(2, _cache_ranks, tmp_path)
 
