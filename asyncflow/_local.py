@@ -88,7 +88,7 @@ class LocalTransport:
         for p in pieces:
             if self._dead[p.worker].is_set():
                 raise WorkerGone(p.worker, "killed")
-            out.append(self.workers[p.worker].slice(p.key, p.lo, p.hi, p.fields))
+            out.append(self.workers[p.worker].slice_to_host(p.key, p.lo, p.hi, p.fields))
         return out
 
     async def free(self, worker: int, keys: Sequence[str]) -> Any:
@@ -165,8 +165,15 @@ class LocalSession(Runtime):
             roles = await session.spawn({"producer": RoleSpec(cls=Producer, pool=pool)})
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, device: str = "cpu", store_on_device: bool = False) -> None:
+        """Args:
+            device: the workers' device (``"cpu"``, ``"cuda"``, or a test device such
+                as the fake accelerator of the tests).
+            store_on_device: keep stored rows on ``device``, as workers whose rows
+                move over NCCL do; else on the CPU, as with gloo or the object store.
+        """
         super().__init__()
+        self._device, self._store_on_device = device, store_on_device
         self.local: LocalTransport | None = None
         """The in-process transport (tests call ``local.kill(worker)`` and read ``local.log``)."""
 
@@ -186,9 +193,10 @@ class LocalSession(Runtime):
             ranks[pool.name] = []
             for rank in range(pool.devices):
                 ranks[pool.name].append(len(workers))
-                workers.append(WorkerProcess(index=len(workers), pool=pool.name, rank=rank,
-                                             pool_size=pool.devices, world=world, device="cpu",
-                                             num_threads=torch.get_num_threads()))
+                worker = WorkerProcess(index=len(workers), pool=pool.name, rank=rank, pool_size=pool.devices,
+                                       world=world, device=self._device, num_threads=torch.get_num_threads())
+                worker.use_transport("nccl" if self._store_on_device else None)
+                workers.append(worker)
         local: dict[str, frozenset[str]] = {}
         for name, spec in roles.items():
             for i in ranks[spec.pool.name]:

@@ -234,6 +234,8 @@ class Session(Runtime):
                 raise
             logger.warning("Ray Direct Transport (%s) unavailable, rows go through the object store: %s",
                            backend[0], e)
+        # The stores keep rows where the transport takes them from (CUDA for NCCL).
+        await asyncio.gather(*(a.use_transport.remote(self._rdt) for a in self._actors))
 
     def worker(self, pool: str, rank: int) -> Any:
         """The Ray actor handle of ``rank`` of ``pool`` (for tests and tools)."""

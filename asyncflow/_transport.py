@@ -158,7 +158,7 @@ class RayTransport:
         return result
 
     async def fetch(self, pieces: Sequence[Piece]) -> list[dict[str, torch.Tensor]]:
-        refs = [self._actors[p.worker].slice.remote(p.key, p.lo, p.hi, p.fields) for p in pieces]
+        refs = [self._actors[p.worker].slice_to_host.remote(p.key, p.lo, p.hi, p.fields) for p in pieces]
         return [await self._call(p.worker, r) for p, r in zip(pieces, refs, strict=True)]
 
     async def free(self, worker: int, keys: Sequence[str]) -> Any:

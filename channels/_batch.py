@@ -102,6 +102,15 @@ class Batch(Mapping[str, torch.Tensor]):
         """Rows ``[start, stop)`` of every column (views, no copy)."""
         return Batch({k: v[start:stop] for k, v in self._columns.items()})
 
+    def take(self, index: Sequence[int]) -> Batch:
+        """Rows ``index`` of every column, in that order (a copy; same groups).
+
+        Each column is indexed on its own device: the index is built there, so a
+        batch of accelerator tensors needs no CPU index (which CUDA refuses).
+        """
+        return Batch({k: v.index_select(0, torch.tensor(index, dtype=torch.int64, device=v.device))
+                      for k, v in self._columns.items()}, group_size=self.group_size)
+
     def update(self, columns: Mapping[str, torch.Tensor]) -> Batch:
         """A new batch with ``columns`` added or replaced (same groups)."""
         return Batch({**self._columns, **columns}, group_size=self.group_size)

@@ -27,8 +27,6 @@ from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-import torch
-
 from channels import Batch
 
 __all__ = ["Adopt", "Chunk", "Finish", "Handoff", "Step", "StreamControl", "Tail"]
@@ -261,8 +259,6 @@ def drain(gen: StreamMethod) -> Batch:
     if not chunks:
         raise RuntimeError("a streaming method must yield at least one Chunk (empty rows give the schema)")
     rows = Batch.concat([c.rows for c in chunks])
-    ids = torch.tensor([i for c in chunks for i in c.ids], dtype=torch.int64)
-    order = torch.argsort(ids)
-    if bool((order == torch.arange(len(order))).all()):
-        return rows
-    return Batch({k: v.index_select(0, order) for k, v in rows.items()}, group_size=rows.group_size)
+    ids = [i for c in chunks for i in c.ids]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    return rows if order == list(range(len(ids))) else rows.take(order)

@@ -14,6 +14,18 @@ When a role method raises, the worker first *poisons* its pool's process groups
 (drops their backends, which closes their connections): peers blocked in a
 collective with this rank then fail at once instead of waiting for a timeout.
 Before the pool's next call the driver has every rank ``heal`` (reconnect) them.
+
+Where rows live (the device contract of the data plane):
+
+- a role method receives its rows on the worker's device (``WorkerContext.device``:
+  ``cuda:0`` on a GPU worker), pulled or local, and so does a transform;
+- a method may return rows, stream chunks and tails on any device; the worker
+  moves them to its *store device* before storing them: the worker's device when
+  rows move between workers over NCCL (Ray Direct Transport sends CUDA tensors
+  only), the CPU otherwise (gloo, the object store);
+- rows handed in by the driver (``put``) are stored on the store device too;
+- the driver's ``fetch`` receives CPU tensors (:meth:`WorkerProcess.slice_to_host`),
+  whatever the store device: the driver may have no GPU.
 """
 
 from __future__ import annotations
@@ -96,7 +108,8 @@ class WorkerProcess(ChannelHost):
         rank: rank within the pool.
         pool_size: ranks in the pool.
         world: workers in the session.
-        device: ``"cpu"`` or ``"cuda"``.
+        device: ``"cpu"``, ``"cuda"`` (this process's first visible GPU) or another
+            torch device type (in-process tests use a fake accelerator).
         num_threads: torch intra-op threads (keeps pools from starving each other).
         preload: modules to import in the background from the start (the role
             classes' modules: their imports then overlap the process groups'
@@ -113,7 +126,10 @@ class WorkerProcess(ChannelHost):
             self._preload.start()
         self.index, self.pool, self.rank = index, pool, rank
         self.pool_size, self.world = pool_size, world
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        self.store_device = torch.device("cpu")
+        """Where the store keeps rows (see the module docstring); :meth:`use_transport`
+        sets it."""
         self.store = ShardStore()
         self.roles: dict[str, Any] = {}
         self._endpoints: dict[str, dict[str, Endpoint[Any, Any]]] = {}
@@ -169,6 +185,13 @@ class WorkerProcess(ChannelHost):
         for layout in layouts:
             grid = torch.tensor(list(ranks)).view(layout.p, layout.d, layout.t)
             self._meshes[layout] = _meshes.mesh_from_groups(grid, MESH_DIMS, self.device.type, self._timeout)
+
+    def use_transport(self, transport: str | None) -> None:
+        """How rows leave this worker: ``"nccl"`` (Ray Direct Transport of CUDA
+        tensors: the store keeps rows on this worker's device), ``"gloo"`` or None
+        (the object store): the store keeps them on the CPU. Called before any
+        role method runs."""
+        self.store_device = self.device if transport == "nccl" else torch.device("cpu")
 
     def add_role(self, name: str, cls: type, config: Any, layout: Layout) -> list[str]:
         """Construct role ``name`` in this process; returns its rank-local methods
@@ -257,6 +280,7 @@ class WorkerProcess(ChannelHost):
                 sink.send(StreamItem(kind="progress", rank=self.rank, worker=self.index, pending=pending))
                 return
             key = f"{spec.out_key}/{self.rank}.{next(seq)}"
+            rows = self._to_store(rows)
             self.store.put(key, rows)
             lengths = self._row_lengths(endpoint, rows) if kind == "rows" else None
             sink.send(StreamItem(kind=kind, rank=self.rank, worker=self.index, key=key,  # type: ignore[arg-type]
@@ -296,10 +320,7 @@ class WorkerProcess(ChannelHost):
         if traced is not None:
             traced.rows_in = max(traced.rows_in, batch.num_rows)
             traced.bytes_pulled += received
-        if self.device.type != "cpu":
-            batch = Batch({k: v.to(self.device, non_blocking=True) for k, v in batch.items()},
-                          group_size=batch.group_size)
-        return batch
+        return _on(batch, self.device)
 
     def _apply(self, spec: CallSpec, transforms: Sequence[Transform], batch: Batch) -> Batch:
         if not transforms:
@@ -333,12 +354,16 @@ class WorkerProcess(ChannelHost):
                     f"{spec.role}.{spec.method} declares writes={list(declared)} but returned "
                     f"no {missing} (it returned {list(rows)})"
                 )
-        if self.device.type != "cpu":
-            rows = Batch({k: v.detach().cpu() for k, v in rows.items()}, group_size=rows.group_size)
+        rows = self._to_store(rows)
         lengths = self._row_lengths(endpoint, rows)
         self.store.put(spec.out_key, rows)
         return RankResult(rank=self.rank, worker=self.index, key=spec.out_key, num_rows=rows.num_rows,
                           fields=rows.field_specs(), row_lengths=lengths, group_size=rows.group_size)
+
+    def _to_store(self, rows: Batch) -> Batch:
+        """``rows`` detached, on the store device."""
+        return _on(Batch({k: v.detach() for k, v in rows.items()}, group_size=rows.group_size),
+                   self.store_device)
 
     @staticmethod
     def _row_lengths(endpoint: Endpoint[Any, Any], rows: Batch) -> tuple[int, ...] | None:
@@ -381,7 +406,7 @@ class WorkerProcess(ChannelHost):
         with self._streams_lock:
             entry = self._streams.get(call_id)
         if entry is not None:
-            entry[1].deliver(None if columns is None else Batch(columns, group_size=group_size))
+            entry[1].deliver(None if columns is None else _on(Batch(columns, group_size=group_size), self.device))
 
     # ----- data plane (io group: served while compute runs) -----
 
@@ -392,6 +417,12 @@ class WorkerProcess(ChannelHost):
         return self.store.slice(key, lo, hi, fields)
 
     @ray.method(concurrency_group="io")
+    def slice_to_host(self, key: str, lo: int, hi: int, fields: Sequence[str] | None) -> dict[str, torch.Tensor]:
+        """Rows ``[lo, hi)`` of columns ``fields`` of shard ``key`` as CPU tensors:
+        what the driver's ``fetch`` receives (through the object store)."""
+        return {name: t.cpu() for name, t in self.store.slice(key, lo, hi, fields).items()}
+
+    @ray.method(concurrency_group="io")
     def slices(self, pieces: Sequence[Piece]) -> tuple[Packed, dict[str, torch.Tensor]]:
         """Several pieces of this worker's shards, packed into one buffer per dtype
         (``channels.pack``): one transfer, a few tensors (see ``slice``)."""
@@ -399,8 +430,8 @@ class WorkerProcess(ChannelHost):
 
     @ray.method(concurrency_group="io")
     def put(self, key: str, columns: Mapping[str, torch.Tensor], group_size: int = 1) -> RankResult:
-        """Store rows handed in by the driver (``Session.put``)."""
-        batch = Batch(columns, group_size=group_size)
+        """Store rows handed in by the driver (``Session.put``), on the store device."""
+        batch = _on(Batch(columns, group_size=group_size), self.store_device)
         self.store.put(key, batch)
         return RankResult(rank=self.rank, worker=self.index, key=key, num_rows=batch.num_rows,
                           fields=batch.field_specs(), group_size=batch.group_size)
@@ -443,6 +474,18 @@ class _Traced:
     def timing(self) -> RankTiming:
         return RankTiming(start=self.start, end=time.time(), rows_in=self.rows_in,
                           bytes_pulled=self.bytes_pulled, pulls=tuple(self.pulls))
+
+
+def _on(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` with every column on ``device`` (the same object when they are).
+
+    Copies to an accelerator do not block the host; copies to the CPU do (a
+    non-blocking copy to the host may be read before it lands)."""
+    if all(t.device == device for t in batch.values()):
+        return batch
+    non_blocking = device.type != "cpu"
+    return Batch({k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()},
+                 group_size=batch.group_size)
 
 
 def _as_rows(out: Any) -> Batch | None:

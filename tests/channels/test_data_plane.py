@@ -188,6 +188,13 @@ def test_batch_validation() -> None:
         Batch({"a": torch.zeros(2)})["z"]
 
 
+def test_take_picks_rows_in_order_and_keeps_groups() -> None:
+    b = Batch({"x": torch.arange(6).view(6, 1), "y": torch.arange(6.0) * 2}, group_size=2)
+    taken = b.take([4, 5, 0, 1])
+    assert taken["x"].flatten().tolist() == [4, 5, 0, 1] and taken["y"].tolist() == [8.0, 10.0, 0.0, 2.0]
+    assert taken.group_size == 2 and taken.num_rows == 4
+
+
 def test_rename_is_metadata_only_and_pulls_stored_columns() -> None:
     meta, stores, full = _sharded(6, [3])
     renamed = meta.rename({"x": "baseline"})

@@ -242,7 +242,7 @@ class ActorWorker(TrainedRole):
             ConfigError: a row is longer than the model's ``max_position_embeddings``.
         """
         logprobs, entropy = self.engine.log_probs(batch)
-        return {F.OLD_LOGPROBS: logprobs.cpu(), F.ENTROPY: entropy.cpu()}
+        return {F.OLD_LOGPROBS: logprobs, F.ENTROPY: entropy}
 
     @register(protocol=UPDATE_METRICS, reads=lambda call: _update_reads(call),
               optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS, F.OLD_LOGPROBS, F.POLICY_VERSION))
@@ -321,7 +321,7 @@ class ActorWorker(TrainedRole):
         require_fields(batch, fields, where="actor.update")
         if schedule.epochs * schedule.mini_batches > 1:
             old, _ = self.engine.log_probs(batch)
-            with_old = {**batch, F.OLD_LOGPROBS: old.cpu()}
+            with_old = {**batch, F.OLD_LOGPROBS: old}
             return rollout_consistency(with_old, self.engine) | run_updates(
                 self.engine, with_old, loss=loss, fields=(*fields, F.OLD_LOGPROBS), schedule=schedule,
                 generator=self._shuffle, prefix="actor/")
@@ -330,7 +330,7 @@ class ActorWorker(TrainedRole):
         indexed = {**batch, ROW_INDEX: torch.arange(rows)}
         metrics = run_updates(self.engine, indexed, loss=own, fields=(*fields, ROW_INDEX), schedule=schedule,
                               generator=self._shuffle, prefix="actor/")
-        return rollout_consistency({**batch, F.OLD_LOGPROBS: own.old_logprobs.cpu()}, self.engine) | metrics
+        return rollout_consistency({**batch, F.OLD_LOGPROBS: own.old_logprobs}, self.engine) | metrics
 
     def _after_load(self) -> None:
         self._sync_rollout()

@@ -100,7 +100,7 @@ class CriticWorker(TrainedRole):
             ``values``: float32 ``[R]``; value j is read in the state before response
             token j; 0 on padding.
         """
-        return {F.VALUES: self.engine.values(batch).cpu()}
+        return {F.VALUES: self.engine.values(batch)}
 
     @register(protocol=UPDATE_METRICS, reads=(*F.SEQUENCE, F.VALUES, F.RETURNS))
     def update(self, batch: Batch, *, loss: ValueLoss | None = None,

@@ -84,4 +84,4 @@ class ReferenceWorker(Role):
             ``ref_logprobs``: float32 ``[R]``, raw (temperature 1), 0 on padding.
         """
         logprobs, _ = self.engine.log_probs(batch)
-        return {F.REF_LOGPROBS: logprobs.cpu()}
+        return {F.REF_LOGPROBS: logprobs}

@@ -122,19 +122,20 @@ def dp_token_stats(engine: TrainingEngine, values: Mapping[str, Tensor],
     Returns:
         The statistics by name; empty when no rank has a real token.
     """
-    keep = mask.bool()
+    device = engine.device  # the reductions' device; the inputs may lie elsewhere
+    keep = mask.to(device).bool()
     names = list(values)
-    sums = torch.zeros(len(names) + 1, dtype=torch.float64)
-    maxes = torch.full((max(len(names), 1),), -math.inf, dtype=torch.float64)
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64, device=device)
+    maxes = torch.full((max(len(names), 1),), -math.inf, dtype=torch.float64, device=device)
     sums[0] = keep.sum()
     for i, name in enumerate(names):
-        picked = values[name].double()[keep]
+        picked = values[name].to(device).double()[keep]
         sums[i + 1] = picked.sum()
         if picked.numel():
             maxes[i] = picked.max()
     parallel = engine.parallel
-    sums = parallel.all_reduce_dp(sums.to(engine.device)).cpu()
-    maxes = parallel.all_reduce_dp(maxes.to(engine.device), dist.ReduceOp.MAX).cpu()
+    sums = parallel.all_reduce_dp(sums).cpu()
+    maxes = parallel.all_reduce_dp(maxes, dist.ReduceOp.MAX).cpu()
     count = float(sums[0])
     if count == 0:
         return {}
