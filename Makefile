@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
 
-.PHONY: run test smollm2 bench lint typecheck clean-venv
+.PHONY: run test gpu-check smollm2 bench lint typecheck clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,17 @@ test: $(STAMP)
 	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
 	$(PY) -m mypy asyncflow channels workers hybrid_engine bench $(TYPED_FIXTURE)
 	$(PY) -m pytest -q --durations=15 tests
+
+# On a CUDA machine: the GPU-marked tests, then the main job with every built-in
+# algorithm on CUDA in bf16, one line per run (bench.gpu_check). It installs
+# nothing: it uses .venv when there is one, else the machine's python3 (install
+# with `pip install -e '.[gpu,dev]'`, or see the README's "GPUs" section for a
+# machine without the package registries).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-check:
+	$(GPU_PY) -m pytest -q -m gpu tests
+	$(GPU_PY) -m bench.gpu_check --json gpu-check.json
 
 bench: $(STAMP)
 	$(PY) -m bench.transfer --json bench-transfer.json

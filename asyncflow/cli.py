@@ -74,7 +74,7 @@ def _sft(args: argparse.Namespace) -> int:
     if config.sft is None:
         raise ConfigError(f"{args.config} has no [sft] section; add one to run the SFT warm start "
                           "(examples/arith_grpo.toml has one)")
-    path = Trainer(config, say=_say)._model_dir()
+    path = Trainer(config, say=_say).model_dir()
     _say(f"SFT model: {path}")
     return 0
 

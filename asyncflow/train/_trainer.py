@@ -93,7 +93,9 @@ class Trainer:
 
     # ----- set-up -----
 
-    def _model_dir(self) -> str:
+    def model_dir(self) -> str:
+        """The policy's starting directory: ``[model]``'s, or the SFT warm start's
+        (``<output_dir>/sft_model``, trained once per settings and reused)."""
         c = self.config
         if c.sft is None:
             if c.model.gguf:
@@ -129,7 +131,7 @@ class Trainer:
             splits = generate_splits(c.task)
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
                                max_new_tokens=max_new, max_positions=c.sft.model.max_position_embeddings)
-        model_dir = self._model_dir()
+        model_dir = self.model_dir()
         prompts = run_prompts(c, model_dir, max_new)
         for line in prompts.summary():
             self.say(line)

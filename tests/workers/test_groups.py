@@ -362,3 +362,34 @@ def _nccl_ranks(rank: int, out: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_group_poison_and_heal(tmp_path: Path) -> None:
     _run(1, _nccl_ranks, tmp_path)
+
+
+def _nccl_pair_ranks(rank: int, out: Path) -> None:
+    torch.cuda.set_device(rank)
+    group = new_reconnectable_group([0, 1], TIMEOUT)
+    values = torch.full((4,), float(rank), device="cuda")
+    dist.all_reduce(values, group=group)  # synchronous: NCCL returns no Work
+    assert values.tolist() == [1.0] * 4
+    work = dist.all_reduce(values, group=group, async_op=True)
+    assert work is not None and work.wait()
+    received = torch.empty(3, device="cuda")
+    if rank == 0:  # a row pull is a point-to-point transfer
+        dist.send(torch.arange(3.0, device="cuda"), group_dst=1, group=group)
+    else:
+        dist.recv(received, group_src=0, group=group)
+        assert received.tolist() == [0.0, 1.0, 2.0]
+    if rank == 1:  # this rank's call failed: it poisons its groups, and heals with its peer
+        poison_all()
+        with pytest.raises(GroupPoisonedError):
+            dist.all_reduce(values, group=group)
+    heal_all(1)
+    values.fill_(float(rank + 1))
+    dist.all_reduce(values, group=group)
+    torch.cuda.synchronize()
+    assert values.tolist() == [3.0] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_nccl_group_collectives_point_to_point_poison_and_heal_on_two_gpus(tmp_path: Path) -> None:
+    _run(2, _nccl_pair_ranks, tmp_path)
