@@ -3,6 +3,10 @@
 - :class:`TrainingEngine` trains one role's model (causal LM or value model) with AdamW,
   token-balanced or fixed-size micro-batching and a parallel layout over a
   ``("pp", "dp", "tp")`` DeviceMesh (FSDP2 over ``dp``, DTensor TP over ``tp``).
+- Precision (``TrainingConfig.precision``: fp32, or bf16 compute with float32 master
+  weights), activation checkpointing, and offload of the optimizer state and weights
+  to host memory (:meth:`TrainingEngine.offload`); :func:`estimate_memory` sizes a
+  model's state per device before anything is built.
 - Objectives (:class:`PolicyLoss`, :class:`ValueLoss`, :class:`NLLLoss`; :class:`OnPolicy` wraps one) are pluggable;
   the pure functions beneath them (PPO/GRPO losses, KL estimators, masked ops) and the
   advantage estimators (GAE, GRPO, ReMax) are usable on their own.
@@ -45,6 +49,7 @@ from workers.engines._losses import (
     masked_whiten,
 )
 from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine
+from workers.engines._memory import MemoryFootprint, estimate_memory
 from workers.engines._objectives import (
     BEHAVIOUR_LOGPROBS,
     ROW_INDEX,
@@ -74,6 +79,7 @@ from workers.engines._policy_losses import (
     ppo_policy_loss,
     staleness_correction,
 )
+from workers.engines._precision import PrecisionName, resolve_precision
 
 __all__ = [
     "BEHAVIOUR_LOGPROBS",
@@ -91,6 +97,7 @@ __all__ = [
     "LossTerms",
     "MegatronConfig",
     "MegatronTrainingEngine",
+    "MemoryFootprint",
     "MicroBatchPlanner",
     "ModelHead",
     "ModelOutputs",
@@ -100,6 +107,7 @@ __all__ = [
     "Parallelism",
     "PolicyLoss",
     "PolicyLossTerms",
+    "PrecisionName",
     "SequenceInputs",
     "StalenessTerms",
     "TensorParallelPlan",
@@ -115,6 +123,7 @@ __all__ = [
     "clip_grad_norm",
     "clipped_value_loss",
     "entropy_from_logits",
+    "estimate_memory",
     "fold_kl_into_rewards",
     "gae_advantages",
     "group_sums",
@@ -130,6 +139,7 @@ __all__ = [
     "masked_whiten",
     "ppo_policy_loss",
     "remax_advantages",
+    "resolve_precision",
     "scores_to_token_rewards",
     "staleness_correction",
 ]

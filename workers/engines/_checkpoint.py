@@ -120,11 +120,16 @@ def load_rng(
             generator.set_state(saved[name])
 
 
+def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    # DCP's state-dict helpers take any number of optimizers; none for inference only.
+    return [] if optimizer is None else [optimizer]
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     step: int,
     group: dist.ProcessGroup | None,
     generators: Generators | None = None,
@@ -136,12 +141,12 @@ def save_checkpoint(
     Args:
         path: checkpoint directory (created; shared by the group's ranks).
         model: the (parallelised) model.
-        optimizer: its optimizer.
+        optimizer: its optimizer; None for an inference-only model (no optimizer state).
         step: optimizer steps taken so far.
         group: the group spanning the model's ranks; None for one process.
         generators: the caller's own generators, saved with the RNG states.
     """
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     state = {
         "model": model_state,
         "optim": optim_state,
@@ -158,7 +163,7 @@ def load_checkpoint(
     path: str | os.PathLike[str],
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     group: dist.ProcessGroup | None,
     generators: Generators | None = None,
 ) -> int:
@@ -170,7 +175,8 @@ def load_checkpoint(
     Args:
         path: checkpoint directory.
         model: the model, already parallelised.
-        optimizer: its optimizer.
+        optimizer: its optimizer, or None (the checkpoint's optimizer state is then
+            not read).
         group: the group spanning the model's ranks; None for one process.
         generators: the caller's generators, restored in place.
 
@@ -185,7 +191,8 @@ def load_checkpoint(
             f"no checkpoint at {os.fspath(path)!r} (no .metadata file); pass a directory "
             "written by save / save_checkpoint"
         )
-    model_state, optim_state = get_state_dict(model, optimizer)
+    optimizers = _optimizers(optimizer)
+    model_state, optim_state = get_state_dict(model, optimizers)
     step = torch.tensor(0, dtype=torch.int64)
     state = {"model": model_state, "optim": optim_state, "engine": {"step": step}}
     # dcp.load fills the tensors of ``state`` in place (``step`` included).
@@ -193,7 +200,7 @@ def load_checkpoint(
         dcp.load(
             state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None
         )
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
     load_rng(path, group=group, generators=generators)
     return int(step)
 

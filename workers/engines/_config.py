@@ -1,4 +1,5 @@
-"""Settings of a training engine: optimizer, schedule, micro-batching, loss reduction."""
+"""Settings of a training engine: optimizer, schedule, micro-batching, loss reduction,
+precision and memory."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from workers.engines._batch import (
 )
 from workers.engines._errors import EngineConfigError, enum_field
 from workers.engines._losses import LossAggregation
+from workers.engines._precision import PRECISION_SETTINGS
 
 
 def _positive(name: str, value: float | None, *, allow_zero: bool = False) -> None:
@@ -64,6 +66,19 @@ class TrainingConfig:
     optimizer state, and the gradients are all-reduced once per step in one flat
     buffer (the fast choice while they fit). ``"auto"``: replicate models of at
     most :data:`REPLICATE_MAX_PARAMS` parameters, shard larger ones."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Numeric precision. ``"bf16"``: bfloat16 matrix products with float32 master
+    weights, float32 optimizer state and float32 gradient reduction (FSDP2's mixed
+    precision on a sharded model, ``torch.autocast`` on an unsharded one); an
+    inference-only engine (``trainable=False``) stores its weights in bf16 instead.
+    ``"fp32"``: float32 throughout. ``"auto"``: bf16 on a CUDA device with bfloat16,
+    fp32 elsewhere (the engine exposes the resolved one as ``engine.precision``).
+    Log-probs, entropy, values and losses are float32 in every case."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's forward in backward instead of keeping its
+    activations (non-reentrant ``torch.utils.checkpoint``): much less activation
+    memory for about one more forward per step. Needs a transformers model (or one
+    holding a transformers backbone)."""
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
@@ -84,6 +99,15 @@ class TrainingConfig:
         if self.data_parallel not in ("auto", "shard", "replicate"):
             raise EngineConfigError(
                 f"TrainingConfig.data_parallel must be 'auto', 'shard' or 'replicate', got {self.data_parallel!r}"
+            )
+        if self.precision not in PRECISION_SETTINGS:
+            raise EngineConfigError(
+                f"TrainingConfig.precision must be one of {PRECISION_SETTINGS}, got {self.precision!r}"
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise EngineConfigError(
+                "TrainingConfig.activation_checkpointing must be True or False, got "
+                f"{self.activation_checkpointing!r}"
             )
         aggregation = enum_field(
             "TrainingConfig.loss_aggregation", LossAggregation, self.loss_aggregation

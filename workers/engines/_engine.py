@@ -11,6 +11,10 @@ empty. A rank without rows (or with fewer micro-batches than a peer) runs a dumm
 row that weighs nothing, so it takes part in every collective. Losses and metrics
 are normalised over the global batch: a train step equals one full-batch step on
 the union of the slices, whatever the micro-batching and however rows are spread.
+
+Precision (``TrainingConfig.precision``) is a strategy object consulted before the
+layout and around each forward (:mod:`workers.engines._precision`); the state can be
+offloaded to host memory between calls (:meth:`TrainingEngine.offload`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workers.engines import _checkpoint
+from workers.engines._activation_checkpointing import enable_activation_checkpointing
 from workers.engines._batch import (
     build_inputs,
     check_batch,
@@ -38,24 +43,12 @@ from workers.engines._checkpoint import ExportWriter, Generators
 from workers.engines._config import TrainingConfig
 from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead
+from workers.engines._memory import MemoryFootprint, measure_memory
 from workers.engines._objectives import LossFn, ModelOutputs
-from workers.engines._parallel import (
-    Parallelism,
-    TensorParallelPlan,
-    clip_grad_norm,
-    group_by_layout,
-)
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """One AdamW group per (layout, decays) so foreach kernels see homogeneous tensors."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = []
-    for decays in (True, False):
-        chosen = [p for p in params if (p.ndim >= 2) == decays]
-        for layout in group_by_layout(chosen):
-            groups.append({"params": layout, "weight_decay": weight_decay if decays else 0.0})
-    return groups
+from workers.engines._offload import Offloader
+from workers.engines._optimizer import build_adamw
+from workers.engines._parallel import Parallelism, TensorParallelPlan, clip_grad_norm
+from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
 
 
 class _StepStats:
@@ -106,6 +99,8 @@ class TrainingEngine:
         >>> engine = TrainingEngine(model, config=TrainingConfig(lr=1e-5), loss=PolicyLoss())
         >>> logprobs, entropy = engine.log_probs(batch)
         >>> metrics = engine.train_step(batch | {"old_logprobs": logprobs, "advantages": adv})
+        >>> engine.offload()  # free the GPU for generation; engine.reload() before training
+        >>> ref = TrainingEngine(ref_model, config=TrainingConfig(), trainable=False)
     """
 
     def __init__(
@@ -118,6 +113,7 @@ class TrainingEngine:
         loss: LossFn | None = None,
         tp_plan: TensorParallelPlan | None = None,
         process_group: dist.ProcessGroup | None = None,
+        trainable: bool = True,
     ) -> None:
         """Lay the model out over the mesh and build its optimizer.
 
@@ -135,10 +131,17 @@ class TrainingEngine:
                 :meth:`save`, :meth:`load` and :meth:`export_hf` are collective (a role
                 passes its pool's group). Default: the default process group with a
                 mesh, no group without one.
+            trainable: False for an inference-only engine (a reference or reward
+                model): no optimizer is built, the parameters stop requiring gradients,
+                :meth:`train_step` raises, activation checkpointing does not apply, and
+                under bf16 precision the parameters themselves are cast to bfloat16
+                (half the memory; buffers keep their dtype). Outputs stay float32.
 
         Raises:
-            EngineConfigError: for an invalid mesh (names, ``pp > 1``) or a model whose
-                head counts ``tp`` does not divide.
+            EngineConfigError: for an invalid mesh (names, ``pp > 1``), a model whose
+                head counts ``tp`` does not divide, ``precision="bf16"`` on a GPU
+                without bfloat16, or activation checkpointing on a model without
+                transformers' gradient checkpointing.
         """
         self.config = config
         self.parallel = Parallelism(mesh, tp_plan=tp_plan)
@@ -146,18 +149,37 @@ class TrainingEngine:
             process_group = dist.group.WORLD
         self.process_group = process_group
         self.device = self.parallel.device_for(model)
-        parameters = sum(p.numel() for p in model.parameters())
-        self.model = self.parallel.parallelize(model, replicate=config.replicates(parameters))
+        self.trainable = trainable
+        replicate = config.replicates(sum(p.numel() for p in model.parameters()))
+        self._precision = precision_strategy(
+            resolve_precision(config.precision, self.device),
+            device=self.device,
+            trainable=trainable,
+            sharded=self.parallel.shards(replicate=replicate),
+        )
+        # Order: the dtype and the recompute wrapping are settled on the whole model,
+        # before TP and FSDP2 split it (FSDP2 shards whatever dtype it finds).
+        self._precision.prepare(model)
+        if not trainable:
+            model.requires_grad_(False)
+        elif config.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        self.model = self.parallel.parallelize(
+            model, replicate=replicate, mp_policy=self._precision.fsdp_policy()
+        )
         self.head: ModelHead = head if head is not None else CausalLMHead()
         self.loss = loss
         self._planner = config.micro_batch_planner()
-        self.optimizer = torch.optim.AdamW(
-            _param_groups(self.model, config.weight_decay),
-            lr=config.lr_at(0),
-            betas=config.betas,
-            eps=config.eps,
+        self.optimizer: torch.optim.Optimizer | None = (
+            build_adamw(self.model, config, self.device) if trainable else None
         )
+        self._offloader = Offloader(self.model, self.optimizer, device=self.device)
         self._step = 0
+
+    @property
+    def precision(self) -> PrecisionName:
+        """The resolved ``TrainingConfig.precision``: ``"fp32"`` or ``"bf16"``."""
+        return self._precision.name
 
     @property
     def step(self) -> int:
@@ -209,6 +231,7 @@ class TrainingEngine:
         return self._infer(batch, self.head).require("values")
 
     def _infer(self, batch: Mapping[str, Tensor], head: ModelHead) -> ModelOutputs:
+        self._require_resident("log_probs/values", optimizer=False)
         rows = check_batch(batch)
         batch = self._to_device(batch)
         self._check_positions(batch)
@@ -220,7 +243,8 @@ class TrainingEngine:
             with torch.no_grad():
                 for rows_idx in self._plan(batch):
                     micro, dummy = self._micro_batch(batch, rows_idx)
-                    outputs = head(self.model, build_inputs(micro), entropy_grad=False)
+                    with self._precision.context():
+                        outputs = head(self.model, build_inputs(micro), entropy_grad=False)
                     self._collect(results, outputs, None if dummy else rows_idx, micro, shape)
         finally:
             self.model.train(was_training)
@@ -272,8 +296,11 @@ class TrainingEngine:
             on every rank.
 
         Raises:
-            EngineConfigError: if no objective is given, or as :meth:`log_probs`.
+            EngineConfigError: if no objective is given, the engine is inference-only
+                (``trainable=False``) or offloaded (call :meth:`reload`), or as
+                :meth:`log_probs`.
         """
+        optimizer = self._trainable_optimizer("train_step")
         loss_fn = loss if loss is not None else self.loss
         if loss_fn is None:
             raise EngineConfigError(
@@ -291,14 +318,15 @@ class TrainingEngine:
         scale = self.parallel.dp_size / normaliser
 
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         stats = _StepStats(self.device)
         for rows_idx in self._plan(batch):
             micro, dummy = self._micro_batch(batch, rows_idx)
-            outputs = self._pad_outputs(
-                self.head(self.model, build_inputs(micro), entropy_grad=loss_fn.uses_entropy),
-                micro["response_ids"].shape[1],
-            )
+            # Only the forward runs under the precision context (autocast's rule: the
+            # backward follows the forward's dtypes); the objective computes in float32.
+            with self._precision.context():
+                raw = self.head(self.model, build_inputs(micro), entropy_grad=loss_fn.uses_entropy)
+            outputs = self._pad_outputs(raw, micro["response_ids"].shape[1])
             if dummy:
                 # Same forward and backward as a real micro-batch (FSDP's collectives),
                 # but zero gradient; the loss still names the metrics every rank reports.
@@ -313,9 +341,9 @@ class TrainingEngine:
             stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
         self.parallel.reduce_gradients(self.model)
         reduced = stats.reduce(self.parallel)
-        return reduced | self._optimizer_step(reduced["loss"])
+        return reduced | self._optimizer_step(optimizer, reduced["loss"])
 
-    def _optimizer_step(self, loss: float) -> dict[str, float]:
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, loss: float) -> dict[str, float]:
         # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
         # same decision.
         grad_norm = self._clip_gradients()
@@ -323,16 +351,68 @@ class TrainingEngine:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         skip = self.config.skip_non_finite and not finite
         if not skip:
-            for group in self.optimizer.param_groups:
+            for group in optimizer.param_groups:
                 group["lr"] = lr
-            self.optimizer.step()
+            optimizer.step()
             self._step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr, "step_skipped": float(skip)}
 
     def _clip_gradients(self) -> float:
         """Total gradient norm over every shard, before clipping to ``grad_clip``."""
         return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip))
+
+    # -------------------------------------------------------------------- memory
+
+    def offload(self, *, params: bool = False) -> None:
+        """Move the optimizer state (and with ``params`` the parameters and gradients)
+        to host memory, freeing the device memory for something else (generation on
+        the same GPU). Idempotent; a no-op on a CPU engine.
+
+        On CUDA the bytes go to pinned host memory without blocking and the freed
+        memory is returned to the driver (``torch.cuda.empty_cache``). Until
+        :meth:`reload`, :meth:`train_step`, :meth:`save` and :meth:`load` raise, and
+        with ``params`` so do the forward passes and weight export. Local to this
+        rank (not a collective).
+
+        Args:
+            params: also move the parameters and any gradients.
+        """
+        if self.device.type == "cpu":
+            return
+        self._offloader.offload(params=params)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Bring back what :meth:`offload` moved; training then continues bit-identically
+        to a run that never offloaded. Idempotent; a no-op on a CPU engine."""
+        self._offloader.reload()
+
+    def memory_footprint(self) -> MemoryFootprint:
+        """Bytes of this rank's state on the engine's device now, by kind.
+
+        Returns:
+            Parameters, gradients (0 between steps) and optimizer state; offloaded
+            state counts 0. Activations and the allocator's cache are not included.
+        """
+        return measure_memory(self.model, self.optimizer, self.device)
+
+    def _require_resident(self, what: str, *, optimizer: bool) -> None:
+        if self._offloader.params_offloaded or (optimizer and self._offloader.optimizer_offloaded):
+            raise EngineConfigError(
+                f"TrainingEngine.{what}: the engine's state is offloaded to host memory; "
+                "call engine.reload() first"
+            )
+
+    def _trainable_optimizer(self, what: str) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise EngineConfigError(
+                f"TrainingEngine.{what} needs a trainable engine, this one was built with "
+                "trainable=False (inference only); build it with trainable=True to train"
+            )
+        self._require_resident(what, optimizer=True)
+        return self.optimizer
 
     # ------------------------------------------------------------------- helpers
 
@@ -391,7 +471,11 @@ class TrainingEngine:
         Args:
             path: checkpoint directory, shared by all ranks.
             generators: the caller's own generators, saved with the global RNG states.
+
+        Raises:
+            EngineConfigError: if the engine is offloaded (call :meth:`reload`).
         """
+        self._require_resident("save", optimizer=True)
         _checkpoint.save_checkpoint(
             path,
             model=self.model,
@@ -411,8 +495,10 @@ class TrainingEngine:
             generators: the caller's generators, restored in place when saved.
 
         Raises:
-            EngineConfigError: if ``path`` holds no checkpoint.
+            EngineConfigError: if ``path`` holds no checkpoint, or the engine is
+                offloaded (call :meth:`reload`).
         """
+        self._require_resident("load", optimizer=True)
         self._step = _checkpoint.load_checkpoint(
             path,
             model=self.model,
@@ -436,8 +522,9 @@ class TrainingEngine:
 
         Raises:
             EngineConfigError: without ``save``, if the model is not a Hugging Face
-                ``PreTrainedModel``.
+                ``PreTrainedModel``; if the parameters are offloaded.
         """
+        self._require_resident("export_hf", optimizer=False)
         _checkpoint.export_hf(path, self.model, group=self.process_group, writer=0, save=save)
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -447,5 +534,9 @@ class TrainingEngine:
 
         Yields:
             Full, detached tensors by the model's own (Hugging Face) names.
+
+        Raises:
+            EngineConfigError: if the parameters are offloaded (call :meth:`reload`).
         """
+        self._require_resident("named_full_weights", optimizer=False)
         return _checkpoint.named_full_weights(self.model)

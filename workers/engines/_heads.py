@@ -2,12 +2,15 @@
 
 A causal LM yields log-probs (and entropy) of the response tokens; a value model
 yields one value per response position. The engine is the same for both roles; the
-head is the strategy that differs.
+head is the strategy that differs. Whatever dtype the model computes in (bf16 under
+mixed precision), the heads return float32: logits are upcast chunk by chunk with
+autocast switched off, values are cast.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +44,12 @@ class ModelHead(Protocol):
 
 def _accepted_kwargs(model: nn.Module) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
+
+
+def _float32_math(tensor: Tensor) -> AbstractContextManager[None]:
+    """Autocast off on ``tensor``'s device: the log-softmax math stays float32 even when
+    the engine runs the model's forward under ``torch.autocast``."""
+    return torch.autocast(tensor.device.type, enabled=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,15 +93,16 @@ class CausalLMHead:
         )
         logits = out.logits if hasattr(out, "logits") else out
         logits = logits[:, -(width + 1) : -1]
-        logprobs = logprobs_from_logits(
-            logits, inputs.response_ids, temperature=self.temperature, chunk_size=self.chunk_size
-        )
-        entropy = None
-        if self.with_entropy:
-            source = logits if entropy_grad else logits.detach()
-            entropy = entropy_from_logits(
-                source, temperature=self.temperature, chunk_size=self.chunk_size
+        with _float32_math(logits):
+            logprobs = logprobs_from_logits(
+                logits, inputs.response_ids, temperature=self.temperature, chunk_size=self.chunk_size
             )
+            entropy = None
+            if self.with_entropy:
+                source = logits if entropy_grad else logits.detach()
+                entropy = entropy_from_logits(
+                    source, temperature=self.temperature, chunk_size=self.chunk_size
+                )
         return ModelOutputs(logprobs=logprobs, entropy=entropy)
 
 

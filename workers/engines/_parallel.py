@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -112,15 +112,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
                 setattr(parent, attr, count // tp)
 
 
-def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
     # Each block of every ModuleList (the transformer layers) is its own FSDP unit so
     # that only one block's full parameters exist at a time; the root unit holds the
-    # rest (embeddings, final norm, heads).
+    # rest (embeddings, final norm, heads). Every unit gets the same precision policy.
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
-                fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+                fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
 class Parallelism:
@@ -195,7 +195,24 @@ class Parallelism:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.mesh.device_type)
 
-    def parallelize(self, model: nn.Module, *, replicate: bool = False) -> nn.Module:
+    def shards(self, *, replicate: bool) -> bool:
+        """Whether :meth:`parallelize` with this ``replicate`` shards with FSDP2.
+
+        Args:
+            replicate: the value to be passed to :meth:`parallelize`.
+
+        Returns:
+            True when there is more than one data-parallel rank and no replication.
+        """
+        return self.mesh is not None and self.dp_size > 1 and not replicate
+
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        replicate: bool = False,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> nn.Module:
         """Move the model to its device and apply TP then, over ``"dp"``, FSDP2 or
         (``replicate``) nothing: every data-parallel rank keeps a whole copy and
         :meth:`reduce_gradients` averages the gradients. Each applies only if its
@@ -204,6 +221,8 @@ class Parallelism:
         Args:
             model: an unsharded model, identical on every rank.
             replicate: keep whole copies over ``"dp"`` instead of sharding.
+            mp_policy: FSDP2's mixed-precision policy for every ``fully_shard`` call
+                (default: compute and reduce in the parameters' dtype).
 
         Returns:
             The same module object, now laid out in place.
@@ -212,8 +231,8 @@ class Parallelism:
         if self.mesh is not None and self.tp_size > 1:
             apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
         self.replicated = replicate and self.dp_size > 1
-        if self.mesh is not None and self.dp_size > 1 and not replicate:
-            _apply_fully_shard(model, self.mesh["dp"])
+        if self.mesh is not None and self.shards(replicate=replicate):
+            _apply_fully_shard(model, self.mesh["dp"], mp_policy or MixedPrecisionPolicy())
         return model
 
     def reduce_gradients(self, model: nn.Module) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import msgspec
+import torch
 
 from channels import ConfigError
 from workers.engines import NLLLoss, TrainingConfig, TrainingEngine
@@ -61,6 +63,10 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Rows decoded at once by the probes and the final evaluation."""
     seed: int = 0
     """Seed of the model's initialisation and of the batch order."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the warm start trains (in the calling process): ``"auto"`` takes the
+    first CUDA GPU when there is one (in bf16: ``TrainingConfig``'s ``"auto"``
+    precision), else the CPU. Its device memory is released when it ends."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "probe_size", "probe_every", "decode_batch_size"):
@@ -82,6 +88,19 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ConfigError(
                 f"SFTConfig.max_seconds must be > 0 or None, got {self.max_seconds!r}"
             )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"SFTConfig.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    def torch_device(self) -> torch.device:
+        """The device :attr:`device` names here.
+
+        Raises:
+            ConfigError: ``"cuda"`` on a machine without a CUDA GPU.
+        """
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("SFTConfig.device = 'cuda' but this machine has no CUDA GPU; use 'auto' or 'cpu'")
+        cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, float]:
@@ -112,7 +131,8 @@ def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, fl
         max_new_tokens=max_new_tokens,
         max_positions=config.model.max_position_embeddings,
     )
-    model = build_tiny_model(config.model, seed=config.seed)
+    device = config.torch_device()
+    model = build_tiny_model(config.model, seed=config.seed).to(device)
     engine = TrainingEngine(
         model,
         config=TrainingConfig(
@@ -133,6 +153,9 @@ def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, fl
         result = evaluate_greedy(rollout, splits.eval, tokenizer, max_new_tokens=max_new_tokens)
         metrics["eval_accuracy"] = result["accuracy"]
         metrics["eval_seconds"] = time.perf_counter() - start
+    if device.type == "cuda":  # the RL workers want this memory back
+        del engine, rollout, model
+        torch.cuda.empty_cache()
     return metrics
 
 
