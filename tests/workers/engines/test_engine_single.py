@@ -157,9 +157,11 @@ def test_errors_name_the_field_and_the_fix() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_matches_cpu_engine() -> None:
     batch = make_batch()
-    cpu = TrainingEngine(tiny_lm(), config=TrainingConfig(**EXACT), loss=PolicyLoss())
-    gpu = TrainingEngine(tiny_lm().cuda(), config=TrainingConfig(**EXACT), loss=PolicyLoss())
-    assert gpu.device.type == "cuda"
+    # fp32 on both: "auto" would pick bf16 on CUDA (test_precision covers bf16).
+    config = TrainingConfig(**EXACT, precision="fp32")
+    cpu = TrainingEngine(tiny_lm(), config=config, loss=PolicyLoss())
+    gpu = TrainingEngine(tiny_lm().cuda(), config=config, loss=PolicyLoss())
+    assert gpu.device.type == "cuda" and gpu.precision == "fp32"
     torch.testing.assert_close(
         gpu.log_probs(batch)[0].cpu(), cpu.log_probs(batch)[0], rtol=1e-4, atol=1e-4
     )
