@@ -144,6 +144,10 @@ class CharTokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Turn token ids back into text.
 
+        An id past the alphabet (a row of a model's padded vocabulary, see
+        ``TinyModelConfig.vocab_size``, which an untrained model may sample) reads as
+        ``<unk>``, as Hugging Face tokenizers read their padded ids.
+
         Args:
             ids: Token ids.
             skip_special_tokens: Drop ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>``.
@@ -152,12 +156,15 @@ class CharTokenizer:
             The text.
 
         Raises:
-            ValueError: If an id is outside ``[0, vocab_size)``.
+            ConfigError: If an id is negative.
         """
         pieces = []
+        unk = self._ids[_UNK]
         for token_id in ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise ConfigError(f"token id {token_id} is outside [0, {self.vocab_size})")
+            if token_id < 0:
+                raise ConfigError(f"token id {token_id} is negative")
+            if token_id >= self.vocab_size:
+                token_id = unk
             if skip_special_tokens and token_id < len(SPECIAL_TOKENS):
                 continue
             pieces.append(self._tokens[token_id])

@@ -46,8 +46,16 @@ def test_unknown_symbol_and_bad_id_are_rejected() -> None:
     tokenizer = CharTokenizer()
     with pytest.raises(ValueError, match=r"'x' at position 2"):
         tokenizer.encode("12x")
-    with pytest.raises(ValueError, match="outside"):
-        tokenizer.decode([tokenizer.vocab_size])
+    with pytest.raises(ValueError, match="negative"):
+        tokenizer.decode([-1])
+
+
+def test_ids_of_a_padded_vocabulary_read_as_unknown(hf_tokenizer: PreTrainedTokenizerBase) -> None:
+    """A model whose vocabulary is padded past the alphabet may sample those ids."""
+    tokenizer = CharTokenizer()
+    padded = [tokenizer.encode("1", add_bos=False)[0], tokenizer.vocab_size, tokenizer.vocab_size + 1000]
+    assert tokenizer.decode(padded) == "1" == hf_tokenizer.decode(padded, skip_special_tokens=True)
+    assert tokenizer.decode(padded, skip_special_tokens=False) == "1<unk><unk>"
 
 
 @pytest.mark.parametrize(
