@@ -10,12 +10,13 @@ prompt token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from channels import ConfigError
-from workers.engines import build_inputs
+from workers.engines import build_inputs, resolve_precision
 from workers.models import ValueModel, load_model
 from workers.rewards._inputs import ScoreInputs
 
@@ -31,6 +32,10 @@ class ModelRewardConfig:
     """Samples per forward pass."""
     head_seed: int = 0
     """Seed of a fresh value head (ignored when the directory has one)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """The model's inference precision: ``"bf16"`` stores its weights in bfloat16
+    (scores are float32 either way), ``"fp32"`` in float32, ``"auto"``: bf16 on a GPU,
+    fp32 on the CPU (``workers.engines.resolve_precision``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -41,6 +46,8 @@ class ModelRewardConfig:
             raise ConfigError(
                 f"ModelRewardConfig.micro_batch_size must be an int >= 1, got {self.micro_batch_size!r}"
             )
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"ModelRewardConfig.precision must be 'auto', 'fp32' or 'bf16', got {self.precision!r}")
 
     def build(self, device: torch.device) -> ModelScorer:
         """Load the model onto ``device``.
@@ -52,6 +59,8 @@ class ModelRewardConfig:
             A :class:`ModelScorer`.
         """
         model = load_model(self.model_dir, kind="value", head_seed=self.head_seed)
+        if resolve_precision(self.precision, device) == "bf16":  # cast on the host: no float32 copy on the device
+            model = model.to(torch.bfloat16)
         return ModelScorer(model.to(device), micro_batch_size=self.micro_batch_size)
 
 

@@ -59,6 +59,21 @@ def test_model_score_is_the_value_at_the_last_response_token(model_dir: str) -> 
     torch.testing.assert_close(one_by_one, scores, atol=1e-5, rtol=0)
 
 
+def test_a_bf16_reward_model_stores_bf16_weights_and_scores_close_to_fp32(model_dir: str) -> None:
+    fp32 = ModelRewardConfig(model_dir=model_dir, head_seed=2, precision="fp32").build(torch.device("cpu"))
+    bf16 = ModelRewardConfig(model_dir=model_dir, head_seed=2, precision="bf16").build(torch.device("cpu"))
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
+    expected, got = fp32(_inputs()), bf16(_inputs())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=0.05 * float(expected.abs().max()), rtol=0)
+    # "auto" is fp32 on the CPU; an unknown precision names the field.
+    auto = ModelRewardConfig(model_dir=model_dir, head_seed=2).build(torch.device("cpu"))
+    assert {p.dtype for p in auto.model.parameters()} == {torch.float32}
+    with pytest.raises(ConfigError, match=r"ModelRewardConfig\.precision"):
+        ModelRewardConfig(model_dir=model_dir, precision="fp8")  # type: ignore[arg-type]
+
+
 def test_reward_and_cost_roles_write_their_fields(model_dir: str, tmp_path: Path) -> None:
     batch = Batch({"prompt_ids": _inputs().prompt_ids, "prompt_mask": _inputs().prompt_mask,
                    "response_ids": _inputs().response_ids, "response_mask": _inputs().response_mask})
