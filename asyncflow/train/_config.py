@@ -45,6 +45,7 @@ from asyncflow.train._sections import (
     WeightedFunction,
 )
 from channels import ConfigError
+from workers.engines import megatron_available
 from workers.tasks import ArithmeticTaskConfig, SFTConfig
 
 __all__ = [
@@ -266,6 +267,7 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"worker_nice must be in 0..19 (lower runs first), got {config.worker_nice}")
     heads, source = _check_start(config)
     _check_placement(config, heads, source)
+    _check_engines(config)
     _check_scores(config)
     _check_algorithms(config)
 
@@ -362,6 +364,19 @@ def _check_gen(config: RunConfig, role: str, place: PlacementSection) -> None:
     if config.actor.rollout_engine != "native":
         raise ConfigError(f"{key} needs actor.rollout_engine = \"native\" (got {config.actor.rollout_engine!r}); "
                           "vLLM with the hybrid engine is planned")
+    if config.actor.engine != "native":
+        raise ConfigError(f"{key} needs actor.engine = \"native\" (got {config.actor.engine!r}): the hybrid engine "
+                          "reshards the native engine's DTensor shards; resharding Megatron's is planned")
+
+
+def _check_engines(config: RunConfig) -> None:
+    """A Megatron engine chosen for a role the run places needs megatron-core here."""
+    roles = needed_roles(config)
+    for key, engine, users in (("actor", config.actor.engine, ("actor", "ref")),
+                               ("critic", config.critic.engine, ("critic", "cost_critic"))):
+        problem = megatron_available() if engine == "megatron" and set(users) & set(roles) else None
+        if problem is not None:
+            raise ConfigError(f"{key}.engine = \"megatron\": {problem}; or set {key}.engine = \"native\"")
 
 
 def _check_rollout_role(config: RunConfig, place: PlacementSection, heads: tuple[int, int], source: str) -> None:

@@ -66,14 +66,17 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
     actor_training = dataclasses.replace(_training(a), data_parallel="replicate") if hybrid else _training(a)
     build = {
         "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=actor_training, update=_update(a),
-                                                   rollout=None if disaggregated else rollout, seed=config.seed)),
+                                                   rollout=None if disaggregated else rollout, seed=config.seed,
+                                                   engine=a.engine)),
         "rollout": lambda: (RolloutWorker, RolloutWorkerConfig(model_dir=model_dir, rollout=rollout,
                                                                seed=config.seed)),
-        "ref": lambda: (ReferenceWorker, ReferenceConfig(model_dir=model_dir, seed=config.seed)),
+        "ref": lambda: (ReferenceWorker, ReferenceConfig(model_dir=model_dir, seed=config.seed, engine=a.engine)),
         "critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
-                                                      update=_update(config.critic), seed=config.seed)),
+                                                      update=_update(config.critic), seed=config.seed,
+                                                      engine=config.critic.engine)),
         "cost_critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
-                                                           update=_update(config.critic), seed=config.seed + 1)),
+                                                           update=_update(config.critic), seed=config.seed + 1,
+                                                           engine=config.critic.engine)),
         "reward": lambda: (RewardWorker, _scorer(config.reward, model_dir)),
         "cost": lambda: (CostWorker, _scorer(config.cost, model_dir)),
     }

@@ -182,6 +182,12 @@ class OptimSection(msgspec.Struct, **_CFG):
     """Passes over each step's batch."""
     mini_batches: int = 1
     """Optimizer steps per pass."""
+    engine: Literal["native", "megatron"] = "native"
+    """The training engine: ``"native"`` (PyTorch FSDP2 and DTensor tensor
+    parallelism; CPU or GPU) or ``"megatron"`` (Megatron-core's layers over the same
+    placement: GPUs, ``pip install 'megatron-core>=0.16'``, Llama/Qwen2 models, no
+    pipeline stages, no generation layout). The reference policy runs on the actor's
+    engine."""
 
     def __post_init__(self) -> None:
         key = type(self).__name__  # the section's own name; load_config says which one

@@ -48,7 +48,7 @@ from workers.engines._losses import (
     masked_var,
     masked_whiten,
 )
-from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine
+from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine, megatron_available
 from workers.engines._memory import MemoryFootprint, estimate_memory
 from workers.engines._objectives import (
     BEHAVIOUR_LOGPROBS,
@@ -137,6 +137,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "megatron_available",
     "ppo_policy_loss",
     "remax_advantages",
     "resolve_precision",

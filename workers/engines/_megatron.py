@@ -1,11 +1,13 @@
 """Megatron-core training engine: :class:`TrainingEngine`'s API on a Megatron ``GPTModel``.
 
-For GPU machines (megatron-core, the ``gpu`` extra), imported only when an engine is
-created. The engine takes the model TrainingEngine takes (a Llama/Qwen2 causal LM or
-a :class:`~workers.models.ValueModel`), builds a ``GPTModel`` from Megatron's own
-layers (the "local" spec: no Transformer Engine or Apex), copies the weights into it
-sharded over ``megatron.core.parallel_state``'s tensor-parallel group, and runs
-TrainingEngine's heads, objectives, loss aggregation and micro-batching on it.
+For GPU machines (megatron-core >= 0.16, the ``gpu`` extra; megatron-core is
+imported only when an engine is created); roles choose it with ``engine="megatron"``
+(:mod:`workers.roles._engine_choice`). The engine takes the model TrainingEngine
+takes (a Llama/Qwen2 causal LM or a :class:`~workers.models.ValueModel`), builds a
+``GPTModel`` from Megatron's own layers (the "local" spec: no Transformer Engine or
+Apex; :mod:`workers.engines._megatron_model`), copies the weights into it sharded
+over its mesh's tensor-parallel group, and runs TrainingEngine's heads, objectives,
+loss aggregation and micro-batching on it.
 Data-parallel groups pass their own rows and average gradients once per step, so a
 step equals one full-batch step. Pipeline parallelism is rejected for now (it needs
 Megatron's pipeline schedules).
@@ -17,6 +19,33 @@ here.
 Megatron's RoPE counts positions from the first column rather than from each row's
 first real token; rotary attention depends only on query-key distances and a row's
 real tokens are contiguous, so the shift changes no result.
+
+Process groups: the engine never initialises ``megatron.core.parallel_state``.
+Megatron's ``initialize_model_parallel`` is collective over the whole default
+process group and keeps its groups in process-global state; in an asyncflow
+session the default group spans every worker of every pool, so a role on one pool
+calling it would wait for workers of other pools that never call it (a hang), and
+two roles of one process with different layouts would fight over the one global
+state. Instead the engine hands Megatron the groups of its own ``("pp", "dp",
+"tp")`` DeviceMesh (a role's: its pool's reconnectable groups) through a
+``ProcessGroupCollection`` (``GPTModel(pg_collection=...)``, megatron-core >= 0.16),
+and a group of this rank alone without a mesh; context parallelism is always this
+rank alone. Each engine thus holds its own groups, and every collective it runs is
+over its own mesh. Two things stay process-global, neither tied to a layout:
+Megatron's scratch buffer for attention scores (made here once per process,
+because its only public initialiser is ``initialize_model_parallel``) and the CUDA
+RNG tracker (seeded per engine with this rank's tensor coordinate; the engine runs
+without dropout, so no result depends on it).
+
+Megatron's model needs CUDA (its RoPE and RNG tracker call CUDA), so the engine
+refuses a model on the CPU. ``TrainingConfig.precision`` applies as in
+TrainingEngine on an unsharded model (bf16: the forwards run under bfloat16
+autocast, parameters, gradients and optimizer state stay float32).
+``TrainingConfig.data_parallel`` "shard" is refused: data-parallel ranks keep whole
+(tensor-parallel) replicas and average gradients in an all-reduce (Megatron's
+distributed optimizer is not driven yet); so is ``activation_checkpointing``
+(transformers' mechanism does not reach Megatron's layers; Megatron's own recompute
+is planned).
 """
 
 from __future__ import annotations
@@ -25,12 +54,13 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from workers.engines import _checkpoint
 from workers.engines._checkpoint import Generators
@@ -38,10 +68,18 @@ from workers.engines._config import TrainingConfig
 from workers.engines._engine import TrainingEngine
 from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
+from workers.engines._megatron_model import (
+    HFStyleGPT,
+    build_gpt,
+    megatron_groups,
+    padding_idx_of,
+    prepare_process,
+)
 from workers.engines._megatron_weights import (
     GPTShape,
     ModelKind,
     hf_to_megatron,
+    megatron_shard_to_hf,
     megatron_tensor_to_hf,
     megatron_to_hf,
     merge_from_tp,
@@ -52,58 +90,66 @@ from workers.engines._objectives import LossFn
 from workers.engines._parallel import Parallelism
 
 __all__ = [
+    "MEGATRON_MIN_VERSION",
     "GPTShape",
     "MegatronConfig",
     "MegatronTrainingEngine",
     "hf_to_megatron",
+    "megatron_available",
+    "megatron_shard_to_hf",
     "megatron_tensor_to_hf",
     "megatron_to_hf",
     "merge_from_tp",
     "split_for_tp",
 ]
 
+MEGATRON_MIN_VERSION = (0, 16)
+"""The oldest megatron-core the engine runs on: it passes its process groups to
+``GPTModel(pg_collection=...)`` instead of initialising Megatron's global state."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronConfig:
-    """Parallel layout and precision of a :class:`MegatronTrainingEngine`."""
+    """What a :class:`MegatronTrainingEngine` needs beyond :class:`TrainingConfig`
+    (its layout is its mesh's, its precision ``TrainingConfig.precision``)."""
 
-    tensor_parallel: int = 1
-    """Tensor-parallel size; must divide the head and query-group counts."""
-    pipeline_parallel: int = 1
-    """Pipeline-parallel size; only 1 is supported for now."""
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the forward and backward (autocast); parameters and optimizer stay
-    float32. float32 keeps log-probs within 1e-3 of the rollout engines'."""
     seed: int = 0
     """Seed of Megatron's model-parallel CUDA RNG tracker (dropout; the engine runs
     without dropout, but Megatron's attention needs the tracker)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EngineConfigError(f"MegatronConfig.{name} must be an int >= 1, got {value!r}")
-        if self.pipeline_parallel != 1:
-            raise EngineConfigError(
-                "MegatronConfig.pipeline_parallel must be 1: pipeline parallelism needs "
-                "Megatron's pipeline schedules, which this engine does not drive yet"
-            )
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise EngineConfigError(
-                f"MegatronConfig.compute_dtype must be 'float32' or 'bfloat16', got "
-                f"{self.compute_dtype!r}"
-            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise EngineConfigError(f"MegatronConfig.seed must be an int, got {self.seed!r}")
 
 
-def _import_megatron() -> Any:
+def megatron_available() -> str | None:
+    """Why the Megatron engine cannot run in this environment, or None when it can.
+
+    Reads the installed distribution's version only (imports nothing).
+
+    Returns:
+        A sentence naming what to install, or None.
+    """
+    want = ".".join(map(str, MEGATRON_MIN_VERSION))
     try:
-        from megatron.core import parallel_state
-    except ImportError as err:
-        raise EngineConfigError(
-            "MegatronTrainingEngine needs megatron-core: pip install megatron-core "
-            "(asyncflow's 'gpu' extra), or use TrainingEngine"
-        ) from err
-    return parallel_state
+        version = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return (f"megatron-core is not installed: pip install 'megatron-core>={want}' "
+                "(asyncflow's 'gpu' extra)")
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    if tuple(parts) < MEGATRON_MIN_VERSION:
+        return (f"megatron-core {version} is installed, the engine needs >= {want} "
+                f"(explicit process groups): pip install -U 'megatron-core>={want}'")
+    return None
+
+
+def _import_megatron() -> None:
+    problem = megatron_available()
+    if problem is not None:
+        raise EngineConfigError(f"MegatronTrainingEngine: {problem}; or use TrainingEngine")
 
 
 def _model_kind(model: nn.Module) -> ModelKind:
@@ -117,130 +163,20 @@ def _model_kind(model: nn.Module) -> ModelKind:
     )
 
 
-class _ValueOutputLayer(nn.Linear):
-    """``Linear(hidden, 1)`` called the way ``GPTModel`` calls its output layer."""
-
-    def forward(  # type: ignore[override]
-        self, hidden: Tensor, *_: Any, **__: Any
-    ) -> tuple[Tensor, None]:
-        return super().forward(hidden), None
-
-
-class _HFStyleGPT(nn.Module):
-    """A ``GPTModel`` called like a transformers model: ``(input_ids, attention_mask,
-    position_ids)`` in, logits ``[B, T, V]`` (causal LM) or values ``[B, T]`` out."""
-
-    def __init__(
-        self, gpt: nn.Module, *, kind: ModelKind, vocab_size: int, compute_dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.gpt = gpt
-        self.kind = kind
-        self.vocab_size = vocab_size
-        self.compute_dtype = compute_dtype
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-    ) -> Tensor:
-        """Logits over the real vocabulary, or float32 values."""
-        rows, length = input_ids.shape
-        device = input_ids.device
-        real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        if position_ids is None:
-            position_ids = torch.arange(length, device=device).expand(rows, length)
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-        # Megatron's mask convention: True = masked out.
-        masked_out = ~(causal[None, None] & real.bool()[:, None, None, :])
-        low_precision = self.compute_dtype != torch.float32
-        with torch.autocast(device.type, dtype=self.compute_dtype, enabled=low_precision):
-            out = self.gpt(input_ids, position_ids, masked_out)
-        if self.kind == "value":
-            return out[..., 0].float()
-        return out[..., : self.vocab_size]
+def _device_of(model: nn.Module, mesh: DeviceMesh | None) -> torch.device:
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if device.type != "cuda":
+        raise EngineConfigError(
+            f"MegatronTrainingEngine needs the model on a CUDA device, got {device} (Megatron's "
+            "RoPE and RNG tracker are CUDA-only); use TrainingEngine on the CPU"
+        )
+    return device
 
 
-def _transformer_config(shape: GPTShape, settings: MegatronConfig, device: torch.device) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_kv_heads,
-        kv_channels=shape.head_dim,
-        ffn_hidden_size=shape.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=shape.norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=shape.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=settings.tensor_parallel,
-        pipeline_model_parallel_size=settings.pipeline_parallel,
-        params_dtype=torch.float32,
-        # The weights come from the HF model: skip Megatron's random initialisation.
-        perform_initialization=False,
-        use_cpu_initialization=device.type == "cpu",
-        # Fused kernels need Apex or Transformer Engine; the local spec runs without.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
-
-
-def _build_gpt(
-    shape: GPTShape, settings: MegatronConfig, kind: ModelKind, device: torch.device
-) -> nn.Module:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    gpt = GPTModel(
-        _transformer_config(shape, settings, device),
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=shape.padded_vocab_size(settings.tensor_parallel),
-        max_sequence_length=shape.max_position_embeddings,
-        parallel_output=False,  # gather logits over TP: the heads need the whole vocabulary
-        share_embeddings_and_output_weights=kind == "causal_lm" and shape.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(shape.rope_theta),
-    )
-    if kind == "value":
-        gpt.output_layer = _ValueOutputLayer(shape.hidden_size, 1)
-    return gpt.to(device)
-
-
-class _MegatronParallel(Parallelism):
-    """Parallelism's data-parallel interface over Megatron's DP group (no DeviceMesh)."""
-
-    def __init__(self, parallel_state: Any, device: torch.device) -> None:
-        super().__init__(None, device=device)
-        self._ps = parallel_state
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel groups."""
-        return int(self._ps.get_data_parallel_world_size())
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel group index."""
-        return int(self._ps.get_data_parallel_rank())
-
-    def all_reduce_dp(
-        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-    ) -> Tensor:
-        """Reduce ``tensor`` in place over the data-parallel group (no-op without DP)."""
-        if self.dp_size > 1:
-            dist.all_reduce(tensor, op=op, group=self._ps.get_data_parallel_group())
-        return tensor
+# ------------------------------------------------------------------- the engine
 
 
 class MegatronTrainingEngine(TrainingEngine):
@@ -248,21 +184,33 @@ class MegatronTrainingEngine(TrainingEngine):
 
     :meth:`log_probs`, :meth:`values` and :meth:`train_step` are TrainingEngine's, run
     on the Megatron model behind a transformers-style call; what differs is the
-    layout (Megatron's TP layers and groups), gradient synchronisation, the gradient
-    norm, checkpoints and weight export. Every rank of the default process group
-    calls each method together.
+    layout (Megatron's TP layers over the mesh's ``"tp"`` group), gradient
+    synchronisation, the gradient norm, checkpoints and weight export. Every rank of
+    the mesh calls each method together; no other rank takes part.
 
     Args:
-        model: a Llama/Qwen2 causal LM or a ``ValueModel``, identical on every rank;
-            its weights are copied (sharded) into the Megatron model, it is not kept.
-        config: optimizer, schedule and micro-batching settings (as TrainingEngine).
-        megatron: the parallel layout and precision.
+        model: a Llama/Qwen2 causal LM or a ``ValueModel`` on a CUDA device, identical
+            on every rank; its weights are copied (sharded) into the Megatron model,
+            it is not kept.
+        config: optimizer, schedule, micro-batching and precision (as TrainingEngine:
+            bf16 is bfloat16 autocast over float32 master weights and optimizer
+            state); ``data_parallel`` must not be "shard", nor
+            ``activation_checkpointing`` on.
+        megatron: the RNG seed.
+        mesh: a ``("pp", "dp", "tp")`` DeviceMesh whose groups Megatron uses (a role
+            passes its pool's), ``pp`` = 1; None: this rank alone.
         head: :class:`CausalLMHead` or :class:`ValueHead`; default by the model's kind.
         loss: the default objective of :meth:`train_step`.
+        process_group: the group spanning the mesh's ranks, over which :meth:`save`,
+            :meth:`load` and :meth:`export_hf` are collective (a role passes its
+            pool's group). Default: the default process group with a mesh, none
+            without one.
 
     Raises:
-        EngineConfigError: without megatron-core or a default process group, for a
-            layout that does not fit the world or the model, or an unsupported model.
+        EngineConfigError: without megatron-core >= 0.16 or torch.distributed, for a
+            model off CUDA, a mesh that does not fit the model (``tp`` must divide
+            the head counts) or has ``pp > 1``, ``data_parallel="shard"``,
+            activation checkpointing, or an unsupported model.
     """
 
     def __init__(
@@ -271,22 +219,35 @@ class MegatronTrainingEngine(TrainingEngine):
         *,
         config: TrainingConfig,
         megatron: MegatronConfig | None = None,
+        mesh: DeviceMesh | None = None,
         head: ModelHead | None = None,
         loss: LossFn | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.megatron = megatron if megatron is not None else MegatronConfig()
-        self._ps = _import_megatron()
-        self._init_groups()
+        _import_megatron()
+        if config.data_parallel == "shard":
+            raise EngineConfigError(
+                "MegatronTrainingEngine keeps a whole replica on every data-parallel rank "
+                "(Megatron's distributed optimizer is not driven yet): set "
+                "TrainingConfig.data_parallel to 'auto' or 'replicate', or use TrainingEngine"
+            )
+        if config.activation_checkpointing:
+            raise EngineConfigError(
+                "MegatronTrainingEngine does not recompute activations yet (Megatron's own "
+                "recompute is planned): set TrainingConfig.activation_checkpointing=False, "
+                "or use TrainingEngine"
+            )
         self.kind = _model_kind(model)
         self.hf_config = model.config
         self.shape = GPTShape.from_hf_config(model.config)
+        device = _device_of(model, mesh)
+        self._groups = megatron_groups(mesh)
         self._check_divisible()
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
+        prepare_process(self.megatron.seed, self.tp_rank)
+        gpt = build_gpt(
+            self.shape, self.kind, device, self._groups, padding_idx=padding_idx_of(model)
         )
-        gpt = _build_gpt(self.shape, self.megatron, self.kind, device)
         self._load_full(gpt, hf_to_megatron(model.state_dict(), self.shape, kind=self.kind))
         # Megatron marks sharded parameters only when it initialises them itself
         # (perform_initialization), so the engine tells them apart by name.
@@ -295,64 +256,49 @@ class MegatronTrainingEngine(TrainingEngine):
             for name, param in gpt.named_parameters()
             if tp_split_kind(name, self.kind) != "replicated"
         }
-        wrapped = _HFStyleGPT(
+        wrapped = HFStyleGPT(
             gpt,
             kind=self.kind,
-            vocab_size=self.shape.vocab_size,
-            compute_dtype=getattr(torch, self.megatron.compute_dtype),
+            hf_config=model.config,
+            hf_names=[name for name, _ in model.named_parameters()],
+            shape=self.shape,
+            tp_group=self._groups.tp,
         )
         default_head: ModelHead = CausalLMHead() if self.kind == "causal_lm" else ValueHead()
+        if process_group is None and mesh is not None:
+            process_group = dist.group.WORLD
         # Without a mesh TrainingEngine keeps the model as it is (already laid out by
-        # Megatron) and builds the optimizer; its DP reductions then go to Megatron's group.
-        super().__init__(wrapped, config=config, head=head or default_head, loss=loss)
-        self.parallel = _MegatronParallel(self._ps, device)
+        # Megatron) and builds the optimizer; its DP reductions then go to the mesh's
+        # "dp" group, through a Parallelism that lays nothing out.
+        super().__init__(
+            wrapped, config=config, head=head or default_head, loss=loss, process_group=process_group
+        )
+        self.parallel = Parallelism(mesh, device=device)
 
     # ---------------------------------------------------------------- layout
 
-    def _init_groups(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise EngineConfigError(
-                "MegatronTrainingEngine needs torch.distributed initialised: call "
-                "torch.cuda.set_device(local_rank) and init_process_group('nccl') first"
-            )
-        tp, pp = self.megatron.tensor_parallel, self.megatron.pipeline_parallel
-        if dist.get_world_size() % (tp * pp):
-            raise EngineConfigError(
-                f"MegatronConfig tensor_parallel * pipeline_parallel = {tp * pp} must divide "
-                f"the world size {dist.get_world_size()}"
-            )
-        ps = self._ps
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-            )
-            if torch.cuda.is_available():
-                from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-                model_parallel_cuda_manual_seed(self.megatron.seed)
-        elif ps.get_tensor_model_parallel_world_size() != tp:
-            raise EngineConfigError(
-                f"megatron parallel_state is already initialised with tensor parallel size "
-                f"{ps.get_tensor_model_parallel_world_size()}, MegatronConfig asks for {tp}"
-            )
-
-    def _check_divisible(self) -> None:
-        tp = self.megatron.tensor_parallel
-        for name in ("num_heads", "num_kv_heads"):
-            if getattr(self.shape, name) % tp:
-                raise EngineConfigError(
-                    f"MegatronConfig.tensor_parallel={tp} must divide the model's {name}="
-                    f"{getattr(self.shape, name)}"
-                )
+    @property
+    def tensor_parallel(self) -> int:
+        """Tensor-parallel size (the mesh's ``"tp"``)."""
+        return int(self._groups.tp.size())
 
     @property
     def tp_rank(self) -> int:
         """This rank's position in its tensor-parallel group."""
-        return int(self._ps.get_tensor_model_parallel_rank())
+        return int(self._groups.tp.rank())
+
+    def _check_divisible(self) -> None:
+        tp = self.tensor_parallel
+        for name in ("num_heads", "num_kv_heads"):
+            if getattr(self.shape, name) % tp:
+                raise EngineConfigError(
+                    f"the mesh's tp={tp} must divide the model's {name}="
+                    f"{getattr(self.shape, name)}"
+                )
 
     def _load_full(self, gpt: nn.Module, full: Mapping[str, Tensor]) -> None:
         """Copy this rank's TP shard of every full Megatron tensor into ``gpt``."""
-        tp, rank = self.megatron.tensor_parallel, self.tp_rank
+        tp, rank = self.tensor_parallel, self.tp_rank
         targets = {n: t for n, t in gpt.state_dict().items() if not n.endswith("_extra_state")}
         if missing := sorted(set(targets) - set(full)):
             raise EngineConfigError(f"no weights for Megatron tensors {missing}")
@@ -395,17 +341,22 @@ class MegatronTrainingEngine(TrainingEngine):
         for param in self.model.parameters():
             if param.grad is not None and (id(param) in self._sharded or self.tp_rank == 0):
                 squares = squares + param.grad.detach().double().pow(2).sum()
-        if self.megatron.tensor_parallel > 1:
-            dist.all_reduce(squares, group=self._ps.get_tensor_model_parallel_group())
+        if self.tensor_parallel > 1:
+            dist.all_reduce(squares, group=self._groups.tp)
         return squares.sqrt()
 
     # ---------------------------------------------------- checkpoints, weights
 
     def _checkpoint_file(self, path: str | os.PathLike[str]) -> Path:
-        return Path(path) / f"tp{self.tp_rank:03d}_of_{self.megatron.tensor_parallel:03d}.pt"
+        return Path(path) / f"tp{self.tp_rank:03d}_of_{self.tensor_parallel:03d}.pt"
+
+    def _barrier(self) -> None:
+        if self.process_group is not None:
+            dist.barrier(group=self.process_group)
 
     def save(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
-        """Save model shards, optimizer, step and RNG states (collective).
+        """Save model shards, optimizer, step and RNG states (collective over
+        ``process_group``).
 
         Data-parallel rank 0 of each TP rank writes its shard; every rank writes its
         RNG states. Loading needs the same tensor-parallel size (:meth:`export_hf`
@@ -416,16 +367,18 @@ class MegatronTrainingEngine(TrainingEngine):
             generators: the caller's own generators, saved with the RNG states.
         """
         directory = Path(path)
-        (directory / "rng").mkdir(parents=True, exist_ok=True)
-        if self._ps.get_data_parallel_rank() == 0:  # DP ranks hold equal copies
-            model, optim = self.model.state_dict(), self.optimizer.state_dict()
-            state = {"model": model, "optim": optim, "step": self._step}
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.parallel.dp_rank == 0:  # DP ranks hold equal copies
+            optimizer = self.optimizer
+            optim = None if optimizer is None else optimizer.state_dict()
+            state = {"model": self.model.state_dict(), "optim": optim, "step": self._step}
             torch.save(state, self._checkpoint_file(directory))
-        _checkpoint.save_rng(directory, group=dist.group.WORLD, generators=generators)
-        dist.barrier()
+        _checkpoint.save_rng(directory, group=self.process_group, generators=generators)
+        self._barrier()
 
     def load(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
-        """Restore what :meth:`save` wrote (same tensor-parallel size; collective).
+        """Restore what :meth:`save` wrote (same tensor-parallel size; collective over
+        ``process_group``).
 
         Args:
             path: checkpoint directory.
@@ -438,61 +391,53 @@ class MegatronTrainingEngine(TrainingEngine):
         if not file.is_file():
             raise EngineConfigError(
                 f"no checkpoint {file.name} in {os.fspath(path)!r}; pass a directory written "
-                f"by MegatronTrainingEngine.save with tensor_parallel="
-                f"{self.megatron.tensor_parallel}"
+                f"by MegatronTrainingEngine.save with tensor-parallel size {self.tensor_parallel}"
             )
         state = torch.load(file, map_location=self.device, weights_only=False)
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        optimizer = self.optimizer
+        if optimizer is not None and state["optim"] is not None:
+            optimizer.load_state_dict(state["optim"])
         self._step = int(state["step"])
-        _checkpoint.load_rng(path, group=dist.group.WORLD, generators=generators)
-        dist.barrier()
+        _checkpoint.load_rng(path, group=self.process_group, generators=generators)
+        self._barrier()
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(hf_name, full tensor)`` for weight sync into rollout engines.
 
-        Collective: every rank must exhaust the iterator (TP shards are all-gathered).
+        Collective over the mesh's tensor-parallel group: every rank must exhaust the
+        iterator (TP shards are all-gathered).
 
         Yields:
-            Full, detached tensors by Hugging Face names, on the engine's device.
+            Full, detached tensors by Hugging Face names, on the engine's device; a
+            tied LM head also as ``lm_head.weight`` (as a transformers state dict).
         """
-        tp = self.megatron.tensor_parallel
-        group = self._ps.get_tensor_model_parallel_group()
-        assert isinstance(self.model, _HFStyleGPT)
-        for name, tensor in self.model.gpt.state_dict().items():
-            if name.endswith("_extra_state"):
-                continue
-            shards = [tensor.detach()]
-            if tp > 1 and tp_split_kind(name, self.kind) != "replicated":
-                shards = [torch.empty_like(tensor) for _ in range(tp)]
-                dist.all_gather(shards, tensor.detach().contiguous(), group=group)
-            full = merge_from_tp(name, shards, vocab_size=self.shape.vocab_size, kind=self.kind)
-            yield from megatron_tensor_to_hf(name, full, self.shape, kind=self.kind)
+        assert isinstance(self.model, HFStyleGPT)
+        return self.model.named_full_weights()
 
     def export_hf(
         self, path: str | os.PathLike[str], *, save: _checkpoint.ExportWriter | None = None
     ) -> None:
-        """Write a Hugging Face directory (global rank 0 writes; collective).
+        """Write a Hugging Face directory (rank 0 of ``process_group`` writes;
+        collective over it).
 
         Args:
             path: output directory.
             save: writes the gathered state dict (default: a model of the source config).
         """
-        state = {name: t.cpu() for name, t in self.named_full_weights()}
-        if dist.get_rank() == 0 and save is not None:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            save(state, Path(path))
-        elif dist.get_rank() == 0:
-            from transformers import AutoModel, AutoModelForCausalLM
-
-            from workers.models import ValueModel
-
-            if self.kind == "value":
-                value = ValueModel(AutoModel.from_config(self.hf_config))
-                value.load_state_dict(state)
-                value.save_pretrained(Path(path))
+        writer = _checkpoint.group_rank(self.process_group) == 0
+        state = {}
+        for name, tensor in self.named_full_weights():
+            if writer:
+                state[name] = tensor.cpu()
+        if writer:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            if save is not None:
+                save(state, out)
             else:
-                lm = AutoModelForCausalLM.from_config(self.hf_config)
-                lm.load_state_dict(state, strict=False)
-                lm.save_pretrained(os.fspath(path))
-        dist.barrier()
+                assert isinstance(self.model, HFStyleGPT)
+                from workers.models import save_pretrained_here
+
+                save_pretrained_here(self.model, out, state_dict=state)  # type: ignore[arg-type]
+        self._barrier()

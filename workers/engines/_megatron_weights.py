@@ -3,7 +3,10 @@
 :func:`hf_to_megatron` / :func:`megatron_to_hf` map full Hugging Face tensors to
 Megatron's names and layouts and back (q/k/v fused per query group into
 ``linear_qkv``, gate/up into ``linear_fc1``); :func:`split_for_tp` /
-:func:`merge_from_tp` cut full tensors into tensor-parallel shards and join them.
+:func:`merge_from_tp` cut full tensors into tensor-parallel shards and join them;
+:func:`megatron_shard_to_hf` turns one rank's shard of a split tensor into the
+Hugging Face tensors' shards that the PyTorch-native engine's tensor parallelism
+gives the same rank (how the actor publishes its weights without gathering them).
 Plain tensor code, usable and tested without megatron-core; the engine
 (:mod:`workers.engines._megatron`) builds on it.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -25,6 +28,7 @@ __all__ = [
     "GPTShape",
     "ModelKind",
     "hf_to_megatron",
+    "megatron_shard_to_hf",
     "megatron_tensor_to_hf",
     "megatron_to_hf",
     "merge_from_tp",
@@ -320,6 +324,47 @@ def split_for_tp(
     if how == "row":
         return [t.contiguous() for t in full.chunk(tp_size, dim=1)]
     return [full] * tp_size
+
+
+def megatron_shard_to_hf(
+    name: str, shard: Tensor, shape: GPTShape, *, tp_size: int, kind: ModelKind = "causal_lm"
+) -> list[tuple[str, Tensor]]:
+    """A tensor-parallel rank's shard of a split Megatron tensor as its shards of the
+    Hugging Face tensors it holds.
+
+    Rank ``j`` holds whole query groups, so its ``linear_qkv`` rows are the rows
+    ``j`` of ``tp`` equal parts of q, k and v; its ``linear_fc1`` rows are part ``j``
+    of gate and of up; a row-parallel tensor is part ``j`` of ``o_proj`` /
+    ``down_proj`` along dim 1. That is the layout the PyTorch-native engine's
+    tensor parallelism gives rank ``j`` (q/k/v/gate/up split along dim 0, o/down
+    along dim 1), so both engines publish the same weight rows.
+
+    Args:
+        name: Megatron name of a column, fc1 or row tensor (see :func:`tp_split_kind`).
+        shard: this rank's shard, as :func:`split_for_tp` cuts it.
+        shape: the model's (full) sizes.
+        tp_size: tensor-parallel size.
+        kind: ``"causal_lm"`` or ``"value"``.
+
+    Returns:
+        ``(hf_name, shard)`` pairs: q, k, v (weight or bias), gate and up, or one.
+
+    Raises:
+        EngineConfigError: for a vocabulary or replicated tensor (not split the Hugging
+            Face way: gather it and use :func:`megatron_tensor_to_hf`).
+    """
+    how = tp_split_kind(name, kind)
+    if how in ("vocab", "replicated"):
+        raise EngineConfigError(
+            f"Megatron tensor {name!r} is {how}, not split like its Hugging Face tensors; "
+            "gather it and map it with megatron_tensor_to_hf"
+        )
+    local = replace(
+        shape, num_heads=shape.num_heads // tp_size, num_kv_heads=shape.num_kv_heads // tp_size
+    )
+    # On the local shape the fused layouts are the full ones, so the full mapping
+    # applies; row-parallel names map one to one.
+    return megatron_tensor_to_hf(name, shard, local, kind=kind)
 
 
 def merge_from_tp(

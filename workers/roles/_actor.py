@@ -43,6 +43,7 @@ from workers.engines import (
 from workers.models import load_model, save_pretrained_here
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
+from workers.roles._engine_choice import EngineName, build_engine, check_engine
 from workers.roles._generation import checked_generate
 from workers.roles._hybrid import HybridWeights
 from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
@@ -53,8 +54,6 @@ from workers.roles._training import (
     check_seed,
     check_types,
     dp_token_stats,
-    engine_group,
-    engine_mesh,
     require_fields,
     run_updates,
     shuffle_generator,
@@ -92,10 +91,15 @@ class ActorConfig:
     reshard_bucket_mb: float = 64.0
     """With a generation layout: the most megabytes one resharding gather moves (the
     transition's staging memory beyond the generation shards)."""
+    engine: EngineName = "native"
+    """The training engine: ``"native"`` (FSDP2/DTensor) or ``"megatron"`` (Megatron-core
+    over the same layout; CUDA and megatron-core >= 0.16, no pipeline stages, no
+    generation layout)."""
 
     def __post_init__(self) -> None:
         check_model_dir("ActorConfig", self.model_dir)
         check_seed("ActorConfig", self.seed)
+        check_engine("ActorConfig", self.engine)
         if not isinstance(self.reshard_bucket_mb, int | float) or not self.reshard_bucket_mb > 0:
             raise ConfigError(f"ActorConfig.reshard_bucket_mb must be > 0, got {self.reshard_bucket_mb!r}")
         check_types("ActorConfig", self, {
@@ -147,9 +151,8 @@ class ActorWorker(TrainedRole):
         # The rollout engine takes its copy (its model) before the training engine shards the model.
         self.rollout = None if config.rollout is None else build_rollout(
             config.rollout, model=model, model_dir=config.model_dir, rank=self._seed_rank)
-        self.engine = TrainingEngine(model, config=config.training, mesh=engine_mesh(ctx),
-                                     head=CausalLMHead(), loss=config.loss,
-                                     process_group=engine_group(ctx))
+        self.engine = build_engine(ctx, model, engine=config.engine, config=config.training,
+                                   head=CausalLMHead(), loss=config.loss)
         self._shuffle = shuffle_generator(config.seed, ctx)
         self._hybrid: HybridWeights | None = None
         if gen is not None:

@@ -10,17 +10,16 @@ from torch import Tensor
 
 from channels import DP, Batch, ConfigError, Metrics
 from workers import WorkerContext, register
-from workers.engines import TrainingConfig, TrainingEngine, ValueHead, ValueLoss
+from workers.engines import TrainingConfig, ValueHead, ValueLoss
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
+from workers.roles._engine_choice import EngineName, build_engine, check_engine
 from workers.roles._training import (
     UpdateConfig,
     check_model_dir,
     check_seed,
     check_types,
-    engine_group,
-    engine_mesh,
     require_fields,
     run_updates,
     shuffle_generator,
@@ -57,10 +56,14 @@ class CriticConfig:
     needs no other rank and may run on any free ranks of the pool. A replicated
     critic on more than one rank serves values only (its ``update`` refuses: the
     copies would drift apart)."""
+    engine: EngineName = "native"
+    """The training engine: ``"native"`` (FSDP2/DTensor) or ``"megatron"`` (Megatron-core
+    over the same layout; CUDA and megatron-core >= 0.16, no pipeline stages)."""
 
     def __post_init__(self) -> None:
         check_model_dir("CriticConfig", self.model_dir)
         check_seed("CriticConfig", self.seed)
+        check_engine("CriticConfig", self.engine)
         check_types("CriticConfig", self, {"training": TrainingConfig, "loss": ValueLoss, "update": UpdateConfig})
 
 
@@ -80,9 +83,8 @@ class CriticWorker(TrainedRole):
         torch.manual_seed(config.seed)
         model = load_model(config.model_dir, kind="value", head_seed=config.head_seed)
         replicate = config.replicate
-        self.engine = TrainingEngine(model.to(ctx.device), config=config.training,
-                                     mesh=engine_mesh(ctx, replicate=replicate), head=ValueHead(),
-                                     loss=config.loss, process_group=engine_group(ctx, replicate=replicate))
+        self.engine = build_engine(ctx, model.to(ctx.device), engine=config.engine, config=config.training,
+                                   head=ValueHead(), loss=config.loss, replicate=replicate)
         self._shuffle = shuffle_generator(config.seed, ctx)
 
     def rank_local(self) -> frozenset[str]:

@@ -13,15 +13,14 @@ from torch import Tensor, nn
 
 from channels import DP, Batch
 from workers import Role, WorkerContext, register
-from workers.engines import CausalLMHead, TrainingConfig, TrainingEngine
+from workers.engines import CausalLMHead, TrainingConfig
 from workers.models import load_model
 from workers.roles import _fields as F
+from workers.roles._engine_choice import EngineName, build_engine, check_engine
 from workers.roles._training import (
     check_model_dir,
     check_seed,
     check_types,
-    engine_group,
-    engine_mesh,
 )
 
 
@@ -41,10 +40,14 @@ class ReferenceConfig:
     ``log_prob`` then needs no other rank, so the driver may run it on any free
     ranks of the pool, e.g. ranks that long-tail migration freed while the actor
     finishes its tail. Costs a full model's memory per rank."""
+    engine: EngineName = "native"
+    """The engine that runs the model: ``"native"`` or ``"megatron"`` (as the actor's,
+    so that their log-probs agree at step 0)."""
 
     def __post_init__(self) -> None:
         check_model_dir("ReferenceConfig", self.model_dir)
         check_seed("ReferenceConfig", self.seed)
+        check_engine("ReferenceConfig", self.engine)
         check_types("ReferenceConfig", self, {"training": TrainingConfig})
 
 
@@ -65,9 +68,8 @@ class ReferenceWorker(Role):
         model = load_model(config.model_dir)
         # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
         nn.Module.to(model, ctx.device)
-        self.engine = TrainingEngine(model, config=config.training,
-                                     mesh=engine_mesh(ctx, replicate=config.replicate), head=CausalLMHead(),
-                                     process_group=engine_group(ctx, replicate=config.replicate))
+        self.engine = build_engine(ctx, model, engine=config.engine, config=config.training, head=CausalLMHead(),
+                                   replicate=config.replicate)
 
     def rank_local(self) -> frozenset[str]:
         """``log_prob`` when the model is replicated (see ``ReferenceConfig.replicate``)."""

@@ -25,7 +25,8 @@ copy unless a step comes before the pull) is planned.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,27 @@ from workers import WorkerContext
 
 WEIGHTS_VERSION = "weights_version"
 """Field of a weights future: the actor's optimizer step count when it published them."""
+
+
+@runtime_checkable
+class TensorParallelShards(Protocol):
+    """A model whose parameters are not its Hugging Face parameters (the Megatron
+    engine's: fused, padded, renamed): it gives its tensor-parallel shards by Hugging
+    Face names itself, laid out as the native engine's tensor parallelism lays them."""
+
+    def named_tp_shards(self) -> Iterator[tuple[str, Tensor, bool]]:
+        """``(hf_name, this rank's tensor, split)`` per parameter (collective over
+        the tensor-parallel group); ``split``: a part of a split parameter, else whole."""
+        ...
+
+
+def _named_shards(model: nn.Module) -> Iterator[tuple[str, Tensor, bool]]:
+    """Every parameter's name, this rank's tensor-parallel shard and whether it is split."""
+    if isinstance(model, TensorParallelShards):
+        yield from model.named_tp_shards()
+        return
+    for name, param in model.named_parameters():
+        yield name, *_tp_shard(param)
 
 
 def _tp_shard(param: Tensor) -> tuple[Tensor, bool]:
@@ -68,13 +90,13 @@ def weight_rows(model: nn.Module, ctx: WorkerContext, *, version: int) -> dict[s
     """This rank's rows of the weights future (see the module text).
 
     Collective over the model's data-parallel group when it is FSDP-sharded (not
-    yet covered by a test).
+    yet covered by a test), and over its tensor-parallel group for a model that
+    gives its shards itself (:class:`TensorParallelShards`).
     """
     c, t = ctx.coords, ctx.layout.t
     publish = c.dp == 0 and c.pp == 0
     out: dict[str, Tensor] = {}
-    for name, param in model.named_parameters():
-        local, split = _tp_shard(param)
+    for name, local, split in _named_shards(model):
         if not split and t > 1:
             local = _part(local, t, c.tp)
         # A snapshot, not a view: the rows may be pulled after the next optimizer

@@ -9,8 +9,9 @@ PyTorch-native TrainingEngine on the same model and batch.
 from __future__ import annotations
 
 import copy
-import importlib.util
+import re
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,8 @@ from workers.engines._megatron import (
     MegatronConfig,
     MegatronTrainingEngine,
     hf_to_megatron,
+    megatron_available,
+    megatron_shard_to_hf,
     megatron_tensor_to_hf,
     megatron_to_hf,
     merge_from_tp,
@@ -38,8 +41,10 @@ from workers.engines._megatron import (
 )
 from workers.models import ValueModel
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
+HAVE_MEGATRON = megatron_available() is None
 VOCAB = 40
+# The comparisons with the native engine are float32 on both sides ("auto" is bf16 on a GPU).
+FP32 = {"precision": "fp32"}
 
 
 def _config(arch: str, *, tied: bool = False) -> LlamaConfig | Qwen2Config:
@@ -188,21 +193,71 @@ def test_tied_embedding_also_yields_the_lm_head() -> None:
     assert names == ["model.embed_tokens.weight", "lm_head.weight"]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True)])
+def test_a_tensor_parallel_shard_maps_to_the_native_engines_shards(arch: str, tied: bool, tp: int) -> None:
+    """Rank j's shard of a split Megatron tensor gives part j of q/k/v/gate/up along
+    dim 0 and of o/down along dim 1: what DTensor tensor parallelism gives rank j."""
+    model = _model(arch, tied=tied)
+    shape = GPTShape.from_hf_config(model.config)
+    hf = model.state_dict()
+    seen = set()
+    for name, full in hf_to_megatron(hf, shape).items():
+        if ".linear_" not in name:
+            with pytest.raises(EngineConfigError, match="gather it"):
+                megatron_shard_to_hf(name, full, shape, tp_size=tp)
+            continue
+        for rank, shard in enumerate(split_for_tp(name, full, tp_size=tp, vocab_size=VOCAB)):
+            for hf_name, part in megatron_shard_to_hf(name, shard, shape, tp_size=tp):
+                dim = 1 if hf_name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+                assert torch.equal(part, hf[hf_name].chunk(tp, dim)[rank]), (hf_name, rank)
+                seen.add(hf_name)
+    assert seen == {n for n in hf if ".layers." in n and "layernorm" not in n}
+
+
 def test_config_validation() -> None:
-    with pytest.raises(EngineConfigError, match="pipeline_parallel must be 1"):
-        MegatronConfig(pipeline_parallel=2)
-    with pytest.raises(EngineConfigError, match="tensor_parallel"):
-        MegatronConfig(tensor_parallel=0)
+    with pytest.raises(EngineConfigError, match=r"MegatronConfig\.seed must be an int"):
+        MegatronConfig(seed="0")  # type: ignore[arg-type]
     bad = _config("llama")
     bad.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0}
     with pytest.raises(EngineConfigError, match="default RoPE"):
         GPTShape.from_hf_config(bad)
 
 
+@pytest.mark.parametrize(("installed", "problem"), [
+    (None, "megatron-core is not installed: pip install 'megatron-core>=0.16'"),
+    ("0.13.1", "megatron-core 0.13.1 is installed, the engine needs >= 0.16"),
+    ("0.16.1", None),
+    ("0.19.2rc1", None),
+])
+def test_megatron_available_reads_the_installed_version(
+    monkeypatch: pytest.MonkeyPatch, installed: str | None, problem: str | None
+) -> None:
+    def version(name: str) -> str:
+        assert name == "megatron-core"
+        if installed is None:
+            raise metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(metadata, "version", version)
+    found = megatron_available()
+    assert found == problem if problem is None else found is not None and found.startswith(problem)
+
+
 @pytest.mark.skipif(HAVE_MEGATRON, reason="checks the message shown without megatron-core")
 def test_engine_without_megatron_says_how_to_install_it() -> None:
-    with pytest.raises(EngineConfigError, match="pip install megatron-core"):
+    with pytest.raises(EngineConfigError, match=re.escape("pip install 'megatron-core>=0.16'")):
         MegatronTrainingEngine(_model("llama"), config=TrainingConfig())
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="needs megatron-core")
+def test_engine_refuses_a_model_off_cuda_and_sharded_data_parallelism() -> None:
+    with pytest.raises(EngineConfigError, match="needs the model on a CUDA device"):
+        MegatronTrainingEngine(_model("llama"), config=TrainingConfig())
+    with pytest.raises(EngineConfigError, match="data_parallel"):
+        MegatronTrainingEngine(_model("llama"), config=TrainingConfig(data_parallel="shard"))
+    with pytest.raises(EngineConfigError, match="activation_checkpointing=False"):
+        MegatronTrainingEngine(_model("llama"), config=TrainingConfig(activation_checkpointing=True))
 
 
 # --------------------------------------------------------------- engine (GPU)
@@ -214,15 +269,12 @@ gpu = pytest.mark.skipif(
 
 @pytest.fixture
 def nccl_world(tmp_path: Path) -> Iterator[None]:
-    """A one-rank NCCL default group and Megatron's parallel state, torn down after."""
+    """A one-rank NCCL default group (Megatron's global parallel state stays untouched)."""
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
@@ -232,7 +284,7 @@ def nccl_world(tmp_path: Path) -> Iterator[None]:
 @pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True)])
 def test_engine_matches_the_native_training_engine(arch: str, tied: bool, tmp_path: Path) -> None:
     model = _model(arch, tied=tied).cuda()
-    config = TrainingConfig(lr=1e-3, micro_batch_size=3)
+    config = TrainingConfig(lr=1e-3, micro_batch_size=3, **FP32)
     native = TrainingEngine(copy.deepcopy(model), config=config, loss=PolicyLoss())
     engine = MegatronTrainingEngine(copy.deepcopy(model), config=config, loss=PolicyLoss())
     batch = make_batch(rows=6)  # token ids < engines_testlib.VOCAB = 32 <= VOCAB
@@ -263,7 +315,7 @@ def test_engine_matches_the_native_training_engine(arch: str, tied: bool, tmp_pa
 @pytest.mark.usefixtures("nccl_world")
 def test_value_engine_matches_the_native_training_engine() -> None:
     value = ValueModel.from_causal_lm(_model("llama"), seed=1).cuda()
-    config = TrainingConfig(lr=1e-3)
+    config = TrainingConfig(lr=1e-3, **FP32)
     native = TrainingEngine(copy.deepcopy(value), config=config, head=ValueHead(), loss=ValueLoss())
     engine = MegatronTrainingEngine(copy.deepcopy(value), config=config, loss=ValueLoss())
     batch = make_batch(rows=6)  # token ids < engines_testlib.VOCAB = 32 <= VOCAB
@@ -273,18 +325,35 @@ def test_value_engine_matches_the_native_training_engine() -> None:
     assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.usefixtures("nccl_world")
+def test_bf16_engine_trains_float32_weights_close_to_the_native_one() -> None:
+    """precision="bf16": Megatron's layers under bfloat16 autocast, float32 master weights."""
+    model = _model("llama").cuda()
+    config = TrainingConfig(lr=1e-3, precision="bf16")
+    native = TrainingEngine(copy.deepcopy(model), config=config, loss=PolicyLoss())
+    engine = MegatronTrainingEngine(copy.deepcopy(model), config=config, loss=PolicyLoss())
+    assert engine.precision == "bf16"
+    batch = make_batch(rows=6)
+    for mine, ref in zip(engine.log_probs(batch), native.log_probs(batch), strict=True):
+        assert mine.dtype == torch.float32
+        torch.testing.assert_close(mine, ref, atol=5e-2, rtol=0)
+    mine_metrics, ref_metrics = engine.train_step(batch), native.train_step(batch)
+    assert mine_metrics["loss"] == pytest.approx(ref_metrics["loss"], abs=1e-2)
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+
+
 def _tp2_rank(rank: int, out: Path) -> None:
     """One rank of a 2-GPU run: TP=2 must give the one-GPU native engine's results."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.cuda.set_device(rank)
     model = _model("llama").cuda()
-    config = TrainingConfig(lr=1e-3)
+    config = TrainingConfig(lr=1e-3, **FP32)
     native = TrainingEngine(copy.deepcopy(model), config=config, loss=PolicyLoss())
-    engine = MegatronTrainingEngine(
-        copy.deepcopy(model),
-        config=config,
-        megatron=MegatronConfig(tensor_parallel=2),
-        loss=PolicyLoss(),
-    )
+    mesh = init_device_mesh("cuda", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    engine = MegatronTrainingEngine(copy.deepcopy(model), config=config, mesh=mesh, loss=PolicyLoss())
     batch = make_batch(rows=6)  # token ids < engines_testlib.VOCAB = 32 <= VOCAB
     torch.testing.assert_close(
         engine.log_probs(batch)[0], native.log_probs(batch)[0], atol=1e-4, rtol=0
