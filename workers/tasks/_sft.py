@@ -16,6 +16,7 @@ from typing import Literal
 
 import msgspec
 import torch
+from torch import nn
 
 from channels import ConfigError
 from workers.engines import NLLLoss, TrainingConfig, TrainingEngine
@@ -132,7 +133,8 @@ def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, fl
         max_positions=config.model.max_position_embeddings,
     )
     device = config.torch_device()
-    model = build_tiny_model(config.model, seed=config.seed).to(device)
+    model = build_tiny_model(config.model, seed=config.seed)
+    nn.Module.to(model, device)  # in place (transformers' annotation of .to confuses type checkers)
     engine = TrainingEngine(
         model,
         config=TrainingConfig(

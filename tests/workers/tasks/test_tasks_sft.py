@@ -97,7 +97,7 @@ def test_empty_data_and_bad_settings_are_config_errors() -> None:
 def test_the_warm_start_trains_where_its_device_setting_says() -> None:
     assert SFTConfig(device="cpu").torch_device() == torch.device("cpu")
     assert SFTConfig().torch_device().type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ConfigError, match="SFTConfig.device"):
+    with pytest.raises(ConfigError, match=r"SFTConfig\.device"):
         SFTConfig(device="tpu")  # type: ignore[arg-type]
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA GPU"):
