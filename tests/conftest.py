@@ -16,7 +16,13 @@ import hypothesis  # noqa: F401
 import pytest
 import ray.cloudpickle
 
+import fake_device
 import support
+
+# The fake accelerator of the device-discipline tests is registered before any test
+# runs: torch's autograd engine sizes its per-device queues at the process's first
+# backward pass and never again, so a device registered later cannot run one.
+fake_device.install()
 
 # Workers cannot import the tests tree: ship the test roles by value.
 ray.cloudpickle.register_pickle_by_value(support)

@@ -318,6 +318,10 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
         at_least(f"pools.{name}.devices", pool.devices, 1)
         if pool.threads is not None:
             at_least(f"pools.{name}.threads", pool.threads, 1)
+    kinds = {name: pool.device for name, pool in config.pools.items() if pool.device != "auto"}
+    if len(set(kinds.values())) > 1:
+        raise ConfigError(f"pools mix device kinds ({', '.join(f'{n}: {k}' for n, k in kinds.items())}); every "
+                          "pool of a run uses one kind: set each pools.<name>.device alike (or \"auto\")")
     unknown = set(config.placement) - {*MODEL_ROLES, "reward", "cost", ROLLOUT_ROLE}
     if unknown:
         raise ConfigError(f"placement names unknown roles {sorted(unknown)}; roles are "
@@ -374,9 +378,14 @@ def _check_engines(config: RunConfig) -> None:
     roles = needed_roles(config)
     for key, engine, users in (("actor", config.actor.engine, ("actor", "ref")),
                                ("critic", config.critic.engine, ("critic", "cost_critic"))):
-        problem = megatron_available() if engine == "megatron" and set(users) & set(roles) else None
+        if engine != "megatron" or not set(users) & set(roles):
+            continue
+        problem = megatron_available()
         if problem is not None:
             raise ConfigError(f"{key}.engine = \"megatron\": {problem}; or set {key}.engine = \"native\"")
+        if getattr(config, key).activation_checkpointing:
+            raise ConfigError(f"{key}.activation_checkpointing = true with {key}.engine = \"megatron\": Megatron's "
+                              "own recomputation is not wired in yet; set one of them back")
 
 
 def _check_rollout_role(config: RunConfig, place: PlacementSection, heads: tuple[int, int], source: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import msgspec
 
@@ -30,16 +31,23 @@ from workers.rollout import NativeRolloutConfig, VLLMRolloutConfig
 
 def _training(o: OptimSection) -> TrainingConfig:
     return TrainingConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
-                          warmup_steps=o.warmup_steps, micro_batch_size=o.micro_batch_size)
+                          warmup_steps=o.warmup_steps, micro_batch_size=o.micro_batch_size,
+                          precision=o.precision, activation_checkpointing=o.activation_checkpointing)
 
 
 def _update(o: OptimSection) -> UpdateConfig:
     return UpdateConfig(epochs=o.epochs, mini_batches=o.mini_batches)
 
 
-def _scorer(s: ScoreSection, model_dir: str) -> ScoreConfig:
-    if s.model_dir:
-        return ScoreConfig(scorer=ModelRewardConfig(model_dir=s.model_dir))
+ROLLOUT_DTYPES: dict[str, Literal["auto", "float32", "bfloat16"]] = {
+    "auto": "auto", "fp32": "float32", "bf16": "bfloat16"}
+"""The rollout engine's dtype for the actor's precision (a rollout role on another
+pool gets it spelled out: it has no training precision to follow)."""
+
+
+def _scorer(s: ScoreSection, model_dir: str, precision: Literal["auto", "fp32", "bf16"]) -> ScoreConfig:
+    if s.model_dir:  # a reward or cost model infers in the policy's precision
+        return ScoreConfig(scorer=ModelRewardConfig(model_dir=s.model_dir, precision=precision))
     weighted = s.weighted
     if len(weighted) == 1 and weighted[0].weight == 1.0:
         return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=weighted[0].function))
@@ -51,14 +59,16 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
     """Every role the run's algorithm needs, placed as ``[placement]`` says (a role it
     leaves out goes to the first pool); ``context``: the longest prompt plus its
     response, in tokens (vLLM's ``max_model_len``; 0: vLLM's default here)."""
-    pools = {name: ResourcePool(name=name, devices=p.devices, threads=p.threads) for name, p in config.pools.items()}
+    pools = {name: ResourcePool(name=name, devices=p.devices, threads=p.threads, device=p.device)
+             for name, p in config.pools.items()}
     first = next(iter(config.pools))
     a = config.actor
-    vllm = VLLMRolloutConfig(seed=config.seed)
+    dtype = ROLLOUT_DTYPES[a.precision]
+    vllm = VLLMRolloutConfig(seed=config.seed, dtype=dtype)
     if context:
         vllm = msgspec.structs.replace(vllm, max_model_len=max(context, vllm.max_model_len))
     rollout = (vllm if a.rollout_engine == "vllm"
-               else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed))
+               else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed, dtype=dtype))
     actor_place = config.placement.get("actor")
     hybrid = actor_place is not None and actor_place.gen is not None
     disaggregated = "rollout" in config.placement  # the actor trains, the rollout role generates
@@ -67,18 +77,22 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
     build = {
         "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=actor_training, update=_update(a),
                                                    rollout=None if disaggregated else rollout, seed=config.seed,
-                                                   engine=a.engine)),
+                                                   engine=a.engine, offload_optimizer=a.offload_optimizer,
+                                                   offload_params=a.offload_params)),
         "rollout": lambda: (RolloutWorker, RolloutWorkerConfig(model_dir=model_dir, rollout=rollout,
                                                                seed=config.seed)),
-        "ref": lambda: (ReferenceWorker, ReferenceConfig(model_dir=model_dir, seed=config.seed, engine=a.engine)),
+        # The reference infers in the actor's precision and micro-batches.
+        "ref": lambda: (ReferenceWorker, ReferenceConfig(
+            model_dir=model_dir, seed=config.seed, engine=a.engine,
+            training=TrainingConfig(micro_batch_size=a.micro_batch_size, precision=a.precision))),
         "critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
                                                       update=_update(config.critic), seed=config.seed,
                                                       engine=config.critic.engine)),
         "cost_critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
                                                            update=_update(config.critic), seed=config.seed + 1,
                                                            engine=config.critic.engine)),
-        "reward": lambda: (RewardWorker, _scorer(config.reward, model_dir)),
-        "cost": lambda: (CostWorker, _scorer(config.cost, model_dir)),
+        "reward": lambda: (RewardWorker, _scorer(config.reward, model_dir, a.precision)),
+        "cost": lambda: (CostWorker, _scorer(config.cost, model_dir, a.precision)),
     }
     specs = {}
     for role in needed_roles(config):

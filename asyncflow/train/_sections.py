@@ -188,6 +188,15 @@ class OptimSection(msgspec.Struct, **_CFG):
     placement: GPUs, ``pip install 'megatron-core>=0.16'``, Llama/Qwen2 models, no
     pipeline stages, no generation layout). The reference policy runs on the actor's
     engine."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """``"bf16"``: bfloat16 compute with float32 master weights, optimizer state and
+    gradient reduction (log-probs and losses stay float32); ``"fp32"``: float32
+    throughout; ``"auto"``: bf16 on a GPU, fp32 on the CPU. The actor's setting also
+    sets its rollout engine's dtype and the reference's and reward model's
+    inference dtype."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward instead of keeping its
+    activations: far less activation memory for about a third more compute."""
 
     def __post_init__(self) -> None:
         key = type(self).__name__  # the section's own name; load_config says which one
@@ -207,6 +216,12 @@ class ActorSection(OptimSection, **_CFG):
     rollout_batch_size: int | None = None
     """Most sequences the native engine decodes at once; None: all of a request's
     samples in one batch."""
+    offload_optimizer: bool = False
+    """While the actor generates, keep its optimizer state in host memory (pinned on
+    a GPU), leaving that device memory to generation; it returns for the update."""
+    offload_params: bool = False
+    """While the actor generates, keep its training parameters (and gradients) in
+    host memory too (the rollout engine samples from its own copy)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -269,6 +284,9 @@ class PoolSection(msgspec.Struct, **_CFG):
     threads: int | None = None
     """torch threads per worker process; None: ``OMP_NUM_THREADS`` if set, else the
     cores divided among all pools' workers (``asyncflow.ResourcePool.threads``)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """What a device of the pool is: a GPU (``"cuda"``), a CPU slot (``"cpu"``), or
+    ``"auto"``: GPUs when the Ray cluster has any. Every pool of a run uses one kind."""
 
 
 class GenSection(msgspec.Struct, **_CFG):

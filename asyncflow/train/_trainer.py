@@ -26,6 +26,7 @@ from asyncflow.algos import PromptSource, WeightSync
 from asyncflow.train._ahead import Sampled, SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir
 from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
+from asyncflow.train._memory import check_memory
 from asyncflow.train._metrics import (
     MetricsLog,
     advance_bar,
@@ -135,6 +136,8 @@ class Trainer:
         prompts = run_prompts(c, model_dir, max_new)
         for line in prompts.summary():
             self.say(line)
+        for line in check_memory(c, model_dir, context=prompts.context):  # before the workers start
+            self.say(f"warning: {line}")
         start, state = 0, {}
         if not self.resume:  # a new run: the previous run's results go
             for old in ("metrics.jsonl", "curves.png"):

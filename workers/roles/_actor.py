@@ -36,9 +36,11 @@ from workers.engines import (
     NLLLoss,
     OnPolicy,
     PolicyLoss,
+    PrecisionName,
     TrainingConfig,
     TrainingEngine,
     kl_k3,
+    resolve_precision,
 )
 from workers.models import load_model, save_pretrained_here
 from workers.roles import _fields as F
@@ -91,6 +93,14 @@ class ActorConfig:
     reshard_bucket_mb: float = 64.0
     """With a generation layout: the most megabytes one resharding gather moves (the
     transition's staging memory beyond the generation shards)."""
+    offload_optimizer: bool = False
+    """Move the optimizer state to host memory (pinned on a GPU) while :meth:`ActorWorker.generate`
+    runs, so that generation (its KV cache) has that device memory; it is back
+    when generation ends. For an actor that generates on the device it trains on."""
+    offload_params: bool = False
+    """With generation, also move the training parameters and gradients to host
+    memory (the rollout engine samples from its own copy). Not with a generation
+    layout, whose rollout engine samples from the training parameters."""
     engine: EngineName = "native"
     """The training engine: ``"native"`` (FSDP2/DTensor) or ``"megatron"`` (Megatron-core
     over the same layout; CUDA and megatron-core >= 0.16, no pipeline stages, no
@@ -102,6 +112,9 @@ class ActorConfig:
         check_engine("ActorConfig", self.engine)
         if not isinstance(self.reshard_bucket_mb, int | float) or not self.reshard_bucket_mb > 0:
             raise ConfigError(f"ActorConfig.reshard_bucket_mb must be > 0, got {self.reshard_bucket_mb!r}")
+        for name in ("offload_optimizer", "offload_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ActorConfig.{name} must be True or False, got {getattr(self, name)!r}")
         check_types("ActorConfig", self, {
             "training": TrainingConfig, "loss": PolicyLoss, "update": UpdateConfig,
             "sampling": SamplingParams, "rollout": (NativeRolloutConfig, VLLMRolloutConfig, type(None)),
@@ -148,9 +161,13 @@ class ActorWorker(TrainedRole):
         if gen is not None and config.rollout is None:
             raise ConfigError(f"actor: a generation layout ({ctx.layout}) needs a rollout engine "
                               "(ActorConfig.rollout is None)")
+        if gen is not None and config.offload_params:
+            raise ConfigError(f"actor: offload_params with a generation layout ({ctx.layout}): its rollout engine "
+                              "samples from the training parameters; offload the optimizer state only")
         # The rollout engine takes its copy (its model) before the training engine shards the model.
         self.rollout = None if config.rollout is None else build_rollout(
-            config.rollout, model=model, model_dir=config.model_dir, rank=self._seed_rank)
+            config.rollout, model=model, model_dir=config.model_dir, rank=self._seed_rank,
+            precision=_rollout_precision(config, ctx))
         self.engine = build_engine(ctx, model, engine=config.engine, config=config.training,
                                    head=CausalLMHead(), loss=config.loss)
         self._shuffle = shuffle_generator(config.seed, ctx)
@@ -206,14 +223,21 @@ class ActorWorker(TrainedRole):
         run = functools.partial(checked_generate, self.rollout, prompts, n=n, params=params,
                                 default=self.config.sampling, eos_token_id=self._eos, seed_rank=self._seed_rank,
                                 rank=self.ctx.rank, where="actor.generate", version=self.engine.step)
-        if self._hybrid is None:
-            return (yield from run())
-        self._hybrid.to_generation()
+        offload = self.config.offload_optimizer or self.config.offload_params
+        if offload:  # generation's device memory: the training state waits in host memory
+            self.engine.offload(params=self.config.offload_params)
         try:
-            # Tensor-parallel ranks step together: their samples cannot migrate alone.
-            return (yield from run(migratable=self.ctx.layout.generation.tg == 1))
+            if self._hybrid is None:
+                return (yield from run())
+            self._hybrid.to_generation()
+            try:
+                # Tensor-parallel ranks step together: their samples cannot migrate alone.
+                return (yield from run(migratable=self.ctx.layout.generation.tg == 1))
+            finally:
+                self._hybrid.to_training()
         finally:
-            self._hybrid.to_training()
+            if offload:
+                self.engine.reload()
 
     @register(protocol=AllToAll())
     def weights(self) -> dict[str, Tensor]:
@@ -346,6 +370,23 @@ class ActorWorker(TrainedRole):
             return  # the next generate reshards the new weights, or there is no engine
         # Collective: every rank gathers every tensor, in the same order.
         self.rollout.update_weights(self.engine.named_full_weights())
+
+
+def _rollout_precision(config: ActorConfig, ctx: WorkerContext) -> PrecisionName:
+    """What the rollout engine's ``dtype="auto"`` follows: the policy's training
+    precision on this device; with a generation layout, the training weights' own
+    float32 (the hybrid engine binds their memory, it does not copy it).
+
+    Raises:
+        ConfigError: an explicit bfloat16 rollout with a generation layout.
+    """
+    if ctx.layout.gen is None:
+        return resolve_precision(config.training.precision, ctx.device)
+    if config.rollout is not None and config.rollout.dtype == "bfloat16":
+        raise ConfigError(f"actor: a bfloat16 rollout engine with a generation layout ({ctx.layout}): the hybrid "
+                          "engine binds the float32 training weights without a copy; use dtype 'auto' (float32 "
+                          "there) or no generation layout (bf16 generation in a generation layout is planned)")
+    return "fp32"
 
 
 def _update_reads(call: CallInfo) -> dict[str, tuple[str, ...]]:

@@ -54,7 +54,8 @@ def megatron_refusal(ctx: WorkerContext) -> str | None:
 
 
 def build_engine(ctx: WorkerContext, model: nn.Module, *, engine: EngineName, config: TrainingConfig,
-                 head: ModelHead, loss: LossFn | None = None, replicate: bool = False) -> TrainingEngine:
+                 head: ModelHead, loss: LossFn | None = None, replicate: bool = False,
+                 trainable: bool = True) -> TrainingEngine:
     """The role's training engine over its pool's mesh and group.
 
     Args:
@@ -66,6 +67,10 @@ def build_engine(ctx: WorkerContext, model: nn.Module, *, engine: EngineName, co
         head: what the engine computes from the model's outputs.
         loss: the default objective of ``train_step``.
         replicate: every rank keeps a whole model and runs alone (no mesh, no group).
+        trainable: False for a role that only infers (the reference): the native
+            engine then builds no optimizer and, in bf16, stores the weights in
+            bf16; the Megatron engine keeps its optimizer (built lazily: no state
+            until a step).
 
     Returns:
         The engine (a :class:`MegatronTrainingEngine` is a :class:`TrainingEngine`).
@@ -78,7 +83,8 @@ def build_engine(ctx: WorkerContext, model: nn.Module, *, engine: EngineName, co
     check_engine(ctx.role, engine)
     mesh, group = engine_mesh(ctx, replicate=replicate), engine_group(ctx, replicate=replicate)
     if engine == "native":
-        return TrainingEngine(model, config=config, mesh=mesh, head=head, loss=loss, process_group=group)
+        return TrainingEngine(model, config=config, mesh=mesh, head=head, loss=loss, process_group=group,
+                              trainable=trainable)
     problem = megatron_refusal(ctx)
     if problem is not None:
         raise ConfigError(f"{ctx.role} (engine='megatron'): {problem}; or set engine='native'")

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from channels import DP, Batch
 from workers import Role, WorkerContext, register
-from workers.engines import CausalLMHead, TrainingConfig
+from workers.engines import CausalLMHead, TrainingConfig, resolve_precision
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._engine_choice import EngineName, build_engine, check_engine
@@ -31,8 +31,9 @@ class ReferenceConfig:
     model_dir: str
     """The reference policy's Hugging Face directory (usually the actor's initial one)."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
-    """Only its micro-batching (``micro_batch_size``, ``max_tokens_per_micro_batch``)
-    applies: the reference is never trained."""
+    """Its micro-batching (``micro_batch_size``, ``max_tokens_per_micro_batch``) and
+    ``precision`` apply: the reference is never trained (no optimizer), and in bf16 its
+    weights are stored in bf16."""
     seed: int = 0
     """Seeds torch's global RNG."""
     replicate: bool = False
@@ -66,10 +67,12 @@ class ReferenceWorker(Role):
         self.config = config
         torch.manual_seed(config.seed)
         model = load_model(config.model_dir)
+        if config.engine == "native" and resolve_precision(config.training.precision, ctx.device) == "bf16":
+            nn.Module.to(model, torch.bfloat16)  # on the host: the device never holds a float32 copy
         # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
         nn.Module.to(model, ctx.device)
         self.engine = build_engine(ctx, model, engine=config.engine, config=config.training, head=CausalLMHead(),
-                                   replicate=config.replicate)
+                                   replicate=config.replicate, trainable=False)
 
     def rank_local(self) -> frozenset[str]:
         """``log_prob`` when the model is replicated (see ``ReferenceConfig.replicate``)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 import torch
@@ -22,6 +22,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from channels import ConfigError
+from workers.engines import PrecisionName
 from workers.roles import _fields as F
 from workers.rollout import (
     GenerationRun,
@@ -64,25 +65,41 @@ class RolloutEngine(Protocol):
         ...
 
 
+RolloutDtype = Literal["float32", "bfloat16"]
+DTYPES: dict[str, RolloutDtype] = {"fp32": "float32", "bf16": "bfloat16"}
+"""A training precision's rollout dtype."""
+
+
+def rollout_dtype(config: RolloutConfig, precision: PrecisionName) -> str:
+    """The dtype the engine of ``config`` samples in: its ``dtype``, or for
+    ``"auto"`` the policy's training ``precision`` (resolved, ``"fp32"``/``"bf16"``)."""
+    return DTYPES[precision] if config.dtype == "auto" else config.dtype
+
+
 def build_rollout(config: RolloutConfig, *, model: PreTrainedModel, model_dir: str,
-                  rank: int) -> RolloutEngine:
-    """The rollout engine ``config`` describes, seeded per rank.
+                  rank: int, precision: PrecisionName) -> RolloutEngine:
+    """The rollout engine ``config`` describes, seeded per rank, in the dtype
+    :func:`rollout_dtype` gives.
 
     Args:
         config: native or vLLM settings.
         model: the actor's (unsharded) model; the native engine samples from a copy.
         model_dir: the directory ``model`` was loaded from (vLLM starts from it).
         rank: this rank in the pool (offsets the engine's seed).
+        precision: the policy's resolved training precision (what ``"auto"`` follows).
 
     Returns:
         The engine.
     """
+    dtype = rollout_dtype(config, precision)
     if isinstance(config, VLLMRolloutConfig):
-        seeded = msgspec.structs.replace(config, seed=config.seed + rank)
+        seeded = msgspec.structs.replace(config, seed=config.seed + rank, dtype=dtype)
         return VLLMRolloutEngine(model_dir, config=seeded)
-    native = dataclasses.replace(config, seed=config.seed + rank)
+    native = dataclasses.replace(config, seed=config.seed + rank, dtype=DTYPES[precision] if config.dtype == "auto"
+                                 else config.dtype)
     # The tokenizer decodes responses for stop strings (SamplingParams.stop).
-    return NativeRolloutEngine(copy.deepcopy(model), config=native, tokenizer=load_tokenizer(model_dir))
+    copied = copy.deepcopy(model).to(getattr(torch, dtype))
+    return NativeRolloutEngine(copied, config=native, tokenizer=load_tokenizer(model_dir))
 
 
 def unpadded_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:

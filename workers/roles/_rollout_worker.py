@@ -31,7 +31,7 @@ from channels import DP, Batch, ConfigError, OneToAll, TensorShards
 from workers import WorkerContext, register
 from workers._role import Role
 from workers._streaming import StreamMethod
-from workers.engines import apply_tensor_parallel
+from workers.engines import apply_tensor_parallel, resolve_precision
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._generation import TAIL_LENGTH, CarryOver, checked_generate
@@ -124,7 +124,9 @@ class RolloutWorker(Role):
         nn.Module.to(model, ctx.device)
         self._eos = model_eos(model)
         self._shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir, rank=replica)
+        # "auto" follows the training precision's rule on this device (the actor's default).
+        self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir, rank=replica,
+                                     precision=resolve_precision("auto", ctx.device))
         if layout.t > 1:
             assert isinstance(self.rollout, NativeRolloutEngine)
             model = self.rollout.model  # the engine's own copy

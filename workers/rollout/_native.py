@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -60,6 +61,12 @@ class NativeRolloutConfig:
     seed: int = 0
     """Seed of the engine's generator, which draws a request's seed when
     ``SamplingParams.seed`` is None."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The dtype of the weights the engine samples from (and of its KV cache):
+    ``"auto"`` is the policy's training precision (the actor's
+    ``TrainingConfig.precision``: bfloat16 on a GPU, float32 on the CPU by default;
+    a rollout role on its own pool takes the same rule from its device). The
+    roles apply it when they build the engine; log-probs are float32 either way."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (
@@ -71,6 +78,8 @@ class NativeRolloutConfig:
             )
         if not isinstance(self.seed, int):
             raise ConfigError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"NativeRolloutConfig.dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 
 
 class NativeRolloutEngine:

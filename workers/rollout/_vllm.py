@@ -53,14 +53,24 @@ __all__ = ["VLLMRolloutConfig", "VLLMRolloutEngine"]
 _SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
 
+def _dtype(config: VLLMRolloutConfig) -> Literal["float32", "bfloat16", "float16"]:
+    """The engine's dtype: an ``"auto"`` that no role resolved (an engine built
+    directly) takes the training precision's rule: bfloat16 on a GPU, else float32."""
+    if config.dtype != "auto":
+        return config.dtype
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
 class VLLMRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to start the vLLM engine."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weight and activation dtype. float32 keeps vLLM's log-probs within 1e-3 of the
-    training engine's on CPU (measured: 2e-6); bfloat16 is faster but misses it (max
-    error 4e-3 on the 0.3 M test model, 1.3e-2 on a 45 M one). GPUs usually run
-    bfloat16."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight and activation dtype. ``"auto"``: the policy's training precision (the
+    actor's ``TrainingConfig.precision``: bfloat16 on a GPU, float32 on the CPU by
+    default; a rollout role on its own pool takes the same rule from its device).
+    float32 keeps vLLM's log-probs within 1e-3 of the training engine's on CPU
+    (measured: 2e-6); bfloat16 is faster but misses it (max error 4e-3 on the 0.3 M
+    test model, 1.3e-2 on a 45 M one)."""
     max_model_len: int = 256
     """Longest prompt plus response, in tokens."""
     seed: int = 0
@@ -126,7 +136,7 @@ class VLLMRolloutEngine:
                 # Prompts are token ids; the tokenizer only decodes requests with
                 # stop strings (SamplingParams.detokenize is False otherwise).
                 skip_tokenizer_init=not self._has_tokenizer,
-                dtype=config.dtype,
+                dtype=_dtype(config),
                 max_model_len=config.max_model_len,
                 seed=config.seed,
                 enforce_eager=config.enforce_eager,
