@@ -26,6 +26,7 @@ default is qwen2.5-0.5b on CUDA and tiny on the CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -33,44 +34,24 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from workers.engines import PolicyLoss, TrainingConfig, TrainingEngine
-
-
-@dataclass(frozen=True, kw_only=True)
-class Shape:
-    """A Llama shape to benchmark."""
-
-    hidden: int
-    """Width of the residual stream."""
-    layers: int
-    """Decoder layers."""
-    heads: int
-    """Query heads."""
-    kv_heads: int
-    """Key/value heads."""
-    intermediate: int
-    """Width of the MLP."""
-    vocab: int
-    """Vocabulary size."""
-    tied: bool
-    """Whether the LM head shares the input embedding."""
-
+from workers.models import TinyModelConfig, tiny_hf_config
 
 SHAPES = {
-    "tiny": Shape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=352, vocab=2048, tied=False),
-    "qwen2.5-0.5b": Shape(
-        hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=False
-    ),
-    "qwen2.5-1.5b": Shape(
-        hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, tied=True
-    ),
+    "tiny": TinyModelConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, intermediate_size=352, vocab_size=2048),
+    "qwen2.5-0.5b": TinyModelConfig(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                    num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
+                                    rope_theta=1_000_000.0),
+    "qwen2.5-1.5b": TinyModelConfig(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                    num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936,
+                                    rope_theta=1_000_000.0, tie_word_embeddings=True),
 }
 """The shapes ``--shape`` chooses from (see the module docstring)."""
 
@@ -84,28 +65,16 @@ MODES: dict[str, dict[str, Any]] = {
 _GIB = 2**30
 
 
-def llama_config(shape: Shape, *, tokens: int) -> LlamaConfig:
-    """The transformers config of ``shape`` for sequences of ``tokens`` tokens."""
-    return LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.hidden // shape.heads,
-        max_position_embeddings=max(tokens, 4096),
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=shape.tied,
-    )
+def model_config(shape: TinyModelConfig, *, tokens: int) -> TinyModelConfig:
+    """``shape`` with room for sequences of ``tokens`` tokens."""
+    return dataclasses.replace(shape, max_position_embeddings=max(tokens, 4096))
 
 
-def build_model(shape: Shape, *, tokens: int, device: torch.device) -> LlamaForCausalLM:
+def build_model(shape: TinyModelConfig, *, tokens: int, device: torch.device) -> LlamaForCausalLM:
     """A randomly initialised (seed 0) float32 Llama of ``shape`` on ``device``."""
     torch.manual_seed(0)
     with device:  # initialise in place: no host copy of a 1.5 B model
-        return LlamaForCausalLM(llama_config(shape, tokens=tokens))
+        return LlamaForCausalLM(tiny_hf_config(model_config(shape, tokens=tokens)))
 
 
 def synthetic_rows(*, rows: int, tokens: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -155,7 +124,7 @@ def _sync(device: torch.device) -> None:
 def run_mode(
     mode: str,
     *,
-    shape: Shape,
+    shape: TinyModelConfig,
     device: torch.device,
     rows: int,
     tokens: int,
@@ -172,7 +141,7 @@ def run_mode(
     parameters = sum(p.numel() for p in model.parameters())
     config = TrainingConfig(lr=1e-6, micro_batch_size=micro_batch, **MODES[mode])
     engine = TrainingEngine(model, config=config, loss=PolicyLoss())
-    batch = synthetic_rows(rows=rows, tokens=tokens, vocab=shape.vocab)
+    batch = synthetic_rows(rows=rows, tokens=tokens, vocab=shape.resolved_vocab_size)
     batch["old_logprobs"] = engine.log_probs(batch)[0].cpu()
     engine.train_step(batch)  # warm-up: allocator, kernels, AdamW's state
     _sync(device)
@@ -223,7 +192,7 @@ def run(
         raise ValueError("rows, micro-batch and steps must be >= 1 and tokens >= 2")
     spec = SHAPES[shape]
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in LlamaForCausalLM(llama_config(spec, tokens=tokens)).parameters())
+        parameters = sum(p.numel() for p in LlamaForCausalLM(tiny_hf_config(model_config(spec, tokens=tokens))).parameters())
     say(f"{shape}: {parameters / 1e6:.1f} M parameters on {device}, {rows} rows x {tokens} tokens, "
         f"micro-batch {micro_batch}, {steps} timed steps")
     record: dict[str, Any] = {

@@ -348,3 +348,37 @@ def carried_column_reward(prompts: list[str], completions: list[str], answer: li
         if not isinstance(n, int) or n != len(a):
             raise AssertionError(f"answer_len {n!r} does not belong to answer {a!r}")
     return [1.0 if c.strip().startswith(a) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def ppo_role_specs(model_dir: str, policy: Any, scoring: Any = None, *, training: Any = None,
+                   **actor: Any) -> dict[str, Any]:
+    """The roles of a PPO or GRPO step on ``model_dir``: actor and reference on the
+    ``policy`` pool, critic and the rule reward on ``scoring`` (default: the same
+    pool); ``training`` (a ``TrainingConfig``) for the three model roles, ``actor``:
+    more ``ActorConfig`` settings."""
+    from asyncflow import RoleSpec
+    from workers.engines import TrainingConfig
+    from workers.rewards import RuleRewardConfig
+    from workers.roles import (
+        ActorConfig,
+        ActorWorker,
+        CriticConfig,
+        CriticWorker,
+        ReferenceConfig,
+        ReferenceWorker,
+        RewardWorker,
+        ScoreConfig,
+    )
+
+    training = training if training is not None else TrainingConfig()
+    scoring = scoring if scoring is not None else policy
+    return {
+        "actor": RoleSpec(cls=ActorWorker, pool=policy,
+                          config=ActorConfig(model_dir=model_dir, training=training, **actor)),
+        "ref": RoleSpec(cls=ReferenceWorker, pool=policy, config=ReferenceConfig(model_dir=model_dir,
+                                                                                 training=training)),
+        "critic": RoleSpec(cls=CriticWorker, pool=scoring, config=CriticConfig(model_dir=model_dir,
+                                                                               training=training)),
+        "reward": RoleSpec(cls=RewardWorker, pool=scoring,
+                           config=ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir))),
+    }

@@ -45,7 +45,7 @@ ROLLOUT_DTYPES: dict[str, Literal["auto", "float32", "bfloat16"]] = {
 pool gets it spelled out: it has no training precision to follow)."""
 
 
-def _scorer(s: ScoreSection, model_dir: str, precision: Literal["auto", "fp32", "bf16"]) -> ScoreConfig:
+def _scorer(s: ScoreSection, model_dir: str, precision: Literal["auto", "fp32", "bf16"] = "auto") -> ScoreConfig:
     if s.model_dir:  # a reward or cost model infers in the policy's precision
         return ScoreConfig(scorer=ModelRewardConfig(model_dir=s.model_dir, precision=precision))
     weighted = s.weighted

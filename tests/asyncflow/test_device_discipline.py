@@ -25,15 +25,12 @@ import asyncflow as af
 import fake_device
 from asyncflow._local import LocalSession
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from support import ppo_role_specs
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.rewards import RuleRewardConfig
 from workers.roles import (
     ActorConfig,
     ActorWorker,
-    CriticConfig,
-    CriticWorker,
-    ReferenceConfig,
-    ReferenceWorker,
     RewardWorker,
     RolloutWorker,
     RolloutWorkerConfig,
@@ -71,17 +68,6 @@ def test_the_fake_device_refuses_cpu_tensors_where_cuda_does() -> None:
     assert torch.equal(moved, torch.arange(6.0).view(3, 2))
 
 
-def _specs(model_dir: str) -> dict[str, af.RoleSpec]:
-    pool = af.ResourcePool(name="main", devices=1)
-    return {
-        "actor": af.RoleSpec(cls=ActorWorker, pool=pool, config=ActorConfig(model_dir=model_dir)),
-        "ref": af.RoleSpec(cls=ReferenceWorker, pool=pool, config=ReferenceConfig(model_dir=model_dir)),
-        "critic": af.RoleSpec(cls=CriticWorker, pool=pool, config=CriticConfig(model_dir=model_dir)),
-        "reward": af.RoleSpec(cls=RewardWorker, pool=pool,
-                              config=ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir))),
-    }
-
-
 Step = Callable[[Any, Any, int], Awaitable[dict[str, float]]]
 STEPS: dict[str, Step] = {
     "grpo": lambda roles, prompts, s: grpo_step(roles, prompts, GRPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
@@ -97,7 +83,7 @@ def _run_steps(model_dir: str, out_dir: Path, *, device: str, store_on_device: b
 
     async def main() -> dict[str, Any]:
         async with LocalSession(device=device, store_on_device=store_on_device) as session:
-            roles = await session.spawn(_specs(model_dir))
+            roles = await session.spawn(ppo_role_specs(model_dir, af.ResourcePool(name="main", devices=1)))
             out: dict[str, Any] = {}
             for s, (name, step) in enumerate(STEPS.items()):
                 columns = prompt_batch(problems[s * 2:(s + 1) * 2], tok, first_uid=10 * s)

@@ -14,19 +14,9 @@ import torch
 
 import asyncflow as af
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from support import ppo_role_specs
 from workers.engines import TrainingConfig
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
-from workers.rewards import RuleRewardConfig
-from workers.roles import (
-    ActorConfig,
-    ActorWorker,
-    CriticConfig,
-    CriticWorker,
-    ReferenceConfig,
-    ReferenceWorker,
-    RewardWorker,
-    ScoreConfig,
-)
 from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -42,24 +32,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
 
 
-def _specs(model_dir: str, policy: af.ResourcePool, scoring: af.ResourcePool) -> dict[str, af.RoleSpec]:
-    return {
-        "actor": af.RoleSpec(cls=ActorWorker, pool=policy, config=ActorConfig(model_dir=model_dir, training=BF16)),
-        "ref": af.RoleSpec(cls=ReferenceWorker, pool=policy,
-                           config=ReferenceConfig(model_dir=model_dir, training=BF16)),
-        "critic": af.RoleSpec(cls=CriticWorker, pool=scoring, config=CriticConfig(model_dir=model_dir, training=BF16)),
-        "reward": af.RoleSpec(cls=RewardWorker, pool=scoring,
-                              config=ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir))),
-    }
-
-
 def _train(model_dir: str, pools: tuple[af.ResourcePool, af.ResourcePool]) -> tuple[str, dict[str, Any]]:
     tok = CharTokenizer.from_pretrained(model_dir)
     problems = list(generate_splits(ArithmeticTaskConfig(train_size=32, eval_size=4)).train)
 
     async def main() -> tuple[str, dict[str, Any]]:
         async with af.Session() as session:
-            roles = await session.spawn(_specs(model_dir, *pools))
+            roles = await session.spawn(ppo_role_specs(model_dir, *pools, training=BF16))
             out: dict[str, Any] = {}
             policy = PolicyConfig(kl_coef=0.01)
             for s, stream in enumerate((None, af.StreamOptions(micro_batch=8))):

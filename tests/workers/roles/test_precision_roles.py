@@ -15,19 +15,9 @@ import torch
 import asyncflow as af
 from asyncflow._local import LocalSession
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from support import ppo_role_specs
 from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
-from workers.rewards import RuleRewardConfig
-from workers.roles import (
-    ActorConfig,
-    ActorWorker,
-    CriticConfig,
-    CriticWorker,
-    ReferenceConfig,
-    ReferenceWorker,
-    RewardWorker,
-    ScoreConfig,
-)
 from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
@@ -45,17 +35,8 @@ def _steps(model_dir: str, *, precision: str = "fp32", checkpointing: bool = Fal
            offload: bool = False) -> dict[str, Any]:
     training = TrainingConfig(lr=1e-3, precision=precision, activation_checkpointing=checkpointing,  # type: ignore[arg-type]
                               micro_batch_size=4)
-    pool = af.ResourcePool(name="main", devices=1)
-    specs = {
-        "actor": af.RoleSpec(cls=ActorWorker, pool=pool, config=ActorConfig(
-            model_dir=model_dir, training=training, offload_optimizer=offload)),
-        "ref": af.RoleSpec(cls=ReferenceWorker, pool=pool, config=ReferenceConfig(model_dir=model_dir,
-                                                                                  training=training)),
-        "critic": af.RoleSpec(cls=CriticWorker, pool=pool, config=CriticConfig(model_dir=model_dir,
-                                                                               training=training)),
-        "reward": af.RoleSpec(cls=RewardWorker, pool=pool,
-                              config=ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir))),
-    }
+    specs = ppo_role_specs(model_dir, af.ResourcePool(name="main", devices=1), training=training,
+                           offload_optimizer=offload)
     tok = CharTokenizer.from_pretrained(model_dir)
     problems = list(generate_splits(ArithmeticTaskConfig(train_size=16, eval_size=2)).train)
 
