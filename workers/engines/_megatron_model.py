@@ -31,7 +31,7 @@ from workers.engines._megatron_weights import (
     merge_from_tp,
     tp_split_kind,
 )
-from workers.engines._parallel import MESH_DIM_NAMES
+from workers.engines._parallel import check_mesh
 
 __all__ = [
     "HFStyleGPT",
@@ -86,16 +86,7 @@ def megatron_groups(mesh: DeviceMesh | None) -> MegatronGroups:
     alone = _this_rank_alone()
     if mesh is None:
         return MegatronGroups(tp=alone, pp=alone, alone=alone)
-    if mesh.mesh_dim_names != MESH_DIM_NAMES:
-        raise EngineConfigError(
-            f"mesh dimensions must be named {MESH_DIM_NAMES}, got {mesh.mesh_dim_names}; build it "
-            f'with init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))'
-        )
-    if mesh["pp"].size() != 1:
-        raise EngineConfigError(
-            f"mesh 'pp' size is {mesh['pp'].size()}, but the Megatron engine does not drive "
-            "Megatron's pipeline schedules yet; use pp=1 and put those ranks into 'dp' or 'tp'"
-        )
+    check_mesh(mesh, engine="the Megatron engine (Megatron's pipeline schedules are not driven yet)")
     return MegatronGroups(tp=mesh.get_group("tp"), pp=mesh.get_group("pp"), alone=alone)
 
 

@@ -54,7 +54,14 @@ class TensorParallelPlan:
     """Fields of ``model.config`` that ``tp`` must divide."""
 
 
-def _check_mesh(mesh: DeviceMesh) -> None:
+def check_mesh(mesh: DeviceMesh, *, engine: str = "the PyTorch-native engine") -> None:
+    """Raise :class:`EngineConfigError` unless ``mesh`` is a training mesh an engine
+    without pipeline stages can use: dimensions :data:`MESH_DIM_NAMES`, ``pp`` of 1.
+
+    Args:
+        mesh: the mesh.
+        engine: the engine, as the message names it.
+    """
     if mesh.mesh_dim_names != MESH_DIM_NAMES:
         raise EngineConfigError(
             f"mesh dimensions must be named {MESH_DIM_NAMES}, got {mesh.mesh_dim_names}; build it "
@@ -63,7 +70,7 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     if mesh["pp"].size() != 1:
         raise EngineConfigError(
             f"mesh 'pp' size is {mesh['pp'].size()}, but pipeline parallelism is not implemented "
-            "in the PyTorch-native engine; use pp=1 and put those ranks into 'dp' or 'tp'"
+            f"in {engine}; use pp=1 and put those ranks into 'dp' or 'tp'"
         )
 
 
@@ -149,7 +156,7 @@ class Parallelism:
             EngineConfigError: for a mesh with other dimension names or ``pp > 1``.
         """
         if mesh is not None:
-            _check_mesh(mesh)
+            check_mesh(mesh)
         self.mesh = mesh
         self.tp_plan = tp_plan or TensorParallelPlan()
         self._device = device
