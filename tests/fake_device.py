@@ -38,6 +38,8 @@ NAME = "fakegpu"
 
 _LOCK = threading.Lock()
 _INSTALLED = False
+UNAVAILABLE: str | None = None
+"""Why this process has no fake device (set by the test session), or None."""
 
 _ACCEPTS_CPU_INDICES = frozenset({
     "aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_",
@@ -52,6 +54,14 @@ def device(index: int = 0) -> torch.device:
     """The fake device (installs it on first use)."""
     install()
     return torch.device(NAME, index)
+
+
+def require() -> None:
+    """Skip the calling test when this process has no fake device."""
+    import pytest
+
+    if UNAVAILABLE is not None:
+        pytest.skip(UNAVAILABLE)
 
 
 class FakeGpuTensor(torch.Tensor):

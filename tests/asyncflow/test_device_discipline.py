@@ -45,6 +45,11 @@ POLICY = PolicyConfig(kl_coef=0.01)
 FAKE = fake_device.NAME
 
 
+@pytest.fixture(autouse=True)
+def _fake_device() -> None:
+    fake_device.require()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
