@@ -240,6 +240,14 @@ def algorithm_in(config: RunConfig) -> Algorithm[Any]:
     return algorithm_of(config.algorithm)
 
 
+def hybrid_actor(config: RunConfig) -> bool:
+    """Whether the actor has a generation layout (``placement.actor.gen``: the hybrid
+    engine reshards its training weights for generation; its data-parallel ranks
+    keep whole replicas)."""
+    place = config.placement.get("actor")
+    return place is not None and place.gen is not None
+
+
 def rollout_of(config: RunConfig) -> RolloutConfig:
     """The algorithm's sampling settings (every algorithm has them)."""
     rollout: RolloutConfig = getattr(config.algorithm, "rollout")  # noqa: B009  (a registered config's field)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.train._config import RunConfig, needed_roles, rollout_of
+from asyncflow.train._config import RunConfig, hybrid_actor, needed_roles, rollout_of
 from workers.engines import REPLICATE_MAX_PARAMS, PrecisionName, estimate_memory
 
 GIB = 2**30
@@ -116,7 +116,7 @@ def _role_parts(config: RunConfig, role: str, shape: ModelShape, reward_shape: M
     if role in TRAINED:
         section = actor if role == "actor" else config.critic
         precision = _precision(section.precision, device)
-        hybrid = role == "actor" and place_gen(config)  # the hybrid engine keeps whole replicas
+        hybrid = role == "actor" and hybrid_actor(config)  # the hybrid engine keeps whole replicas
         shards = 1 if hybrid or shape.parameters <= REPLICATE_MAX_PARAMS else dp  # data_parallel="auto"
         state = estimate_memory(shape.parameters, precision=precision, shards=shards, tp=t)
         training = {"training state": state.total,
@@ -149,12 +149,6 @@ def _precision(setting: str, device: torch.device) -> PrecisionName:
     if setting == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
     return "bf16" if setting == "bf16" else "fp32"
-
-
-def place_gen(config: RunConfig) -> bool:
-    """Whether the actor has a generation layout (the hybrid engine)."""
-    place = config.placement.get("actor")
-    return place is not None and place.gen is not None
 
 
 def _generation(config: RunConfig, shape: ModelShape, *, precision: PrecisionName, dp: int, context: int) -> dict[str, int]:

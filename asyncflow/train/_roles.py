@@ -8,11 +8,18 @@ from typing import Literal
 import msgspec
 
 from asyncflow._pool import ResourcePool, RoleSpec
-from asyncflow.train._config import OptimSection, RunConfig, ScoreSection, needed_roles
+from asyncflow.train._config import (
+    OptimSection,
+    RunConfig,
+    ScoreSection,
+    hybrid_actor,
+    needed_roles,
+)
 from channels import GenerationLayout, Layout
 from workers.engines import TrainingConfig
 from workers.rewards import ModelRewardConfig, RuleRewardConfig
 from workers.roles import (
+    ROLLOUT_DTYPES,
     ActorConfig,
     ActorWorker,
     CostWorker,
@@ -39,12 +46,6 @@ def _update(o: OptimSection) -> UpdateConfig:
     return UpdateConfig(epochs=o.epochs, mini_batches=o.mini_batches)
 
 
-ROLLOUT_DTYPES: dict[str, Literal["auto", "float32", "bfloat16"]] = {
-    "auto": "auto", "fp32": "float32", "bf16": "bfloat16"}
-"""The rollout engine's dtype for the actor's precision (a rollout role on another
-pool gets it spelled out: it has no training precision to follow)."""
-
-
 def _scorer(s: ScoreSection, model_dir: str, precision: Literal["auto", "fp32", "bf16"] = "auto") -> ScoreConfig:
     if s.model_dir:  # a reward or cost model infers in the policy's precision
         return ScoreConfig(scorer=ModelRewardConfig(model_dir=s.model_dir, precision=precision))
@@ -63,14 +64,14 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
              for name, p in config.pools.items()}
     first = next(iter(config.pools))
     a = config.actor
-    dtype = ROLLOUT_DTYPES[a.precision]
+    # A rollout role on another pool has no training precision to follow: it gets it spelled out.
+    dtype = "auto" if a.precision == "auto" else ROLLOUT_DTYPES[a.precision]
     vllm = VLLMRolloutConfig(seed=config.seed, dtype=dtype)
     if context:
         vllm = msgspec.structs.replace(vllm, max_model_len=max(context, vllm.max_model_len))
     rollout = (vllm if a.rollout_engine == "vllm"
                else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed, dtype=dtype))
-    actor_place = config.placement.get("actor")
-    hybrid = actor_place is not None and actor_place.gen is not None
+    hybrid = hybrid_actor(config)
     disaggregated = "rollout" in config.placement  # the actor trains, the rollout role generates
     # The hybrid engine reshards tensor-parallel shards: data-parallel ranks keep theirs whole.
     actor_training = dataclasses.replace(_training(a), data_parallel="replicate") if hybrid else _training(a)

@@ -46,7 +46,7 @@ from workers.roles._fields import (
 )
 from workers.roles._reference import ReferenceConfig, ReferenceWorker
 from workers.roles._reward import CostWorker, RewardWorker, ScoreConfig, ScorerConfig, score_summary
-from workers.roles._rollout import RolloutConfig
+from workers.roles._rollout import ROLLOUT_DTYPES, RolloutConfig
 from workers.roles._rollout_worker import PartialRollout, RolloutWorker, RolloutWorkerConfig
 from workers.roles._training import UpdateConfig
 from workers.roles._weights import WEIGHTS_VERSION
@@ -63,6 +63,7 @@ __all__ = [
     "RESPONSE_IDS",
     "RESPONSE_MASK",
     "RETURNS",
+    "ROLLOUT_DTYPES",
     "ROLLOUT_LOGPROBS",
     "SCORES",
     "SEQUENCE",

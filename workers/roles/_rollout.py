@@ -65,21 +65,14 @@ class RolloutEngine(Protocol):
         ...
 
 
-RolloutDtype = Literal["float32", "bfloat16"]
-DTYPES: dict[str, RolloutDtype] = {"fp32": "float32", "bf16": "bfloat16"}
-"""A training precision's rollout dtype."""
-
-
-def rollout_dtype(config: RolloutConfig, precision: PrecisionName) -> str:
-    """The dtype the engine of ``config`` samples in: its ``dtype``, or for
-    ``"auto"`` the policy's training ``precision`` (resolved, ``"fp32"``/``"bf16"``)."""
-    return DTYPES[precision] if config.dtype == "auto" else config.dtype
+ROLLOUT_DTYPES: dict[str, Literal["float32", "bfloat16"]] = {"fp32": "float32", "bf16": "bfloat16"}
+"""The rollout dtype of each training precision (what a rollout config's ``"auto"`` becomes)."""
 
 
 def build_rollout(config: RolloutConfig, *, model: PreTrainedModel, model_dir: str,
                   rank: int, precision: PrecisionName) -> RolloutEngine:
-    """The rollout engine ``config`` describes, seeded per rank, in the dtype
-    :func:`rollout_dtype` gives.
+    """The rollout engine ``config`` describes, seeded per rank, in its ``dtype`` (for
+    ``"auto"``, the policy's training ``precision``: :data:`ROLLOUT_DTYPES`).
 
     Args:
         config: native or vLLM settings.
@@ -91,14 +84,14 @@ def build_rollout(config: RolloutConfig, *, model: PreTrainedModel, model_dir: s
     Returns:
         The engine.
     """
-    dtype = rollout_dtype(config, precision)
     if isinstance(config, VLLMRolloutConfig):
+        dtype = ROLLOUT_DTYPES[precision] if config.dtype == "auto" else config.dtype
         seeded = msgspec.structs.replace(config, seed=config.seed + rank, dtype=dtype)
         return VLLMRolloutEngine(model_dir, config=seeded)
-    native = dataclasses.replace(config, seed=config.seed + rank, dtype=DTYPES[precision] if config.dtype == "auto"
-                                 else config.dtype)
+    native = dataclasses.replace(config, seed=config.seed + rank,
+                                 dtype=ROLLOUT_DTYPES[precision] if config.dtype == "auto" else config.dtype)
     # The tokenizer decodes responses for stop strings (SamplingParams.stop).
-    copied = copy.deepcopy(model).to(getattr(torch, dtype))
+    copied = copy.deepcopy(model).to(getattr(torch, native.dtype))
     return NativeRolloutEngine(copied, config=native, tokenizer=load_tokenizer(model_dir))
 
 
