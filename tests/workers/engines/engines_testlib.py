@@ -31,6 +31,12 @@ def tiny_config(*, layers: int = 2, hidden: int = 64, max_positions: int = 128) 
 
 
 SMALL = {"layers": 1, "hidden": 32, "max_positions": 32}
+
+# Adam's first update is g / (|g| + eps): with a tiny eps it is sign(g), which turns
+# float-rounding noise in near-zero gradients into full-size updates. eps=1 keeps the
+# update proportional to the gradient, so weights compare at float32 tolerance.
+EXACT = {"lr": 1e-3, "eps": 1.0}
+"""TrainingConfig settings whose updates compare gradients."""
 """The smallest shape (1 layer, 32 wide, 32 positions), for tests that spawn many ranks."""
 
 

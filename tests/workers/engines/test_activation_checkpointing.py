@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines_testlib import TinyValueModel, full_weights, make_batch, run_ranks, tiny_lm
+from engines_testlib import EXACT, TinyValueModel, full_weights, make_batch, run_ranks, tiny_lm
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -24,7 +24,6 @@ from workers.engines import (
 
 torch.set_num_threads(1)
 
-EXACT = {"lr": 1e-3, "eps": 1.0}
 LOSS = PolicyLoss(kl_coef=0.05, entropy_coef=0.01)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines_testlib import TinyValueModel, full_weights, make_batch, tiny_lm
+from engines_testlib import EXACT, TinyValueModel, full_weights, make_batch, tiny_lm
 from transformers import LlamaForCausalLM
 
 from workers.engines import (
@@ -63,10 +63,6 @@ def test_values_read_positions_before_each_response_token() -> None:
         engine.log_probs(batch)
 
 
-# Adam's first update is g / (|g| + eps): with a tiny eps it is sign(g), which turns
-# float-rounding noise in near-zero gradients into full-size updates. eps=1 keeps the
-# update proportional to the gradient, so weights compare at float32 tolerance.
-EXACT = {"lr": 1e-3, "eps": 1.0}
 
 
 def _step(config: TrainingConfig, loss: object, batch: dict, *, value: bool = False) -> tuple:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines_testlib import TinyValueModel, full_weights, make_batch, tiny_lm
+from engines_testlib import EXACT, TinyValueModel, full_weights, make_batch, tiny_lm
 from torch import nn
 
 from workers.engines import (
@@ -22,9 +22,6 @@ from workers.engines import (
 
 torch.set_num_threads(1)
 
-# eps=1 keeps Adam's first update proportional to the gradient (see test_engine_single),
-# so the update compares the gradients of the two precisions.
-EXACT = {"lr": 1e-3, "eps": 1.0}
 LOSS = PolicyLoss(kl_coef=0.05, entropy_coef=0.01)
 
 
