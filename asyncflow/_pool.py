@@ -4,7 +4,12 @@ A :class:`ResourcePool` is a Ray placement group of ``devices`` bundles: one GPU
 each on GPU machines, one *CPU device slot* each on CPU machines. A CPU slot is a
 seat for a worker process, not a core: the embedded session gives Ray
 ``cpu_slots`` of them and sizes each worker's torch threads to the cores
-(:func:`worker_threads`; a pool may set its own).
+(:func:`worker_threads`; a pool may set its own). On a cluster whose nodes offer
+no CPU slots a CPU rank takes one of Ray's ``CPU`` (:func:`slot_resource`).
+
+The bundles of a pool are packed onto as few nodes as they fit (Ray's ``PACK``),
+on nodes whose labels match the pool's ``labels`` when it has any;
+:func:`check_fits` refuses at once a pool the cluster cannot hold.
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ class ResourcePool:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device kind; ``"auto"`` picks CUDA when the cluster has GPUs."""
     resources: Mapping[str, float] = field(default_factory=dict)
-    """Extra Ray resources every bundle asks for (e.g. a node label resource)."""
+    """Extra Ray resources every bundle asks for (e.g. a custom resource that only
+    some nodes offer)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Node labels the pool's nodes must have (``ray start --labels key=value``):
+    the pool's ranks go only to such nodes."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement-group strategy."""
     threads: int | None = None
@@ -59,10 +68,15 @@ class ResourcePool:
             raise ConfigError(f"ResourcePool({self.name!r}).threads must be an int >= 1 or None (the default), "
                               f"got {self.threads!r}")
 
-    def bundle(self, device: str) -> dict[str, float]:
-        """The Ray resources of one bundle on ``device``."""
-        base = {"GPU": 1.0} if device == "cuda" else {CPU_SLOT: 1.0}
+    def bundle(self, device: str, slot: str = CPU_SLOT) -> dict[str, float]:
+        """The Ray resources of one bundle on ``device`` (``slot``: the resource a
+        CPU rank takes, see :func:`slot_resource`)."""
+        base = {"GPU": 1.0} if device == "cuda" else {slot: 1.0}
         return {**base, **self.resources}
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        """Whether a node with ``labels`` may host this pool's ranks."""
+        return all(labels.get(k) == v for k, v in self.labels.items())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,18 +135,72 @@ def check_placement(roles: Mapping[str, RoleSpec]) -> tuple[list[ResourcePool], 
     return list(pools.values()), layouts
 
 
-def check_resources(pools: list[ResourcePool], device: str, have: Mapping[str, float]) -> None:
-    """Raise :class:`ConfigError` unless the cluster's resources ``have`` fit ``pools``."""
+def slot_resource(device: str, have: Mapping[str, float]) -> str:
+    """The Ray resource a rank takes on ``device``: a GPU; on CPU a CPU device slot
+    where the cluster offers them (the embedded session does), else a ``CPU``."""
+    if device == "cuda":
+        return "GPU"
+    return CPU_SLOT if have.get(CPU_SLOT, 0.0) > 0 else "CPU"
+
+
+@dataclass(frozen=True)
+class Node:
+    """A live node of the Ray cluster, as placement sees it."""
+
+    id: str
+    ip: str
+    resources: Mapping[str, float]
+    labels: Mapping[str, str]
+
+    def describe(self) -> str:
+        """``node 1f3a2b4c (10.0.0.5)``."""
+        return f"node {self.id[:8]} ({self.ip})"
+
+
+def live_nodes(nodes: list[dict[str, Any]]) -> list[Node]:
+    """The live nodes in ``ray.nodes()``'s answer."""
+    return [Node(id=n["NodeID"], ip=n.get("NodeManagerAddress", "?"), resources=n.get("Resources", {}),
+                 labels={k: v for k, v in n.get("Labels", {}).items() if not k.startswith("ray.io/")})
+            for n in nodes if n.get("Alive")]
+
+
+def check_fits(pools: list[ResourcePool], device: str, slot: str, nodes: list[Node]) -> None:
+    """Raise :class:`ConfigError` unless the cluster's live ``nodes`` can hold
+    ``pools``, naming what the pools ask for and what the cluster has.
+
+    Each pool must fit the nodes its labels allow, and all pools together must fit
+    the cluster. Whether they fit at the same time, bundle by bundle, is Ray's to
+    decide: what is busy now may free up (the session waits for it, see
+    ``Session(placement_timeout_s=...)``).
+    """
+    def has(resource: str, among: list[Node]) -> float:
+        return sum(n.resources.get(resource, 0.0) for n in among)
+
+    def inventory(resource: str, among: list[Node]) -> str:
+        return ", ".join(f"{n.describe()}: {n.resources.get(resource, 0.0):g}" for n in among) or "no nodes"
+
+    for p in pools:
+        where = [n for n in nodes if p.matches(n.labels)]
+        if p.labels and not where:
+            seen = sorted({f"{k}={v}" for n in nodes for k, v in n.labels.items()})
+            raise ConfigError(f"pool {p.name!r} asks for nodes labelled "
+                              f"{', '.join(f'{k}={v}' for k, v in p.labels.items())} but no live node has "
+                              f"them (labels in the cluster: {', '.join(seen) or 'none'}; set them with "
+                              "ray start --labels key=value)")
+        for k, v in p.bundle(device, slot).items():
+            if has(k, where) < v * p.devices:
+                on = " with its labels" if p.labels else ""
+                raise ConfigError(f"pool {p.name!r} asks for {v * p.devices:g} {k} ({p.devices} devices) but the "
+                                  f"nodes{on} have {has(k, where):g} ({inventory(k, where)})")
     need: dict[str, float] = {}
     for p in pools:
-        for k, v in p.bundle(device).items():
+        for k, v in p.bundle(device, slot).items():
             need[k] = need.get(k, 0.0) + v * p.devices
     for k, v in need.items():
-        if have.get(k, 0.0) < v:
-            hint = (f" (start Ray nodes with --resources='{{\"{CPU_SLOT}\": N}}')" if k == CPU_SLOT else "")
-            raise ConfigError(
-                f"the pools need {v:g} {k} in all but the Ray cluster has {have.get(k, 0.0):g}{hint}"
-            )
+        if has(k, nodes) < v:
+            asks = ", ".join(f"{p.name}: {p.bundle(device, slot).get(k, 0.0) * p.devices:g}" for p in pools)
+            raise ConfigError(f"the pools ask for {v:g} {k} in all ({asks}) but the Ray cluster has "
+                              f"{has(k, nodes):g} ({inventory(k, nodes)})")
 
 
 def worker_threads(pool: ResourcePool, *, world: int, device: str, cores: int | None = None,

@@ -1,5 +1,10 @@
-"""Starting the embedded Ray instance early, while the heavy modules import.
+"""Starting Ray: an embedded single-machine instance, or joining a cluster.
 
+:func:`init_ray` starts the embedded instance on the loopback interface, watched
+so that it ends with its driver (:mod:`asyncflow._watchdog`), or joins the
+cluster an address names.
+
+Starting the embedded instance early, while the heavy modules import:
 ``ray.init`` spends most of its two to four seconds waiting for Ray's own
 processes to come up, and a training script spends about as long importing torch,
 transformers and the roles. :func:`start_ray` does both at once: it imports those
@@ -18,6 +23,9 @@ import threading
 from collections.abc import Sequence
 
 import ray
+from ray._private import ray_constants
+
+from asyncflow._watchdog import watch_this_process
 
 CPU_SLOT = "asyncflow_cpu_slot"
 """The Ray custom resource a CPU device slot is counted in. A Ray cluster used for
@@ -79,18 +87,62 @@ def _import_quietly(modules: tuple[str, ...]) -> None:
 
 
 def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
-    """``ray.init`` without start-up chatter a user cannot act on (Ray logs it to
-    its session directory anyway). Token authentication stays on: Ray 2.60 enables
-    it for a new local instance and announces it with a warning."""
+    """Start an embedded Ray instance on the loopback interface, or join a cluster.
+
+    ``address`` (else ``RAY_ADDRESS``, as ``ray.init`` reads it; ``ray job submit``
+    sets it for its drivers) joins that cluster, asking for no resources: a
+    cluster's nodes bring their own. Without either, a new single-machine instance
+    starts (never a cluster a stale ``/tmp/ray/ray_current_cluster`` names) with
+    every listener on 127.0.0.1 (:func:`_node_address`) and a watchdog that ends
+    its processes should this one die without shutting it down
+    (:mod:`asyncflow._watchdog`).
+
+    Start-up chatter a user cannot act on stays in Ray's session logs. Token
+    authentication stays on: Ray 2.60 enables it for a new local instance and
+    announces it with a warning.
+    """
+    address = address or os.environ.get("RAY_ADDRESS") or None
     auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
     level = auth.level
     auth.setLevel(logging.ERROR)
     try:
+        _node_address(loopback=address is None)
         if address is None:
-            ray.init(num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
                      include_dashboard=False, logging_level=logging.WARNING,
                      _system_config={"worker_niceness": worker_nice})
+            watch_this_process()
         else:
             ray.init(address=address, logging_level=logging.WARNING)
     finally:
         auth.setLevel(level)
+
+
+ENABLE_RAY_CLUSTERS_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_USER_CHOICE = os.environ.get(ENABLE_RAY_CLUSTERS_ENV_VAR)  # before this module set it
+
+
+def _node_address(*, loopback: bool) -> None:
+    """Make the Ray instance started next take 127.0.0.1 as its node address
+    (``loopback``), or the address the machine's route gives, as Ray decides.
+
+    Ray binds every listener of a node (GCS, raylet, object manager, agents,
+    workers) to the node's address, which it takes from
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``: read into ``ray_constants`` once, when
+    Ray is first imported, and again by each of its processes from the
+    environment they inherit. Setting only the variable works solely before the
+    first ``import ray``, which no library can promise; so both are set here, right
+    before ``ray.init``. The constant has no public setter (a deliberate exception
+    to our no-private-access rule, pinned by tests/asyncflow/test_loopback.py,
+    which lists the listening sockets of every entry point). Joining a cluster
+    restores what the user's environment said.
+    """
+    if loopback:
+        os.environ[ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    elif _USER_CHOICE is None:
+        os.environ.pop(ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+    else:
+        os.environ[ENABLE_RAY_CLUSTERS_ENV_VAR] = _USER_CHOICE
+    setting = os.environ.get(ENABLE_RAY_CLUSTERS_ENV_VAR)
+    ray_constants.ENABLE_RAY_CLUSTER = (not ray_constants.IS_WINDOWS_OR_OSX if setting is None
+                                        else setting.lower() in ("1", "true"))

@@ -4,8 +4,9 @@
         roles = await session.spawn({"actor": RoleSpec(Actor, pool=gpus), ...})
         out = roles.actor.generate(prompts)        # DataFuture, returned at once
 
-The embedded default starts a local Ray instance sized to this machine and shuts it
-down on exit; ``Session(address=...)`` joins an existing cluster instead. This
+The embedded default starts a local Ray instance sized to this machine, on the
+loopback interface, and shuts it down on exit; ``Session(address=...)`` (or
+``RAY_ADDRESS``) joins an existing cluster instead. This
 module only wires things together: pools and placement (``_pool``), worker
 processes (``workers``), the data-plane transport (``_transport``), the shard
 ledger (``_ledger``), the call loops (``_scheduler``) and the role proxies
@@ -25,11 +26,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncflow._errors import RemoteStageError, SessionClosedError
 from asyncflow._pool import (
-    CPU_SLOT,
+    Node,
     ResourcePool,
     RoleSpec,
+    check_fits,
     check_placement,
-    check_resources,
+    live_nodes,
+    slot_resource,
     worker_threads,
 )
 from asyncflow._proxy import Roles
@@ -50,13 +53,14 @@ class Session(Runtime):
     The rendezvous of the workers' process groups goes through a store served over
     Ray's authenticated channels (no listener of ours accepts strangers), and gloo
     listens on each node's cluster address only. An embedded instance binds every
-    Ray listener to the loopback interface when the process sets
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before importing Ray, as the
-    ``asyncflow`` command does.
+    Ray listener to the loopback interface, and a watchdog ends its processes if
+    the driver dies without closing the session (``kill -9`` included).
 
     Args:
-        address: a Ray cluster address to join; None starts (or reuses) a local
-            instance sized to this machine.
+        address: a Ray cluster address to join (``"auto"``: the cluster started on
+            this machine with ``ray start``); None: ``RAY_ADDRESS`` when it is set
+            (as ``ray job submit`` sets it), else a new local instance sized to
+            this machine, or the one ``asyncflow.start_ray`` started.
         cpu_slots: CPU device slots the embedded instance offers (worker
             processes, not cores).
         transport: how rows move between workers: ``"auto"`` (Ray Direct
@@ -69,15 +73,18 @@ class Session(Runtime):
             session starts (Ray's own default, 15, lets any other busy process on
             the machine take their cores; 0 shares them fairly). Ignored with
             ``address`` (the cluster's setting holds).
+        placement_timeout_s: how long :meth:`spawn` waits for a pool's devices
+            when the cluster has them but others hold them now.
     """
 
     def __init__(self, *, address: str | None = None, cpu_slots: int = 64, transport: Transport = "auto",
                  collective_timeout_s: float = 120.0, rendezvous_timeout_s: float = 300.0,
-                 worker_nice: int = 0) -> None:
+                 worker_nice: int = 0, placement_timeout_s: float = 120.0) -> None:
         if transport not in ("auto", "gloo", "nccl", "object_store"):
             raise ConfigError(f"transport must be auto, gloo, nccl or object_store, got {transport!r}")
         for name, value in (("collective_timeout_s", collective_timeout_s),
-                            ("rendezvous_timeout_s", rendezvous_timeout_s)):
+                            ("rendezvous_timeout_s", rendezvous_timeout_s),
+                            ("placement_timeout_s", placement_timeout_s)):
             if not value > 0:
                 raise ConfigError(f"Session.{name} must be > 0, got {value!r}")
         if not isinstance(worker_nice, int) or isinstance(worker_nice, bool) or not 0 <= worker_nice <= 19:
@@ -87,9 +94,12 @@ class Session(Runtime):
         self._address, self._cpu_slots = address, cpu_slots
         self._transport_choice = transport
         self._collective_timeout, self._rendezvous_timeout = collective_timeout_s, rendezvous_timeout_s
+        self._placement_timeout = placement_timeout_s
         self._started_ray = False
         self._actors: list[Any] = []
         self._actor_ids: list[str] = []
+        self._nodes: dict[str, Node] = {}  # by node id: where the workers run
+        self._actor_nodes: list[str] = []  # node id of each worker
         self._placement_groups: list[Any] = []
         self._store: Any = None
         self._rdt: str | None = None
@@ -151,31 +161,33 @@ class Session(Runtime):
             raise ConfigError("spawn was already called in this session; spawn every role at once")
         pools, layouts = check_placement(roles)
         device = _device_of(pools)
-        check_resources(pools, device, ray.cluster_resources())
-        ranks = await self._create_workers(pools, device, _role_modules(roles))
+        slot = slot_resource(device, ray.cluster_resources())
+        nodes = live_nodes(ray.nodes())
+        check_fits(pools, device, slot, nodes)
+        self._nodes = {n.id: n for n in nodes}
+        ranks = await self._create_workers(pools, device, slot, _role_modules(roles))
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)
         await self._init_rdt(device)
         return self._start(RayTransport(self._actors, self._actor_ids, self._rdt), ranks, roles, layouts,
                            rank_local)
 
-    async def _create_workers(self, pools: list[ResourcePool], device: str,
+    async def _create_workers(self, pools: list[ResourcePool], device: str, slot: str,
                               preload: Mapping[str, tuple[str, ...]]) -> dict[str, list[int]]:
         world = sum(p.devices for p in pools)
         cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
             WorkerProcess)
         ranks: dict[str, list[int]] = {}
         for pool in pools:
-            pg = placement_group([pool.bundle(device)] * pool.devices, strategy=pool.strategy)
-            self._placement_groups.append(pg)
-            await pg.ready()
+            await self._place(pool, device, slot)
+            pg = self._placement_groups[-1]
             ranks[pool.name] = []
             for rank in range(pool.devices):
                 opts: dict[str, Any] = {
-                    "num_cpus": 0,
+                    "num_cpus": 1 if slot == "CPU" else 0,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=rank),
-                    "resources": dict(pool.resources) if device == "cuda" else {CPU_SLOT: 1.0, **pool.resources},
+                    "resources": {**({slot: 1.0} if slot not in ("CPU", "GPU") else {}), **pool.resources},
                 }
                 if device == "cuda":
                     opts["num_gpus"] = 1
@@ -186,18 +198,53 @@ class Session(Runtime):
                     preload=preload.get(pool.name, ())))
         return ranks
 
+    async def _place(self, pool: ResourcePool, device: str, slot: str) -> None:
+        """Reserve ``pool``'s devices (a placement group), waiting at most
+        ``placement_timeout_s`` for devices that others hold now."""
+        labels = [dict(pool.labels)] * pool.devices if pool.labels else None
+        pg = placement_group([pool.bundle(device, slot)] * pool.devices, strategy=pool.strategy,
+                             bundle_label_selector=labels)
+        self._placement_groups.append(pg)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(pg.ready().future()), self._placement_timeout)
+        except TimeoutError:
+            free = ray.available_resources()
+            raise ConfigError(
+                f"pool {pool.name!r} ({pool.devices} x {pool.bundle(device, slot)}"
+                f"{f' on nodes labelled {dict(pool.labels)}' if pool.labels else ''}) was not placed within "
+                f"{self._placement_timeout:g} s: the cluster has them, but not free together now (free: "
+                f"{', '.join(f'{k} {v:g}' for k, v in sorted(free.items()) if k in pool.bundle(device, slot))}"
+                "); other jobs may hold them, or a pool's ranks do not fit one node") from None
+
+    def where(self, pool: str, rank: int) -> str:
+        """The node ``rank`` of ``pool`` runs on, e.g. ``node 1f3a2b4c (10.0.0.5)``,
+        with ``, gone`` when that node has left the cluster."""
+        assert self._scheduler is not None
+        node_id = self._actor_nodes[self._scheduler.pools[pool].workers[rank]]
+        node = self._nodes.get(node_id)
+        text = node.describe() if node is not None else f"node {node_id[:8]}"
+        alive = any(n.id == node_id for n in live_nodes(ray.nodes()))
+        return text if alive else f"{text}, gone"
+
+    def placement(self) -> dict[str, list[str]]:
+        """Each pool's ranks' nodes (:meth:`where`), in rank order."""
+        assert self._scheduler is not None
+        return {name: [self.where(name, r) for r in range(len(p.workers))]
+                for name, p in self._scheduler.pools.items()}
+
     def _pool_actors(self, ranks: Mapping[str, list[int]], pool: ResourcePool) -> list[Any]:
         return [self._actors[i] for i in ranks[pool.name]]
 
     async def _init_groups(self, pools: list[ResourcePool], ranks: Mapping[str, list[int]],
                            roles: Mapping[str, RoleSpec], layouts: Mapping[str, Layout]) -> None:
         identities = await asyncio.gather(*(a.identity.remote() for a in self._actors))
-        self._actor_ids = [aid for _, aid, _ in identities]
+        self._actor_ids = [aid for _, aid, _, _ in identities]
+        self._actor_nodes = [node for *_, node in identities]
         self._store = ray.remote(StoreServer).options(num_cpus=0).remote()  # type: ignore[attr-defined]
         await asyncio.gather(*(
             a.init_world.remote(self._store, node_ip=ip, timeout_s=self._rendezvous_timeout,
                                 collective_timeout_s=self._collective_timeout)
-            for a, (_, _, ip) in zip(self._actors, identities, strict=True)))
+            for a, (_, _, ip, _) in zip(self._actors, identities, strict=True)))
         await asyncio.gather(*(
             a.build_groups.remote(ranks[p.name], list(dict.fromkeys(
                 layouts[n] for n, s in roles.items() if s.pool.name == p.name)))

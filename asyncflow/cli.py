@@ -12,8 +12,9 @@ configuration error names the key (exit 2), any other error what failed and wher
 traceback of a failed stage). Any other exception is a bug and propagates with its
 traceback.
 
-This module imports nothing that imports Ray at module level: :func:`main` sets
-Ray's environment first (see :func:`_embedded_ray_on_loopback`).
+Without ``--address`` (or ``RAY_ADDRESS``) the command starts its own Ray instance,
+on the loopback interface; with one it joins that cluster (``ray job submit``
+sets ``RAY_ADDRESS`` for it). See :func:`asyncflow._ray_start.init_ray`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _train(args: argparse.Namespace) -> int:
     task = (config.data.train if config.data.train
             else f"{config.task.digits}-digit arithmetic ({'+'.join(config.task.operators)})")
     _say(f"asyncflow train: {algorithm_in(config).name} on {task}, output in {config.output_dir}")
-    trainer = Trainer(config, resume=args.resume, say=_say, progress_bar=not args.no_progress)
+    trainer = Trainer(config, resume=args.resume, say=_say, progress_bar=not args.no_progress,
+                      address=args.address)
     result = asyncio.run(trainer.run())
     if result.plot is not None:
         _say(f"curves: {result.plot}   metrics: {result.output_dir / 'metrics.jsonl'}   "
@@ -111,20 +113,6 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _embedded_ray_on_loopback() -> None:
-    """Keep the Ray instance this command starts on the loopback interface.
-
-    Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when it is imported; "0"
-    makes it take 127.0.0.1 as the node's address, so every listener it opens (GCS,
-    raylet, object manager, workers) binds there. The single-machine instance
-    :class:`~asyncflow.Session` embeds serves no other machine, and should not be
-    reachable from one. With ``RAY_ADDRESS`` the command joins a cluster whose nodes
-    must reach each other: Ray's default is kept. Must run before Ray is imported.
-    """
-    if "RAY_ADDRESS" not in os.environ:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-
 def _report(error: AsyncflowError, *, debug: bool) -> int:
     """One line on stderr (with ``debug``, the traceback first); returns the exit code."""
     if debug:
@@ -141,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run an RL job from a TOML or YAML config")
     train.add_argument("config", help="path to a .toml/.yaml run configuration")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--address", metavar="HOST:PORT",
+                       help="run on this Ray cluster (default: RAY_ADDRESS when set, else a Ray instance of "
+                            "this machine's own, on the loopback interface)")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=5 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -181,7 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0, 2 for a configuration error, 1 for any other asyncflow error.
     """
     args = _parser().parse_args(argv)
-    _embedded_ray_on_loopback()
     # One progress bar (ours): no per-load bars from transformers here or in the
     # Ray workers, which inherit this environment.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -30,11 +30,6 @@ rollout role on another pool, and resharded in place by the hybrid engine.
 
 from __future__ import annotations
 
-import os
-
-# Ray binds its listeners to the loopback interface when this is set before import.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import argparse
 import asyncio
 import contextlib

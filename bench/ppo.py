@@ -34,14 +34,10 @@ measurements.
 
 from __future__ import annotations
 
-import os
-
-# Ray binds its listeners to the loopback interface when this is set before import.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import argparse
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 

@@ -36,14 +36,10 @@ measured here.
 
 from __future__ import annotations
 
-import os
-
-# Ray binds its listeners to the loopback interface when this is set before import.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time

@@ -13,13 +13,10 @@ Run as ``python -m bench.tracing --json PATH``.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 import timeit

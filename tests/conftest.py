@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 
-# Like the `asyncflow` command: the embedded Ray instances of the tests bind every
-# listener to the loopback interface (Ray reads this when it is imported).
+# For the tests that call ray.init themselves: their Ray instances bind every
+# listener to the loopback interface, as asyncflow's own (asyncflow._ray_start.
+# init_ray) do whatever the environment (tests/asyncflow/test_loopback.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 # Imported before any test runs, not lazily by its pytest plugin at the end of the

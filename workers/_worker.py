@@ -142,11 +142,12 @@ class WorkerProcess(ChannelHost):
 
     # ----- set-up (default concurrency group, before any call) -----
 
-    def identity(self) -> tuple[int, str, str]:
-        """``(pid, Ray actor id, node IP)``: the driver maps a dead actor to its
-        worker index, and gloo binds to the node's cluster address."""
+    def identity(self) -> tuple[int, str, str, str]:
+        """``(pid, Ray actor id, node IP, Ray node id)``: the driver maps a dead actor
+        to its worker index and names the node it ran on, and gloo binds to the
+        node's cluster address."""
         context = ray.get_runtime_context()
-        return os.getpid(), context.get_actor_id() or "", ray.util.get_node_ip_address()
+        return os.getpid(), context.get_actor_id() or "", ray.util.get_node_ip_address(), context.get_node_id()
 
     def init_world(self, store: Any, *, node_ip: str, timeout_s: float, collective_timeout_s: float) -> None:
         """Join the session-wide process group (every worker of every pool).

@@ -80,11 +80,14 @@ class Trainer:
         resume: continue from the latest checkpoint in ``output_dir``.
         say: where human-readable progress lines go (the CLI prints them).
         progress_bar: show a tqdm bar over RL steps.
+        address: the Ray cluster to run on (``Session(address=...)``); None:
+            ``RAY_ADDRESS`` when set, else a Ray instance of this machine's own.
     """
 
     def __init__(self, config: RunConfig, *, resume: bool = False, say: Say = logger.info,
-                 progress_bar: bool = True) -> None:
+                 progress_bar: bool = True, address: str | None = None) -> None:
         self.config = config
+        self.address = address
         self.resume = resume
         self.say = say
         self.progress_bar = progress_bar
@@ -151,10 +154,12 @@ class Trainer:
             start = int(state["step"])
             truncate_after(self.out / "metrics.jsonl", start)
             self.say(f"resuming from {ckpt} (step {start})")
-        async with Session(worker_nice=c.worker_nice) as session:
+        async with Session(address=self.address, worker_nice=c.worker_nice) as session:
             roles = await session.spawn(role_specs(c, model_dir, context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
                      f"rows move by {session.transport}")
+            self.say("pools on nodes: " + "; ".join(f"{pool} on {', '.join(dict.fromkeys(nodes))}"
+                                                  for pool, nodes in session.placement().items()))
             if self.resume:
                 await self._load(roles, self.checkpoints.latest())
             before = state.get("accuracy_before")
@@ -171,7 +176,7 @@ class Trainer:
                 result = await self._loop(session, roles, prompts, max_new, start=start,
                                           state=state | {"accuracy_before": before}, stop=stop)
             except (WorkerDiedError, CallTimeoutError, PoolBrokenError) as e:
-                raise self._interrupted(e) from e
+                raise self._interrupted(e, session) from e
             except asyncio.CancelledError:
                 if not stop.now:
                     raise
@@ -181,8 +186,10 @@ class Trainer:
                 stop.remove()
         return result
 
-    def _interrupted(self, error: WorkerDiedError | CallTimeoutError | PoolBrokenError) -> RunInterruptedError:
-        """One line: which process died (or stalled), and where the run can continue from."""
+    def _interrupted(self, error: WorkerDiedError | CallTimeoutError | PoolBrokenError,
+                     session: Session) -> RunInterruptedError:
+        """One line: which process died (or stalled) on which node, and where the run
+        can continue from."""
         died = error.cause if isinstance(error, PoolBrokenError) else error
         assert isinstance(died, WorkerDiedError | CallTimeoutError)
         who = f"{died.role} " if died.role else ""
@@ -191,8 +198,12 @@ class Trainer:
         if isinstance(died, CallTimeoutError):
             return RunInterruptedError(f"{died.role}.{died.method} stalled on rank {died.rank} of pool {died.pool!r}: "
                                        f"{died.cause}; {where}")
+        try:
+            node = f" on {session.where(died.pool, died.rank)}"
+        except Exception:  # an unknown pool or rank (a producer's label): no node to name
+            node = ""
         return RunInterruptedError(
-            f"the {who}worker process of rank {died.rank} in pool {died.pool!r} died{doing}; {where}")
+            f"the {who}worker process of rank {died.rank} in pool {died.pool!r}{node} died{doing}; {where}")
 
     def _where_to_go_on(self) -> str:
         done = self.checkpoints.complete()

@@ -58,7 +58,7 @@ def test_a_pull_from_a_stalled_producer_fails_naming_the_producer() -> None:
             src = await session.put({"idx": torch.arange(8)}, pool=roles.producer.pool)
             rows = roles.producer.produce(src, width=16)
             await rows
-            pid, _, _ = await session.worker("prod", 0).identity.remote()
+            pid, *_ = await session.worker("prod", 0).identity.remote()
             os.kill(pid, signal.SIGSTOP)
             try:
                 started = time.monotonic()

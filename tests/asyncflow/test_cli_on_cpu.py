@@ -219,7 +219,8 @@ def test_a_killed_worker_ends_the_run_in_one_line_and_resume_continues(tmp_path,
     last = err.strip().splitlines()[-1]
     assert proc.returncode == 1, err
     assert "Traceback" not in err
-    assert last.startswith("asyncflow: RunInterruptedError: ") and "rank 0 in pool 'main' died" in last
+    assert last.startswith("asyncflow: RunInterruptedError: ") and "rank 0 in pool 'main' on node " in last
+    assert " (127.0.0.1) died during " in last
     checkpoint = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
     assert f"last checkpoint: {tmp_path / 'run' / 'checkpoints' / checkpoint}" in last
 

@@ -6,7 +6,6 @@ traceback with ``--debug``). No Ray is started here."""
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -293,19 +292,6 @@ def test_any_other_exception_is_a_bug_and_propagates(tmp_path: Path, model_dir: 
     monkeypatch.setattr(asyncflow.train, "Trainer", _trainer_raising(KeyError("oops")))
     with pytest.raises(KeyError, match="oops"):
         main(["train", str(_write(tmp_path, model_dir, {})), "--no-progress"])
-
-
-def test_embedded_ray_listens_on_loopback_unless_joining_a_cluster(tmp_path: Path, model_dir: str,
-                                                                   monkeypatch: pytest.MonkeyPatch,
-                                                                   nothing_starts: None) -> None:
-    path = _write(tmp_path, model_dir, {})
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    main(["sft", str(path)])
-    assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
-    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    main(["sft", str(path)])
-    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
 
 
 def test_trace_steps_is_checked_and_plan_reads_the_placement(tmp_path: Path, model_dir: str) -> None:

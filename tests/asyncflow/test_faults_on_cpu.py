@@ -79,7 +79,7 @@ def _guarded(lt, coro):
 
 
 async def _pid(session, pool, rank) -> int:
-    pid, _, _ = await session.worker(pool, rank).identity.remote()
+    pid, *_ = await session.worker(pool, rank).identity.remote()
     return pid
 
 

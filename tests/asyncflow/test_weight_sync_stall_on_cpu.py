@@ -35,7 +35,7 @@ GUARD_S = 180.0
 
 
 async def _pid(session: af.Session, pool: str) -> int:
-    pid, _, _ = await session.worker(pool, 0).identity.remote()
+    pid, *_ = await session.worker(pool, 0).identity.remote()
     return int(pid)
 
 

@@ -1,0 +1,118 @@
+"""Every entry point keeps what it starts on the loopback interface, and a killed
+driver leaves nothing running.
+
+Each entry point runs as a new user runs it: in a subprocess with a clean
+environment (no ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, whatever this test
+process has), its process tree's listening sockets sampled from outside while
+it runs (tests/process_tree.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from process_tree import WatchedRun, clean_env, is_loopback
+from workers.models import TinyModelConfig, save_tiny_model
+
+pytestmark = pytest.mark.timeout(280)
+
+CONFIG = """
+output_dir = "{out}"
+seed = 1
+
+[model]
+path = "{model}"
+
+[task]
+digits = 1
+train_size = 40
+eval_size = 8
+
+[train]
+steps = 100000
+prompts_per_step = 4
+checkpoint_every = 0
+eval_every = 0
+eval_size = 8
+
+[algorithm]
+name = "grpo"
+rollout = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
+
+[actor]
+micro_batch_size = 8
+
+[pools]
+main = {{ devices = 1 }}
+side = {{ devices = 1 }}
+
+[placement]
+actor = {{ pool = "main" }}
+reward = {{ pool = "side" }}
+"""
+
+SCRIPT = textwrap.dedent("""
+    import ray  # first, as a script may: nothing was set for Ray before this
+    import asyncio
+    import torch
+    import asyncflow as af
+
+    class Doubler(af.Role):
+        @af.register(protocol=af.DP(), reads=("x",), writes=("x",))
+        def double(self, batch):
+            return {"x": batch["x"] * 2}
+
+    async def main():
+        async with af.Session() as session:
+            pool = af.ResourcePool(name="p", devices=2)
+            roles = await session.spawn({"doubler": af.RoleSpec(cls=Doubler, pool=pool)})
+            rows = await session.put({"x": torch.arange(8.0)})
+            out = await roles.doubler.double(rows).fetch()
+            print("doubled", out["x"].tolist(), flush=True)
+
+    asyncio.run(main())
+""")
+
+
+def _check_loopback(run: WatchedRun) -> None:
+    names = run.names()
+    assert {"gcs_server", "raylet"} <= names, f"Ray never started? processes seen: {sorted(names)}"
+    assert len(run.listeners) >= 4, f"too few listeners seen to mean anything: {run.listeners}"
+    outside = sorted(str(x) for x in run.listeners if not is_loopback(x.ip))
+    assert not outside, "listening beyond the loopback interface:\n" + "\n".join(outside)
+
+
+def test_the_cli_listens_on_loopback_only_and_leaves_nothing_once_killed(tmp_path: Path) -> None:
+    tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=1, num_key_value_heads=1,
+                           head_dim=32, num_hidden_layers=1)
+    model = save_tiny_model(tmp_path / "model", tiny, seed=0)
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG.format(out=tmp_path / "out", model=model))
+    run = WatchedRun([sys.executable, "-m", "asyncflow.cli", "train", str(config), "--no-progress"],
+                     env=clean_env())
+    run.wait_for_line("roles up", timeout_s=180)  # every worker up, its gloo groups made
+    run.wait_for_line("held-out accuracy before RL", timeout_s=120)  # rows moved between the pools
+    _check_loopback(run)
+    run.kill9()
+    left = run.survivors(within_s=10)
+    assert not left, f"still running 10 s after kill -9 of the driver: {left}"
+
+
+def test_a_bench_module_listens_on_loopback_only() -> None:
+    run = WatchedRun([sys.executable, "-m", "bench.tracing", "--calls", "20", "--repeats", "1"], env=clean_env())
+    assert run.wait(timeout_s=240) == 0, run.output[-3000:]
+    _check_loopback(run)
+
+
+def test_a_script_with_a_session_listens_on_loopback_only(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    run = WatchedRun([sys.executable, str(script)], env=clean_env())
+    assert run.wait(timeout_s=240) == 0, run.output[-3000:]
+    assert "doubled [0.0, 2.0, 4.0" in run.output
+    _check_loopback(run)
+    assert not run.survivors(within_s=10)

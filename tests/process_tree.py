@@ -1,0 +1,148 @@
+"""Watching a command's process tree from outside: the sockets its processes
+listen on while it runs, and which of them outlive its death.
+
+The command runs in a subprocess with the environment a new shell would give it
+(:func:`clean_env`), so what it shows does not depend on how pytest was started.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """PATH (this venv's ``bin`` first), HOME (Ray's token lives there) and ``extra``:
+    nothing of the test process's own settings."""
+    path = f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"
+    return {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8", **extra}
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4 loopback address held by an IPv6 socket."""
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+@dataclass(frozen=True)
+class Listener:
+    process: str
+    ip: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.process} on {self.ip}:{self.port}"
+
+
+class WatchedRun:
+    """``cmd`` started now; a thread samples its process tree every ``poll_s``
+    (every process seen, every listening TCP socket and bound UDP socket) and
+    another collects its output (stdout and stderr together)."""
+
+    def __init__(self, cmd: Sequence[str], *, env: dict[str, str], cwd: Path = REPO, poll_s: float = 0.3) -> None:
+        self.proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.listeners: set[Listener] = set()
+        self.seen: dict[int, psutil.Process] = {}
+        self._names: dict[int, str] = {}
+        self._poll_s = poll_s
+        self._root = psutil.Process(self.proc.pid)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._reader.start()
+        self._sampler.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def _sample(self) -> None:
+        while self.proc.poll() is None:
+            try:
+                tree = [self._root, *self._root.children(recursive=True)]
+            except psutil.Error:
+                break
+            for p in tree:
+                try:
+                    name = self._names.setdefault(p.pid, p.name())
+                    self.seen.setdefault(p.pid, p)
+                    for c in p.net_connections(kind="inet"):
+                        if c.status == psutil.CONN_LISTEN or (c.type == 2 and c.laddr):  # SOCK_DGRAM bound
+                            self.listeners.add(Listener(name, c.laddr.ip, c.laddr.port))
+                except psutil.Error:
+                    continue
+            time.sleep(self._poll_s)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def names(self) -> set[str]:
+        """The names of every process seen in the tree."""
+        return set(self._names.values())
+
+    def wait_for_line(self, text: str, *, timeout_s: float) -> str:
+        """The first output line containing ``text``; fails (killing the run) on
+        exit or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                if any(text in line for line in self.lines):
+                    continue
+                break
+            time.sleep(0.2)
+        self.kill9()
+        raise AssertionError(f"no line with {text!r} (exit {self.proc.returncode}); output:\n{self.output[-4000:]}")
+
+    def wait(self, *, timeout_s: float) -> int:
+        """The exit code; kills the run and fails after ``timeout_s``."""
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            raise AssertionError(f"still running after {timeout_s:.0f} s; output:\n{self.output[-4000:]}") from None
+        self._reader.join(5)
+        self._sampler.join(5)
+        return rc
+
+    def kill9(self) -> None:
+        """SIGKILL the command's own process (not its tree)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def survivors(self, *, within_s: float) -> list[str]:
+        """The processes of the tree still running ``within_s`` after now (none
+        once every one has ended; zombies count as ended)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            alive = []
+            for p in self.seen.values():
+                try:
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                        alive.append(f"{p.name()} (pid {p.pid})")
+                except psutil.Error:
+                    continue
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.5)
