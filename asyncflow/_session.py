@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncflow._errors import RemoteStageError, SessionClosedError
@@ -177,10 +177,12 @@ class Session(Runtime):
         world = sum(p.devices for p in pools)
         cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
             WorkerProcess)
+        groups = {}
+        for pool in sorted(pools, key=lambda p: not p.labels):  # the pools with fewer nodes to go to first
+            groups[pool.name] = await self._place(pool, device, slot)
         ranks: dict[str, list[int]] = {}
         for pool in pools:
-            await self._place(pool, device, slot)
-            pg = self._placement_groups[-1]
+            pg = groups[pool.name]
             ranks[pool.name] = []
             for rank in range(pool.devices):
                 opts: dict[str, Any] = {
@@ -198,7 +200,7 @@ class Session(Runtime):
                     preload=preload.get(pool.name, ())))
         return ranks
 
-    async def _place(self, pool: ResourcePool, device: str, slot: str) -> None:
+    async def _place(self, pool: ResourcePool, device: str, slot: str) -> PlacementGroup:
         """Reserve ``pool``'s devices (a placement group), waiting at most
         ``placement_timeout_s`` for devices that others hold now."""
         labels = [dict(pool.labels)] * pool.devices if pool.labels else None
@@ -215,22 +217,36 @@ class Session(Runtime):
                 f"{self._placement_timeout:g} s: the cluster has them, but not free together now (free: "
                 f"{', '.join(f'{k} {v:g}' for k, v in sorted(free.items()) if k in pool.bundle(device, slot))}"
                 "); other jobs may hold them, or a pool's ranks do not fit one node") from None
+        return pg
 
-    def where(self, pool: str, rank: int) -> str:
-        """The node ``rank`` of ``pool`` runs on, e.g. ``node 1f3a2b4c (10.0.0.5)``,
-        with ``, gone`` when that node has left the cluster."""
+    def where(self, pool: str, rank: int) -> Node:
+        """The node ``rank`` of ``pool`` runs on (its ``describe()``: ``node 1f3a2b4c
+        (10.0.0.5)``).
+
+        Raises:
+            KeyError: no such pool or rank in this session.
+        """
         assert self._scheduler is not None
-        node_id = self._actor_nodes[self._scheduler.pools[pool].workers[rank]]
-        node = self._nodes.get(node_id)
-        text = node.describe() if node is not None else f"node {node_id[:8]}"
-        alive = any(n.id == node_id for n in live_nodes(ray.nodes()))
-        return text if alive else f"{text}, gone"
+        workers = self._scheduler.pools[pool].workers
+        if not 0 <= rank < len(workers):
+            raise KeyError(f"pool {pool!r} has no rank {rank}")
+        return self._nodes[self._actor_nodes[workers[rank]]]
 
-    def placement(self) -> dict[str, list[str]]:
+    def placement(self) -> dict[str, list[Node]]:
         """Each pool's ranks' nodes (:meth:`where`), in rank order."""
         assert self._scheduler is not None
         return {name: [self.where(name, r) for r in range(len(p.workers))]
                 for name, p in self._scheduler.pools.items()}
+
+    @staticmethod
+    def has_left(node: Node) -> bool:
+        """Whether ``node`` is known to be no longer a live node of the cluster
+        (False when the cluster does not answer)."""
+        try:
+            nodes = ray.nodes()
+        except ray.exceptions.RayError:
+            return False
+        return all(n.id != node.id for n in live_nodes(nodes))
 
     def _pool_actors(self, ranks: Mapping[str, list[int]], pool: ResourcePool) -> list[Any]:
         return [self._actors[i] for i in ranks[pool.name]]

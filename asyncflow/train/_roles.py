@@ -60,7 +60,7 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
     """Every role the run's algorithm needs, placed as ``[placement]`` says (a role it
     leaves out goes to the first pool); ``context``: the longest prompt plus its
     response, in tokens (vLLM's ``max_model_len``; 0: vLLM's default here)."""
-    pools = {name: ResourcePool(name=name, devices=p.devices, threads=p.threads, device=p.device)
+    pools = {name: ResourcePool(name=name, devices=p.devices, threads=p.threads, device=p.device, labels=p.labels)
              for name, p in config.pools.items()}
     first = next(iter(config.pools))
     a = config.actor

@@ -287,6 +287,10 @@ class PoolSection(msgspec.Struct, **_CFG):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """What a device of the pool is: a GPU (``"cuda"``), a CPU slot (``"cpu"``), or
     ``"auto"``: GPUs when the Ray cluster has any. Every pool of a run uses one kind."""
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """Node labels the pool's nodes must have, e.g. ``{ role = "trainer" }`` for
+    nodes started with ``ray start --labels role=trainer`` (``ResourcePool.labels``);
+    empty: any node with free devices."""
 
 
 class GenSection(msgspec.Struct, **_CFG):

@@ -158,8 +158,9 @@ class Trainer:
             roles = await session.spawn(role_specs(c, model_dir, context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
                      f"rows move by {session.transport}")
-            self.say("pools on nodes: " + "; ".join(f"{pool} on {', '.join(dict.fromkeys(nodes))}"
-                                                  for pool, nodes in session.placement().items()))
+            self.say("pools on nodes: " + "; ".join(
+                f"{pool} on {', '.join(dict.fromkeys(n.describe() for n in nodes))}"
+                for pool, nodes in session.placement().items()))
             if self.resume:
                 await self._load(roles, self.checkpoints.latest())
             before = state.get("accuracy_before")
@@ -198,12 +199,15 @@ class Trainer:
         if isinstance(died, CallTimeoutError):
             return RunInterruptedError(f"{died.role}.{died.method} stalled on rank {died.rank} of pool {died.pool!r}: "
                                        f"{died.cause}; {where}")
+        process = f"the {who}worker process of rank {died.rank} in pool {died.pool!r}"
         try:
-            node = f" on {session.where(died.pool, died.rank)}"
-        except Exception:  # an unknown pool or rank (a producer's label): no node to name
-            node = ""
-        return RunInterruptedError(
-            f"the {who}worker process of rank {died.rank} in pool {died.pool!r}{node} died{doing}; {where}")
+            node = session.where(died.pool, died.rank)
+            if session.has_left(node):
+                return RunInterruptedError(f"{node.describe()} left the Ray cluster: {process} died{doing}; {where}")
+            process += f" on {node.describe()}"
+        except KeyError:  # not a rank of a pool (a producer's label)
+            pass
+        return RunInterruptedError(f"{process} died{doing}; {where}")
 
     def _where_to_go_on(self) -> str:
         done = self.checkpoints.complete()
