@@ -111,9 +111,13 @@ def two_nodes() -> Iterator[tuple[Cluster, Node]]:
 
 
 def test_pools_on_two_nodes_train_then_a_lost_node_ends_the_run_and_resume_continues(
-        tmp_path: Path, model_dir: str, two_nodes: tuple[Cluster, Node]) -> None:
+        tmp_path: Path, model_dir: str, two_nodes: tuple[Cluster, Node],
+        capsys: pytest.CaptureFixture[str]) -> None:
     cluster, side = two_nodes
     config = _config(tmp_path, model_dir, steps=10_000)
+    assert main(["train", str(config), "--address", cluster.address, "--set", "pools.main.devices=2"]) == 2
+    assert ("the pools ask for 3 CPU in all (main: 2, side: 1) but the Ray cluster has 2"
+            in capsys.readouterr().err)
     out_file, err_file = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(config), "--no-progress",
                              "--address", cluster.address], stdout=out_file, stderr=err_file, text=True)
