@@ -28,8 +28,10 @@ from ray._private import ray_constants
 from asyncflow._watchdog import watch_this_process
 
 CPU_SLOT = "asyncflow_cpu_slot"
-"""The Ray custom resource a CPU device slot is counted in. A Ray cluster used for
-CPU pools must offer it, e.g. ``ray start --resources='{"asyncflow_cpu_slot": 16}'``."""
+"""The Ray custom resource a CPU device slot is counted in: the embedded instance
+offers ``cpu_slots`` of them. On a cluster whose nodes offer none (``ray start
+--resources='{"asyncflow_cpu_slot": 16}'`` would), a CPU rank takes one of Ray's
+``CPU`` instead (``asyncflow._pool.slot_resource``)."""
 
 HEAVY_MODULES = ("torch", "transformers", "workers.roles")
 """What :func:`start_ray` imports meanwhile by default: what a training script needs."""
