@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 import threading
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ import ray
 from ray._private import ray_constants
 
 from asyncflow._watchdog import watch_this_process
+from channels import ConfigError
 
 CPU_SLOT = "asyncflow_cpu_slot"
 """The Ray custom resource a CPU device slot is counted in: the embedded instance
@@ -115,9 +117,33 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
                      _system_config={"worker_niceness": worker_nice})
             watch_this_process()
         else:
-            ray.init(address=address, logging_level=logging.WARNING)
+            check_answers(address)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING)
+            except ray.exceptions.AuthenticationError as e:
+                raise ConfigError(f"the Ray cluster at {address} refused this driver: {str(e).splitlines()[0]} "
+                                  "(a cluster with token authentication wants RAY_AUTH_MODE=token and its token "
+                                  "in ~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
     finally:
         auth.setLevel(level)
+
+
+def check_answers(address: str | None) -> None:
+    """Raise :class:`ConfigError` at once, naming the address, when nothing listens
+    at ``address`` (else ``RAY_ADDRESS``): ``ray.init`` would retry for minutes.
+    Nothing to check without either (an embedded instance), or for ``auto`` and
+    ``scheme://`` addresses (Ray's to resolve)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        return
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(f"no Ray cluster answers at {address} ({e.strerror or e}); start one with "
+                          "`ray start --head`, or check --address / RAY_ADDRESS") from None
 
 
 ENABLE_RAY_CLUSTERS_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

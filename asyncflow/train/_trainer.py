@@ -21,6 +21,7 @@ from asyncflow._errors import CallTimeoutError, PoolBrokenError, WorkerDiedError
 from asyncflow._future import DataFuture
 from asyncflow._ops import merge
 from asyncflow._proxy import Roles
+from asyncflow._ray_start import check_answers
 from asyncflow._session import Session
 from asyncflow.algos import PromptSource, WeightSync
 from asyncflow.train._ahead import Sampled, SamplesAhead
@@ -129,6 +130,7 @@ class Trainer:
     async def run(self) -> RunResult:
         """Train; returns held-out accuracy before and after RL."""
         c = self.config
+        check_answers(self.address)  # before minutes of SFT, not after
         self.out.mkdir(parents=True, exist_ok=True)
         max_new = rollout_of(c).max_new_tokens
         if c.sft is not None:  # fail before minutes of SFT, not after

@@ -221,3 +221,17 @@ def test_ray_job_submit_runs_the_cli_on_a_cluster_started_by_hand(tmp_path: Path
         _end_processes_under(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
         os.environ.pop("RAY_ADDRESS", None)
+
+
+def test_an_address_where_no_cluster_answers_ends_the_run_before_it_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "sft.toml"
+    config.write_text(f'output_dir = "{tmp_path / "out"}"\n'
+                      "[task]\ndigits = 1\ntrain_size = 40\neval_size = 8\n[sft]\nsteps = 1\n")
+    port = _free_port()  # nothing listens there once the probe socket is closed
+    assert main(["train", str(config), "--address", f"127.0.0.1:{port}", "--no-progress"]) == 2
+    said = capsys.readouterr()
+    assert said.err.strip() == (f"asyncflow: configuration error: no Ray cluster answers at 127.0.0.1:{port} "
+                                "(Connection refused); start one with `ray start --head`, or check --address / "
+                                "RAY_ADDRESS")
+    assert "SFT" not in said.out
