@@ -116,3 +116,23 @@ def test_a_script_with_a_session_listens_on_loopback_only(tmp_path: Path) -> Non
     assert "doubled [0.0, 2.0, 4.0" in run.output
     _check_loopback(run)
     assert not run.survivors(within_s=10)
+
+
+def test_the_watchdog_ends_the_descendants_of_a_killed_process_even_orphaned_ones(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys, time
+        from asyncflow._watchdog import watch_this_process
+        watch_this_process()
+        child = subprocess.Popen([sys.executable, "-c",  # a child with a grandchild of its own
+                                  "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])
+        time.sleep(2.5)  # the watchdog has seen them
+        print("READY", flush=True)
+        time.sleep(300)
+    """))
+    run = WatchedRun([sys.executable, str(script)], env=clean_env())
+    run.wait_for_line("READY", timeout_s=60)
+    assert {"sleep"} <= run.names()
+    run.kill9()
+    left = run.survivors(within_s=10)
+    assert not left, f"still running 10 s after kill -9: {left}"
