@@ -235,3 +235,21 @@ def test_an_address_where_no_cluster_answers_ends_the_run_before_it_starts(
                                 "(Connection refused); start one with `ray start --head`, or check --address / "
                                 "RAY_ADDRESS")
     assert "SFT" not in said.out
+
+
+def test_a_pool_the_nodes_hold_in_all_but_not_together_waits_then_says_what_is_free(
+        two_nodes: tuple[Cluster, Node]) -> None:
+    import asyncio
+
+    from asyncflow import ResourcePool, RoleSpec, Session
+    from channels import ConfigError
+    from support import Producer
+
+    async def spawn() -> None:
+        async with Session(address=two_nodes[0].address, placement_timeout_s=3) as session:
+            pool = ResourcePool(name="both", devices=2, strategy="STRICT_PACK")  # 2 CPUs, but 1 a node
+            await session.spawn({"p": RoleSpec(cls=Producer, pool=pool)})
+
+    with pytest.raises(ConfigError, match=r"pool 'both' \(2 x \{'CPU': 1.0\}\) was not placed within 3 s: the "
+                                          r"cluster has them, but not free together now \(free: CPU 2\)"):
+        asyncio.run(spawn())
