@@ -19,13 +19,16 @@ class RemoteStageError(AsyncflowError):
         role, method, rank, pool: where it failed.
         cause: ``"<ExceptionType>: <message>"`` of the remote error.
         remote_traceback: the worker's traceback, as text ("" when there is none).
+        error: the exception the method raised, when it could travel to the driver
+            (an ``OSError`` keeps its ``errno`` and ``filename``); None otherwise.
     """
 
     def __init__(self, *, role: str, method: str, rank: int, pool: str, cause: str,
-                 remote_traceback: str = "") -> None:
+                 remote_traceback: str = "", error: BaseException | None = None) -> None:
         self.role, self.method, self.rank, self.pool = role, method, rank, pool
         self.cause = cause
         self.remote_traceback = remote_traceback
+        self.error = error
         super().__init__(self._message())
 
     def _message(self) -> str:

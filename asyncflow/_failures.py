@@ -38,7 +38,7 @@ def primary_error(call: Call, pool: str, failures: Mapping[int, BaseException],
             if isinstance(exc.error, RemoteStageError):
                 return exc.error
             return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool,
-                                    cause=exc.cause, remote_traceback=exc.remote_traceback)
+                                    cause=exc.cause, remote_traceback=exc.remote_traceback, error=exc.error)
         if not isinstance(exc, RankError):
             return RemoteStageError(role=call.role, method=call.method, rank=rank, pool=pool,
                                     cause=f"{type(exc).__name__}: {exc}")

@@ -1,6 +1,6 @@
 """The ``asyncflow`` command line.
 
-    asyncflow train CONFIG [--resume] [--set key=value ...] [--trace] [--no-progress] [--debug]
+    asyncflow train CONFIG [--resume | --clean] [--set key=value ...] [--trace] [--no-progress] [--debug]
     asyncflow sft CONFIG [--set key=value ...] [--debug]   # only the SFT warm start
     asyncflow plan CONFIG [--devices N] [--write PATH] [--set key=value ...]   # placement planner
     asyncflow bench ppo [--json PATH] ...                  # the overlapped-PPO benchmark
@@ -59,12 +59,12 @@ def _train(args: argparse.Namespace) -> int:
     task = (config.data.train if config.data.train
             else f"{config.task.digits}-digit arithmetic ({'+'.join(config.task.operators)})")
     _say(f"asyncflow train: {algorithm_in(config).name} on {task}, output in {config.output_dir}")
-    trainer = Trainer(config, resume=args.resume, say=_say, progress_bar=not args.no_progress,
+    trainer = Trainer(config, resume=args.resume, clean=args.clean, say=_say, progress_bar=not args.no_progress,
                       address=args.address)
     result = asyncio.run(trainer.run())
     if result.plot is not None:
-        _say(f"curves: {result.plot}   metrics: {result.output_dir / 'metrics.jsonl'}   "
-             f"tensorboard: {result.output_dir / 'tensorboard'}")
+        _say(f"curves: {result.plot}   metrics: {result.run_dir / 'metrics.jsonl'}   "
+             f"tensorboard: {result.run_dir / 'tensorboard'}")
     _say(f"accuracy: {result.accuracy_before:.2f} -> {result.accuracy_after:.2f}")
     return 0
 
@@ -128,7 +128,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run an RL job from a TOML or YAML config")
     train.add_argument("config", help="path to a .toml/.yaml run configuration")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the newest run under output_dir (its 'latest') from its latest checkpoint")
+    train.add_argument("--clean", action="store_true",
+                       help="delete the earlier runs under output_dir first (without it nothing is deleted)")
     train.add_argument("--address", metavar="HOST:PORT",
                        help="run on this Ray cluster (default: RAY_ADDRESS when set, else a Ray instance of "
                             "this machine's own, on the loopback interface)")

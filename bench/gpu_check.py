@@ -2,7 +2,7 @@
 
 Run as ``python -m bench.gpu_check [--json PATH]`` (``make gpu-check`` runs it after
 the GPU-marked tests). It warm-starts the main job's policy once (its ``[sft]``
-section, cached in ``<out>/sft_model``), then trains it with GRPO, PPO, DAPO,
+section, cached in ``<out>/sft_model-<hash>``), then trains it with GRPO, PPO, DAPO,
 RLOO, ReMax and Safe-RLHF through Ray on the machine's GPUs, each for ``--steps``
 steps in ``--precision`` (bf16 by default), batch and, where the algorithm streams
 (GRPO, PPO, RLOO), streamed. Every run prints one line: its median step time
@@ -73,7 +73,7 @@ def run_one(args: argparse.Namespace, algorithm: str, stream: bool, model_dir: s
     except Exception as e:  # one failed algorithm must not hide the others' results
         record["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:500]
         return record
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "time/step_s" in r]  # not step 0's evaluation
+    rows = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "time/step_s" in r]  # not step 0's evaluation
     timed = rows[1:] or rows  # the first step warms up (allocations, kernels)
     record |= {
         "steps": len(rows),

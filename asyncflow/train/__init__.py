@@ -1,6 +1,6 @@
 """Running an RL job from a configuration file (``asyncflow train CONFIG``)."""
 
-from asyncflow.train._checkpoint import CheckpointDir
+from asyncflow.train._checkpoint import CheckpointDir, CheckpointError
 from asyncflow.train._config import (
     RunConfig,
     algorithm_in,
@@ -10,9 +10,11 @@ from asyncflow.train._config import (
     validate,
 )
 from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics
+from asyncflow.train._rundir import RunDirs
 from asyncflow.train._trainer import RunInterruptedError, RunResult, Trainer
 
 __all__ = [
-    "CheckpointDir", "MetricsLog", "RunConfig", "RunInterruptedError", "RunResult", "Trainer", "algorithm_in",
-    "load_config", "needed_roles", "plot_curves", "read_metrics", "run_config_type", "validate",
+    "CheckpointDir", "CheckpointError", "MetricsLog", "RunConfig", "RunDirs", "RunInterruptedError", "RunResult",
+    "Trainer", "algorithm_in", "load_config", "needed_roles", "plot_curves", "read_metrics", "run_config_type",
+    "validate",
 ]

@@ -1,59 +1,127 @@
 """Checkpoint directories of a run: ``checkpoints/step_000010/`` with one folder per
 role and the driver's ``state.json``; ``latest`` names the newest complete one.
 
-A checkpoint is written into a temporary directory and renamed into place only once
-complete, and ``latest`` is replaced atomically, so a crash during a save never
-leaves a run without its previous checkpoint.
+A checkpoint is written into a staging directory (``.tmp_step_000010``), finished
+by its ``state.json`` and only then renamed into place; ``latest`` is replaced
+atomically. A crash or a full disk during a save thus never costs a run its
+previous checkpoint, and never leaves a partial one that ``--resume`` would take: a
+failed write removes its staging directory and ends the run with a
+:class:`CheckpointError` naming the directory and the errno.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from channels import ConfigError
+from asyncflow._errors import RemoteStageError
+from channels import AsyncflowError, ConfigError
+
+STATE_FILE = "state.json"
+"""The driver's state of a checkpoint, written last: a directory with it is complete."""
+
+
+class CheckpointError(AsyncflowError):
+    """Writing a checkpoint or exporting the policy failed with an ``OSError`` (a
+    full disk, a permission), on the driver or in a role's worker. The message names
+    what was written, the directory and the errno; the checkpoint before it stays
+    complete, and the failed one's staging directory is removed."""
+
+
+@contextlib.contextmanager
+def staged(what: str, tmp: Path, *, then: Callable[[], str] | None = None) -> Iterator[Path]:
+    """Write ``what`` into the staging directory ``tmp``, created empty (one a crash
+    left is replaced); on any failure of the body ``tmp`` is removed.
+
+    Args:
+        what: what the body writes, for the error (``"writing checkpoint step 10"``).
+        tmp: the staging directory.
+        then: what the error's message ends with, asked once the write failed
+            (where the run can continue from).
+
+    Yields:
+        ``tmp``.
+
+    Raises:
+        CheckpointError: making ``tmp`` or the body raised an ``OSError``, here or
+            in a role's worker (a :class:`~asyncflow.RemoteStageError` carrying it).
+    """
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        hint = f"; {then()}" if then is not None else ""
+        raise CheckpointError(f"{what} to {tmp} failed: {cause}{hint}") from e
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``error``: itself, or what a role's method raised."""
+    if isinstance(error, OSError):
+        return error
+    if isinstance(error, RemoteStageError) and isinstance(error.error, OSError):
+        return error.error
+    return None
 
 
 class CheckpointDir:
     """The checkpoints of one run.
 
     Args:
-        root: ``<output_dir>/checkpoints``.
+        root: ``<run directory>/checkpoints`` (created by the first save).
         keep: how many complete checkpoints to keep (oldest removed first).
     """
 
     def __init__(self, root: Path, *, keep: int = 2) -> None:
         self.root = root
         self.keep = keep
-        root.mkdir(parents=True, exist_ok=True)
 
     def staging(self, step: int) -> Path:
-        """A fresh temporary directory for the checkpoint of ``step``."""
-        tmp = self.root / f".tmp_step_{step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        return tmp
+        """The staging directory of the checkpoint of ``step`` (see :func:`staged`)."""
+        return self.root / f".tmp_step_{step:06d}"
 
     def commit(self, tmp: Path, step: int, state: dict[str, Any]) -> Path:
-        """Finish the checkpoint staged in ``tmp``: write ``state.json``, move it into
-        place, point ``latest`` at it and prune old ones."""
-        (tmp / "state.json").write_text(json.dumps(state, indent=2), encoding="utf-8")
+        """Finish the checkpoint staged in ``tmp``: write ``state.json`` (last), move it
+        into place, point ``latest`` at it and prune old ones.
+
+        Raises:
+            OSError: a write failed (``tmp`` then is not a complete checkpoint).
+        """
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2), encoding="utf-8")
         final = self.root / f"step_{step:06d}"
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        if final.exists():  # the same step saved again: set aside until the new one is in place
+            aside = self.root / f".old_{final.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         pointer = self.root / ".latest.tmp"
-        pointer.write_text(final.name, encoding="utf-8")
-        os.replace(pointer, self.root / "latest")
+        try:
+            pointer.write_text(final.name, encoding="utf-8")
+            os.replace(pointer, self.root / "latest")
+        finally:
+            pointer.unlink(missing_ok=True)
         for old in self.complete()[: -self.keep]:
+            (old / STATE_FILE).unlink()  # incomplete from now on, should the removal stop half-way
             shutil.rmtree(old, ignore_errors=True)
         return final
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        return sorted(p for p in self.root.glob("step_*") if (p / "state.json").exists())
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob("step_*") if (p / STATE_FILE).exists())
 
     def latest(self) -> Path:
         """The newest complete checkpoint.
@@ -61,17 +129,13 @@ class CheckpointDir:
         Raises:
             ConfigError: there is none (nothing to resume from).
         """
-        pointer = self.root / "latest"
-        if pointer.exists():
-            path = self.root / pointer.read_text(encoding="utf-8").strip()
-            if (path / "state.json").exists():
-                return path
         done = self.complete()
         if not done:
-            raise ConfigError(f"--resume: no complete checkpoint under {self.root}")
+            raise ConfigError(f"--resume: no complete checkpoint under {self.root}; "
+                              "start a new run without --resume")
         return done[-1]
 
     @staticmethod
     def state(path: Path) -> dict[str, Any]:
         """The driver state saved with checkpoint ``path``."""
-        return dict(json.loads((path / "state.json").read_text(encoding="utf-8")))
+        return dict(json.loads((path / STATE_FILE).read_text(encoding="utf-8")))

@@ -70,7 +70,9 @@ class RunConfig(msgspec.Struct, **_CFG):
     any registered algorithm: ``asyncflow.algos.algorithms()``) and that
     algorithm's config keys beside it; ``algorithm = "ppo"`` takes its defaults."""
     output_dir: str = "runs/asyncflow"
-    """Metrics, checkpoints, plots and the SFT model go here."""
+    """Each run writes its metrics, checkpoints, plots and policy into a new
+    ``version_<n>`` directory here (``latest`` links the newest); the SFT warm
+    start's model is kept here for the runs with the same settings."""
     seed: int = 0
     """Seeds data order, sampling and the roles."""
     worker_nice: int = 0

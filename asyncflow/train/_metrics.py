@@ -20,7 +20,7 @@ class MetricsLog:
     to TensorBoard (``tensorboard/`` beside it).
 
     Args:
-        directory: the run's output directory.
+        directory: the run's directory (``<output_dir>/version_<n>``).
         tensorboard: write TensorBoard event files too.
     """
 

@@ -26,7 +26,8 @@ class ModelSection(msgspec.Struct, **_CFG):
     weights, with its tokenizer and chat template)."""
     gguf: str = ""
     """A GGUF file, dequantised to float32 on load (converted once into
-    ``<output_dir>/model_from_gguf``, with the file's tokenizer and chat template)."""
+    ``<output_dir>/model_from_gguf-<hash of its path>``, with the file's tokenizer
+    and chat template)."""
 
     def __post_init__(self) -> None:
         if self.path and self.gguf:
@@ -83,9 +84,10 @@ class TrainSection(msgspec.Struct, **_CFG):
     """A sampled response counts as correct for pass@k when its reward is at least
     this (the built-in verifiers give 1.0 to a correct answer)."""
     export_hf: Literal["end", "checkpoints", "never"] = "end"
-    """Write the trained policy as a Hugging Face directory (``<output_dir>/policy``)
-    that ``AutoModelForCausalLM.from_pretrained`` and vLLM load: at the end, also
-    with every checkpoint (``<checkpoint>/policy``), or never."""
+    """Write the trained policy as a Hugging Face directory (``policy`` in the run's
+    directory, ``<output_dir>/version_<n>``) that
+    ``AutoModelForCausalLM.from_pretrained`` and vLLM load: at the end, also with
+    every checkpoint (``<checkpoint>/policy``), or never."""
     max_seconds: float = 0.0
     """Stop RL after this long (0: no limit); the run still evaluates and saves."""
     kl_metric: bool = True
@@ -145,7 +147,7 @@ class TrainSection(msgspec.Struct, **_CFG):
     over to; it finishes in the last, whatever its length."""
     trace_steps: int = 0
     """Trace the first this many RL steps of the run: ``timeline.png`` (one lane per
-    pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the output
+    pool rank) and ``trace.json`` (open in ui.perfetto.dev) in the run's
     directory (0: no trace)."""
 
     def __post_init__(self) -> None:

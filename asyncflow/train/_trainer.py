@@ -1,12 +1,14 @@
 """The RL run behind ``asyncflow train``: optional SFT warm start, roles placed on
 pools, the algorithm's step in a loop with a progress bar, metrics, checkpoints,
-resume, held-out evaluation before and after, and a plot of the curves."""
+resume, held-out evaluation before and after, and a plot of the curves; all of a
+run's files in a directory of its own (see :mod:`asyncflow.train._rundir`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -19,19 +21,18 @@ import msgspec
 from asyncflow._datastream import StreamOptions
 from asyncflow._errors import CallTimeoutError, PoolBrokenError, WorkerDiedError
 from asyncflow._future import DataFuture
-from asyncflow._ops import merge
 from asyncflow._proxy import Roles
 from asyncflow._ray_start import check_answers
 from asyncflow._session import Session
 from asyncflow.algos import PromptSource, WeightSync
 from asyncflow.train._ahead import Sampled, SamplesAhead
-from asyncflow.train._checkpoint import CheckpointDir
+from asyncflow.train._checkpoint import CheckpointDir, staged
 from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
+from asyncflow.train._evaluation import evaluate
 from asyncflow.train._memory import check_memory
 from asyncflow.train._metrics import (
     MetricsLog,
     advance_bar,
-    pass_at_k,
     plot_curves,
     progress_bar,
     read_metrics,
@@ -39,18 +40,16 @@ from asyncflow.train._metrics import (
 )
 from asyncflow.train._prompts import RunPrompts, TrainBatches, run_prompts
 from asyncflow.train._roles import role_specs
+from asyncflow.train._rundir import RunDirs
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
+from asyncflow.train._start_model import starting_model
 from channels import AsyncflowError, ConfigError
-from workers.models import CharTokenizer, check_supported_checkpoint, gguf_to_hf_dir
-from workers.roles import PartialRollout, score_summary
-from workers.rollout import SamplingParams
-from workers.tasks import check_fits_context, generate_splits, sft_warm_start
+from workers.models import CharTokenizer
+from workers.roles import PartialRollout
+from workers.tasks import check_fits_context, generate_splits
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-EVAL_UID_BASE = 1 << 40
-"""Uids of evaluation prompts (never equal to a training prompt's)."""
 
 CURVES = ("reward/mean", "actor/kl_to_ref", "eval/accuracy", "actor/logprob_mismatch")
 
@@ -69,7 +68,8 @@ class RunResult:
     accuracy_before: float
     accuracy_after: float
     steps: int
-    output_dir: Path
+    run_dir: Path
+    """The run's own directory, ``<output_dir>/version_<n>``."""
     plot: Path | None
 
 
@@ -78,60 +78,75 @@ class Trainer:
 
     Args:
         config: the validated run configuration.
-        resume: continue from the latest checkpoint in ``output_dir``.
+        resume: continue the newest run under ``output_dir`` (its ``latest``) from its
+            latest checkpoint, in its directory; else a new run gets a new directory.
+        clean: delete the earlier runs under ``output_dir`` before a new run starts.
         say: where human-readable progress lines go (the CLI prints them).
         progress_bar: show a tqdm bar over RL steps.
         address: the Ray cluster to run on (``Session(address=...)``); None:
             ``RAY_ADDRESS`` when set, else a Ray instance of this machine's own.
+
+    Raises:
+        ConfigError: both ``resume`` and ``clean``.
     """
 
-    def __init__(self, config: RunConfig, *, resume: bool = False, say: Say = logger.info,
+    def __init__(self, config: RunConfig, *, resume: bool = False, clean: bool = False, say: Say = logger.info,
                  progress_bar: bool = True, address: str | None = None) -> None:
+        if resume and clean:
+            raise ConfigError("--clean would delete the run --resume continues; pass one of them")
         self.config = config
         self.address = address
-        self.resume = resume
+        self.resume, self.clean = resume, clean
         self.say = say
         self.progress_bar = progress_bar
-        self.out = Path(config.output_dir)
-        self.checkpoints = CheckpointDir(self.out / "checkpoints", keep=config.train.keep_checkpoints)
+        self.output_dir = Path(config.output_dir)
+        self.runs = RunDirs(self.output_dir)
+        self._run_dir: Path | None = None
+        self._resumed: Path | None = None  # the checkpoint a resumed run continues from
         self._ahead: SamplesAhead | None = None
 
     # ----- set-up -----
 
+    @property
+    def run_dir(self) -> Path:
+        """This run's directory (``<output_dir>/version_<n>``), chosen by :meth:`run`."""
+        assert self._run_dir is not None, "run() chooses the run directory first"
+        return self._run_dir
+
+    @property
+    def checkpoints(self) -> CheckpointDir:
+        """This run's checkpoints."""
+        return CheckpointDir(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
+
     def model_dir(self) -> str:
-        """The policy's starting directory: ``[model]``'s, or the SFT warm start's
-        (``<output_dir>/sft_model``, trained once per settings and reused)."""
-        c = self.config
-        if c.sft is None:
-            if c.model.gguf:
-                target = self.out / "model_from_gguf"
-                self.say(f"model: {c.model.gguf} -> {target} (dequantised; once per file)")
-                return str(gguf_to_hf_dir(c.model.gguf, target, key="model.gguf"))
-            check_supported_checkpoint(Path(c.model.path))
-            return c.model.path
-        target = self.out / "sft_model"
-        sft = msgspec.structs.replace(c.sft, task=c.task)
-        stamp = target / "asyncflow_sft.json"
-        if stamp.exists() and stamp.read_bytes() == msgspec.json.encode(sft):
-            self.say(f"SFT warm start: reusing {target} (same settings)")
-            return str(target)
-        shutil.rmtree(target, ignore_errors=True)
-        self.say(f"SFT warm start: up to {sft.steps} steps, until {sft.stop_at_train_accuracy or 'all'} "
-                 f"train accuracy (at most {sft.max_seconds or 'unlimited'} s) ...")
-        t = time.monotonic()
-        metrics = sft_warm_start(target, sft)
-        stamp.write_bytes(msgspec.json.encode(sft))
-        self.say(f"SFT warm start done in {time.monotonic() - t:.0f} s: "
-                 + ", ".join(f"{k}={v:.3g}" for k, v in metrics.items()))
-        return str(target)
+        """The policy's starting directory: ``[model]``'s, a GGUF file's conversion or
+        the SFT warm start's, the last two made once and shared by the runs with the
+        same settings (see :func:`~asyncflow.train._start_model.starting_model`)."""
+        return starting_model(self.config, say=self.say)
+
+    def _new_run(self) -> None:
+        """A new run directory (with ``clean``, the earlier runs deleted first)."""
+        if self.clean and (gone := self.runs.clean()):
+            self.say(f"--clean: deleted {len(gone)} earlier run(s) under {self.output_dir}")
+        self._run_dir = self.runs.new()
+        self.say(f"run directory: {self.run_dir}")
 
     # ----- the run -----
 
     async def run(self) -> RunResult:
-        """Train; returns held-out accuracy before and after RL."""
+        """Train; returns held-out accuracy before and after RL.
+
+        Raises:
+            ConfigError: ``resume`` without a run or a complete checkpoint to continue
+                (before the SFT warm start or a GGUF conversion starts).
+            CheckpointError: a checkpoint or the export could not be written.
+            RunInterruptedError: see its docstring.
+        """
         c = self.config
         check_answers(self.address)  # before minutes of SFT, not after
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.resume:  # likewise
+            self._run_dir = self.runs.to_resume()
+            self._resumed = self.checkpoints.latest()
         max_new = rollout_of(c).max_new_tokens
         if c.sft is not None:  # fail before minutes of SFT, not after
             splits = generate_splits(c.task)
@@ -144,18 +159,9 @@ class Trainer:
         for line in check_memory(c, model_dir, context=prompts.context):  # before the workers start
             self.say(f"warning: {line}")
         start, state = 0, {}
-        if not self.resume:  # a new run: the previous run's results go
-            for old in ("metrics.jsonl", "curves.png"):
-                (self.out / old).unlink(missing_ok=True)
-            for old in ("tensorboard", "checkpoints"):
-                shutil.rmtree(self.out / old, ignore_errors=True)
-            self.checkpoints = CheckpointDir(self.out / "checkpoints", keep=c.train.keep_checkpoints)
-        if self.resume:
-            ckpt = self.checkpoints.latest()
-            state = CheckpointDir.state(ckpt)
+        if self._resumed is not None:
+            state = CheckpointDir.state(self._resumed)
             start = int(state["step"])
-            truncate_after(self.out / "metrics.jsonl", start)
-            self.say(f"resuming from {ckpt} (step {start})")
         async with Session(address=self.address, worker_nice=c.worker_nice) as session:
             roles = await session.spawn(role_specs(c, model_dir, context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
@@ -163,14 +169,18 @@ class Trainer:
             self.say("pools on nodes: " + "; ".join(
                 f"{pool} on {', '.join(dict.fromkeys(n.describe() for n in nodes))}"
                 for pool, nodes in session.placement().items()))
-            if self.resume:
-                await self._load(roles, self.checkpoints.latest())
+            if self._resumed is None:  # made once the workers are up: a run that never started leaves none
+                self._new_run()
+            else:
+                await self._load(roles, self._resumed)
+                truncate_after(self.run_dir / "metrics.jsonl", start)
+                self.say(f"resuming from {self._resumed} (step {start})")
             before = state.get("accuracy_before")
             if before is None:
                 scores = await self._evaluate(session, roles, prompts, max_new)
                 before = scores["eval/accuracy"]
                 self.say(f"held-out accuracy before RL: {before:.3f}" + _more_scores(scores))
-                log = MetricsLog(self.out, tensorboard=False)
+                log = MetricsLog(self.run_dir, tensorboard=False)
                 log.write(0, scores)
                 log.close()
             stop = StopRequest(self.say)
@@ -219,7 +229,7 @@ class Trainer:
     async def _loop(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int, *, start: int,
                     state: dict[str, Any], stop: StopRequest) -> RunResult:
         c = self.config
-        log = MetricsLog(self.out)
+        log = MetricsLog(self.run_dir)
         algo = algorithm_in(c)
         algo_state = None
         if algo.state is not None:
@@ -239,12 +249,12 @@ class Trainer:
             self._ahead = SamplesAhead(session, roles, rollout_of(c), max_staleness=c.train.max_staleness,
                                        last_step=c.train.steps, seed_of=self._seed, next_prompts=source.next,
                                        start=start, sync=sync, partial=partial)
-            if self.resume:
-                await self._ahead.restore(self.checkpoints.latest(), state.get("in_flight", []))
+            if self._resumed is not None:
+                await self._ahead.restore(self._resumed, state.get("in_flight", []))
         bar = progress_bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
         evaluated: tuple[int, dict[str, float]] = (-1, {})
-        traced = TracedSteps(session, self.out, c.train.trace_steps, say=self.say)
+        traced = TracedSteps(session, self.run_dir, c.train.trace_steps, say=self.say)
         ending = False  # the time budget is spent: no step starts ahead any more
 
         def evaluates(m: int) -> bool:
@@ -306,14 +316,13 @@ class Trainer:
         if scores.keys() - {"eval/accuracy"}:
             self.say("held-out after RL:" + _more_scores(scores))
         log.close()
-        if not c.train.checkpoint_every or step % c.train.checkpoint_every:
+        if step > start and (not c.train.checkpoint_every or step % c.train.checkpoint_every):
             await self._save(roles, step, state | _saved(algo_state, source))
         if c.train.export_hf != "never":
-            await roles.actor.export_hf(str(self.out / "policy"))
-            self.say(f"trained policy: {self.out / 'policy'} (AutoModelForCausalLM.from_pretrained or vLLM)")
-        plot = plot_curves(read_metrics(self.out / "metrics.jsonl"), self.out / "curves.png", CURVES)
+            await self._export(roles)
+        plot = plot_curves(read_metrics(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png", CURVES)
         return RunResult(accuracy_before=float(state["accuracy_before"]), accuracy_after=after,
-                         steps=step, output_dir=self.out, plot=plot)
+                         steps=step, run_dir=self.run_dir, plot=plot)
 
     def _seed(self, step: int) -> int:
         """The sampling seed of step ``step`` (of batch ``step`` when sampled ahead)."""
@@ -340,37 +349,32 @@ class Trainer:
 
     async def _evaluate(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int, *,
                         version: int = 0) -> dict[str, float]:
-        """Held-out scores: ``eval/accuracy``, the mean reward of greedy responses (the
-        task's verifier); with ``train.eval_samples`` = n also ``eval/mean@n`` and
-        ``eval/pass@k`` over n sampled responses per prompt. ``version``: the actor's
-        step (the weights a rollout role must hold)."""
-        c = self.config
-        held_out = await session.put(prompts.eval_batch(first_uid=EVAL_UID_BASE))
-        r = rollout_of(c)
-        generate = self._generate(roles, version)
-        greedy = generate(held_out, n=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_new, stop=r.stop))
-        stats = score_summary(await roles.reward.stats(roles.reward.score(greedy)))
-        out = {"eval/accuracy": float(stats.get("reward/mean", 0.0))}
-        n = c.train.eval_samples
-        if n:
-            params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=max_new,
-                                    stop=r.stop)
-            sampled = generate(held_out, n=n, params=params)
-            rows = await merge(sampled.select("uid"), roles.reward.score(sampled)).fetch()
-            out |= pass_at_k(rows["uid"], rows["scores"], n=n, threshold=c.train.pass_threshold)
-        return out
+        """Held-out scores (see :func:`~asyncflow.train._evaluation.evaluate`) of the
+        actor's weights of step ``version`` (those a rollout role must hold)."""
+        return await evaluate(session, roles, prompts, self.config, self._generate(roles, version), max_new=max_new)
 
     async def _save(self, roles: Roles, step: int, state: dict[str, Any]) -> None:
-        tmp = self.checkpoints.staging(step)
         trained = [r for r in ("actor", "critic", "cost_critic") if r in roles]
-        for role in trained:
-            await roles[role].save_checkpoint(str(tmp / role))
-        if self.config.train.export_hf == "checkpoints":
-            await roles.actor.export_hf(str(tmp / "policy"))
-        if self._ahead is not None:  # the batches generated ahead, by versions this checkpoint no longer holds
-            state = state | {"in_flight": await self._ahead.save(tmp)}
-        final = self.checkpoints.commit(tmp, step, state | {"step": step, "seed": self.config.seed})
+        with staged(f"writing checkpoint step {step}", self.checkpoints.staging(step),
+                    then=self._where_to_go_on) as tmp:
+            for role in trained:
+                await roles[role].save_checkpoint(str(tmp / role))
+            if self.config.train.export_hf == "checkpoints":
+                await roles.actor.export_hf(str(tmp / "policy"))
+            if self._ahead is not None:  # the batches generated ahead, by versions this checkpoint no longer holds
+                state = state | {"in_flight": await self._ahead.save(tmp)}
+            final = self.checkpoints.commit(tmp, step, state | {"step": step, "seed": self.config.seed})
         self.say(f"checkpoint: {final}")
+
+    async def _export(self, roles: Roles) -> None:
+        """The trained policy into ``policy/`` of the run directory, renamed into
+        place once complete."""
+        policy = self.run_dir / "policy"
+        with staged("exporting the policy", self.run_dir / ".tmp_policy", then=self._where_to_go_on) as tmp:
+            await roles.actor.export_hf(str(tmp))
+            shutil.rmtree(policy, ignore_errors=True)  # a resumed run's own earlier export
+            os.replace(tmp, policy)
+        self.say(f"trained policy: {policy} (AutoModelForCausalLM.from_pretrained or vLLM)")
 
     async def _load(self, roles: Roles, ckpt: Path) -> None:
         for role in ("actor", "critic", "cost_critic"):

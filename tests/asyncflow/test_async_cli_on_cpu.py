@@ -116,8 +116,8 @@ def _learned(row: dict[str, float]) -> dict[str, float]:
 def test_staleness_zero_reproduces_the_synchronous_run(tmp_path: Path, model_dir: str) -> None:
     assert main(["train", str(_config(tmp_path, model_dir, "sync", disaggregated=False)), "--no-progress"]) == 0
     assert main(["train", str(_config(tmp_path, model_dir, "async0")), "--no-progress"]) == 0
-    sync = read_metrics(tmp_path / "sync" / "metrics.jsonl")
-    async0 = read_metrics(tmp_path / "async0" / "metrics.jsonl")
+    sync = read_metrics(tmp_path / "sync" / "latest" / "metrics.jsonl")
+    async0 = read_metrics(tmp_path / "async0" / "latest" / "metrics.jsonl")
     assert [r["step"] for r in async0] == [r["step"] for r in sync]
     assert [r["step"] for r in async0][:4] == [0, 1, 2, 3]
     for s, a in zip(sync, async0, strict=True):
@@ -137,12 +137,12 @@ def test_scorers_on_the_rollout_pool_score_each_batch_behind_its_generation(tmp_
     assert main(["train", str(_config(tmp_path, model_dir, "sync", disaggregated=False)), *kl]) == 0
     assert main(["train", str(_config(tmp_path, model_dir, "ahead")), *kl, "--trace", "--set", "train.trace_steps=3",
                  "--set", "placement.reward.pool=gen", "--set", "placement.ref.pool=gen"]) == 0
-    sync = read_metrics(tmp_path / "sync" / "metrics.jsonl")
-    ahead = read_metrics(tmp_path / "ahead" / "metrics.jsonl")
+    sync = read_metrics(tmp_path / "sync" / "latest" / "metrics.jsonl")
+    ahead = read_metrics(tmp_path / "ahead" / "latest" / "metrics.jsonl")
     assert any("actor/kl_to_ref" in r for r in sync) and any(r.get("actor/loss") for r in sync)
     for s, a in zip(sync, ahead, strict=True):
         assert _learned(a) == _learned(s)
-    events = json.loads((tmp_path / "ahead" / "trace.json").read_text())["traceEvents"]
+    events = json.loads((tmp_path / "ahead" / "latest" / "trace.json").read_text())["traceEvents"]
     calls = {e["args"]["call_id"]: e for e in events if e.get("ph") == "X" and e.get("cat") == "driver"}
     generations = {i: e for i, e in calls.items() if e["name"] == "rollout.generate"}
     scorers = [e for e in calls.values() if e["name"] in ("reward.score", "ref.log_prob")]
@@ -162,8 +162,8 @@ def test_the_next_step_queues_behind_the_update_with_the_same_results(tmp_path: 
                  "--set", "train.overlap_steps=false"]) == 0
     assert main(["train", str(_config(tmp_path, model_dir, "overlapped", steps=5, staleness=1)), *common,
                  "--set", "train.overlap_steps=true"]) == 0
-    apart = read_metrics(tmp_path / "apart" / "metrics.jsonl")
-    overlapped = read_metrics(tmp_path / "overlapped" / "metrics.jsonl")
+    apart = read_metrics(tmp_path / "apart" / "latest" / "metrics.jsonl")
+    overlapped = read_metrics(tmp_path / "overlapped" / "latest" / "metrics.jsonl")
     assert any(r.get("actor/loss") for r in apart)
     for a, o in zip(apart, overlapped, strict=True):
         assert _learned(o) == _learned(a)
@@ -175,7 +175,7 @@ def test_the_next_step_queues_behind_the_update_with_the_same_results(tmp_path: 
     assert all(r["actor/is_weight"] == 1 for r in steps)
 
     def submitted_before_the_last_ended(name: str) -> list[bool]:
-        events = json.loads((tmp_path / name / "trace.json").read_text())["traceEvents"]
+        events = json.loads((tmp_path / name / "latest" / "trace.json").read_text())["traceEvents"]
         updates = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "driver"
                           and e["name"] == "actor.update"), key=lambda e: e["ts"])
         assert len(updates) == 5
@@ -196,7 +196,7 @@ def test_a_tensor_parallel_rollout_role_trains_ahead(tmp_path: Path, tmp_path_fa
     cfg = _config(tmp_path, model, "tp", steps=3, staleness=1)
     assert main(["train", str(cfg), "--no-progress", "--set", "pools.gen.devices=2",
                  "--set", "placement.rollout.t=2"]) == 0
-    steps = [r for r in read_metrics(tmp_path / "tp" / "metrics.jsonl") if "actor/loss" in r]
+    steps = [r for r in read_metrics(tmp_path / "tp" / "latest" / "metrics.jsonl") if "actor/loss" in r]
     assert [r["async/staleness"] for r in steps] == [0, 1, 1]
     assert any(r["actor/loss"] != 0 for r in steps)
     assert steps[0]["actor/logprob_mismatch"] < 1e-4  # fresh tokens: the rollout's log-probs are the actor's
@@ -218,7 +218,7 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     with (tmp_path / "stdout.txt").open("w") as out, (tmp_path / "stderr.txt").open("w") as err_file:
         proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress", *DECOUPLED],
                                 stdout=out, stderr=err_file, text=True, env=env)
-        wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", tmp_path / "stderr.txt")
+        wait_for_a_checkpoint(proc, tmp_path / "run" / "latest" / "checkpoints", tmp_path / "stderr.txt")
         workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if p.name().startswith("ray::WorkerProcess")]
         assert workers
@@ -228,7 +228,8 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     assert proc.returncode == 1, err
     assert err.strip().splitlines()[-1].startswith("asyncflow: RunInterruptedError: ")
 
-    checkpoint = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    checkpoints = tmp_path / "run" / "latest" / "checkpoints"
+    checkpoint = checkpoints / (checkpoints / "latest").read_text().strip()
     state = json.loads((checkpoint / "state.json").read_text())
     resumed_from = state["step"]
     # The batches generated ahead: the next one by the weights of the step before the
@@ -242,8 +243,8 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
     reference = _config(tmp_path, model_dir, "reference", steps=target, staleness=1, partial=1, max_new=8,
                   stop=STOP)
     assert main(["train", str(reference), "--no-progress", *DECOUPLED]) == 0
-    got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
-    want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")}
+    got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "latest" / "metrics.jsonl")}
+    want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "latest" / "metrics.jsonl")}
     for step in (resumed_from + 1, target):
         assert _learned(got[step]) == _learned(want[step]), step
 

@@ -81,18 +81,18 @@ def test_resumed_run_repeats_the_uninterrupted_next_step(tmp_path, model_dir, ca
     assert main(["train", str(full), "--no-progress", "--trace"]) == 0  # tracing changes no number
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("accuracy: ")
-    assert (tmp_path / "full" / "curves.png").exists()
-    assert (tmp_path / "full" / "timeline.png").exists()
-    assert json.loads((tmp_path / "full" / "trace.json").read_text())["traceEvents"]
+    assert (tmp_path / "full" / "latest" / "curves.png").exists()
+    assert (tmp_path / "full" / "latest" / "timeline.png").exists()
+    assert json.loads((tmp_path / "full" / "latest" / "trace.json").read_text())["traceEvents"]
 
     part = _config(tmp_path, model_dir, steps=2, name="part")
     assert main(["train", str(part), "--no-progress"]) == 0
     assert main(["train", str(part), "--resume", "--set", "train.steps=3", "--no-progress"]) == 0
-    expected = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    got = read_metrics(tmp_path / "part" / "metrics.jsonl")
+    expected = read_metrics(tmp_path / "full" / "latest" / "metrics.jsonl")
+    got = read_metrics(tmp_path / "part" / "latest" / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     assert _comparable(got[3]) == _comparable(expected[3])  # step 3, bit for bit
-    state = json.loads((tmp_path / "part" / "checkpoints" / "step_000003" / "state.json").read_text())
+    state = json.loads((tmp_path / "part" / "latest" / "checkpoints" / "step_000003" / "state.json").read_text())
     assert state["step"] == 3
 
 
@@ -163,17 +163,17 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at
     (a native stack trace) never runs, and no worker outlives the command."""
     run = _config(tmp_path, model_dir, steps=10_000, name="run")
     proc, err_path = _start(tmp_path, run, "run")
-    wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", err_path)
+    wait_for_a_checkpoint(proc, tmp_path / "run" / "latest" / "checkpoints", err_path)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGTERM)
     last = _ended_in_one_line(proc, err_path, workers, never="SIGTERM received")  # Ray's native trace
-    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
-    step = json.loads((tmp_path / "run" / "checkpoints" / latest / "state.json").read_text())["step"]
+    latest = (tmp_path / "run" / "latest" / "checkpoints" / "latest").read_text().strip()
+    step = json.loads((tmp_path / "run" / "latest" / "checkpoints" / latest / "state.json").read_text())["step"]
     assert last == (f"asyncflow: RunInterruptedError: stopped by SIGTERM after step {step}; last checkpoint: "
-                    f"{tmp_path / 'run' / 'checkpoints' / latest} (continue with --resume)")
+                    f"{tmp_path / 'run' / 'version_0' / 'checkpoints' / latest} (continue with --resume)")
     assert latest == f"step_{step:06d}"
     assert main(["train", str(run), "--resume", "--set", f"train.steps={step + 1}", "--no-progress"]) == 0
-    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "latest" / "metrics.jsonl")]
     assert steps[-1] == step + 1 and steps.count(step) == 1  # the stopped step's row, once
 
     # Steps of over 2 s (the reward sleeps), so that the second Ctrl-C, sent once the
@@ -182,7 +182,7 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at
     again = _config(tmp_path, model_dir, steps=10_000, name="again",
                     extra='\n[reward]\nfunction = "support:sleepy_reward"\n')
     proc, err_path = _start(tmp_path, again, "again")
-    wait_for_a_checkpoint(proc, tmp_path / "again" / "checkpoints", err_path)
+    wait_for_a_checkpoint(proc, tmp_path / "again" / "latest" / "checkpoints", err_path)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)]
     proc.send_signal(signal.SIGINT)
     out_path = tmp_path / "again.stdout"
@@ -208,7 +208,7 @@ def test_a_killed_worker_ends_the_run_in_one_line_and_resume_continues(tmp_path,
     out_file, err_file = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
                             stdout=out_file, stderr=err_file, text=True, env=env)
-    wait_for_a_checkpoint(proc, tmp_path / "run" / "checkpoints", tmp_path / "stderr.txt")
+    wait_for_a_checkpoint(proc, tmp_path / "run" / "latest" / "checkpoints", tmp_path / "stderr.txt")
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::WorkerProcess")]
     assert workers
     workers[0].send_signal(signal.SIGKILL)
@@ -221,15 +221,15 @@ def test_a_killed_worker_ends_the_run_in_one_line_and_resume_continues(tmp_path,
     assert "Traceback" not in err
     assert last.startswith("asyncflow: RunInterruptedError: ") and "rank 0 in pool 'main' on node " in last
     assert " (127.0.0.1) died during " in last
-    checkpoint = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
-    assert f"last checkpoint: {tmp_path / 'run' / 'checkpoints' / checkpoint}" in last
+    checkpoint = (tmp_path / "run" / "latest" / "checkpoints" / "latest").read_text().strip()
+    assert f"last checkpoint: {tmp_path / 'run' / 'version_0' / 'checkpoints' / checkpoint}" in last
 
-    resumed_from = json.loads((tmp_path / "run" / "checkpoints" / checkpoint / "state.json").read_text())["step"]
+    resumed_from = json.loads((tmp_path / "run" / "latest" / "checkpoints" / checkpoint / "state.json").read_text())["step"]
     target = resumed_from + 2
     assert main(["train", str(run), "--resume", "--set", f"train.steps={target}", "--no-progress"]) == 0
     reference = _config(tmp_path, model_dir, steps=target, name="reference")
     assert main(["train", str(reference), "--no-progress"]) == 0
-    got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
-    want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")}
+    got = {r["step"]: r for r in read_metrics(tmp_path / "run" / "latest" / "metrics.jsonl")}
+    want = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "latest" / "metrics.jsonl")}
     for step in (resumed_from + 1, target):
         assert _comparable(got[step]) == _comparable(want[step]), step

@@ -102,13 +102,13 @@ def test_own_model_data_and_reward_train(tmp_path: Path, model_dir: str, suffix:
     export = "checkpoints" if algorithm == "ppo" else "end"
     assert main(["train", str(cfg), "--no-progress", "--set", f"train.export_hf={export}",
                  "--set", "train.checkpoint_every=1", "--set", "train.keep_checkpoints=3"]) == 0
-    saved = sorted((tmp_path / "out" / "checkpoints").glob("step_*/policy/config.json"))
+    saved = sorted((tmp_path / "out" / "latest" / "checkpoints").glob("step_*/policy/config.json"))
     assert len(saved) == (2 if export == "checkpoints" else 0)
-    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    rows = read_metrics(tmp_path / "out" / "latest" / "metrics.jsonl")
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
     final = rows[-1]
     assert {"eval/accuracy", "eval/mean@2", "eval/pass@1", "eval/pass@2"} <= final.keys()
-    policy = tmp_path / "out" / "policy"
+    policy = tmp_path / "out" / "latest" / "policy"
     model = AutoModelForCausalLM.from_pretrained(policy)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     ids = tokenizer("What is 1 + 2?", return_tensors="pt")["input_ids"]
@@ -131,7 +131,7 @@ def test_a_resumed_run_draws_the_data_an_uninterrupted_one_does(tmp_path: Path, 
 
     def steps(name: str) -> dict[int, dict[str, float]]:
         return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
-                for r in read_metrics(tmp_path / name / "metrics.jsonl") if "reward/mean" in r}
+                for r in read_metrics(tmp_path / name / "latest" / "metrics.jsonl") if "reward/mean" in r}
 
     full, part = steps("full"), steps("part")
     assert sorted(part) == [1, 2, 3, 4]
@@ -177,4 +177,4 @@ def test_the_readme_snippets_train(tmp_path: Path, model_dir: str, monkeypatch: 
     (tmp_path / "my_run.toml").write_text(config)
     assert main(["train", "my_run.toml", "--no-progress", "--set", "train.steps=1", "--set", "train.eval_size=4",
                  "--set", "train.prompts_per_step=4", "--set", "train.kl_metric=false"]) == 0
-    assert (tmp_path / "runs" / "my-run" / "policy" / "config.json").is_file()
+    assert (tmp_path / "runs" / "my-run" / "latest" / "policy" / "config.json").is_file()

@@ -76,10 +76,10 @@ def test_grpo_with_actor_trained_at_t2_generating_at_t1(tmp_path: Path, model_di
     assert specs["actor"].config.training.data_parallel == "replicate"
     assert main(["train", str(_config(tmp_path, model_dir, "{ t = 1 }")), "--no-progress"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("accuracy: ")
-    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = read_metrics(tmp_path / "run" / "latest" / "metrics.jsonl")
     assert [r["step"] for r in rows if "actor/loss" in r] == [1, 2]
     assert all(r["actor/steps_skipped"] == 0 for r in rows if "actor/loss" in r)
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
+    state = json.loads((tmp_path / "run" / "latest" / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["step"] == 2
 
 

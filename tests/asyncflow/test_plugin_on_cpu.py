@@ -63,7 +63,7 @@ def test_an_entry_point_algorithm_trains_with_asyncflow_train(tmp_path: Path) ->
     done = _train(config)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "asyncflow train: group_mean" in done.stdout + done.stderr
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "latest" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "group_mean/scale" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["group_mean/scale"] == 0.5 for r in steps)
     assert all("actor/loss" in r for r in steps)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -28,8 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from workers.engines._errors import EngineConfigError
 
@@ -52,13 +56,83 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How a Rust library (safetensors) names the errno of a failed write."""
+
+
+def os_error_behind(error: BaseException) -> OSError | None:
+    """The ``OSError`` (a full disk, a permission) that made ``error``, if one did.
+
+    Libraries report a failed write each in its own way: torch.save as a
+    ``RuntimeError`` ("unexpected pos ...") whose context is the ``OSError``, DCP as
+    a ``CheckpointException`` holding each rank's error, safetensors with only the
+    errno in its message ("os error 28").
+
+    Args:
+        error: what a save or an export raised.
+
+    Returns:
+        ``error`` itself when it is one, the first ``OSError`` among its causes,
+        contexts and DCP failures, one made from an errno in a message, or None.
+    """
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, dcp.CheckpointException):
+            todo += [failure for failure, _ in e.failures.values()]
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        if (found := _RUST_OS_ERROR.search(str(e))) is not None:
+            code = int(found.group(1))
+            return OSError(code, os.strerror(code))
+    return None
+
+
 @contextlib.contextmanager
-def _single_process_ok() -> Iterator[None]:
+def _os_errors() -> Iterator[None]:
+    """A failed write raises the ``OSError`` behind it (see :func:`os_error_behind`),
+    with errno, wherever the library hid it."""
+    try:
+        yield
+    except Exception as e:
+        cause = os_error_behind(e)
+        if cause is None or cause is e:
+            raise
+        raise cause from e
+
+
+class _FileSystemWriter(dcp.FileSystemWriter):
+    """DCP's file writer, whose failed write raises the ``OSError`` behind it: DCP
+    sends each rank's error to every rank pickled, which would drop the ``OSError``
+    that torch.save keeps only as the context of its ``RuntimeError``."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with _os_errors():
+            return super().write_data(plan, planner)
+
+
+@contextlib.contextmanager
+def _dcp_call() -> Iterator[None]:
+    """Around a ``dcp.save`` or ``dcp.load``: the error of the first rank that failed
+    (the ``OSError`` behind it, when there is one) instead of DCP's
+    ``CheckpointException``, a ``BaseException`` that callers catching
+    ``Exception`` (a worker's call) would let through."""
     # Without a group DCP warns that it assumes a single process, which is exactly
     # the intent of a call with group=None.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        try:
+            yield
+        except dcp.CheckpointException as e:
+            error = os_error_behind(e) or e.failures[min(e.failures)][0]
+            if not isinstance(error, Exception):
+                raise
+            raise error from e
 
 
 def _rng_file(path: str | os.PathLike[str], group: dist.ProcessGroup | None) -> Path:
@@ -87,7 +161,10 @@ def save_rng(
         state["cuda"] = torch.cuda.get_rng_state_all()
     target = _rng_file(path, group)
     target.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, target)
+    # Into a Python file: a failed write raises its OSError (torch.save writing to
+    # a path raises a RuntimeError without the errno).
+    with target.open("wb") as file:
+        torch.save(state, file)
 
 
 def load_rng(
@@ -152,9 +229,12 @@ def save_checkpoint(
         "optim": optim_state,
         "engine": {"step": torch.tensor(step, dtype=torch.int64)},
     }
-    with _single_process_ok():
+    with _dcp_call():
         dcp.save(
-            state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None
+            state,
+            storage_writer=_FileSystemWriter(path),
+            process_group=group,
+            no_dist=group is None,
         )
     save_rng(path, group=group, generators=generators)
 
@@ -196,7 +276,7 @@ def load_checkpoint(
     step = torch.tensor(0, dtype=torch.int64)
     state = {"model": model_state, "optim": optim_state, "engine": {"step": step}}
     # dcp.load fills the tensors of ``state`` in place (``step`` included).
-    with _single_process_ok():
+    with _dcp_call():
         dcp.load(
             state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None
         )
@@ -257,7 +337,8 @@ def export_hf(
     if is_writer:
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        write(state, out)
+        with _os_errors():
+            write(state, out)
     if group is not None:
         dist.barrier(group=group)
 
