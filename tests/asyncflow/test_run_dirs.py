@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from disk_faults import enospc, state_json_on_a_full_disk
 
 import asyncflow.train._start_model as start_model
 from asyncflow import RemoteStageError
@@ -20,6 +19,7 @@ from asyncflow.cli import main
 from asyncflow.train import CheckpointDir, CheckpointError, RunDirs, Trainer, load_config
 from asyncflow.train._checkpoint import staged
 from channels import ConfigError
+from disk_faults import enospc, state_json_on_a_full_disk
 
 SFT_JOB = """
 output_dir = "{out}"

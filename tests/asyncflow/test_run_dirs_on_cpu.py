@@ -13,10 +13,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from disk_faults import FAILING_CHECKPOINT, FAILING_EXPORT, state_json_on_a_full_disk
 
 from asyncflow.cli import main
 from asyncflow.train import CheckpointDir, read_metrics
+from disk_faults import FAILING_CHECKPOINT, FAILING_EXPORT, state_json_on_a_full_disk
 from workers.models import TinyModelConfig, save_tiny_model
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
