@@ -5,6 +5,7 @@ on the nodes left, and the way Ray users start jobs (``ray start`` by hand, then
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -177,13 +178,16 @@ def _ray(env: dict[str, str], *args: str, timeout: float = 120) -> str:
 def _end_processes_under(temp_dir: Path) -> None:
     """End the processes of the cluster whose files are under ``temp_dir`` (not
     ``ray stop``, which would end every Ray process on the machine)."""
-    mine = []
+    mine: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["cmdline"]):
         if any(str(temp_dir) in part for part in p.info["cmdline"] or ()):
-            mine.append(p)
-    for p in mine:
-        p.kill()
-    psutil.wait_procs(mine, timeout=10)
+            mine[p.pid] = p
+            with contextlib.suppress(psutil.Error):  # agents rename themselves: found as children
+                mine.update((c.pid, c) for c in p.children(recursive=True))
+    for p in mine.values():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(list(mine.values()), timeout=10)
 
 
 def test_ray_job_submit_runs_the_cli_on_a_cluster_started_by_hand(tmp_path: Path, model_dir: str) -> None:
