@@ -99,7 +99,7 @@ def _guarded(lt: LoopThread, coro: Any) -> Any:
 
 
 async def _pid(session: af.Session, pool: str, rank: int) -> int:
-    pid, _, _ = await session.worker(pool, rank).identity.remote()
+    pid, *_ = await session.worker(pool, rank).identity.remote()
     return int(pid)
 
 
