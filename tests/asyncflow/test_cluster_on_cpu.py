@@ -27,60 +27,33 @@ from ray.cluster_utils import Cluster
 from asyncflow.cli import main
 from asyncflow.train import read_metrics
 from process_tree import clean_env
-from workers.models import TinyModelConfig, save_tiny_model
+from tiny_runs import grpo_toml, save_model
 
 pytestmark = pytest.mark.timeout(600)
 
 LABEL = "asyncflow-test"
 
-CONFIG = """
-output_dir = "{out}"
-seed = 2
-
-[model]
-path = "{model}"
-
-[task]
-digits = 1
-train_size = 40
-eval_size = 8
-
-[train]
-steps = {steps}
-prompts_per_step = 4
-checkpoint_every = 2
-eval_every = 0
-eval_size = 8
-
-[algorithm]
-name = "grpo"
-rollout = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
-policy = {{ kl_coef = 0.01 }}
-
-[actor]
-micro_batch_size = 8
-
-[pools]
-main = {{ devices = 1 }}
-side = {{ devices = 1, labels = {{ {label} = "side" }} }}
+PLACEMENT = """
+[algorithm.policy]
+kl_coef = 0.01
 
 [placement]
-actor = {{ pool = "main" }}
-ref = {{ pool = "side" }}
-reward = {{ pool = "side" }}
+actor = { pool = "main" }
+ref = { pool = "side" }
+reward = { pool = "side" }
 """
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=1, num_key_value_heads=1,
-                           head_dim=32, num_hidden_layers=1)
-    return str(save_tiny_model(tmp_path_factory.mktemp("model"), tiny, seed=0))
+    return save_model(tmp_path_factory.mktemp("model"))
 
 
 def _config(tmp: Path, model: str, *, steps: int) -> Path:
     path = tmp / "run.toml"
-    path.write_text(CONFIG.format(out=tmp / "out", model=model, steps=steps, label=json.dumps(LABEL)))
+    side = f'side = {{ devices = 1, labels = {{ {json.dumps(LABEL)} = "side" }} }}'
+    path.write_text(grpo_toml(tmp / "out", model, steps=steps, seed=2, train={"eval_every": 0},
+                              pools=f"main = {{ devices = 1 }}\n{side}", more=PLACEMENT))
     return path
 
 

@@ -16,44 +16,11 @@ from pathlib import Path
 import pytest
 
 from process_tree import WatchedRun, clean_env, is_loopback
-from workers.models import TinyModelConfig, save_tiny_model
+from tiny_runs import grpo_toml, save_model
 
 pytestmark = pytest.mark.timeout(280)
 
-CONFIG = """
-output_dir = "{out}"
-seed = 1
-
-[model]
-path = "{model}"
-
-[task]
-digits = 1
-train_size = 40
-eval_size = 8
-
-[train]
-steps = 100000
-prompts_per_step = 4
-checkpoint_every = 0
-eval_every = 0
-eval_size = 8
-
-[algorithm]
-name = "grpo"
-rollout = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
-
-[actor]
-micro_batch_size = 8
-
-[pools]
-main = {{ devices = 1 }}
-side = {{ devices = 1 }}
-
-[placement]
-actor = {{ pool = "main" }}
-reward = {{ pool = "side" }}
-"""
+SIDE_POOL = '[placement]\nactor = { pool = "main" }\nreward = { pool = "side" }\n'
 
 SCRIPT = textwrap.dedent("""
     import ray  # first, as a script may: nothing was set for Ray before this
@@ -87,11 +54,11 @@ def _check_loopback(run: WatchedRun) -> None:
 
 
 def test_the_cli_listens_on_loopback_only_and_leaves_nothing_once_killed(tmp_path: Path) -> None:
-    tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=1, num_key_value_heads=1,
-                           head_dim=32, num_hidden_layers=1)
-    model = save_tiny_model(tmp_path / "model", tiny, seed=0)
+    model = save_model(tmp_path / "model")
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(out=tmp_path / "out", model=model))
+    config.write_text(grpo_toml(tmp_path / "out", model, steps=100_000, seed=1,
+                                train={"checkpoint_every": 0, "eval_every": 0},
+                                pools="main = { devices = 1 }\nside = { devices = 1 }", more=SIDE_POOL))
     run = WatchedRun([sys.executable, "-m", "asyncflow.cli", "train", str(config), "--no-progress"],
                      env=clean_env())
     run.wait_for_line("roles up", timeout_s=180)  # every worker up, its gloo groups made

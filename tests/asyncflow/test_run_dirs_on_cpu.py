@@ -17,43 +17,7 @@ import pytest
 from asyncflow.cli import main
 from asyncflow.train import CheckpointDir, read_metrics
 from disk_faults import FAILING_CHECKPOINT, FAILING_EXPORT, state_json_on_a_full_disk
-from workers.models import TinyModelConfig, save_tiny_model
-
-TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
-                       num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
-
-CONFIG = """
-output_dir = "{out}"
-seed = 3
-
-[model]
-path = "{model}"
-
-[task]
-digits = 1
-train_size = 40
-eval_size = 8
-
-[train]
-steps = {steps}
-prompts_per_step = 4
-checkpoint_every = 1
-eval_size = 8
-
-[algorithm]
-name = "grpo"
-rollout = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
-
-[actor]
-lr = 1e-3
-micro_batch_size = 8
-
-[reward]
-function = "{reward}"
-
-[pools]
-main = {{ devices = 1 }}
-"""
+from tiny_runs import grpo_toml, save_model
 
 PLAIN = "support:digit_share_reward"
 
@@ -70,12 +34,13 @@ def _environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
+    return save_model(tmp_path_factory.mktemp("model"))
 
 
 def _config(tmp: Path, model: str, *, out: Path, steps: int = 2, reward: str = PLAIN) -> Path:
     path = tmp / "run.toml"
-    path.write_text(CONFIG.format(out=out, model=model, steps=steps, reward=reward))
+    path.write_text(grpo_toml(out, model, steps=steps, train={"checkpoint_every": 1},
+                              more=f'[reward]\nfunction = "{reward}"\n'))
     return path
 
 
