@@ -105,7 +105,7 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
     authentication stays on: Ray 2.60 enables it for a new local instance and
     announces it with a warning.
     """
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = cluster_address(address)
     auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
     level = auth.level
     auth.setLevel(logging.ERROR)
@@ -128,12 +128,18 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
         auth.setLevel(level)
 
 
+def cluster_address(address: str | None) -> str | None:
+    """The cluster to join: ``address``, else ``RAY_ADDRESS`` (as ``ray.init`` reads
+    it; ``ray job submit`` sets it for its drivers); None: start an embedded one."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def check_answers(address: str | None) -> None:
     """Raise :class:`ConfigError` at once, naming the address, when nothing listens
     at ``address`` (else ``RAY_ADDRESS``): ``ray.init`` would retry for minutes.
     Nothing to check without either (an embedded instance), or for ``auto`` and
     ``scheme://`` addresses (Ray's to resolve)."""
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = cluster_address(address)
     if address is None:
         return
     host, sep, port = address.rpartition(":")
