@@ -240,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
+    if device.type == "cuda":  # set_device wants an index: "cuda" alone means the current one
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())
     shape = args.shape or ("qwen2.5-0.5b" if device.type == "cuda" else "tiny")
     record = run(
         shape=shape,

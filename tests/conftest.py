@@ -16,6 +16,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import hypothesis  # noqa: F401
 import pytest
 import ray.cloudpickle
+import torch
 
 import fake_device
 import support
@@ -23,10 +24,16 @@ import support
 # The fake accelerator of the device-discipline tests is registered before any test
 # runs: torch's autograd engine sizes its per-device queues at the process's first
 # backward pass and never again, so a device registered later cannot run one.
-try:
-    fake_device.install()
-except (ImportError, AttributeError) as e:  # a torch without Python device backends
-    fake_device.UNAVAILABLE = f"this torch cannot register a Python device backend: {e}"
+# Not where CUDA is: there the real device catches device mixing, and a second
+# accelerator breaks CUDA's (autograd's stream assertion, libraries that ask
+# torch.accelerator for "the" device get the fake one).
+if torch.cuda.is_available():
+    fake_device.UNAVAILABLE = "a CUDA device is present (the fake one is for CPU-only machines)"
+else:
+    try:
+        fake_device.install()
+    except (ImportError, AttributeError) as e:  # a torch without Python device backends
+        fake_device.UNAVAILABLE = f"this torch cannot register a Python device backend: {e}"
 
 # Workers cannot import the tests tree: ship the test roles by value.
 ray.cloudpickle.register_pickle_by_value(support)
