@@ -75,11 +75,15 @@ class Session(Runtime):
             ``address`` (the cluster's setting holds).
         placement_timeout_s: how long :meth:`spawn` waits for a pool's devices
             when the cluster has them but others hold them now.
+        worker_env: environment variables of the worker processes, set when
+            each starts (Ray's ``runtime_env``), on whichever node; a value may
+            name the node's own variables as ``${NAME}``.
     """
 
     def __init__(self, *, address: str | None = None, cpu_slots: int = 64, transport: Transport = "auto",
                  collective_timeout_s: float = 120.0, rendezvous_timeout_s: float = 300.0,
-                 worker_nice: int = 0, placement_timeout_s: float = 120.0) -> None:
+                 worker_nice: int = 0, placement_timeout_s: float = 120.0,
+                 worker_env: Mapping[str, str] | None = None) -> None:
         if transport not in ("auto", "gloo", "nccl", "object_store"):
             raise ConfigError(f"transport must be auto, gloo, nccl or object_store, got {transport!r}")
         for name, value in (("collective_timeout_s", collective_timeout_s),
@@ -95,6 +99,7 @@ class Session(Runtime):
         self._transport_choice = transport
         self._collective_timeout, self._rendezvous_timeout = collective_timeout_s, rendezvous_timeout_s
         self._placement_timeout = placement_timeout_s
+        self._worker_env = dict(worker_env or {})
         self._started_ray = False
         self._actors: list[Any] = []
         self._actor_ids: list[str] = []
@@ -193,6 +198,8 @@ class Session(Runtime):
                 }
                 if device == "cuda":
                     opts["num_gpus"] = 1
+                if self._worker_env:
+                    opts["runtime_env"] = {"env_vars": self._worker_env}
                 ranks[pool.name].append(len(self._actors))
                 self._actors.append(cls.options(**opts).remote(
                     index=len(self._actors), pool=pool.name, rank=rank, pool_size=pool.devices, world=world,

@@ -1,9 +1,12 @@
 """The ``asyncflow`` command line.
 
-    asyncflow train CONFIG [--resume | --clean] [--set key=value ...] [--trace] [--no-progress] [--debug]
+    asyncflow train CONFIG [--resume | --clean] [--set key=value ...] [--trace] [--no-progress] [--verbose] [--debug]
     asyncflow sft CONFIG [--set key=value ...] [--debug]   # only the SFT warm start
     asyncflow plan CONFIG [--devices N] [--write PATH] [--set key=value ...]   # placement planner
-    asyncflow bench ppo [--json PATH] ...                  # the overlapped-PPO benchmark
+    asyncflow --version
+
+Benchmarks are not commands of the package: they run as ``python -m bench.<name>``
+(``bench`` sits above ``asyncflow`` and uses it, never the other way round).
 
 The whole configuration is checked before anything starts. An asyncflow error
 (:class:`~channels.AsyncflowError`) ends the command with one line on stderr: a
@@ -12,9 +15,18 @@ configuration error names the key (exit 2), any other error what failed and wher
 traceback of a failed stage). Any other exception is a bug and propagates with its
 traceback.
 
+Quiet by default: the engines' own log records (vLLM, Ray, transformers)
+below WARNING go to the run's ``engines.log``, in the driver and in the workers
+(:mod:`asyncflow.train._quiet`); ``--verbose`` or ``ASYNCFLOW_LOG=info`` (or
+``debug``) shows them on the terminal too.
+
 Without ``--address`` (or ``RAY_ADDRESS``) the command starts its own Ray instance,
 on the loopback interface; with one it joins that cluster (``ray job submit``
 sets ``RAY_ADDRESS`` for it). See :func:`asyncflow._ray_start.init_ray`.
+
+Only ``argparse`` and the standard library load before a command runs: ``--help``
+and ``--version`` import no torch, Ray or runtime module, and each command imports
+what it needs when it starts.
 """
 
 from __future__ import annotations
@@ -27,9 +39,33 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from channels import AsyncflowError, ConfigError
+if TYPE_CHECKING:
+    from channels import AsyncflowError
+
+LOG_ENV = "ASYNCFLOW_LOG"
+"""The environment variable that sets the terminal's log level (``debug``,
+``info``, ``warning``; default ``warning``; ``--verbose`` is ``info``)."""
+
+_COMMANDS = {
+    "train": "run an RL job from a TOML or YAML config",
+    "sft": "run only the SFT warm start of a config",
+    "plan": "profile a config's roles and rank their placements",
+}
+"""Each subcommand's one-line description (``asyncflow --help`` and its own ``--help``)."""
+
+
+def version() -> str:
+    """The installed package's version (``pyproject.toml``'s, through the package
+    metadata); ``"unknown"`` when asyncflow runs from a source tree that was never
+    installed."""
+    try:
+        return metadata.version("asyncflow")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed; pip install -e .)"
 
 
 def _say(msg: str) -> None:
@@ -37,6 +73,8 @@ def _say(msg: str) -> None:
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, object]:
+    from channels import ConfigError
+
     out: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -49,8 +87,22 @@ def _overrides(pairs: Sequence[str]) -> dict[str, object]:
     return out
 
 
+def _terminal_level(args: argparse.Namespace) -> int:
+    """The lowest level the terminal shows: ``--verbose`` is INFO; else
+    ``ASYNCFLOW_LOG`` (a level name), else WARNING."""
+    from channels import ConfigError
+
+    if getattr(args, "verbose", False):
+        return logging.INFO
+    name = os.environ.get(LOG_ENV, "warning").upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise ConfigError(f"{LOG_ENV}={os.environ[LOG_ENV]!r} is not a log level; use debug, info or warning")
+    return level
+
+
 def _train(args: argparse.Namespace) -> int:
-    from asyncflow.train import Trainer, algorithm_in, load_config
+    from asyncflow.train import Trainer, algorithm_in, load_config, module_dirs
 
     overrides = _overrides(args.set)
     if args.trace:
@@ -60,7 +112,8 @@ def _train(args: argparse.Namespace) -> int:
             else f"{config.task.digits}-digit arithmetic ({'+'.join(config.task.operators)})")
     _say(f"asyncflow train: {algorithm_in(config).name} on {task}, output in {config.output_dir}")
     trainer = Trainer(config, resume=args.resume, clean=args.clean, say=_say, progress_bar=not args.no_progress,
-                      address=args.address)
+                      address=args.address, module_dirs=module_dirs(args.config),
+                      terminal_level=_terminal_level(args))
     result = asyncio.run(trainer.run())
     if result.plot is not None:
         _say(f"curves: {result.plot}   metrics: {result.run_dir / 'metrics.jsonl'}   "
@@ -71,6 +124,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _sft(args: argparse.Namespace) -> int:
     from asyncflow.train import Trainer, load_config
+    from channels import ConfigError
 
     config = load_config(args.config, _overrides(args.set))
     if config.sft is None:
@@ -104,17 +158,10 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.name != "ppo":
-        raise ConfigError(f"unknown benchmark {args.name!r}; available: ppo")
-    from bench.ppo import main as bench_main
-
-    bench_main(args.rest)
-    return 0
-
-
 def _report(error: AsyncflowError, *, debug: bool) -> int:
     """One line on stderr (with ``debug``, the traceback first); returns the exit code."""
+    from channels import ConfigError
+
     if debug:
         traceback.print_exception(error)
     lines = str(error).splitlines()
@@ -123,11 +170,26 @@ def _report(error: AsyncflowError, *, debug: bool) -> int:
     return 2 if isinstance(error, ConfigError) else 1
 
 
+def _command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+             config_help: str = "path to a .toml/.yaml run configuration") -> argparse.ArgumentParser:
+    """Subcommand ``name`` with its one-line description, its CONFIG argument and
+    the options every command has (``--set``, ``--debug``)."""
+    command = sub.add_parser(name, help=_COMMANDS[name], description=_COMMANDS[name])
+    command.add_argument("config", help=config_help)
+    command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config key, e.g. --set train.steps=5 (repeatable; VALUE is JSON, "
+                              "else a string)")
+    command.add_argument("--debug", action="store_true",
+                         help="on an error, print the traceback and the whole message (remote tracebacks)")
+    return command
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncflow", description="RL for language models as async def loops")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run an RL job from a TOML or YAML config")
-    train.add_argument("config", help="path to a .toml/.yaml run configuration")
+    parser.add_argument("--version", action="version", version=f"asyncflow {version()}",
+                        help="print asyncflow's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = _command(sub, "train")
     train.add_argument("--resume", action="store_true",
                        help="continue the newest run under output_dir (its 'latest') from its latest checkpoint")
     train.add_argument("--clean", action="store_true",
@@ -135,33 +197,21 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--address", metavar="HOST:PORT",
                        help="run on this Ray cluster (default: RAY_ADDRESS when set, else a Ray instance of "
                             "this machine's own, on the loopback interface)")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set train.steps=5 (repeatable)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bar over the RL steps (the per-step lines stay)")
     train.add_argument("--trace", action="store_true",
                        help="trace the first steps (train.trace_steps, default 3): timeline.png, trace.json")
+    train.add_argument("--verbose", action="store_true",
+                       help=f"show the engines' (vLLM, Ray, transformers) INFO lines on the terminal too "
+                            f"(same as {LOG_ENV}=info); without it they go to the run's engines.log only")
     train.set_defaults(run=_train)
-    sft = sub.add_parser("sft", help="run only the SFT warm start of a config")
-    sft.add_argument("config", help="path to a .toml/.yaml run configuration with an [sft] section")
-    sft.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key (repeatable)")
-    sft.set_defaults(run=_sft)
-    plan = sub.add_parser("plan", help="profile a config's roles and rank placements on the devices")
-    plan.add_argument("config", help="path to a .toml/.yaml run configuration")
+    _command(sub, "sft", "path to a .toml/.yaml run configuration with an [sft] section").set_defaults(run=_sft)
+    plan = _command(sub, "plan")
     plan.add_argument("--devices", type=int, default=0,
                       help="devices to place on (default: the config's pools' total; on CPU at least the cores)")
     plan.add_argument("--gpu", action="store_true", help="plan for GPUs (no core sharing between pools)")
     plan.add_argument("--write", type=Path, metavar="PATH", help="write the best [pools]/[placement] block here")
-    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config key (repeatable)")
     plan.set_defaults(run=_plan)
-    bench = sub.add_parser("bench", help="run a benchmark (bench/): ppo")
-    bench.add_argument("name", help="the benchmark: ppo")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (e.g. --json PATH)")
-    bench.set_defaults(run=_bench)
-    for command in (train, sft, plan, bench):
-        command.add_argument("--debug", action="store_true",
-                             help="on an error, print the traceback and the whole message (remote tracebacks)")
     return parser
 
 
@@ -175,11 +225,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0, 2 for a configuration error, 1 for any other asyncflow error.
     """
     args = _parser().parse_args(argv)
-    # One progress bar (ours): no per-load bars from transformers here or in the
-    # Ray workers, which inherit this environment.
+    # One progress bar (ours): none from the Hugging Face libraries here, whose
+    # settings are read when they are imported (the workers get theirs from the
+    # trainer's worker environment).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(level=os.environ.get("ASYNCFLOW_LOG", "WARNING"),
+    # Our own loggers (asyncflow.*) at the terminal's level; the engines' loggers
+    # are routed by the trainer (asyncflow.train._quiet).
+    logging.basicConfig(level=os.environ.get(LOG_ENV, "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
+    from channels import AsyncflowError
+
     try:
         return int(args.run(args))
     except AsyncflowError as e:

@@ -1,6 +1,6 @@
 """Overlapped PPO: placement alone decides what overlaps.
 
-Run as ``python -m bench.ppo --json PATH`` (or ``asyncflow bench ppo --json PATH``);
+Run as ``python -m bench.ppo --json PATH``;
 the Markdown table goes to stdout, a timeline PNG and a Perfetto trace per run
 next to the JSON (``--out`` to put them elsewhere).
 

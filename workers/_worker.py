@@ -70,6 +70,7 @@ from channels import (
 from workers import _groups, _meshes
 from workers._binding import bind_gloo_to_node
 from workers._call import CallSpec, RankError, ungroup
+from workers._engine_logs import route_from_environment
 from workers._register import Endpoint, endpoints
 from workers._rendezvous import RayStore
 from workers._role import CallScope, Role, WorkerContext, calling
@@ -118,6 +119,7 @@ class WorkerProcess(ChannelHost):
 
     def __init__(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
                  device: str, num_threads: int, preload: Sequence[str] = ()) -> None:
+        route_from_environment()  # before the engines log anything (the driver's worker_env says where)
         torch.set_num_threads(num_threads)
         self._preload: threading.Thread | None = None
         if preload:
@@ -204,6 +206,7 @@ class WorkerProcess(ChannelHost):
         )
         role = self.roles[name] = cls(ctx) if config is None else cls(ctx, config)
         self._endpoints[name] = endpoints(cls)
+        route_from_environment()  # again: a library the role imported may have re-configured its logger
         local = getattr(role, "rank_local", None)
         return sorted(local()) if callable(local) else []
 

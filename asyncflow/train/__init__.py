@@ -12,9 +12,10 @@ from asyncflow.train._config import (
 from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics
 from asyncflow.train._rundir import RunDirs
 from asyncflow.train._trainer import RunInterruptedError, RunResult, Trainer
+from asyncflow.train._user_modules import module_dirs
 
 __all__ = [
     "CheckpointDir", "CheckpointError", "MetricsLog", "RunConfig", "RunDirs", "RunInterruptedError", "RunResult",
-    "Trainer", "algorithm_in", "load_config", "needed_roles", "plot_curves", "read_metrics", "run_config_type",
+    "Trainer", "algorithm_in", "load_config", "module_dirs", "needed_roles", "plot_curves", "read_metrics", "run_config_type",
     "validate",
 ]

@@ -11,8 +11,6 @@ as a worker's start-up error. Numbers and the algorithms' settings are checked b
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,19 +95,12 @@ def load_score_function(key: str, spec: str) -> Callable[..., Any]:
     """Import a ``module:function`` reward (or cost) function in the driver, as the
     reward workers will (:func:`workers.rewards.load_reward_fn`).
 
-    The workers find modules on their own ``sys.path`` and in the driver's working
-    directory (Ray adds it), so the driver looks there too.
+    The caller puts the config's module directories on ``sys.path`` first
+    (:func:`asyncflow.train._user_modules.importable`), as the run does for the
+    workers.
 
     Raises:
         ConfigError: naming ``key``: malformed, the module does not import, the
             attribute is missing or not callable.
     """
-    cwd = os.path.abspath(os.curdir)
-    added = cwd not in sys.path
-    if added:
-        sys.path.append(cwd)
-    try:
-        return load_reward_fn(spec, key=key)
-    finally:
-        if added:
-            sys.path.remove(cwd)
+    return load_reward_fn(spec, key=key)

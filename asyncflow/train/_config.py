@@ -44,6 +44,7 @@ from asyncflow.train._sections import (
     TrainSection,
     WeightedFunction,
 )
+from asyncflow.train._user_modules import importable, module_dirs
 from channels import ConfigError
 from workers.engines import megatron_available
 from workers.tasks import ArithmeticTaskConfig, SFTConfig
@@ -134,11 +135,18 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
             raise ConfigError(f"config {path} must end in .toml, .yaml or .yml")
         if not isinstance(data, dict):
             raise ConfigError(f"the file must hold a table of keys, not a {type(data).__name__}")
+        file_algorithm = data.get("algorithm")
+        if isinstance(file_algorithm, dict):
+            file_algorithm = file_algorithm.get("name", DEFAULT_ALGORITHM)  # the table changes below
         for key, value in (overrides or {}).items():
+            if key == "algorithm" and isinstance(value, str) and isinstance(data.get("algorithm"), dict):
+                key = "algorithm.name"  # another algorithm, the file's other settings kept
             _set(data, key, value)
         _algorithm_table(data)
+        _check_switched_algorithm(data, file_algorithm)
         config = msgspec.convert(data, run_config_type())
-        validate(config)
+        with importable(module_dirs(path)):  # where the run will import the config's modules from
+            validate(config)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{path}: {_with_valid_keys(_name_the_key(str(e)), data)}") from e
     except msgspec.DecodeError as e:
@@ -183,6 +191,23 @@ def _algorithm_table(data: dict[str, object]) -> None:
     table.setdefault("name", DEFAULT_ALGORITHM)
     get_algorithm(str(table["name"]))  # an unknown name fails here, listing the registered ones
     data["algorithm"] = table
+
+
+def _check_switched_algorithm(data: dict[str, object], before: object) -> None:
+    """After ``--set algorithm=NAME`` (or ``algorithm.name=NAME``) named another
+    algorithm than the file's (``before``; None: the file has no ``[algorithm]``),
+    the file's other ``[algorithm]`` keys stay; refuse, naming them, those the new
+    algorithm does not accept."""
+    table = data["algorithm"]
+    assert isinstance(table, dict)  # _algorithm_table made it one
+    name = str(table["name"])
+    if before is None or name == before:
+        return
+    accepted = {f.name for f in msgspec.structs.fields(get_algorithm(name).config)}
+    dropped = sorted(k for k in table if k != "name" and k not in accepted)
+    if dropped:
+        raise ConfigError(f"algorithm = {name!r} (--set) does not accept the [algorithm] keys {dropped} "
+                          f"set for {before!r}; remove them, or switch the algorithm in the file")
 
 
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)` - at `\$(?P<path>[\w.\[\]'\"-]*)`")

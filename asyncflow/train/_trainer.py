@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,10 +39,12 @@ from asyncflow.train._metrics import (
     truncate_after,
 )
 from asyncflow.train._prompts import RunPrompts, TrainBatches, run_prompts
+from asyncflow.train._quiet import RunLog
 from asyncflow.train._roles import role_specs
 from asyncflow.train._rundir import RunDirs
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from asyncflow.train._start_model import starting_model
+from asyncflow.train._user_modules import importable, worker_python_path
 from channels import AsyncflowError, ConfigError
 from workers.models import CharTokenizer
 from workers.roles import PartialRollout
@@ -85,13 +87,20 @@ class Trainer:
         progress_bar: show a tqdm bar over RL steps.
         address: the Ray cluster to run on (``Session(address=...)``); None:
             ``RAY_ADDRESS`` when set, else a Ray instance of this machine's own.
+        module_dirs: where the config's own modules (reward functions, ...) are
+            imported from, in the driver and the workers (the CLI gives the config
+            file's directory and the working directory: :func:`module_dirs`).
+        terminal_level: the lowest level of the engines' log records (vLLM, Ray,
+            transformers) the terminal shows; the records from INFO up go to
+            the run's ``engines.log`` (:mod:`asyncflow.train._quiet`).
 
     Raises:
         ConfigError: both ``resume`` and ``clean``.
     """
 
     def __init__(self, config: RunConfig, *, resume: bool = False, clean: bool = False, say: Say = logger.info,
-                 progress_bar: bool = True, address: str | None = None) -> None:
+                 progress_bar: bool = True, address: str | None = None, module_dirs: Sequence[str] = (),
+                 terminal_level: int = logging.WARNING) -> None:
         if resume and clean:
             raise ConfigError("--clean would delete the run --resume continues; pass one of them")
         self.config = config
@@ -99,6 +108,9 @@ class Trainer:
         self.resume, self.clean = resume, clean
         self.say = say
         self.progress_bar = progress_bar
+        self.module_dirs = tuple(module_dirs)
+        self.terminal_level = terminal_level
+        self._log: RunLog | None = None
         self.output_dir = Path(config.output_dir)
         self.runs = RunDirs(self.output_dir)
         self._run_dir: Path | None = None
@@ -129,6 +141,8 @@ class Trainer:
         if self.clean and (gone := self.runs.clean()):
             self.say(f"--clean: deleted {len(gone)} earlier run(s) under {self.output_dir}")
         self._run_dir = self.runs.new()
+        if self._log is not None:
+            self._log.move_into(self._run_dir)
         self.say(f"run directory: {self.run_dir}")
 
     # ----- the run -----
@@ -142,11 +156,16 @@ class Trainer:
             CheckpointError: a checkpoint or the export could not be written.
             RunInterruptedError: see its docstring.
         """
-        c = self.config
         check_answers(self.address)  # before minutes of SFT, not after
         if self.resume:  # likewise
             self._run_dir = self.runs.to_resume()
             self._resumed = self.checkpoints.latest()
+        with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
+              importable(self.module_dirs)):
+            return await self._run(self._log.worker_env() | worker_python_path(self.module_dirs))
+
+    async def _run(self, worker_env: dict[str, str]) -> RunResult:
+        c = self.config
         max_new = rollout_of(c).max_new_tokens
         if c.sft is not None:  # fail before minutes of SFT, not after
             splits = generate_splits(c.task)
@@ -162,7 +181,7 @@ class Trainer:
         if self._resumed is not None:
             state = CheckpointDir.state(self._resumed)
             start = int(state["step"])
-        async with Session(address=self.address, worker_nice=c.worker_nice) as session:
+        async with Session(address=self.address, worker_nice=c.worker_nice, worker_env=worker_env) as session:
             roles = await session.spawn(role_specs(c, model_dir, context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
                      f"rows move by {session.transport}")

@@ -329,3 +329,23 @@ def test_the_smollm2_example_loads(tmp_path: Path) -> None:
                                               "data.eval": str(tmp_path / "eval.jsonl")})
     assert algorithm_in(config).name == "grpo" and config.data.prompt == "messages"
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 200
+
+
+@pytest.mark.parametrize("key", ["algorithm", "algorithm.name"])
+def test_switching_the_algorithm_keeps_the_files_other_algorithm_keys(tmp_path: Path, model_dir: str,
+                                                                      key: str) -> None:
+    path = _write(tmp_path, model_dir, {"algorithm.rollout": {"n": 3, "temperature": 0.7}})
+    config = load_config(path, {key: "rloo"})
+    assert algorithm_in(config).name == "rloo"
+    assert (config.algorithm.rollout.n, config.algorithm.rollout.temperature) == (3, 0.7)
+
+
+@pytest.mark.parametrize("key", ["algorithm", "algorithm.name"])
+def test_switching_to_an_algorithm_without_the_files_keys_names_them(tmp_path: Path, model_dir: str,
+                                                                     key: str) -> None:
+    path = _write(tmp_path, model_dir, {"algorithm.scale_by_std": False, "algorithm.rollout": {"n": 3}})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {key: "rloo"})
+    message = str(info.value)
+    assert "\n" not in message and "['scale_by_std']" in message and "'rloo'" in message
+    assert algorithm_in(load_config(path, {key: "grpo"})).name == "grpo"  # the same algorithm: nothing dropped

@@ -122,7 +122,7 @@ def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") ->
         first = str(e).splitlines()[0] if str(e) else ""
         raise ConfigError(
             f"{key} = {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {first}; "
-            "make the module importable (PYTHONPATH or the working directory)"
+            "put the module beside the config file or in the working directory, or on PYTHONPATH"
         ) from None
     for part in attr_path.split("."):
         if not hasattr(target, part):
