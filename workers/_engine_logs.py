@@ -40,6 +40,15 @@ HARMLESS = (
     # vLLM's in-place weight reload reports every layer without weights of its own;
     # rotary embeddings hold only buffers computed from the config.
     re.compile(r"\w*RotaryEmbedding: Failed to load weights"),
+    # vLLM reporting settings asyncflow's rollout engine makes on purpose
+    # (workers/rollout/_vllm.py): an in-process engine seeded per worker, eager
+    # mode, no chunked prefill, the worker's own thread count, token-id prompts.
+    re.compile(r"The global random seed is set to \d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False.*"),
+    re.compile(r"Enforce eager set, disabling torch\.compile.*"),
+    re.compile(r"Inductor compilation was disabled by user settings.*"),
+    re.compile(r"This model does not officially support disabling chunked prefill.*"),
+    re.compile(r"CPU backend doesn't allow to use `torch\.set_num_threads` after the thread binding, skip it\."),
+    re.compile(r"Passing raw prompts to InputProcessor is deprecated.*"),
 )
 """Warnings that mean nothing for the user: the log file keeps them, the terminal does not."""
 

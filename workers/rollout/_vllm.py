@@ -148,6 +148,7 @@ class VLLMRolloutEngine:
                 # Ignore generation_config.json: its eos ids and penalties would
                 # change sampling behind SamplingParams' back.
                 generation_config="vllm",
+                use_tqdm_on_load=False,  # one progress bar: the run's
                 **kwargs,
             )
 
