@@ -82,7 +82,7 @@ def claim_started_instance() -> bool:
 
 
 def _import_quietly(modules: tuple[str, ...]) -> None:
-    # workers._worker has its twin; importing it from here would import torch first
+    # workers.host._worker has its twin; importing it from here would import torch first
     for name in modules:
         try:
             importlib.import_module(name)

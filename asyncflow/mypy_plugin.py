@@ -51,8 +51,8 @@ from mypy.types import (
 )
 
 ROLE_GROUP = "asyncflow._proxy.RoleGroup"
-ENDPOINT = "workers._register.Endpoint"
-REGISTER = "workers._register.register"
+ENDPOINT = "workers.host._register.Endpoint"
+REGISTER = "workers.host._register.register"
 BATCH = "channels._batch.Batch"
 BATCH_META = "channels._schema.BatchMeta"
 DATA_FUTURE = "asyncflow._future.DataFuture"

@@ -6,7 +6,7 @@ as ``<output_dir>/.engines-<pid>.log``; :meth:`RunLog.move_into` renames it into
 the run's directory, where the processes that opened it go on writing (a rename
 keeps open files). A resumed run appends to its directory's file from the start.
 A run that ends before its directory exists leaves the file where it is, unless it
-is empty. See :mod:`workers._engine_logs` for what goes where.
+is empty. See :mod:`workers.host._engine_logs` for what goes where.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from channels import Layout
 from hybrid_engine import ParamSpec, Resharder, expected_bytes, make_plan
-from workers._meshes import new_reconnectable_group
+from workers.host._meshes import new_reconnectable_group
 
 
 def specs_for(layout: Layout) -> list[ParamSpec]:
@@ -112,7 +112,7 @@ def run_ranks(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
     """Run the module-level ``fn(rank, out_dir)`` on ``world`` processes joined by gloo."""
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    mp.set_forkserver_preload(["torch", "reshard_testlib", "hybrid_engine", "workers._meshes"])
+    mp.set_forkserver_preload(["torch", "reshard_testlib", "hybrid_engine", "workers.host._meshes"])
     mp.start_processes(_rank_main, args=(world, str(tmp), fn, str(out)), nprocs=world,
                        start_method="forkserver", join=True)
     return out

@@ -29,9 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from channels import ConfigError
-from workers._groups import GroupPoisonedError, ReconnectableGroup, is_peer_failure, local_groups
-from workers._meshes import heal_all, mesh_from_groups, new_reconnectable_group, poison_all
 from workers.engines import MESH_DIM_NAMES, PolicyLoss, TrainingConfig, TrainingEngine
+from workers.host._groups import (
+    GroupPoisonedError,
+    ReconnectableGroup,
+    is_peer_failure,
+    local_groups,
+)
+from workers.host._meshes import heal_all, mesh_from_groups, new_reconnectable_group, poison_all
 from workers.models import TinyModelConfig, build_tiny_model
 
 TIMEOUT = timedelta(seconds=60)
@@ -91,7 +96,7 @@ def _run(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Forked from a server that imported these once (spawning would re-import per rank).
     mp.set_forkserver_preload(["torch", "transformers", "workers.engines", "workers.models",
-                               "workers._groups", "torch.distributed.checkpoint", __name__])
+                               "workers.host._groups", "torch.distributed.checkpoint", __name__])
     mp.start_processes(_rank_main, args=(world, port, fn, str(tmp)), nprocs=world,
                        start_method="forkserver", join=True)
     return tmp

@@ -1,4 +1,4 @@
-"""The session rendezvous over Ray (``workers._rendezvous``) on real Ray and gloo.
+"""The session rendezvous over Ray (``workers.host._rendezvous``) on real Ray and gloo.
 
 Three Ray actors form a gloo process group through a :class:`RayStore`, then make
 sub-groups and device meshes and run collectives over them. The store's semantics
@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from channels import ConfigError
 from support import probe_with_tcpstore_clients, tcp_listeners
-from workers._binding import GLOO_SOCKET_IFNAME, bind_gloo_to_node, gloo_interface_for
-from workers._rendezvous import RayStore, RendezvousError, RendezvousTimeoutError, StoreServer
+from workers.host._binding import GLOO_SOCKET_IFNAME, bind_gloo_to_node, gloo_interface_for
+from workers.host._rendezvous import RayStore, RendezvousError, RendezvousTimeoutError, StoreServer
 
 # The rank actors below live in this file, which Ray workers cannot import.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -28,8 +28,6 @@ import torch
 from torch import Tensor, nn
 
 from channels import DP, AllToAll, Batch, ConfigError, Metrics, MicroDP
-from workers import CallInfo, WorkerContext, register
-from workers._streaming import StreamMethod
 from workers.engines import (
     ROW_INDEX,
     CausalLMHead,
@@ -42,6 +40,7 @@ from workers.engines import (
     kl_k3,
     resolve_precision,
 )
+from workers.host import CallInfo, StreamMethod, WorkerContext, register
 from workers.models import load_model, save_pretrained_here
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from channels import ConfigError
-from workers._role import current_call
+from workers.host import current_call
 
 
 def sum_over_call_rows(partial: Tensor) -> Tensor:

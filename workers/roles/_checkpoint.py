@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from channels import OneToAll
-from workers._register import register
-from workers._role import Role
 from workers.engines import TrainingEngine
+from workers.host import Role, register
 
 COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from channels import DP, Batch, ConfigError, Metrics
-from workers import WorkerContext, register
 from workers.engines import TrainingConfig, ValueHead, ValueLoss
+from workers.host import WorkerContext, register
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole

@@ -18,7 +18,6 @@ from typing import Literal
 from torch import nn
 
 from channels import ConfigError
-from workers._role import WorkerContext
 from workers.engines import (
     LossFn,
     MegatronTrainingEngine,
@@ -27,6 +26,7 @@ from workers.engines import (
     TrainingEngine,
     megatron_available,
 )
+from workers.host import WorkerContext
 from workers.roles._training import engine_group, engine_mesh
 
 EngineName = Literal["native", "megatron"]

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from channels import ROW_ID_BITS, Batch, ConfigError, row_id
-from workers._streaming import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
-from workers._streaming import Step as StepEvent
+from workers.host import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
+from workers.host import Step as StepEvent
 from workers.roles import _fields as F
 from workers.roles._rollout import (
     RolloutEngine,

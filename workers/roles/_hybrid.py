@@ -21,9 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from channels import ConfigError
 from hybrid_engine import ParamSpec, Resharder, TransitionStats, make_plan
-from workers import WorkerContext
-from workers._meshes import mesh_from_groups, new_reconnectable_group
 from workers.engines import apply_tensor_parallel
+from workers.host import WorkerContext, mesh_from_groups, new_reconnectable_group
 from workers.rollout import NativeRolloutEngine
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from channels import DP, Batch
-from workers import Role, WorkerContext, register
 from workers.engines import CausalLMHead, TrainingConfig, resolve_precision
+from workers.host import Role, WorkerContext, register
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._engine_choice import EngineName, build_engine, check_engine

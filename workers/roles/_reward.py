@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from channels import DP, Batch, ConfigError, Metrics
-from workers import CallInfo, Role, WorkerContext, register
+from workers.host import CallInfo, Role, WorkerContext, register
 from workers.rewards import ModelRewardConfig, RuleRewardConfig, RuleScorer, ScoreInputs, Scorer
 from workers.roles import _fields as F
 from workers.roles._training import check_seed, require_fields

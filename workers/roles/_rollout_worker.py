@@ -28,10 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from channels import DP, Batch, ConfigError, OneToAll, TensorShards
-from workers import WorkerContext, register
-from workers._role import Role
-from workers._streaming import StreamMethod
 from workers.engines import apply_tensor_parallel, resolve_precision
+from workers.host import Role, StreamMethod, WorkerContext, register
 from workers.models import load_model
 from workers.roles import _fields as F
 from workers.roles._generation import TAIL_LENGTH, CarryOver, checked_generate

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from channels import ConfigError, MissingFieldError
-from workers._role import WorkerContext
 from workers.engines import LossFn, TrainingEngine
+from workers.host import WorkerContext
 
 
 @dataclass(frozen=True, kw_only=True)

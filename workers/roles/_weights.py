@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from channels import ConfigError, FieldSpec
-from workers import WorkerContext
+from workers.host import WorkerContext
 
 WEIGHTS_VERSION = "weights_version"
 """Field of a weights future: the actor's optimizer step count when it published them."""

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from channels import Batch, GenerationLayout, Layout
 from workers import WorkerContext
-from workers._meshes import mesh_from_groups, new_reconnectable_group
 from workers.engines import MESH_DIM_NAMES, TrainingConfig
+from workers.host._meshes import mesh_from_groups, new_reconnectable_group
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker
 from workers.rollout import SamplingParams

@@ -12,7 +12,7 @@ collectives find it by name), so the inner backends can be replaced under them:
   ``Work`` objects of the group's pending collectives (a live gloo ``Work`` keeps
   the sockets open). Gloo closes the sockets, so a peer blocked in a collective
   with this rank fails within ~0.1 s ("Connection closed by peer") instead of
-  waiting for the timeout. A rank whose call failed calls :func:`workers._meshes.poison_all`, so
+  waiting for the timeout. A rank whose call failed calls :func:`workers.host._meshes.poison_all`, so
   the failure cascades through every group.
 * :meth:`~ReconnectableGroup.heal` builds fresh inner backends over a new key
   prefix of the world's store; the same objects then work again.
@@ -22,8 +22,8 @@ of the default group's store, not under the c10d group name: with
 ``use_local_synchronization`` c10d hashes the number of groups *this process* has
 made into the name, which differs between members whose histories differ.
 
-What waits for what: making a group (:func:`workers._meshes.new_reconnectable_group`,
-:func:`workers._meshes.mesh_from_groups`) and healing it are collective over its members and wait,
+What waits for what: making a group (:func:`workers.host._meshes.new_reconnectable_group`,
+:func:`workers.host._meshes.mesh_from_groups`) and healing it are collective over its members and wait,
 up to its timeout, for all of them. Poisoning is local; it waits only for this
 rank's own in-flight gloo work on the group (gloo's destructor joins its worker
 threads). Poison from the thread that issues the collectives. Not supported:

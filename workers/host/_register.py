@@ -94,7 +94,7 @@ class MethodSpec:
     """The method's signature, for argument checks at call time."""
     streams: bool = False
     """Whether the method is a generator that reports rows as they finish (see
-    ``workers._streaming``): it can then be called with ``stream=...``."""
+    ``workers.host._streaming``): it can then be called with ``stream=...``."""
 
     def contract(self, info: CallInfo, data_args: Iterable[str]) -> FieldContract:
         """The fields of one call, with computed declarations evaluated.
@@ -160,7 +160,7 @@ class Endpoint(Generic[P, R]):
 
     def __call__(self, role: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
         if self.spec.streams:
-            from workers._streaming import drain
+            from workers.host._streaming import drain
 
             return drain(self.fn(role, *args, **kwargs))  # type: ignore[arg-type,return-value]
         return self.fn(role, *args, **kwargs)
@@ -247,3 +247,11 @@ def endpoints(cls: type) -> dict[str, Endpoint[Any, Any]]:
             if isinstance(value, Endpoint):
                 found[name] = value
     return found
+
+
+def check_role_class(cls: type) -> None:
+    """Raise :class:`ConfigError` unless ``cls`` can be hosted as a role."""
+    if not isinstance(cls, type):
+        raise ConfigError(f"a role must be a class, got {cls!r}")
+    if not endpoints(cls):
+        raise ConfigError(f"role class {cls.__qualname__} has no @register methods")

@@ -15,17 +15,8 @@ When a role method raises, the worker first *poisons* its pool's process groups
 collective with this rank then fail at once instead of waiting for a timeout.
 Before the pool's next call the driver has every rank ``heal`` (reconnect) them.
 
-Where rows live (the device contract of the data plane):
-
-- a role method receives its rows on the worker's device (``WorkerContext.device``:
-  ``cuda:0`` on a GPU worker), pulled or local, and so does a transform;
-- a method may return rows, stream chunks and tails on any device; the worker
-  moves them to its *store device* before storing them: the worker's device when
-  rows move between workers over NCCL (Ray Direct Transport sends CUDA tensors
-  only), the CPU otherwise (gloo, the object store);
-- rows handed in by the driver (``put``) are stored on the store device too;
-- the driver's ``fetch`` receives CPU tensors (:meth:`WorkerProcess.slice_to_host`),
-  whatever the store device: the driver may have no GPU.
+Where rows live on a worker (its device, its *store device*) is the data plane's
+device contract, written down in ``workers.host._rows``.
 """
 
 from __future__ import annotations
@@ -38,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import ray
@@ -50,53 +41,44 @@ from channels import (
     Batch,
     ChannelAddress,
     ChannelHost,
-    ConfigError,
     Layout,
-    MissingFieldError,
     Packed,
     Piece,
-    PullTiming,
     RankResult,
-    RankTiming,
-    SchemaError,
     ShardStore,
     StoreStats,
     StreamItem,
-    assemble,
     open_remote_channel,
     pack,
     unpack,
 )
-from workers import _groups, _meshes
-from workers._binding import bind_gloo_to_node
-from workers._call import CallSpec, RankError, ungroup
-from workers._engine_logs import route_from_environment
-from workers._register import Endpoint, endpoints
-from workers._rendezvous import RayStore
-from workers._role import CallScope, Role, WorkerContext, calling
-from workers._streaming import StreamControl, drain, run_streamed
+from workers.host import _groups, _meshes
+from workers.host._binding import bind_gloo_to_node
+from workers.host._call import CallSpec, RankError, ungroup
+from workers.host._engine_logs import route_from_environment
+from workers.host._register import Endpoint, endpoints
+from workers.host._rendezvous import RayStore
+from workers.host._role import WorkerContext
+from workers.host._rows import (
+    Traced,
+    Transform,
+    apply_transforms,
+    as_rows,
+    check_writes,
+    for_store,
+    gather,
+    on_device,
+    reports_rows,
+    row_lengths,
+)
+from workers.host._streaming import StreamControl, StreamSink, drain, run_streamed
 
 logger = logging.getLogger(__name__)
 
 CONCURRENCY_GROUPS = {"io": 4, "compute": 1, "watch": 1, **CHANNEL_CONCURRENCY_GROUPS}
 """Ray concurrency groups of :class:`WorkerProcess`."""
 
-Transform = tuple[Any, Mapping[str, Any]]
-"""A transform function and its keyword arguments."""
-
 MESH_DIMS = ("pp", "dp", "tp")
-
-
-class StreamSink(Protocol):
-    """Where a streamed call's items go (a channel's send end)."""
-
-    def send(self, item: StreamItem) -> None:
-        """Send ``item``, waiting while the receiver is behind."""
-        ...
-
-    def close(self) -> None:
-        """End of stream."""
-        ...
 
 
 class WorkerProcess(ChannelHost):
@@ -231,7 +213,7 @@ class WorkerProcess(ChannelHost):
                 poisoned first so that peers waiting on this rank fail at once.
         """
         spec = msgspec.msgpack.decode(spec_bytes, type=CallSpec)
-        traced = _Traced() if spec.trace else None
+        traced = Traced() if spec.trace else None
         try:
             plans = [a.plan for a in spec.data_args if a.plan is not None]
             pieces = ungroup([p for plan in plans for p in plan.pieces], self.index,
@@ -246,7 +228,7 @@ class WorkerProcess(ChannelHost):
         return msgspec.structs.replace(result, timing=traced.timing())
 
     def _execute(self, spec: CallSpec, kwargs: Mapping[str, Any], transforms: Mapping[str, Sequence[Transform]],
-                 pieces: Sequence[Any], traced: _Traced | None) -> RankResult:
+                 pieces: Sequence[Any], traced: Traced | None) -> RankResult:
         args = dict(kwargs)
         i = 0
         for arg in spec.data_args:
@@ -254,8 +236,9 @@ class WorkerProcess(ChannelHost):
                 args[arg.name] = None
                 continue
             n = len(arg.plan.pieces)
-            rows = self._gather(arg.plan, pieces[i:i + n], traced)
-            args[arg.name] = self._apply(spec, transforms.get(arg.name, ()), rows)
+            rows = gather(self.store, arg.plan, pieces[i:i + n], worker=self.index, device=self.device, traced=traced)
+            args[arg.name] = apply_transforms(self.roles[spec.role], self._endpoints[spec.role][spec.method],
+                                              spec.method, transforms.get(arg.name, ()), rows)
             i += n
         role = self.roles[spec.role]
         endpoint = self._endpoints[spec.role][spec.method]
@@ -277,16 +260,16 @@ class WorkerProcess(ChannelHost):
     def _emitter(self, spec: CallSpec, endpoint: Endpoint[Any, Any], sink: StreamSink
                  ) -> Callable[[str, Batch | None, tuple[int, ...], int], None]:
         seq = itertools.count()
-        reports = _reports_rows(endpoint.spec.protocol, getattr(self.roles[spec.role], "ctx", None))
+        reports = reports_rows(endpoint.spec.protocol, getattr(self.roles[spec.role], "ctx", None))
 
         def emit(kind: str, rows: Batch | None, ids: tuple[int, ...], pending: int) -> None:
             if rows is None or (kind == "rows" and not reports):
                 sink.send(StreamItem(kind="progress", rank=self.rank, worker=self.index, pending=pending))
                 return
             key = f"{spec.out_key}/{self.rank}.{next(seq)}"
-            rows = self._to_store(rows)
+            rows = for_store(rows, self.store_device)
             self.store.put(key, rows)
-            lengths = self._row_lengths(endpoint, rows) if kind == "rows" else None
+            lengths = row_lengths(endpoint, rows) if kind == "rows" else None
             sink.send(StreamItem(kind=kind, rank=self.rank, worker=self.index, key=key,  # type: ignore[arg-type]
                                  num_rows=rows.num_rows, fields=rows.field_specs(), row_ids=ids,
                                  row_lengths=lengths, group_size=rows.group_size, pending=pending))
@@ -304,78 +287,16 @@ class WorkerProcess(ChannelHost):
         """Reconnect the pool's groups; collective over the pool (same ``epoch``)."""
         _meshes.heal_all(epoch)
 
-    def _gather(self, plan: Any, fetched: Sequence[Any], traced: _Traced | None = None) -> Batch:
-        parts = []
-        received = 0
-        for piece, got in zip(plan.pieces, fetched, strict=True):
-            start = time.time() if traced is not None else 0.0
-            if got is None:
-                parts.append(self.store.slice(piece.key, piece.lo, piece.hi, piece.fields))
-                size, source = 0, self.index
-            else:
-                size, source = sum(t.numel() * t.element_size() for t in got.values()), piece.worker
-                received += size
-                parts.append(got)
-            if traced is not None:
-                traced.pulls.append(PullTiming(start=start, end=time.time(), source=source,
-                                               rows=piece.hi - piece.lo, bytes=size))
-        self.store.record_received(received)
-        batch = assemble(plan, parts)
-        if traced is not None:
-            traced.rows_in = max(traced.rows_in, batch.num_rows)
-            traced.bytes_pulled += received
-        return _on(batch, self.device)
-
-    def _apply(self, spec: CallSpec, transforms: Sequence[Transform], batch: Batch) -> Batch:
-        if not transforms:
-            return batch
-        role = self.roles[spec.role]
-        # Transforms may reduce over the call's rows on every rank (``current_call``);
-        # a role without a WorkerContext (not a Role) gives them no call to reduce over.
-        scope = None if not isinstance(role, Role) else CallScope(
-            ctx=role.ctx, protocol=self._endpoints[spec.role][spec.method].spec.protocol,
-            rank_local=spec.method in role.rank_local())
-        with calling(scope):
-            for fn, kw in transforms:
-                out = fn(batch, **kw)
-                if not isinstance(out, Mapping):
-                    raise SchemaError(
-                        f"transform {getattr(fn, '__qualname__', fn)!r} must return a mapping of columns, "
-                        f"got {type(out).__name__}"
-                    )
-                batch = batch.update(out)
-        return batch
-
     def _result(self, spec: CallSpec, endpoint: Endpoint[Any, Any], out: Any) -> RankResult:
-        rows = _as_rows(out)
+        rows = as_rows(out)
         if rows is None:
             return RankResult(rank=self.rank, worker=self.index, value=out)
-        declared = endpoint.spec.writes
-        if isinstance(declared, tuple):
-            missing = [f for f in declared if f not in rows]
-            if missing:
-                raise MissingFieldError(
-                    f"{spec.role}.{spec.method} declares writes={list(declared)} but returned "
-                    f"no {missing} (it returned {list(rows)})"
-                )
-        rows = self._to_store(rows)
-        lengths = self._row_lengths(endpoint, rows)
+        check_writes(f"{spec.role}.{spec.method}", endpoint, rows)
+        rows = for_store(rows, self.store_device)
         self.store.put(spec.out_key, rows)
         return RankResult(rank=self.rank, worker=self.index, key=spec.out_key, num_rows=rows.num_rows,
-                          fields=rows.field_specs(), row_lengths=lengths, group_size=rows.group_size)
-
-    def _to_store(self, rows: Batch) -> Batch:
-        """``rows`` detached, on the store device."""
-        return _on(Batch({k: v.detach() for k, v in rows.items()}, group_size=rows.group_size),
-                   self.store_device)
-
-    @staticmethod
-    def _row_lengths(endpoint: Endpoint[Any, Any], rows: Batch) -> tuple[int, ...] | None:
-        if endpoint.spec.row_lengths is None:
-            return None
-        col = rows[endpoint.spec.row_lengths]
-        per_row = col.flatten(start_dim=1).sum(dim=1) if col.dim() > 1 else col
-        return tuple(int(x) for x in per_row.tolist())
+                          fields=rows.field_specs(), row_lengths=row_lengths(endpoint, rows),
+                          group_size=rows.group_size)
 
     # ----- streams (io group: controls reach a method while it runs) -----
 
@@ -410,7 +331,7 @@ class WorkerProcess(ChannelHost):
         with self._streams_lock:
             entry = self._streams.get(call_id)
         if entry is not None:
-            entry[1].deliver(None if columns is None else _on(Batch(columns, group_size=group_size), self.device))
+            entry[1].deliver(None if columns is None else on_device(Batch(columns, group_size=group_size), self.device))
 
     # ----- data plane (io group: served while compute runs) -----
 
@@ -435,7 +356,7 @@ class WorkerProcess(ChannelHost):
     @ray.method(concurrency_group="io")
     def put(self, key: str, columns: Mapping[str, torch.Tensor], group_size: int = 1) -> RankResult:
         """Store rows handed in by the driver (``Session.put``), on the store device."""
-        batch = _on(Batch(columns, group_size=group_size), self.store_device)
+        batch = on_device(Batch(columns, group_size=group_size), self.store_device)
         self.store.put(key, batch)
         return RankResult(rank=self.rank, worker=self.index, key=key, num_rows=batch.num_rows,
                           fields=batch.field_specs(), group_size=batch.group_size)
@@ -464,51 +385,6 @@ class WorkerProcess(ChannelHost):
         self._alive.wait()
 
 
-class _Traced:
-    """What a traced call records on its rank, on the rank's clock."""
-
-    __slots__ = ("bytes_pulled", "pulls", "rows_in", "start")
-
-    def __init__(self) -> None:
-        self.start = time.time()
-        self.pulls: list[PullTiming] = []
-        self.rows_in = 0
-        self.bytes_pulled = 0
-
-    def timing(self) -> RankTiming:
-        return RankTiming(start=self.start, end=time.time(), rows_in=self.rows_in,
-                          bytes_pulled=self.bytes_pulled, pulls=tuple(self.pulls))
-
-
-def _on(batch: Batch, device: torch.device) -> Batch:
-    """``batch`` with every column on ``device`` (the same object when they are).
-
-    Copies to an accelerator do not block the host; copies to the CPU do (a
-    non-blocking copy to the host may be read before it lands)."""
-    if all(t.device == device for t in batch.values()):
-        return batch
-    non_blocking = device.type != "cpu"
-    return Batch({k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()},
-                 group_size=batch.group_size)
-
-
-def _as_rows(out: Any) -> Batch | None:
-    """``out`` as rows, or None when it is a plain value."""
-    if isinstance(out, Batch):
-        return out
-    if isinstance(out, Mapping) and out and all(isinstance(v, torch.Tensor) for v in out.values()):
-        return Batch(out)
-    return None
-
-
-def check_role_class(cls: type) -> None:
-    """Raise :class:`ConfigError` unless ``cls`` can be hosted as a role."""
-    if not isinstance(cls, type):
-        raise ConfigError(f"a role must be a class, got {cls!r}")
-    if not endpoints(cls):
-        raise ConfigError(f"role class {cls.__qualname__} has no @register methods")
-
-
 def _import_quietly(modules: tuple[str, ...]) -> None:
     """Import ``modules``; a failure is left for the real import to report."""
     for name in modules:
@@ -516,11 +392,3 @@ def _import_quietly(modules: tuple[str, ...]) -> None:
             importlib.import_module(name)
         except Exception:  # the role's own import raises it again, with context
             logger.debug("preloading %s failed", name, exc_info=True)
-
-
-def _reports_rows(protocol: Any, ctx: WorkerContext | None) -> bool:
-    """Whether this rank's streamed rows are the call's: the output rank of its
-    replica under a replicated protocol (``DP``, ``MicroDP``); the replica's other
-    ranks (tensor-parallel copies of the same rows) report progress only."""
-    replicas = getattr(protocol, "replicas", None)
-    return replicas is None or ctx is None or bool(replicas(ctx.layout)[ctx.rank][1])

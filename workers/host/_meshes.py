@@ -1,5 +1,5 @@
 """Making reconnectable groups and meshes of them, and poisoning or healing every
-group of this process (see :mod:`workers._groups` for what a reconnectable group is).
+group of this process (see :mod:`workers.host._groups` for what a reconnectable group is).
 
 Making a group (:func:`new_reconnectable_group`, :func:`mesh_from_groups`) and
 healing (:func:`heal_all`) are collective over the groups' members; poisoning
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from channels import ConfigError
-from workers._groups import BACKEND, ReconnectableGroup, find, local_groups, remember
+from workers.host._groups import BACKEND, ReconnectableGroup, find, local_groups, remember
 
 _LOCK = threading.Lock()
 _MADE: dict[object, dict[tuple[int, ...], int]] = {}  # {world group: {ranks: groups made}}

@@ -9,7 +9,7 @@ travels over Ray's own (authenticated) channels and opens no port of its own::
 
     server = ray.remote(StoreServer).options(num_cpus=0).remote()   # driver, one per session
     # in each worker:
-    bind_gloo_to_node(ray.util.get_node_ip_address())   # workers._binding
+    bind_gloo_to_node(ray.util.get_node_ip_address())   # workers.host._binding
     dist.init_process_group("gloo", store=RayStore(server, timeout), rank=r, world_size=n)
 
 What torch 2.13 asks of a store, and how it reaches a Python one: torch calls a
@@ -35,7 +35,7 @@ operations and ``list_keys`` are not forwarded (the C++ base raises
   1-D mesh over the whole world reuses the default group and calls nothing);
   ``split_group``/``shrink`` call ``clone()``.
 
-Gloo's own data connections are a separate matter: see :mod:`workers._binding`.
+Gloo's own data connections are a separate matter: see :mod:`workers.host._binding`.
 """
 
 from __future__ import annotations

@@ -26,10 +26,23 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Protocol
 
-from channels import Batch
+from channels import Batch, StreamItem
 
-__all__ = ["Adopt", "Chunk", "Finish", "Handoff", "Step", "StreamControl", "Tail"]
+__all__ = ["Adopt", "Chunk", "Finish", "Handoff", "Step", "StreamControl", "StreamSink", "Tail"]
+
+
+class StreamSink(Protocol):
+    """Where a streamed call's items go (a channel's send end)."""
+
+    def send(self, item: StreamItem) -> None:
+        """Send ``item``, waiting while the receiver is behind."""
+        ...
+
+    def close(self) -> None:
+        """End of stream."""
+        ...
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,7 +22,7 @@ class DataArg(msgspec.Struct, **_WIRE):
 
 
 class StreamSpec(msgspec.Struct, **_WIRE):
-    """How a streamed call reports its rows (see ``workers._streaming``)."""
+    """How a streamed call reports its rows (see ``workers.host._streaming``)."""
 
     micro_batch: int
     """Rows (at least; whole chunks) per reported micro-batch."""

@@ -1,0 +1,49 @@
+"""The worker host: the Ray actor that hosts role objects in one process per
+(pool, rank), and what it runs them with.
+
+- :class:`WorkerProcess`: the actor (set-up, the ``compute``/``io``/``watch``
+  concurrency groups, the rank's shard store);
+- :func:`register` and :class:`Role`: how a role class declares the methods the
+  driver may call, and the :class:`WorkerContext` it is built with;
+- :class:`CallSpec` and :class:`RankError`: what one call carries to a rank and
+  what a failed one carries back;
+- the stream events (:class:`Chunk`, :class:`Tail`, ...) a streamed method yields;
+- the process groups and meshes of a pool (reconnectable after a failure) and the
+  session's rendezvous over Ray;
+- where the engines' log records go (:class:`EngineLogs`).
+"""
+
+from workers.host._call import CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
+from workers.host._engine_logs import EngineLogs, engine_log_env, route_from_environment
+from workers.host._meshes import mesh_from_groups, new_reconnectable_group
+from workers.host._register import (
+    CallInfo,
+    Endpoint,
+    FieldContract,
+    MethodSpec,
+    check_role_class,
+    endpoints,
+    register,
+)
+from workers.host._rendezvous import RayStore, StoreServer
+from workers.host._role import CallScope, Role, WorkerContext, calling, current_call
+from workers.host._streaming import (
+    Adopt,
+    Chunk,
+    Finish,
+    Handoff,
+    Step,
+    StreamControl,
+    StreamMethod,
+    StreamSink,
+    Tail,
+)
+from workers.host._worker import CONCURRENCY_GROUPS, WorkerProcess
+
+__all__ = [
+    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallScope", "CallSpec", "Chunk", "DataArg", "Endpoint", "EngineLogs",
+    "FieldContract", "Finish", "Handoff", "MethodSpec", "RankError", "RayStore", "Role", "Step", "StoreServer",
+    "StreamControl", "StreamMethod", "StreamSink", "StreamSpec", "Tail", "WorkerContext", "WorkerProcess", "calling",
+    "check_role_class", "current_call", "endpoints", "engine_log_env", "mesh_from_groups", "new_reconnectable_group",
+    "pieces_by_worker", "register", "route_from_environment",
+]
