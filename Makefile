@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
 
-.PHONY: run test gpu-check smollm2 bench lint typecheck clean-venv
+.PHONY: run test gpu-check smollm2 bench docs lint typecheck clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ gpu-check:
 
 bench: $(STAMP)
 	$(PY) -m bench.transfer --json bench-transfer.json
+
+# docs/config.md is generated from the config types (every key, type, default and
+# docstring); tests/docs/test_docs_config_reference.py fails when it is stale.
+docs: $(STAMP)
+	$(PY) -m asyncflow.train._reference docs/config.md
 
 lint: $(STAMP)
 	$(PY) -m ruff check asyncflow workers channels hybrid_engine bench tests
