@@ -118,6 +118,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     require_ref_for_kl("DAPO", config, r.ref)
     n = config.rollout.n
     target = (await prompts).num_rows
+    # [docs:dynamic-sampling] docs/algorithms.md shows this loop, to its end mark.
     source: DataFuture[Any] = prompts
     kept: list[DataFuture[Any]] = []
     sampled: list[DataFuture[Any]] = []
@@ -143,6 +144,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     if not kept:  # nothing to learn from in any round
         return stats | summary
     batch = concat(*kept).take(min(have, target), groups=True)
+    # [/docs:dynamic-sampling]
     # The policy that sampled every round is the one updated: the update takes
     # old_logprobs from its own forward (no actor.log_prob call).
     parts = [batch] + ([r.ref.log_prob(batch)] if r.ref else [])

@@ -60,6 +60,7 @@ def _wants(config: PPOConfig) -> tuple[str, ...]:
     return ("ref",) if config.reward_kl_coef > 0 or config.policy.kl_coef > 0 else ()
 
 
+# [docs:ppo-step] README.md shows this step, from here to its end mark (tests/docs checks it).
 @algorithm("ppo", config=PPOConfig, roles=PPORoles, streams=True, samples_ahead=True, check=_check, wants=_wants)
 async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: PPOConfig, *,
                    seed: int | None = None, stream: StreamOptions | None = None,
@@ -89,3 +90,4 @@ async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: Data
     actor, critic, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
                                         r.critic.update(batch), r.reward.stats(whole(scores)))
     return actor | critic | score_summary(stats)
+# [/docs:ppo-step]

@@ -90,12 +90,12 @@ def test_leave_one_out_baseline() -> None:
     assert torch.allclose(got[:3], 3 / 2 * (scores[:3] - scores[:3].mean()))
 
 
-def test_the_readme_example_is_the_plugin_package() -> None:
+def test_the_docs_example_is_the_plugin_package() -> None:
     from pathlib import Path
 
     root = Path(__file__).parents[2]
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("## Write your own algorithm"):]
+    page = (root / "docs" / "algorithms.md").read_text()
+    section = page[page.index("## Write your own algorithm"):]
     block = section[section.index("```python\n") + len("```python\n"):]
     block = block[:block.index("```")]
     source = (root / "tests" / "plugin" / "af_plugin_demo" / "__init__.py").read_text()
