@@ -18,15 +18,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "asyncflow._datastream": ("DataStream", "StreamOptions", "collect"),
-    "asyncflow._errors": ("CallTimeoutError", "PoolBrokenError", "RemoteStageError", "SessionClosedError", "WorkerDiedError"),
-    "asyncflow._future": ("DataFuture", "gather", "transform"),
-    "asyncflow._ops": ("merge",),
-    "asyncflow._pool": ("CPU_SLOT", "ResourcePool", "RoleSpec"),
-    "asyncflow._ray_start": ("start_ray",),
-    "asyncflow._proxy": ("RoleGroup", "Roles"),
-    "asyncflow._select": ("concat",),
-    "asyncflow._session": ("Session", "shutdown_ray"),
+    "asyncflow.runtime": ("CPU_SLOT", "CallTimeoutError", "DataFuture", "DataStream", "PoolBrokenError",
+                          "RemoteStageError", "ResourcePool", "RoleGroup", "RoleSpec", "Roles", "Session",
+                          "SessionClosedError", "StreamOptions", "WorkerDiedError", "collect", "concat", "gather",
+                          "merge", "shutdown_ray", "start_ray", "transform"),
     "channels": ("DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError", "Layout", "Metrics",
                  "MicroDP", "MissingFieldError", "OneToAll", "RankZero", "SchemaError", "TensorShards", "TransferProtocol",
                  "TransportError"),
@@ -52,21 +47,29 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from asyncflow._datastream import DataStream, StreamOptions, collect
-    from asyncflow._errors import (
+    from asyncflow.runtime import (
+        CPU_SLOT,
         CallTimeoutError,
+        DataFuture,
+        DataStream,
         PoolBrokenError,
         RemoteStageError,
+        ResourcePool,
+        RoleGroup,
+        Roles,
+        RoleSpec,
+        Session,
         SessionClosedError,
+        StreamOptions,
         WorkerDiedError,
+        collect,
+        concat,
+        gather,
+        merge,
+        shutdown_ray,
+        start_ray,
+        transform,
     )
-    from asyncflow._future import DataFuture, gather, transform
-    from asyncflow._ops import merge
-    from asyncflow._pool import CPU_SLOT, ResourcePool, RoleSpec
-    from asyncflow._proxy import RoleGroup, Roles
-    from asyncflow._ray_start import start_ray
-    from asyncflow._select import concat
-    from asyncflow._session import Session, shutdown_ray
     from channels import (
         DP,
         AllToAll,

@@ -22,7 +22,7 @@ below WARNING go to the run's ``engines.log``, in the driver and in the workers
 
 Without ``--address`` (or ``RAY_ADDRESS``) the command starts its own Ray instance,
 on the loopback interface; with one it joins that cluster (``ray job submit``
-sets ``RAY_ADDRESS`` for it). See :func:`asyncflow._ray_start.init_ray`.
+sets ``RAY_ADDRESS`` for it). See ``init_ray`` in ``asyncflow.runtime``.
 
 Only ``argparse`` and the standard library load before a command runs: ``--help``
 and ``--version`` import no torch, Ray or runtime module, and each command imports

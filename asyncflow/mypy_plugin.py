@@ -50,14 +50,14 @@ from mypy.types import (
     get_proper_type,
 )
 
-ROLE_GROUP = "asyncflow._proxy.RoleGroup"
+ROLE_GROUP = "asyncflow.runtime._proxy.RoleGroup"
 ENDPOINT = "workers.host._register.Endpoint"
 REGISTER = "workers.host._register.register"
 BATCH = "channels._batch.Batch"
 BATCH_META = "channels._schema.BatchMeta"
-DATA_FUTURE = "asyncflow._future.DataFuture"
-DATA_STREAM = "asyncflow._datastream.DataStream"
-STREAM_OPTIONS = "asyncflow._datastream.StreamOptions"
+DATA_FUTURE = "asyncflow.runtime._future.DataFuture"
+DATA_STREAM = "asyncflow.runtime._datastream.DataStream"
+STREAM_OPTIONS = "asyncflow.runtime._datastream.StreamOptions"
 TENSOR = "torch._tensor.Tensor"
 MAPPING = "typing.Mapping"
 

@@ -22,9 +22,9 @@ import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec, StreamOptions
-from asyncflow._migration import long_tail_lengths
 from asyncflow.algos import PolicyConfig, PPOConfig, RolloutConfig, ppo_step
 from asyncflow.plan import Placement
+from asyncflow.runtime import long_tail_lengths
 from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.rewards import ModelRewardConfig

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 
 import asyncflow as af
-from asyncflow._migration import long_tail_lengths
 from asyncflow.algos import GRPOConfig, RolloutConfig, grpo_step
+from asyncflow.runtime import long_tail_lengths
 from asyncflow.tracing import summarise
 from asyncflow.train._ahead import Sampled, SamplesAhead
 from workers.engines import TrainingConfig

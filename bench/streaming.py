@@ -51,7 +51,7 @@ import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect, merge
-from asyncflow._migration import StepCost, long_tail_lengths, predicted_speedups
+from asyncflow.runtime import StepCost, long_tail_lengths, predicted_speedups
 from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.rewards import ModelRewardConfig
@@ -224,7 +224,7 @@ async def run(*, placements: list[str], **kw: Any) -> dict[str, Any]:
 
 
 def _last_threshold(observed: Any, *, n_ranks: int, micro_batch: int) -> tuple[int, int]:
-    from asyncflow._observed import auto_migration
+    from asyncflow.runtime import auto_migration
 
     if observed is None:
         return 0, 1

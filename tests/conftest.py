@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 # For the tests that call ray.init themselves: their Ray instances bind every
-# listener to the loopback interface, as asyncflow's own (asyncflow._ray_start.
+# listener to the loopback interface, as asyncflow's own (asyncflow.runtime._ray_start.
 # init_ray) do whatever the environment (tests/asyncflow/test_loopback.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 

@@ -330,7 +330,7 @@ def run_local(specs: dict[str, Any], columns: dict[str, torch.Tensor], pool: Any
               timeout: float = 60) -> Any:
     """``main(session, roles, src)`` in an in-process session of ``specs``, with
     ``columns`` put on ``pool`` as ``src``."""
-    from asyncflow._local import LocalSession
+    from asyncflow.runtime._local import LocalSession
 
     async def wrapped() -> Any:
         async with LocalSession() as session:

@@ -6,8 +6,7 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._datastream import DataStream, StreamOptions, collect
-from asyncflow._ops import merge
+from asyncflow.runtime import DataStream, StreamOptions, collect, merge
 from channels import ConfigError
 from workers.engines import LossAggregation, OffPolicyCorrection, PolicyLoss
 from workers.roles import REF_LOGPROBS, SCORES

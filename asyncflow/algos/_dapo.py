@@ -24,10 +24,6 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncflow._future import DataFuture, transform
-from asyncflow._ops import merge
-from asyncflow._proxy import RoleGroup
-from asyncflow._select import concat
 from asyncflow.algos._checks import at_least, check_group_size
 from asyncflow.algos._common import (
     _CFG,
@@ -37,6 +33,7 @@ from asyncflow.algos._common import (
     require_ref_for_kl,
 )
 from asyncflow.algos._registry import PromptSource, RoleSet, algorithm
+from asyncflow.runtime import DataFuture, RoleGroup, concat, merge, transform
 from channels import Batch, ConfigError
 from workers.engines import LossAggregation, grpo_advantages
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary

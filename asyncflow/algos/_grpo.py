@@ -7,9 +7,6 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._datastream import StreamOptions
-from asyncflow._future import DataFuture, gather
-from asyncflow._proxy import RoleGroup
 from asyncflow.algos._checks import check_group_size
 from asyncflow.algos._common import (
     _CFG,
@@ -21,6 +18,7 @@ from asyncflow.algos._common import (
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import group_advantages
+from asyncflow.runtime import DataFuture, RoleGroup, StreamOptions, gather
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 

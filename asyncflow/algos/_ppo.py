@@ -7,9 +7,6 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._datastream import StreamOptions
-from asyncflow._future import DataFuture, gather
-from asyncflow._proxy import RoleGroup
 from asyncflow.algos._checks import at_least, check_gae
 from asyncflow.algos._common import (
     _CFG,
@@ -23,6 +20,7 @@ from asyncflow.algos._common import (
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
+from asyncflow.runtime import DataFuture, RoleGroup, StreamOptions, gather
 from channels import ConfigError
 from workers.roles import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, score_summary
 

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from asyncflow._proxy import RoleGroup
+from asyncflow.runtime import RoleGroup
 from channels import ConfigError
 
 ENTRY_POINT_GROUP = "asyncflow.algorithms"

@@ -7,9 +7,6 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._future import DataFuture, gather
-from asyncflow._ops import merge
-from asyncflow._proxy import RoleGroup
 from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
@@ -19,6 +16,7 @@ from asyncflow.algos._common import (
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import greedy_baseline_advantages
+from asyncflow.runtime import DataFuture, RoleGroup, gather, merge
 from channels import ConfigError
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 

@@ -16,9 +16,6 @@ from typing import Any
 import msgspec
 import torch
 
-from asyncflow._datastream import StreamOptions
-from asyncflow._future import DataFuture, gather, transform
-from asyncflow._proxy import RoleGroup
 from asyncflow.algos._checks import check_group_size
 from asyncflow.algos._common import (
     _CFG,
@@ -29,6 +26,7 @@ from asyncflow.algos._common import (
     sample_and_score,
 )
 from asyncflow.algos._registry import RoleSet, algorithm
+from asyncflow.runtime import DataFuture, RoleGroup, StreamOptions, gather, transform
 from channels import Batch
 from workers.engines import group_sums
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary

@@ -9,9 +9,6 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._future import DataFuture, gather
-from asyncflow._ops import merge
-from asyncflow._proxy import RoleGroup
 from asyncflow.algos._checks import at_least, check_gae, finite, within
 from asyncflow.algos._common import (
     _CFG,
@@ -22,6 +19,7 @@ from asyncflow.algos._common import (
 )
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, safe_advantages, token_rewards
+from asyncflow.runtime import DataFuture, RoleGroup, gather, merge
 from channels import ConfigError
 from workers.roles import (
     ActorWorker,

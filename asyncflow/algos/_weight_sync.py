@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncflow._future import DataFuture
-from asyncflow._proxy import RoleGroup
+from asyncflow.runtime import DataFuture, RoleGroup
 from channels import BatchMeta, ConfigError
 from workers.roles import WEIGHTS_VERSION
 from workers.roles._weights import weight_buckets

@@ -26,7 +26,7 @@ from asyncflow.plan._simulate import Prediction, oversubscribed, rank, simulate
 from asyncflow.plan._workload import CostModel, Workload, trace_samples
 
 if TYPE_CHECKING:
-    from asyncflow._session import Session
+    from asyncflow.runtime import Session
     from asyncflow.tracing import Trace
 
 
@@ -107,7 +107,7 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
     batch steps, and ``Profile.oversubscription`` is fitted to its calls' time
     against the first placement's (:func:`fit_oversubscription`).
     """
-    from asyncflow._session import Session, shutdown_ray
+    from asyncflow.runtime import Session, shutdown_ray
 
     traces: dict[str, list[Trace]] = {}
     overheads: list[float] = []

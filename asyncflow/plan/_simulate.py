@@ -1,6 +1,6 @@
 """Replaying a workload under a placement with the runtime's scheduling rules.
 
-An event-driven simulation of ``asyncflow._scheduler``'s dispatchers, one per pool:
+An event-driven simulation of ``asyncflow.runtime._scheduler``'s dispatchers, one per pool:
 
 - Calls to a pool's roles join its queue in submission order. A gang call runs on
   every rank of the pool; it starts when its inputs are ready, no earlier call

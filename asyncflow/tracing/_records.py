@@ -2,7 +2,7 @@
 
 Every time is in seconds on the driver's clock (``time.time()``): the workers
 record their spans with their own clocks and the driver shifts them by each
-worker's measured offset before they land here (see ``asyncflow._tracer``).
+worker's measured offset before they land here (see ``asyncflow.runtime._tracer``).
 """
 
 from __future__ import annotations

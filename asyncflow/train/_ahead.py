@@ -48,11 +48,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncflow._future import DataFuture
-from asyncflow._ops import merge
-from asyncflow._proxy import RoleGroup, Roles, Submit
-from asyncflow._session import Session
 from asyncflow.algos import RolloutConfig, WeightSync
+from asyncflow.runtime import DataFuture, RoleGroup, Roles, Session, Submit, merge
 from workers.roles import PartialRollout
 from workers.rollout import SamplingParams
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncflow._errors import RemoteStageError
+from asyncflow.runtime import RemoteStageError
 from channels import AsyncflowError, ConfigError
 
 STATE_FILE = "state.json"

@@ -7,10 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from asyncflow._future import DataFuture
-from asyncflow._ops import merge
-from asyncflow._proxy import Roles
-from asyncflow._session import Session
+from asyncflow.runtime import DataFuture, Roles, Session, merge
 from asyncflow.train._config import RunConfig, rollout_of
 from asyncflow.train._metrics import pass_at_k
 from asyncflow.train._prompts import RunPrompts

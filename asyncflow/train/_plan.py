@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._session import Session
 from asyncflow.plan import Placement, Prediction, Profile, candidates, profile, rank_profiled
+from asyncflow.runtime import Session
 from asyncflow.train._config import (
     PlacementSection,
     PoolSection,

@@ -19,8 +19,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from asyncflow._future import DataFuture
-from asyncflow._session import Session
+from asyncflow.runtime import DataFuture, Session
 from asyncflow.train._config import RunConfig
 from channels import ConfigError
 from workers.data import PromptDataset, load_prompt_tokenizer, load_rows

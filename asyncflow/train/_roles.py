@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from asyncflow._pool import ResourcePool, RoleSpec
+from asyncflow.runtime import ResourcePool, RoleSpec
 from asyncflow.train._config import (
     OptimSection,
     RunConfig,

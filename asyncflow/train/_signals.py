@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncflow._session import Session
+from asyncflow.runtime import Session
 
 Say = Callable[[str], None]
 """Where a run's messages go."""

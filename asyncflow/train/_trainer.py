@@ -18,13 +18,17 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from asyncflow._datastream import StreamOptions
-from asyncflow._errors import CallTimeoutError, PoolBrokenError, WorkerDiedError
-from asyncflow._future import DataFuture
-from asyncflow._proxy import Roles
-from asyncflow._ray_start import check_answers
-from asyncflow._session import Session
 from asyncflow.algos import PromptSource, WeightSync
+from asyncflow.runtime import (
+    CallTimeoutError,
+    DataFuture,
+    PoolBrokenError,
+    Roles,
+    Session,
+    StreamOptions,
+    WorkerDiedError,
+    check_answers,
+)
 from asyncflow.train._ahead import Sampled, SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir, staged
 from asyncflow.train._config import RunConfig, algorithm_in, rollout_of

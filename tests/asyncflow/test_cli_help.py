@@ -25,7 +25,7 @@ for argv in (["--help"], ["train", "--help"], ["plan", "--help"], ["sft", "--hel
         main(argv)
     print(out.getvalue())
 print("LOADED", sorted(m for m in ("torch", "ray", "transformers", "vllm", "channels", "workers",
-                                   "asyncflow.train", "asyncflow._session") if m in sys.modules))
+                                   "asyncflow.train", "asyncflow.runtime._session") if m in sys.modules))
 """
 
 

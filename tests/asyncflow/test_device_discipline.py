@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 import asyncflow as af
 import fake_device
-from asyncflow._local import LocalSession
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from asyncflow.runtime._local import LocalSession
 from support import ppo_role_specs
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.rewards import RuleRewardConfig

@@ -89,7 +89,7 @@ def test_the_watchdog_ends_the_descendants_of_a_killed_process_even_orphaned_one
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import subprocess, sys, time
-        from asyncflow._watchdog import watch_this_process
+        from asyncflow.runtime._watchdog import watch_this_process
         watch_this_process()
         child = subprocess.Popen([sys.executable, "-c",  # a child with a grandchild of its own
                                   "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"])

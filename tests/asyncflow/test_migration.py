@@ -1,4 +1,4 @@
-"""The long-tail migration simulator (``asyncflow._migration``): its modes against
+"""The long-tail migration simulator (``asyncflow.runtime._migration``): its modes against
 each other, RLHFuse's threshold choice, the step-cost fit and the length sampler."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflow._migration import (
+from asyncflow.runtime._migration import (
     Simulated,
     StepCost,
     Workload,

@@ -1,12 +1,12 @@
 """Whether a cluster's nodes can hold the pools: refused at once, naming what the
-pools ask for and what the nodes have (asyncflow._pool.check_fits)."""
+pools ask for and what the nodes have (asyncflow.runtime._pool.check_fits)."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncflow import CPU_SLOT, ResourcePool
-from asyncflow._pool import Node, check_fits, live_nodes, slot_resource
+from asyncflow.runtime._pool import Node, check_fits, live_nodes, slot_resource
 from channels import ConfigError
 
 

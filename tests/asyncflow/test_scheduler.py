@@ -1,5 +1,5 @@
 """The scheduler, futures and proxies without Ray: in-process workers
-(``asyncflow._local``), real role objects, the real data plane and scheduler.
+(``asyncflow.runtime._local``), real role objects, the real data plane and scheduler.
 
 Failures, cancellation, closing, death (simulated by the local transport), field
 contracts and shard accounting are tested here quickly; ``*_on_cpu`` tests repeat
@@ -16,7 +16,7 @@ import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
-from asyncflow._local import LocalSession
+from asyncflow.runtime._local import LocalSession
 from channels import reduce_metrics
 from support import Carrier, Consumer, Faulty, Producer, Sleeper, Slow, expected_x
 

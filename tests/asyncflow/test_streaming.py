@@ -1,4 +1,4 @@
-"""Streams of data futures without Ray: in-process workers (``asyncflow._local``),
+"""Streams of data futures without Ray: in-process workers (``asyncflow.runtime._local``),
 the real scheduler, data plane and streaming worker loop, a toy streaming role
 (``support.Ticker``) and a rank-local consumer (``support.Scorer``).
 

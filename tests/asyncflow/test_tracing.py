@@ -1,5 +1,5 @@
 """Recording traces in the runtime, without Ray: in-process workers
-(``asyncflow._local``), the real scheduler and worker loop.
+(``asyncflow.runtime._local``), the real scheduler and worker loop.
 
 ``test_tracing_on_cpu.py`` records one on Ray and checks the exports."""
 

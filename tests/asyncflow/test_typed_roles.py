@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect
-from asyncflow._calls import CallArgumentError
+from asyncflow.runtime import CallArgumentError
 from support import Consumer, Producer, Ticker, run_local
 from workers import endpoints
 from workers.roles import ActorWorker

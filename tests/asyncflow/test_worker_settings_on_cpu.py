@@ -11,7 +11,7 @@ import pytest
 import ray
 
 import asyncflow as af
-from asyncflow._pool import worker_threads
+from asyncflow.runtime._pool import worker_threads
 from channels import ConfigError
 from support import Sleeper
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import asyncflow as af
-from asyncflow._local import LocalSession
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from asyncflow.runtime._local import LocalSession
 from support import ppo_role_specs
 from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model

@@ -1,7 +1,7 @@
 """Starting Ray: an embedded single-machine instance, or joining a cluster.
 
 :func:`init_ray` starts the embedded instance on the loopback interface, watched
-so that it ends with its driver (:mod:`asyncflow._watchdog`), or joins the
+so that it ends with its driver (:mod:`asyncflow.runtime._watchdog`), or joins the
 cluster an address names.
 
 Starting the embedded instance early, while the heavy modules import:
@@ -26,14 +26,14 @@ from collections.abc import Sequence
 import ray
 from ray._private import ray_constants
 
-from asyncflow._watchdog import watch_this_process
+from asyncflow.runtime._watchdog import watch_this_process
 from channels import ConfigError
 
 CPU_SLOT = "asyncflow_cpu_slot"
 """The Ray custom resource a CPU device slot is counted in: the embedded instance
 offers ``cpu_slots`` of them. On a cluster whose nodes offer none (``ray start
 --resources='{"asyncflow_cpu_slot": 16}'`` would), a CPU rank takes one of Ray's
-``CPU`` instead (``asyncflow._pool.slot_resource``)."""
+``CPU`` instead (``asyncflow.runtime._pool.slot_resource``)."""
 
 HEAVY_MODULES = ("torch", "transformers", "workers.roles")
 """What :func:`start_ray` imports meanwhile by default: what a training script needs."""
@@ -99,7 +99,7 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
     starts (never a cluster a stale ``/tmp/ray/ray_current_cluster`` names) with
     every listener on 127.0.0.1 (:func:`_node_address`) and a watchdog that ends
     its processes should this one die without shutting it down
-    (:mod:`asyncflow._watchdog`).
+    (:mod:`asyncflow.runtime._watchdog`).
 
     Start-up chatter a user cannot act on stays in Ray's session logs. Token
     authentication stays on: Ray 2.60 enables it for a new local instance and

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from asyncflow._future import DataFuture, Resolved, Transform
+from asyncflow.runtime._future import DataFuture, Resolved, Transform
 from channels import (
     BatchMeta,
     ConfigError,

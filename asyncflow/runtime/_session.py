@@ -24,8 +24,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from asyncflow._errors import RemoteStageError, SessionClosedError
-from asyncflow._pool import (
+from asyncflow.runtime._errors import RemoteStageError, SessionClosedError
+from asyncflow.runtime._pool import (
     Node,
     ResourcePool,
     RoleSpec,
@@ -35,10 +35,10 @@ from asyncflow._pool import (
     slot_resource,
     worker_threads,
 )
-from asyncflow._proxy import Roles
-from asyncflow._ray_start import claim_started_instance, init_ray
-from asyncflow._runtime import Runtime
-from asyncflow._transport import RayTransport
+from asyncflow.runtime._proxy import Roles
+from asyncflow.runtime._ray_start import claim_started_instance, init_ray
+from asyncflow.runtime._runtime import Runtime
+from asyncflow.runtime._transport import RayTransport
 from channels import AsyncflowError, ConfigError, Layout
 from workers import CONCURRENCY_GROUPS, StoreServer, WorkerProcess
 

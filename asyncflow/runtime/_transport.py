@@ -4,7 +4,7 @@ The scheduler plans calls from metadata alone and talks to workers only through 
 :class:`Transport`: run a method on a rank (its rows pulled peer to peer), store
 rows, fetch rows to the driver, free shards, poison and heal a rank's groups, and
 learn of a worker's death. :class:`RayTransport` does this with Ray actors and Ray
-Direct Transport; ``asyncflow._local.LocalTransport`` does it in-process for unit
+Direct Transport; ``asyncflow.runtime._local.LocalTransport`` does it in-process for unit
 tests of the scheduler without Ray.
 
 Failures reach the scheduler in two forms only: :class:`~workers.RankError` (the

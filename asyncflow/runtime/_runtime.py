@@ -1,7 +1,7 @@
 """What a session does once its workers exist, whatever the transport: submit and
 cancel calls, hand rows in and out of the driver, account for shards.
 
-:class:`~asyncflow.Session` wires it to Ray; ``asyncflow._local.LocalSession``
+:class:`~asyncflow.Session` wires it to Ray; ``asyncflow.runtime._local.LocalSession``
 wires it to in-process workers for unit tests of the scheduler without Ray.
 """
 
@@ -11,17 +11,17 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from asyncflow._calls import bind_call, output_fields
-from asyncflow._datastream import DataStream, StreamOptions, template, zip_into
-from asyncflow._errors import SessionClosedError
-from asyncflow._future import DataFuture, Resolved
-from asyncflow._lanes import Slot
-from asyncflow._ledger import ShardLedger
-from asyncflow._pool import ResourcePool, RoleSpec
-from asyncflow._proxy import RoleGroup, Roles
-from asyncflow._scheduler import Scheduler
-from asyncflow._tracer import Tracer, tracer_for
-from asyncflow._transport import Transport, WorkerGone
+from asyncflow.runtime._calls import bind_call, output_fields
+from asyncflow.runtime._datastream import DataStream, StreamOptions, template, zip_into
+from asyncflow.runtime._errors import SessionClosedError
+from asyncflow.runtime._future import DataFuture, Resolved
+from asyncflow.runtime._lanes import Slot
+from asyncflow.runtime._ledger import ShardLedger
+from asyncflow.runtime._pool import ResourcePool, RoleSpec
+from asyncflow.runtime._proxy import RoleGroup, Roles
+from asyncflow.runtime._scheduler import Scheduler
+from asyncflow.runtime._tracer import Tracer, tracer_for
+from asyncflow.runtime._transport import Transport, WorkerGone
 from asyncflow.tracing import Trace
 from channels import (
     AllToAll,

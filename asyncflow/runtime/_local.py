@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncflow._pool import RoleSpec, check_placement
-from asyncflow._proxy import Roles
-from asyncflow._runtime import Runtime
-from asyncflow._transport import Transforms, WorkerGone
+from asyncflow.runtime._pool import RoleSpec, check_placement
+from asyncflow.runtime._proxy import Roles
+from asyncflow.runtime._runtime import Runtime
+from asyncflow.runtime._transport import Transforms, WorkerGone
 from channels import Piece, RankResult, StoreStats, StreamItem, open_channel
 from workers import WorkerProcess, pieces_by_worker
 
@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 
 class LocalTransport:
-    """A :class:`~asyncflow._transport.Transport` over in-process workers.
+    """A :class:`~asyncflow.runtime._transport.Transport` over in-process workers.
 
     Args:
         workers: the workers by session-wide index.

@@ -40,17 +40,22 @@ from typing import Any
 
 import msgspec
 
-from asyncflow._calls import Call, pull_fields
-from asyncflow._completion import CallCompletion
-from asyncflow._errors import CallTimeoutError, PoolBrokenError, SessionClosedError, WorkerDiedError
-from asyncflow._failures import settle
-from asyncflow._future import DataFuture, Resolved
-from asyncflow._lanes import PoolState, Slot
-from asyncflow._ledger import ShardLedger
-from asyncflow._observed import Observed
-from asyncflow._streamcall import StreamedCall
-from asyncflow._tracer import Tracer
-from asyncflow._transport import Transport, WorkerGone
+from asyncflow.runtime._calls import Call, pull_fields
+from asyncflow.runtime._completion import CallCompletion
+from asyncflow.runtime._errors import (
+    CallTimeoutError,
+    PoolBrokenError,
+    SessionClosedError,
+    WorkerDiedError,
+)
+from asyncflow.runtime._failures import settle
+from asyncflow.runtime._future import DataFuture, Resolved
+from asyncflow.runtime._lanes import PoolState, Slot
+from asyncflow.runtime._ledger import ShardLedger
+from asyncflow.runtime._observed import Observed
+from asyncflow.runtime._streamcall import StreamedCall
+from asyncflow.runtime._tracer import Tracer
+from asyncflow.runtime._transport import Transport, WorkerGone
 from channels import Layout, MissingFieldError, Piece, plan_pull
 from workers import CallSpec, DataArg, StreamSpec
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from asyncflow._calls import Call
-from asyncflow._errors import CallTimeoutError, WorkerDiedError
+from asyncflow.runtime._calls import Call
+from asyncflow.runtime._errors import CallTimeoutError, WorkerDiedError
 
 
 @dataclass(eq=False, kw_only=True)

@@ -24,7 +24,7 @@ import torch
 from channels import Batch, BatchMeta, ConfigError, MissingFieldError
 
 if TYPE_CHECKING:
-    from asyncflow._ledger import Lease
+    from asyncflow.runtime._ledger import Lease
 
 T = TypeVar("T")
 
@@ -253,7 +253,7 @@ class DataFuture(Generic[T]):
         out._row_ids = self._row_ids
         return out
 
-    # ----- selections (metadata only; implemented in asyncflow._select) -----
+    # ----- selections (metadata only; implemented in asyncflow.runtime._select) -----
 
     def select(self, fields: Iterable[str] | str) -> DataFuture[BatchMeta]:
         """A future of the same rows with only columns ``fields`` (metadata only).
@@ -270,7 +270,7 @@ class DataFuture(Generic[T]):
             MissingFieldError: a name is not a field (at call time when the fields
                 are known, else on await).
         """
-        from asyncflow._select import select_fields
+        from asyncflow.runtime._select import select_fields
         return select_fields(self, fields)
 
     def take(self, n: int, *, groups: bool = False) -> DataFuture[BatchMeta]:
@@ -290,7 +290,7 @@ class DataFuture(Generic[T]):
             SchemaError: on await (or in the consuming call), fewer than ``n`` rows
                 (groups) exist.
         """
-        from asyncflow._select import take_rows
+        from asyncflow.runtime._select import take_rows
         return take_rows(self, n, groups=groups)
 
     def __getitem__(self, rows: slice) -> DataFuture[BatchMeta]:
@@ -300,7 +300,7 @@ class DataFuture(Generic[T]):
         Raises:
             ConfigError: ``rows`` is not a slice of ints.
         """
-        from asyncflow._select import slice_rows
+        from asyncflow.runtime._select import slice_rows
         return slice_rows(self, rows)
 
     # Slicing must not make a future iterable (``iter`` would call ``fut[0]``, ...):
@@ -340,7 +340,7 @@ class DataFuture(Generic[T]):
             SchemaError: on await, ``column`` has more than one value per row, or
                 ``pred`` returned something else than one bool per row (group).
         """
-        from asyncflow._select import filter_rows
+        from asyncflow.runtime._select import filter_rows
         return filter_rows(self, column, pred, by_group=by_group)
 
 

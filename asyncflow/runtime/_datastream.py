@@ -21,7 +21,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from asyncflow._future import DataFuture, Resolved, Transform
+from asyncflow.runtime._future import DataFuture, Resolved, Transform
 from channels import BatchMeta, ConfigError, SchemaError, collect_parts
 
 T = TypeVar("T")

@@ -27,17 +27,17 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncflow._future import DataFuture, Resolved
-from asyncflow._observed import StreamStats, auto_migration
+from asyncflow.runtime._future import DataFuture, Resolved
+from asyncflow.runtime._observed import StreamStats, auto_migration
 from channels import Piece, RankResult, StreamItem
 
 if TYPE_CHECKING:
-    from asyncflow._calls import Call
-    from asyncflow._lanes import PoolState
-    from asyncflow._ledger import ShardLedger
-    from asyncflow._observed import Observed
-    from asyncflow._tracer import Tracer
-    from asyncflow._transport import Transport
+    from asyncflow.runtime._calls import Call
+    from asyncflow.runtime._lanes import PoolState
+    from asyncflow.runtime._ledger import ShardLedger
+    from asyncflow.runtime._observed import Observed
+    from asyncflow.runtime._tracer import Tracer
+    from asyncflow.runtime._transport import Transport
 
 
 class Host(Protocol):

@@ -20,7 +20,7 @@ from asyncflow.tracing import CallRecord, PullSpan, RankSpan, Trace
 from channels import RankResult
 
 if TYPE_CHECKING:
-    from asyncflow._calls import Call
+    from asyncflow.runtime._calls import Call
 
 Clock = Callable[[int], Awaitable[float]]
 """A worker's ``time.time()``."""

@@ -2,7 +2,7 @@
 
 A rank reports a :class:`~workers.RankError` (its method raised; a *peer failure*
 when the rank only failed because another broke a collective it was in) or the
-transport reports :class:`~asyncflow._transport.WorkerGone` (a process died). The
+transport reports :class:`~asyncflow.runtime._transport.WorkerGone` (a process died). The
 caller sees the most telling one: a death or a rank's own error before any peer
 failure. Errors are stored without tracebacks, whose frames would keep the call's
 inputs (and through them shards) alive.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from asyncflow._calls import Call
-from asyncflow._errors import RemoteStageError, WorkerDiedError
-from asyncflow._future import Resolved
-from asyncflow._transport import WorkerGone
+from asyncflow.runtime._calls import Call
+from asyncflow.runtime._errors import RemoteStageError, WorkerDiedError
+from asyncflow.runtime._future import Resolved
+from asyncflow.runtime._transport import WorkerGone
 from channels import AsyncflowError
 from workers import RankError
 

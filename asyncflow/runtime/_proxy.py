@@ -18,16 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from asyncflow._calls import CallArgumentError
-from asyncflow._pool import ResourcePool, RoleSpec
+from asyncflow.runtime._calls import CallArgumentError
+from asyncflow.runtime._pool import ResourcePool, RoleSpec
 from channels import Layout
 from workers import Endpoint, Role, endpoints
 
 if TYPE_CHECKING:
     # Not used here: imported so that mypy loads the types the plugin builds a
     # method's signature from (asyncflow.mypy_plugin) whenever it loads this module.
-    from asyncflow._datastream import DataStream, StreamOptions  # noqa: F401
-    from asyncflow._future import DataFuture  # noqa: F401
+    from asyncflow.runtime._datastream import DataStream, StreamOptions  # noqa: F401
+    from asyncflow.runtime._future import DataFuture  # noqa: F401
     from channels import Batch, BatchMeta  # noqa: F401
 
 W = TypeVar("W", bound=Role)

@@ -2,7 +2,7 @@
 
 Per streamed method, the last call's per-row lengths and timings; per pool, the
 seconds one rank spends per row in each rank-local method (a moving average).
-:func:`auto_migration` feeds them to the simulator (``asyncflow._migration``) and
+:func:`auto_migration` feeds them to the simulator (``asyncflow.runtime._migration``) and
 picks the migration threshold and targets that it predicts fastest: RLHFuse's
 approach, refined as new samples come in.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncflow._migration import StepCost, Workload, choose_migration
+from asyncflow.runtime._migration import StepCost, Workload, choose_migration
 
 
 @dataclass(kw_only=True)

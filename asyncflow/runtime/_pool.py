@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from asyncflow._ray_start import CPU_SLOT
+from asyncflow.runtime._ray_start import CPU_SLOT
 from channels import ConfigError, Layout
 from workers import check_role_class
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncflow._datastream import DataStream, template, zip_into
-from asyncflow._future import DataFuture, Resolved, Transform
+from asyncflow.runtime._datastream import DataStream, template, zip_into
+from asyncflow.runtime._future import DataFuture, Resolved, Transform
 from channels import BatchMeta, ConfigError, SchemaError, merge_meta
 
 

@@ -3,7 +3,7 @@ its result: rows collected into one future, or the one error worth reporting
 (a rank's own error or a death before any peer failure; see ``_failures``); and
 what a worker process's death does to its pool.
 
-A mixin of :class:`~asyncflow._scheduler.Scheduler`, kept apart so that the
+A mixin of :class:`~asyncflow.runtime._scheduler.Scheduler`, kept apart so that the
 dispatcher reads on its own.
 """
 
@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
-from asyncflow._calls import Call
-from asyncflow._errors import CallTimeoutError, WorkerDiedError
-from asyncflow._failures import peer_error, primary_error, producer_of, settle
-from asyncflow._future import Resolved
-from asyncflow._ledger import ShardLedger
-from asyncflow._transport import Transport, WorkerGone
+from asyncflow.runtime._calls import Call
+from asyncflow.runtime._errors import CallTimeoutError, WorkerDiedError
+from asyncflow.runtime._failures import peer_error, primary_error, producer_of, settle
+from asyncflow.runtime._future import Resolved
+from asyncflow.runtime._ledger import ShardLedger
+from asyncflow.runtime._transport import Transport, WorkerGone
 from channels import Collected, Layout, RankResult
 
 if TYPE_CHECKING:
-    from asyncflow._lanes import PoolState
-    from asyncflow._tracer import Tracer
+    from asyncflow.runtime._lanes import PoolState
+    from asyncflow.runtime._tracer import Tracer
 
 logger = logging.getLogger(__name__)
 
