@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "asyncflow.runtime": ("CPU_SLOT", "CallTimeoutError", "DataFuture", "DataStream", "PoolBrokenError",
                           "RemoteStageError", "ResourcePool", "RoleGroup", "RoleSpec", "Roles", "Session",
-                          "SessionClosedError", "StreamOptions", "WorkerDiedError", "collect", "concat", "gather",
+                          "SessionClosedError", "Stage", "StreamOptions", "WorkerDiedError", "collect", "concat", "gather",
                           "merge", "shutdown_ray", "start_ray", "transform"),
     "channels": ("DP", "AllToAll", "AsyncflowError", "Batch", "BatchMeta", "ConfigError", "Layout", "Metrics",
                  "MicroDP", "MissingFieldError", "OneToAll", "RankZero", "SchemaError", "TensorShards", "TransferProtocol",
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
         RoleSpec,
         Session,
         SessionClosedError,
+        Stage,
         StreamOptions,
         WorkerDiedError,
         collect,

@@ -3,20 +3,22 @@
 Each algorithm is registered (:func:`algorithm`) with its config type, its roles
 (a :class:`RoleSet`: ``roles.actor``, ``roles.ref``, ... typed by the worker
 class they run) and its step, which takes the placed roles, a future of prompt
-rows and the config, and returns the step's metrics. No tensor passes through the
+rows and the config, and returns the step's metrics. Steps call every stage
+through the typed roles (:class:`Feed` feeds one stage's rows to another), so
+mypy with ``asyncflow.mypy_plugin`` checks each call; the built-ins use only
+what this package and ``asyncflow`` export, as a plug-in does. No tensor passes through the
 driver: advantages are computed by transforms on the ranks that consume the rows.
 Installed packages add algorithms through the ``asyncflow.algorithms`` entry-point
 group; :func:`algorithms` lists them all.
 """
 
 from asyncflow.algos._common import (
+    OutcomeRoles,
     PolicyConfig,
     RolloutConfig,
-    call_on_rollout,
     carries,
     merge_rows,
     ref_for_kl,
-    require_ref_for_kl,
     sample_and_score,
     scores_and_ref,
     whole,
@@ -28,6 +30,7 @@ from asyncflow.algos._dapo import (
     dapo_step,
     overlong_penalties,
 )
+from asyncflow.algos._feed import Feed
 from asyncflow.algos._grpo import GRPOConfig, GRPORoles, grpo_step
 from asyncflow.algos._ppo import PPOConfig, PPORoles, ppo_step
 from asyncflow.algos._registry import (
@@ -35,6 +38,7 @@ from asyncflow.algos._registry import (
     Algorithm,
     PromptSource,
     RoleSet,
+    StepState,
     algorithm,
     algorithm_of,
     algorithms,
@@ -56,12 +60,55 @@ from asyncflow.algos._transforms import (
 from asyncflow.algos._weight_sync import WeightSync
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "Algorithm", "DAPOConfig", "DAPORoles", "GRPOConfig", "GRPORoles", "PPOConfig", "PPORoles",
-    "PolicyConfig", "PromptSource", "RLOOConfig", "RLOORoles", "ReMaxConfig", "ReMaxRoles", "RoleSet",
-    "RolloutConfig", "SafeRLHFConfig", "SafeRLHFRoles", "SafeRLHFState", "WeightSync", "algorithm", "algorithm_of",
-    "algorithms", "call_on_rollout", "carries", "config_section", "dapo_advantages", "dapo_step", "gae", "get_algorithm",
-    "greedy_baseline_advantages", "group_advantages", "grpo_step", "kl_penalised_rewards", "leave_one_out",
-    "merge_rows", "overlong_penalties", "ppo_step", "ref_for_kl", "register", "remax_step", "require_ref_for_kl",
-    "rloo_advantages", "rloo_step", "safe_advantages", "safe_rlhf_step", "sample_and_score", "scores_and_ref", "token_rewards",
+    "ENTRY_POINT_GROUP",
+    "Algorithm",
+    "DAPOConfig",
+    "DAPORoles",
+    "Feed",
+    "GRPOConfig",
+    "GRPORoles",
+    "OutcomeRoles",
+    "PPOConfig",
+    "PPORoles",
+    "PolicyConfig",
+    "PromptSource",
+    "RLOOConfig",
+    "RLOORoles",
+    "ReMaxConfig",
+    "ReMaxRoles",
+    "RoleSet",
+    "RolloutConfig",
+    "SafeRLHFConfig",
+    "SafeRLHFRoles",
+    "SafeRLHFState",
+    "StepState",
+    "WeightSync",
+    "algorithm",
+    "algorithm_of",
+    "algorithms",
+    "carries",
+    "config_section",
+    "dapo_advantages",
+    "dapo_step",
+    "gae",
+    "get_algorithm",
+    "greedy_baseline_advantages",
+    "group_advantages",
+    "grpo_step",
+    "kl_penalised_rewards",
+    "leave_one_out",
+    "merge_rows",
+    "overlong_penalties",
+    "ppo_step",
+    "ref_for_kl",
+    "register",
+    "remax_step",
+    "rloo_advantages",
+    "rloo_step",
+    "safe_advantages",
+    "safe_rlhf_step",
+    "sample_and_score",
+    "scores_and_ref",
+    "token_rewards",
     "whole",
 ]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from asyncflow.runtime import DataStream, StreamOptions, collect, merge
+from asyncflow import DataFuture, DataStream, RoleGroup, StreamOptions, collect, merge
+from asyncflow.algos._feed import Feed
 from channels import ConfigError
 from workers.engines import LossAggregation, OffPolicyCorrection, PolicyLoss
-from workers.roles import REF_LOGPROBS, SCORES
+from workers.roles import REF_LOGPROBS, SCORES, ActorWorker, ReferenceWorker, RewardWorker
 from workers.rollout import SamplingParams
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
@@ -106,88 +107,69 @@ class RolloutConfig(msgspec.Struct, **_CFG):
                               min_new_tokens=self.min_new_tokens, stop=self.stop)
 
 
-def call_on_rollout(consumer: Any, method: str, rollout: Any, *, producer: Any, stream: StreamOptions | None
-                    ) -> Any:
-    """``consumer.method(rows)``, where ``rows`` is what it takes of ``rollout``
-    (``producer``'s output): the stream, or the whole batch.
+class OutcomeRoles(Protocol):
+    """The roles the sampling helpers call: a role set with these three (as every
+    built-in's has)."""
 
-    A role on another pool than the producer takes the stream: it runs micro-batch
-    by micro-batch while generation goes on. A role on the producer's own pool
-    takes the whole batch once generation ends (its pool is busy generating until
-    then, so micro-batch calls would only add their overheads), unless the long
-    tail may migrate off some of the pool's ranks (``stream.migrate`` set, a pool
-    of several ranks) and ``method`` is rank-local: the freed ranks then run it on
-    finished micro-batches.
-    """
-    rows = rollout
-    same_pool = consumer.pool.name == producer.pool.name
-    if stream is not None and isinstance(rollout, DataStream) and same_pool:
-        freed_ranks = bool(stream.migrate) and consumer.pool.devices > 1 and method in consumer.rank_local
-        rows = rollout if freed_ranks else collect(rollout)
-    return getattr(consumer, method)(rows)
+    actor: RoleGroup[ActorWorker]
+    reward: RoleGroup[RewardWorker]
+    ref: RoleGroup[ReferenceWorker] | None
 
 
-def ref_for_kl(config: Any) -> tuple[str, ...]:
-    """``wants=`` of an algorithm whose reference enters only the loss's KL term:
-    ``("ref",)`` when ``config.policy.kl_coef`` > 0."""
-    return ("ref",) if config.policy.kl_coef > 0 else ()
+def ref_for_kl(policy: PolicyConfig) -> dict[str, str]:
+    """``RoleSet.needed`` of an algorithm whose reference enters only the loss's KL
+    term: ``ref`` when ``policy.kl_coef`` > 0."""
+    return {"ref": "algorithm.policy.kl_coef > 0"} if policy.kl_coef > 0 else {}
 
 
-def require_ref_for_kl(algorithm: str, config: Any, ref: Any) -> None:
-    """Raises ConfigError when ``config.policy.kl_coef`` > 0 and no reference is placed."""
-    if config.policy.kl_coef > 0 and ref is None:
-        raise ConfigError(f"{algorithm} with policy.kl_coef > 0 needs a placed ref role")
-
-
-def sample_and_score(roles: Any, prompts: Any, config: Any, *, seed: int | None,
-                     stream: StreamOptions | None, rollout: Any = None) -> tuple[Any, Any]:
+def sample_and_score(roles: OutcomeRoles, prompts: DataFuture[Any], config: Any, *, seed: int | None,
+                     stream: StreamOptions | None, rollout: DataFuture[Any] | None = None
+                     ) -> tuple[DataFuture[Any], DataFuture[Any]]:
     """The first half of a critic-free, outcome-reward step: ``config.rollout.n``
     samples per prompt from ``roles.actor``, their ``roles.reward`` scores and, when
     placed, the reference's log-probs, merged. Returns ``(the whole batch, the
-    scores)`` (streamed as ``call_on_rollout`` says).
+    scores)`` (streamed as :class:`Feed` says).
 
     No ``actor.log_prob`` call: the batch goes to ``actor.update`` of the policy
     that sampled it, which takes ``old_logprobs`` from its own forward pass (the
     same numbers, one forward fewer per step; see ``ActorWorker.update``).
     ``rollout``: samples generated ahead (see :func:`sampled`)."""
-    rollout = sampled(roles, prompts, config, seed=seed, stream=stream, rollout=rollout)
-
-    def call(group: Any, method: str) -> Any:
-        return call_on_rollout(group, method, rollout, producer=roles.actor, stream=stream)
-
-    scores, parts = scores_and_ref(roles, rollout, call)
-    return whole(merge_rows(rollout, *parts)), whole(scores)
+    feed = Feed(sampled(roles, prompts, config, seed=seed, stream=stream, rollout=rollout), producer=roles.actor,
+                stream=stream)
+    scores, parts = scores_and_ref(roles, feed)
+    return whole(merge_rows(feed.rows, *parts)), whole(scores)
 
 
-def carries(rows: Any, field: str) -> bool:
+def carries(rows: DataFuture[Any] | DataStream[Any], field: str) -> bool:
     """Whether ``rows`` carry ``field`` already: samples generated ahead come with the
     scores and reference log-probs of the roles that share the rollout's pool (the
     trainer queues those calls right behind each generation), and a step does not
     compute them again."""
-    fields = getattr(rows, "fields", None)
-    return fields is not None and field in fields
+    return rows.fields is not None and field in rows.fields
 
 
-def scores_and_ref(roles: Any, rollout: Any, call: Any) -> tuple[Any, list[Any]]:
+def scores_and_ref(roles: OutcomeRoles, feed: Feed) -> tuple[DataFuture[Any] | DataStream[Any], list[Any]]:
     """The samples' scores (``roles.reward.score``) and the parts a step merges into
     the samples: those scores and, when a reference is placed, its log-probs, each
-    called (``call(group, method)``) unless the samples carry them (:func:`carries`)."""
-    scores = rollout if carries(rollout, SCORES) else call(roles.reward, "score")
-    parts = [] if scores is rollout else [scores]
-    if roles.ref is not None and not carries(rollout, REF_LOGPROBS):
-        parts.append(call(roles.ref, "log_prob"))
+    fed the samples (``feed``) unless they carry them (:func:`carries`)."""
+    scores = feed.rows if carries(feed.rows, SCORES) else feed(roles.reward.score)
+    parts: list[Any] = [] if scores is feed.rows else [scores]
+    if roles.ref is not None and not carries(feed.rows, REF_LOGPROBS):
+        parts.append(feed(roles.ref.log_prob))
     return scores, parts
 
 
-def sampled(roles: Any, prompts: Any, config: Any, *, seed: int | None, stream: StreamOptions | None,
-            rollout: Any = None) -> Any:
+def sampled(roles: OutcomeRoles, prompts: DataFuture[Any], config: Any, *, seed: int | None,
+            stream: StreamOptions | None, rollout: DataFuture[Any] | None = None
+            ) -> DataFuture[Any] | DataStream[Any]:
     """The step's samples: ``rollout`` when the trainer generated them ahead (a
     rollout role's rows, possibly of an older policy: ``actor.update`` corrects
     them by their ``policy_version``), else ``config.rollout.n`` samples per prompt
     from ``roles.actor.generate``."""
     if rollout is not None:
         return rollout
-    return roles.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed), stream=stream)
+    rollout_config: RolloutConfig = config.rollout
+    return roles.actor.generate(prompts, n=rollout_config.n, params=rollout_config.params(seed=seed), stream=stream)
 
 
 def merge_rows(*parts: Any) -> Any:

@@ -24,16 +24,10 @@ from typing import Any
 import msgspec
 import torch
 
+from asyncflow import DataFuture, RoleGroup, concat, merge, transform
 from asyncflow.algos._checks import at_least, check_group_size
-from asyncflow.algos._common import (
-    _CFG,
-    PolicyConfig,
-    RolloutConfig,
-    ref_for_kl,
-    require_ref_for_kl,
-)
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
 from asyncflow.algos._registry import PromptSource, RoleSet, algorithm
-from asyncflow.runtime import DataFuture, RoleGroup, concat, merge, transform
 from channels import Batch, ConfigError
 from workers.engines import LossAggregation, grpo_advantages
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
@@ -59,6 +53,17 @@ class DAPOConfig(msgspec.Struct, **_CFG):
     overlong_penalty: float = 1.0
     """Penalty of a response that reaches ``rollout.max_new_tokens``."""
 
+    def check(self) -> None:
+        """Raises ConfigError naming a group size, round count or overlong setting
+        out of range."""
+        check_group_size(self.rollout.n, "DAPO compares the samples of one prompt; 8 or 16 is usual")
+        at_least("algorithm.max_rounds", self.max_rounds, 1, "3 or 4 is usual")
+        at_least("algorithm.overlong_buffer", self.overlong_buffer, 0, "0 turns the shaping off")
+        if self.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ConfigError(f"algorithm.overlong_buffer = {self.overlong_buffer} must be below "
+                              f"algorithm.rollout.max_new_tokens = {self.rollout.max_new_tokens}")
+        at_least("algorithm.overlong_penalty", self.overlong_penalty, 0, "1.0 is DAPO's")
+
 
 class DAPORoles(RoleSet):
     """DAPO's roles: the actor and the reward; the reference when placed."""
@@ -66,6 +71,11 @@ class DAPORoles(RoleSet):
     actor: RoleGroup[ActorWorker]
     reward: RoleGroup[RewardWorker]
     ref: RoleGroup[ReferenceWorker] | None
+
+    @classmethod
+    def needed(cls, config: DAPOConfig) -> dict[str, str]:
+        """The reference when the loss has a KL term."""
+        return ref_for_kl(config.policy)
 
 
 def overlong_penalties(lengths: torch.Tensor, *, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -93,17 +103,7 @@ def _varied(scores: torch.Tensor) -> torch.Tensor:
     return scores.amax(dim=1) > scores.amin(dim=1)
 
 
-def _check(config: DAPOConfig) -> None:
-    check_group_size(config.rollout.n, "DAPO compares the samples of one prompt; 8 or 16 is usual")
-    at_least("algorithm.max_rounds", config.max_rounds, 1, "3 or 4 is usual")
-    at_least("algorithm.overlong_buffer", config.overlong_buffer, 0, "0 turns the shaping off")
-    if config.overlong_buffer >= config.rollout.max_new_tokens:
-        raise ConfigError(f"algorithm.overlong_buffer = {config.overlong_buffer} must be below "
-                          f"algorithm.rollout.max_new_tokens = {config.rollout.max_new_tokens}")
-    at_least("algorithm.overlong_penalty", config.overlong_penalty, 0, "1.0 is DAPO's")
-
-
-@algorithm("dapo", config=DAPOConfig, roles=DAPORoles, draws=True, check=_check, wants=ref_for_kl)
+@algorithm("dapo", config=DAPOConfig, roles=DAPORoles)
 async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: DAPOConfig,
                     *, seed: int | None = None, more: PromptSource | None = None) -> dict[str, float]:
     """One DAPO step (see the module docstring). ``more`` draws further prompt
@@ -111,8 +111,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     update's metrics, ``dapo/batch_groups`` (groups trained on: the step's prompts
     unless ``max_rounds`` ran out), ``dapo/sampled_groups``, ``dapo/kept_fraction``
     and ``dapo/rounds``; ``reward/*`` are over every sampled response."""
-    r = DAPORoles.of(roles, algorithm="DAPO")
-    require_ref_for_kl("DAPO", config, r.ref)
+    r = DAPORoles.of(roles, config=config, algorithm="DAPO")
     n = config.rollout.n
     target = (await prompts).num_rows
     # [docs:dynamic-sampling] docs/algorithms.md shows this loop, to its end mark.

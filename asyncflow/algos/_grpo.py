@@ -7,18 +7,11 @@ from typing import Any
 
 import msgspec
 
+from asyncflow import DataFuture, RoleGroup, StreamOptions, gather
 from asyncflow.algos._checks import check_group_size
-from asyncflow.algos._common import (
-    _CFG,
-    PolicyConfig,
-    RolloutConfig,
-    ref_for_kl,
-    require_ref_for_kl,
-    sample_and_score,
-)
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl, sample_and_score
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import group_advantages
-from asyncflow.runtime import DataFuture, RoleGroup, StreamOptions, gather
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 
@@ -32,6 +25,10 @@ class GRPOConfig(msgspec.Struct, **_CFG):
     scale_by_std: bool = True
     """Divide by the group's standard deviation (Dr. GRPO sets this False)."""
 
+    def check(self) -> None:
+        """Raises ConfigError unless each prompt has a group of samples."""
+        check_group_size(self.rollout.n, "GRPO compares the samples of one prompt; 8 is usual")
+
 
 class GRPORoles(RoleSet):
     """GRPO's roles: the actor and the reward; the reference when placed (its KL
@@ -41,13 +38,13 @@ class GRPORoles(RoleSet):
     reward: RoleGroup[RewardWorker]
     ref: RoleGroup[ReferenceWorker] | None
 
+    @classmethod
+    def needed(cls, config: GRPOConfig) -> dict[str, str]:
+        """The reference when the loss has a KL term."""
+        return ref_for_kl(config.policy)
 
-def _check(config: GRPOConfig) -> None:
-    check_group_size(config.rollout.n, "GRPO compares the samples of one prompt; 8 is usual")
 
-
-@algorithm("grpo", config=GRPOConfig, roles=GRPORoles, streams=True, samples_ahead=True, check=_check,
-           wants=ref_for_kl)
+@algorithm("grpo", config=GRPOConfig, roles=GRPORoles)
 async def grpo_step(roles: GRPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: GRPOConfig,
                     *, seed: int | None = None, stream: StreamOptions | None = None,
                     rollout: DataFuture[Any] | None = None) -> dict[str, float]:
@@ -55,11 +52,10 @@ async def grpo_step(roles: GRPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     scores within each prompt's group and update the actor. ``seed`` seeds the
     step's sampling (a resumed run then samples what an uninterrupted one would).
     With ``stream``, groups flow into the log-prob and reward calls as they finish
-    on other pools than the actor's (``call_on_rollout`` says which; the
+    on other pools than the actor's (:class:`Feed` says which; the
     long tail may migrate); the update gets the same rows. ``rollout``: the
     samples, generated ahead by a rollout role (asynchronous training)."""
-    r = GRPORoles.of(roles, algorithm="GRPO")
-    require_ref_for_kl("GRPO", config, r.ref)
+    r = GRPORoles.of(roles, config=config, algorithm="GRPO")
     batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream, rollout=rollout)
     batch = batch.map(group_advantages, scale_by_std=config.scale_by_std)
     actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.reward.stats(scores))

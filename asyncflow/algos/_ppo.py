@@ -7,21 +7,20 @@ from typing import Any
 
 import msgspec
 
+from asyncflow import DataFuture, RoleGroup, StreamOptions, gather
 from asyncflow.algos._checks import at_least, check_gae
 from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
     RolloutConfig,
-    call_on_rollout,
     merge_rows,
     sampled,
     scores_and_ref,
     whole,
 )
+from asyncflow.algos._feed import Feed
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
-from asyncflow.runtime import DataFuture, RoleGroup, StreamOptions, gather
-from channels import ConfigError
 from workers.roles import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, score_summary
 
 
@@ -39,6 +38,11 @@ class PPOConfig(msgspec.Struct, **_CFG):
     lam: float = 0.95
     """GAE lambda."""
 
+    def check(self) -> None:
+        """Raises ConfigError naming a KL coefficient or GAE setting out of range."""
+        at_least("algorithm.reward_kl_coef", self.reward_kl_coef, 0, "0 turns the KL penalty off")
+        check_gae("algorithm", self.gamma, self.lam)
+
 
 class PPORoles(RoleSet):
     """PPO's roles: actor, critic and reward; the reference when a KL term is on."""
@@ -48,18 +52,16 @@ class PPORoles(RoleSet):
     reward: RoleGroup[RewardWorker]
     ref: RoleGroup[ReferenceWorker] | None
 
-
-def _check(config: PPOConfig) -> None:
-    at_least("algorithm.reward_kl_coef", config.reward_kl_coef, 0, "0 turns the KL penalty off")
-    check_gae("algorithm", config.gamma, config.lam)
-
-
-def _wants(config: PPOConfig) -> tuple[str, ...]:
-    return ("ref",) if config.reward_kl_coef > 0 or config.policy.kl_coef > 0 else ()
+    @classmethod
+    def needed(cls, config: PPOConfig) -> dict[str, str]:
+        """The reference when the reward or the loss has a KL term."""
+        if config.reward_kl_coef > 0:
+            return {"ref": "algorithm.reward_kl_coef > 0"}
+        return {"ref": "algorithm.policy.kl_coef > 0"} if config.policy.kl_coef > 0 else {}
 
 
 # [docs:ppo-step] README.md shows this step, from here to its end mark (tests/docs checks it).
-@algorithm("ppo", config=PPOConfig, roles=PPORoles, streams=True, samples_ahead=True, check=_check, wants=_wants)
+@algorithm("ppo", config=PPOConfig, roles=PPORoles)
 async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: PPOConfig, *,
                    seed: int | None = None, stream: StreamOptions | None = None,
                    rollout: DataFuture[Any] | None = None) -> dict[str, float]:
@@ -67,19 +69,13 @@ async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: Data
     role's pool, so stages on different pools overlap), GAE on the consumers'
     ranks, then the actor and critic updates side by side. With ``stream``, the
     inference calls on other pools than the actor's run per micro-batch as
-    samples finish (``call_on_rollout`` says which); the updates get the same
-    rows."""
-    r = PPORoles.of(roles, algorithm="PPO")
-    if _wants(config) and r.ref is None:
-        raise ConfigError("PPO with a KL term (reward_kl_coef or policy.kl_coef > 0) needs a placed ref role")
-    rollout = sampled(r, prompts, config, seed=seed, stream=stream, rollout=rollout)
-
-    def call(group: RoleGroup[Any], method: str) -> Any:
-        return call_on_rollout(group, method, rollout, producer=r.actor, stream=stream)
-
-    old, values = call(r.actor, "log_prob"), call(r.critic, "values")
-    scores, parts = scores_and_ref(r, rollout, call)
-    batch = merge_rows(rollout, old, values, *parts)
+    samples finish (:class:`Feed` says which); the updates get the same rows."""
+    r = PPORoles.of(roles, config=config, algorithm="PPO")
+    feed = Feed(sampled(r, prompts, config, seed=seed, stream=stream, rollout=rollout), producer=r.actor,
+                stream=stream)
+    old, values = feed(r.actor.log_prob), feed(r.critic.values)
+    scores, parts = scores_and_ref(r, feed)
+    batch = merge_rows(feed.rows, old, values, *parts)
     if r.ref is not None:
         batch = batch.map(kl_penalised_rewards, kl_coef=config.reward_kl_coef)
     else:

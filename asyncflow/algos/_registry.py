@@ -15,6 +15,14 @@ prompts, config, *, seed)``. Register it with the :func:`algorithm` decorator::
                       seed: int | None = None) -> dict[str, float]:
         ...
 
+What the step takes says what the trainer gives it (:class:`Algorithm` reads its
+signature): ``stream`` (it streams, ``train.stream``), ``rollout`` (it trains on
+samples generated ahead), ``more`` (it draws further prompt batches) and ``state``
+(it carries state between steps, of the class its annotation names). Settings no
+field checks alone are checked by the config's ``check(self)`` method; optional
+roles are annotated ``RoleGroup[W] | None`` and the role set's :meth:`RoleSet.needed`
+says which of them given settings need.
+
 An installed package adds algorithms without touching asyncflow through the
 ``asyncflow.algorithms`` entry-point group (``[project.entry-points."asyncflow.algorithms"]
 mine = "my_package.algo"``): :func:`algorithms` imports each entry point once,
@@ -25,15 +33,16 @@ which runs its decorators. ``asyncflow train`` then accepts ``[algorithm] name =
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import types
 import typing
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
-from asyncflow.runtime import RoleGroup
+from asyncflow import RoleGroup
 from channels import ConfigError
 
 ENTRY_POINT_GROUP = "asyncflow.algorithms"
@@ -41,7 +50,7 @@ ENTRY_POINT_GROUP = "asyncflow.algorithms"
 
 PromptSource = Callable[[], Awaitable[Any]]
 """Draws the next batch of training prompts (a ``DataFuture``), for algorithms that
-sample more than one batch a step (``Algorithm.draws``)."""
+sample more than one batch a step (a step that takes ``more``)."""
 
 C = TypeVar("C", bound=msgspec.Struct)
 F = TypeVar("F", bound=Callable[..., Awaitable[dict[str, float]]])
@@ -53,9 +62,10 @@ class RoleSet:
 
     Subclass it with one annotation per role: ``actor: RoleGroup[ActorWorker]``
     is required; ``ref: RoleGroup[ReferenceWorker] | None`` is optional (None when
-    not placed). :meth:`of` binds the placed roles by name, so the algorithm reads
-    ``roles.actor.generate(...)`` and mypy checks the call against the worker's
-    method (with the ``asyncflow.mypy_plugin`` plugin).
+    not placed), and :meth:`needed` (overridden) says which optional roles given
+    settings need. :meth:`of` binds the placed roles by name, so the algorithm
+    reads ``roles.actor.generate(...)`` and mypy checks the call against the
+    worker's method (with the ``asyncflow.mypy_plugin`` plugin).
     """
 
     def __init__(self, **groups: RoleGroup[Any] | None) -> None:
@@ -97,22 +107,37 @@ class RoleSet:
         return tuple(n for n, (_, req) in cls.slots().items() if not req)
 
     @classmethod
-    def of(cls: type[R], roles: R | Mapping[str, RoleGroup[Any]], *, algorithm: str = "") -> R:
+    def needed(cls, config: Any) -> Mapping[str, str]:
+        """The optional roles ``config`` needs placed, each with the setting that
+        needs it (e.g. ``{"ref": "algorithm.policy.kl_coef > 0"}``); none unless a
+        subclass overrides it."""
+        return {}
+
+    @classmethod
+    def of(cls: type[R], roles: R | Mapping[str, RoleGroup[Any]], *, config: Any = None, algorithm: str = "") -> R:
         """Bind placed roles by name (extra roles are ignored).
 
         Raises:
-            ConfigError: a required role is missing, or a placed role runs a
-                worker class other than the one declared.
+            ConfigError: a required role is missing, an optional one ``config``
+                needs (:meth:`needed`) is missing, or a placed role runs a worker
+                class other than the one declared.
         """
+        who = algorithm or cls.__name__
+        needed = cls.needed(config) if config is not None else {}
         if isinstance(roles, cls):
+            unplaced = {n: why for n, why in needed.items() if getattr(roles, n) is None}
+            if unplaced:
+                raise ConfigError(_unplaced(who, unplaced))
             return roles
         assert isinstance(roles, Mapping)
-        who = algorithm or cls.__name__
         slots = cls.slots()
         missing = [n for n, (_, req) in slots.items() if req and n not in roles]
         if missing:
             raise ConfigError(f"{who} needs roles {list(cls.required())}; missing {missing} "
                               f"(placed: {sorted(roles)})")
+        unplaced = {n: why for n, why in needed.items() if n not in roles}
+        if unplaced:
+            raise ConfigError(_unplaced(who, unplaced))
         for name, (worker, _) in slots.items():
             group = roles.get(name)
             runs = getattr(group, "worker_class", None)
@@ -122,53 +147,110 @@ class RoleSet:
         return cls(**{n: roles[n] for n in slots if n in roles})
 
 
+class StepState(Protocol):
+    """What a step's ``state`` parameter is annotated with: a class whose
+    :meth:`from_config` makes the state a run starts with. Checkpoints save it, so
+    it must convert with ``msgspec.to_builtins`` (a dataclass or a Struct)."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> Any:
+        """The state before the first step."""
+        ...
+
+
+STEP_KEYWORDS = ("seed", "stream", "rollout", "more", "state")
+"""The keywords the trainer passes a step that takes them."""
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Algorithm(Generic[C]):
-    """One registered algorithm (see the module docstring)."""
+    """One registered algorithm (see the module docstring): what the trainer gives
+    its step is read from the step's signature."""
 
     name: str
     """What ``[algorithm] name`` says."""
     config: type[C]
-    """Its settings: a msgspec Struct with a ``rollout: RolloutConfig`` field."""
+    """Its settings: a msgspec Struct with a ``rollout: RolloutConfig`` field, and
+    optionally a ``check(self)`` method for the checks no field can make alone
+    (raising ConfigError naming ``algorithm.<key>``)."""
     roles: type[RoleSet]
     """Its roles."""
     step: Callable[..., Awaitable[dict[str, float]]]
-    """``async def step(roles, prompts, config, *, seed, [stream], [state])``: one
-    step; returns its metrics."""
-    streams: bool = False
-    """``step`` takes ``stream=StreamOptions(...)`` (``train.stream``)."""
-    state: Callable[[C], Any] | None = None
-    """Makes the state carried between steps from the config (``step`` then takes
-    ``state=``); it must convert with ``msgspec.to_builtins`` (a dataclass or a
-    Struct), as checkpoints save it."""
-    draws: bool = False
-    """``step`` takes ``more=``, a :data:`PromptSource` to draw further prompt
-    batches (e.g. dynamic sampling); the trainer counts them in the data position."""
-    samples_ahead: bool = False
-    """``step`` takes ``rollout=``: the step's samples, generated ahead by a rollout
-    role (``train.max_staleness``: possibly by an older policy), which the step
-    uses instead of calling ``actor.generate``."""
-    check: Callable[[C], None] | None = None
-    """Checks the settings no field can alone; raises ConfigError naming
-    ``algorithm.<key>``."""
-    wants: Callable[[C], Iterable[str]] | None = None
-    """The optional roles these settings need placed (e.g. ``ref`` with a KL term)."""
+    """``async def step(roles, prompts, config, *, seed, [stream], [rollout],
+    [more], [state])``: one step; returns its metrics."""
+    takes: frozenset[str] = field(init=False)
+    """The step's keyword parameters among :data:`STEP_KEYWORDS`."""
+    state_type: type[StepState] | None = field(init=False)
+    """The class of the state the step carries (its ``state`` annotation), if any."""
+
+    def __post_init__(self) -> None:
+        params = inspect.signature(self.step).parameters
+        where = _where(self.step)
+        if len([p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) != 3:
+            raise ConfigError(f"algorithm {self.name!r}: {where} must take (roles, prompts, config) positionally")
+        for p in params.values():
+            if p.kind is p.KEYWORD_ONLY and p.name not in STEP_KEYWORDS and p.default is p.empty:
+                raise ConfigError(f"algorithm {self.name!r}: {where} takes keyword {p.name!r} without a default, "
+                                  f"which the trainer never passes (it passes {', '.join(STEP_KEYWORDS)}); "
+                                  "give it a default")
+        object.__setattr__(self, "takes", frozenset(n for n in STEP_KEYWORDS if n in params))
+        object.__setattr__(self, "state_type", _state_type(self.name, self.step) if "state" in params else None)
+
+    @property
+    def streams(self) -> bool:
+        """``step`` takes ``stream=StreamOptions(...)`` (``train.stream``)."""
+        return "stream" in self.takes
+
+    @property
+    def samples_ahead(self) -> bool:
+        """``step`` takes ``rollout=``: the step's samples, generated ahead by a
+        rollout role (``train.max_staleness``: possibly by an older policy), which
+        the step uses instead of calling ``actor.generate``."""
+        return "rollout" in self.takes
+
+    @property
+    def draws(self) -> bool:
+        """``step`` takes ``more=``, a :data:`PromptSource` to draw further prompt
+        batches (e.g. dynamic sampling); the trainer counts them in the data position."""
+        return "more" in self.takes
+
+    def initial_state(self, config: C) -> Any:
+        """The state the step starts with (None when it carries none)."""
+        return self.state_type.from_config(config) if self.state_type is not None else None
+
+    def check(self, config: C) -> None:
+        """The config's own ``check()`` (the settings no field can check alone), when
+        its type has one.
+
+        Raises:
+            ConfigError: naming ``algorithm.<key>``.
+        """
+        check = getattr(config, "check", None)
+        if callable(check):
+            check()
 
     def needed_roles(self, config: C, *, also: Iterable[str] = ()) -> tuple[str, ...]:
         """The roles to place for ``config``: the required ones, the optional ones
-        it wants, and those of ``also`` that are optional roles of the algorithm."""
+        it needs (:meth:`RoleSet.needed`), and those of ``also`` that are optional
+        roles of the algorithm."""
         optional = self.roles.optional()
-        wanted = set(self.wants(config) if self.wants else ()) | {r for r in also if r in optional}
+        wanted = set(self.roles.needed(config)) | {r for r in also if r in optional}
         unknown = wanted - set(optional)
         if unknown:
-            raise ConfigError(f"algorithm {self.name!r} wants roles {sorted(unknown)} it does not declare")
+            raise ConfigError(f"algorithm {self.name!r} needs roles {sorted(unknown)} it does not declare "
+                              f"optional in {self.roles.__name__}")
         return (*self.roles.required(), *(r for r in optional if r in wanted))
 
     async def run_step(self, roles: Mapping[str, RoleGroup[Any]], prompts: Any, config: C, *,
                        seed: int | None, stream: Any = None, state: Any = None,
                        more: PromptSource | None = None, rollout: Any = None) -> dict[str, float]:
         """One step with the placed ``roles`` (passing ``stream``, ``state``,
-        ``more`` and ``rollout`` when the algorithm takes them)."""
+        ``more`` and ``rollout`` when the step takes them).
+
+        Raises:
+            ConfigError: ``rollout`` or ``stream`` given to a step that does not
+                take it, or a role the settings need is not placed.
+        """
         kwargs: dict[str, Any] = {"seed": seed}
         if rollout is not None:
             if not self.samples_ahead:
@@ -179,11 +261,27 @@ class Algorithm(Generic[C]):
             if not self.streams:
                 raise ConfigError(f"algorithm {self.name!r} does not stream")
             kwargs["stream"] = stream
-        if self.state is not None:
+        if "state" in self.takes:
             kwargs["state"] = state
         if self.draws:
             kwargs["more"] = more
-        return await self.step(self.roles.of(roles, algorithm=self.name), prompts, config, **kwargs)
+        return await self.step(self.roles.of(roles, config=config, algorithm=self.name), prompts, config, **kwargs)
+
+
+def _state_type(name: str, step: Callable[..., Any]) -> type[StepState]:
+    """The class a step's ``state`` parameter is annotated with (``X`` or ``X | None``)."""
+    try:
+        hint = typing.get_type_hints(step)["state"]
+    except Exception as e:
+        raise ConfigError(f"algorithm {name!r}: the annotation of {_where(step)}'s state parameter does not "
+                          f"resolve ({type(e).__name__}: {e}); import its class at module level") from e
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (
+        typing.Union, types.UnionType) else [hint]
+    cls = args[0] if len(args) == 1 else None
+    if not isinstance(cls, type) or not callable(getattr(cls, "from_config", None)):
+        raise ConfigError(f"algorithm {name!r}: annotate {_where(step)}'s state parameter with a class that has a "
+                          f"from_config(config) classmethod (the state a run starts with), not {hint}")
+    return cls
 
 
 _REGISTRY: dict[str, Algorithm[Any]] = {}
@@ -209,16 +307,18 @@ def register(algo: Algorithm[Any]) -> Algorithm[Any]:
     return algo
 
 
-def algorithm(name: str, *, config: type[C], roles: type[RoleSet], streams: bool = False,
-              state: Callable[[C], Any] | None = None, draws: bool = False, samples_ahead: bool = False,
-              check: Callable[[C], None] | None = None,
-              wants: Callable[[C], Iterable[str]] | None = None) -> Callable[[F], F]:
-    """Register the decorated ``async def step`` as algorithm ``name`` (see
-    :class:`Algorithm` for the arguments); returns the function unchanged."""
+def algorithm(name: str, *, config: type[C], roles: type[RoleSet]) -> Callable[[F], F]:
+    """Register the decorated ``async def step`` as algorithm ``name`` with settings
+    ``config`` and roles ``roles`` (see :class:`Algorithm`: what the step takes is
+    read from its signature); returns the function unchanged.
+
+    Raises:
+        ConfigError: the step's signature is not one the trainer can call, or the
+            algorithm is refused by :func:`register`.
+    """
 
     def decorate(step: F) -> F:
-        register(Algorithm(name=name, config=config, roles=roles, step=step, streams=streams, state=state,
-                           draws=draws, samples_ahead=samples_ahead, check=check, wants=wants))
+        register(Algorithm(name=name, config=config, roles=roles, step=step))
         return step
 
     return decorate
@@ -292,6 +392,11 @@ def algorithm_of(config: msgspec.Struct) -> Algorithm[Any]:
             return algo
     raise ConfigError(f"{type(config).__name__} is the config of no registered algorithm "
                       f"(registered: {sorted(registered)})")
+
+
+def _unplaced(who: str, unplaced: Mapping[str, str]) -> str:
+    needs = "; ".join(f"role {n!r} ({why})" for n, why in unplaced.items())
+    return f"{who} with these settings needs {needs} placed; place it or change the setting"
 
 
 def _where(fn: Callable[..., Any]) -> str:

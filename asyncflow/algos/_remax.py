@@ -7,16 +7,10 @@ from typing import Any
 
 import msgspec
 
-from asyncflow.algos._common import (
-    _CFG,
-    PolicyConfig,
-    RolloutConfig,
-    ref_for_kl,
-    require_ref_for_kl,
-)
+from asyncflow import DataFuture, RoleGroup, gather, merge
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import greedy_baseline_advantages
-from asyncflow.runtime import DataFuture, RoleGroup, gather, merge
 from channels import ConfigError
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
@@ -29,6 +23,12 @@ class ReMaxConfig(msgspec.Struct, **_CFG):
     policy: PolicyConfig = PolicyConfig()
     """The actor's update."""
 
+    def check(self) -> None:
+        """Raises ConfigError unless one response is sampled per prompt."""
+        if self.rollout.n != 1:
+            raise ConfigError(f"algorithm.rollout.n = {self.rollout.n}: ReMax samples one response per prompt "
+                              "(and the greedy one as its baseline); leave it out")
+
 
 class ReMaxRoles(RoleSet):
     """ReMax's roles: the actor and the reward; the reference when placed."""
@@ -37,22 +37,19 @@ class ReMaxRoles(RoleSet):
     reward: RoleGroup[RewardWorker]
     ref: RoleGroup[ReferenceWorker] | None
 
-
-def _check(config: ReMaxConfig) -> None:
-    if config.rollout.n != 1:
-        raise ConfigError(f"algorithm.rollout.n = {config.rollout.n}: ReMax samples one response per prompt "
-                          "(and the greedy one as its baseline); leave it out")
-
+    @classmethod
+    def needed(cls, config: ReMaxConfig) -> dict[str, str]:
+        """The reference when the loss has a KL term."""
+        return ref_for_kl(config.policy)
 
 
-@algorithm("remax", config=ReMaxConfig, roles=ReMaxRoles, check=_check, wants=ref_for_kl)
+@algorithm("remax", config=ReMaxConfig, roles=ReMaxRoles)
 async def remax_step(roles: ReMaxRoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any],
                      config: ReMaxConfig, *, seed: int | None = None) -> dict[str, float]:
     """One ReMax step: a sampled and a greedy response per prompt; the greedy
     response's score is the sampled one's baseline. The update takes
     ``old_logprobs`` from its own forward (on-policy: no ``actor.log_prob`` call)."""
-    r = ReMaxRoles.of(roles, algorithm="ReMax")
-    require_ref_for_kl("ReMax", config, r.ref)
+    r = ReMaxRoles.of(roles, config=config, algorithm="ReMax")
     rollout = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed))
     greedy = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))
     scores = r.reward.score(rollout)

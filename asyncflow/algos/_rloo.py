@@ -16,17 +16,10 @@ from typing import Any
 import msgspec
 import torch
 
+from asyncflow import DataFuture, RoleGroup, StreamOptions, gather, transform
 from asyncflow.algos._checks import check_group_size
-from asyncflow.algos._common import (
-    _CFG,
-    PolicyConfig,
-    RolloutConfig,
-    ref_for_kl,
-    require_ref_for_kl,
-    sample_and_score,
-)
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl, sample_and_score
 from asyncflow.algos._registry import RoleSet, algorithm
-from asyncflow.runtime import DataFuture, RoleGroup, StreamOptions, gather, transform
 from channels import Batch
 from workers.engines import group_sums
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
@@ -41,6 +34,10 @@ class RLOOConfig(msgspec.Struct, **_CFG):
     """The actor's update (RLOO's paper uses the PPO clip; ``clip_ratio`` large
     turns it into plain REINFORCE)."""
 
+    def check(self) -> None:
+        """Raises ConfigError unless each prompt has a group of samples."""
+        check_group_size(self.rollout.n, "RLOO's baseline is the other samples of the prompt; 4 is usual")
+
 
 class RLOORoles(RoleSet):
     """RLOO's roles: the actor and the reward; the reference when placed."""
@@ -48,6 +45,11 @@ class RLOORoles(RoleSet):
     actor: RoleGroup[ActorWorker]
     reward: RoleGroup[RewardWorker]
     ref: RoleGroup[ReferenceWorker] | None
+
+    @classmethod
+    def needed(cls, config: RLOOConfig) -> dict[str, str]:
+        """The reference when the loss has a KL term."""
+        return ref_for_kl(config.policy)
 
 
 def leave_one_out(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -69,19 +71,14 @@ def rloo_advantages(batch: Batch) -> dict[str, torch.Tensor]:
     return {"advantages": adv[:, None].expand_as(mask).to(torch.float32) * mask}
 
 
-def _check(config: RLOOConfig) -> None:
-    check_group_size(config.rollout.n, "RLOO's baseline is the other samples of the prompt; 4 is usual")
-
-
-@algorithm("rloo", config=RLOOConfig, roles=RLOORoles, streams=True, check=_check, wants=ref_for_kl)
+@algorithm("rloo", config=RLOOConfig, roles=RLOORoles)
 async def rloo_step(roles: RLOORoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any], config: RLOOConfig,
                     *, seed: int | None = None, stream: StreamOptions | None = None) -> dict[str, float]:
     """One RLOO step: ``n`` samples per prompt, scored; each sample's advantage is
     its score minus the mean score of its prompt's other samples; then the actor's
     update. With ``stream``, the inference calls on other pools than the actor's
     take the samples as they finish."""
-    r = RLOORoles.of(roles, algorithm="RLOO")
-    require_ref_for_kl("RLOO", config, r.ref)
+    r = RLOORoles.of(roles, config=config, algorithm="RLOO")
     batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream)
     actor, stats = await gather(r.actor.update(batch.map(rloo_advantages), **config.policy.update_kwargs()),
                                 r.reward.stats(scores))

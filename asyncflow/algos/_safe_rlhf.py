@@ -9,17 +9,11 @@ from typing import Any
 
 import msgspec
 
+from asyncflow import DataFuture, RoleGroup, gather, merge
 from asyncflow.algos._checks import at_least, check_gae, finite, within
-from asyncflow.algos._common import (
-    _CFG,
-    PolicyConfig,
-    RolloutConfig,
-    ref_for_kl,
-    require_ref_for_kl,
-)
+from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
 from asyncflow.algos._registry import RoleSet, algorithm
 from asyncflow.algos._transforms import gae, safe_advantages, token_rewards
-from asyncflow.runtime import DataFuture, RoleGroup, gather, merge
 from channels import ConfigError
 from workers.roles import (
     ActorWorker,
@@ -53,12 +47,31 @@ class SafeRLHFConfig(msgspec.Struct, **_CFG):
     lam: float = 0.95
     """GAE lambda."""
 
+    def check(self) -> None:
+        """Raises ConfigError naming a constraint, multiplier or GAE setting out of
+        range, or a pretraining loss (no batches for it)."""
+        key = "algorithm"
+        finite(f"{key}.cost_limit", self.cost_limit, "the expected cost the policy may spend, e.g. 0.0")
+        at_least(f"{key}.lagrange_max", self.lagrange_max, 0, "100.0 is usual")
+        within(f"{key}.lagrange_init", self.lagrange_init, 0, self.lagrange_max,
+               fix=f"the multiplier starts in [0, {key}.lagrange_max]; 1.0 is usual")
+        at_least(f"{key}.lagrange_lr", self.lagrange_lr, 0, "0.1 is usual; 0 keeps the multiplier fixed")
+        if self.ptx_coef != 0:
+            raise ConfigError(f"{key}.ptx_coef = {self.ptx_coef!r}: asyncflow train has no pretraining batches to "
+                              "mix into the actor's loss; set it to 0 or leave it out")
+        check_gae(key, self.gamma, self.lam)
+
 
 @dataclass
 class SafeRLHFState:
     """The driver-side state carried between steps (saved in checkpoints)."""
 
     lagrange: float
+
+    @classmethod
+    def from_config(cls, config: SafeRLHFConfig) -> SafeRLHFState:
+        """The multiplier at its initial value."""
+        return cls(lagrange=config.lagrange_init)
 
 
 class SafeRLHFRoles(RoleSet):
@@ -72,36 +85,20 @@ class SafeRLHFRoles(RoleSet):
     cost: RoleGroup[CostWorker]
     ref: RoleGroup[ReferenceWorker] | None
 
-
-def _check(s: SafeRLHFConfig) -> None:
-    key = "algorithm"
-    finite(f"{key}.cost_limit", s.cost_limit, "the expected cost the policy may spend, e.g. 0.0")
-    at_least(f"{key}.lagrange_max", s.lagrange_max, 0, "100.0 is usual")
-    within(f"{key}.lagrange_init", s.lagrange_init, 0, s.lagrange_max,
-           fix=f"the multiplier starts in [0, {key}.lagrange_max]; 1.0 is usual")
-    at_least(f"{key}.lagrange_lr", s.lagrange_lr, 0, "0.1 is usual; 0 keeps the multiplier fixed")
-    if s.ptx_coef != 0:
-        raise ConfigError(f"{key}.ptx_coef = {s.ptx_coef!r}: asyncflow train has no pretraining batches to mix "
-                          "into the actor's loss; set it to 0 or leave it out")
-    check_gae(key, s.gamma, s.lam)
+    @classmethod
+    def needed(cls, config: SafeRLHFConfig) -> dict[str, str]:
+        """The reference when the loss has a KL term."""
+        return ref_for_kl(config.policy)
 
 
-
-def initial_state(config: SafeRLHFConfig) -> SafeRLHFState:
-    """The multiplier at its initial value."""
-    return SafeRLHFState(lagrange=config.lagrange_init)
-
-
-@algorithm("safe_rlhf", config=SafeRLHFConfig, roles=SafeRLHFRoles, state=initial_state, check=_check,
-           wants=ref_for_kl)
+@algorithm("safe_rlhf", config=SafeRLHFConfig, roles=SafeRLHFRoles)
 async def safe_rlhf_step(roles: SafeRLHFRoles | Mapping[str, RoleGroup[Any]], prompts: DataFuture[Any],
                          config: SafeRLHFConfig, *, seed: int | None = None, state: SafeRLHFState | None = None,
                          ptx: DataFuture[Any] | None = None) -> dict[str, float]:
     """One Safe-RLHF step; updates ``state.lagrange`` from the step's mean cost
     (``state`` None: starts from ``lagrange_init`` and keeps nothing)."""
-    r = SafeRLHFRoles.of(roles, algorithm="Safe-RLHF")
-    require_ref_for_kl("Safe-RLHF", config, r.ref)
-    state = state if state is not None else initial_state(config)
+    r = SafeRLHFRoles.of(roles, config=config, algorithm="Safe-RLHF")
+    state = state if state is not None else SafeRLHFState.from_config(config)
     rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
     old = r.actor.log_prob(rollout)
     values = r.critic.values(rollout)

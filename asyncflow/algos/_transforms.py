@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncflow.runtime import transform
+from asyncflow import transform
 from channels import Batch
 from workers.engines import (
     KLEstimator,

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncflow.runtime import DataFuture, RoleGroup
+from asyncflow import DataFuture, RoleGroup
 from channels import BatchMeta, ConfigError
-from workers.roles import WEIGHTS_VERSION
-from workers.roles._weights import weight_buckets
+from workers.roles import WEIGHTS_VERSION, ActorWorker, RolloutWorker, weight_buckets
 
 BUCKET_BYTES = 256 << 20
 """Default bytes of one bucket (over all publishing ranks)."""
@@ -52,7 +51,7 @@ class WeightSync:
         timeout_s: seconds a bucket's call may run (None: no limit).
     """
 
-    def __init__(self, actor: RoleGroup[Any], rollout: RoleGroup[Any], *, bucket_bytes: int = BUCKET_BYTES,
+    def __init__(self, actor: RoleGroup[ActorWorker], rollout: RoleGroup[RolloutWorker], *, bucket_bytes: int = BUCKET_BYTES,
                  timeout_s: float | None = TIMEOUT_S) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ConfigError(f"WeightSync: bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
@@ -86,9 +85,12 @@ class WeightSync:
         weights = self.actor.weights()
         if self.sharded == [False]:  # the whole model at once: no selection needed
             return [self.rollout.load_weights(weights, timeout_s=self.timeout_s)]
-        return [(self.rollout.load_weight_shards if sharded else self.rollout.load_weights)(
-                    weights.select((*names, WEIGHTS_VERSION)), timeout_s=self.timeout_s)
-                for names, sharded in zip(self.buckets, self.sharded, strict=True)]
+        loads: list[DataFuture[Any]] = []
+        for names, sharded in zip(self.buckets, self.sharded, strict=True):
+            bucket = weights.select((*names, WEIGHTS_VERSION))
+            loads.append(self.rollout.load_weight_shards(bucket, timeout_s=self.timeout_s) if sharded
+                         else self.rollout.load_weights(bucket, timeout_s=self.timeout_s))
+        return loads
 
     async def sync(self) -> int:
         """Load the actor's current weights into every rollout rank; their version."""

@@ -147,7 +147,7 @@ class Workload:
     def on_placement(self, pool_of: Mapping[str, str], devices: Mapping[str, int], *,
                      migrate: bool = False) -> Workload:
         """This workload as the algorithm loops run it on a placement
-        (``asyncflow.algos.call_on_rollout``): a role's calls on the micro-batches
+        (``asyncflow.algos.Feed``): a role's calls on the micro-batches
         of a streamed call on the role's own pool become one call on the whole
         batch, after the streamed call. With ``migrate`` (the tail may leave some
         ranks), rank-local calls on a pool of several ranks stay per micro-batch.

@@ -29,7 +29,7 @@ from asyncflow.runtime._migration import StepCost, long_tail_lengths, predicted_
 from asyncflow.runtime._observed import auto_migration
 from asyncflow.runtime._ops import merge
 from asyncflow.runtime._pool import CPU_SLOT, ResourcePool, RoleSpec
-from asyncflow.runtime._proxy import RoleGroup, Roles, Submit
+from asyncflow.runtime._proxy import RoleGroup, Roles, Stage, Submit
 from asyncflow.runtime._ray_start import check_answers, start_ray
 from asyncflow.runtime._select import concat
 from asyncflow.runtime._session import Session, shutdown_ray
@@ -48,6 +48,7 @@ __all__ = [
     "Roles",
     "Session",
     "SessionClosedError",
+    "Stage",
     "StepCost",
     "StreamOptions",
     "Submit",

@@ -94,22 +94,36 @@ class RoleGroup(Generic[W]):
                 "(register a method with @register on the role class to call it through the group)"
             )
 
-        def submit(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return self._submit(self, endpoint, args, kwargs)
-            except CallArgumentError as e:
-                raise CallArgumentError(f"{e}; {self._describe()} has registered methods "
-                                        f"{sorted(self._endpoints)}") from None
-
-        submit.__doc__ = endpoint.__doc__
-        submit.__name__ = method
-        return submit
+        return Stage(self, method, endpoint)
 
     def _describe(self) -> str:
         return f"role {self._name!r} ({self._spec.cls.__qualname__})"
 
     def __repr__(self) -> str:
         return f"<RoleGroup {self._name} on {self._spec.pool.name} {self._layout}>"
+
+
+class Stage:
+    """``group.<method>``: one registered method of a role group, bound to the group.
+    Calling it submits the call (``group.method(...)`` is ``Stage(...)(...)``);
+    :attr:`group` and :attr:`method` say which stage it is, for helpers that take a
+    stage and call it themselves (``asyncflow.algos.Feed``)."""
+
+    def __init__(self, group: RoleGroup[Any], method: str, endpoint: Endpoint[Any, Any]) -> None:
+        self.group, self.method, self._endpoint = group, method, endpoint
+        self.__name__ = method
+        self.__doc__ = endpoint.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        group = self.group
+        try:
+            return group._submit(group, self._endpoint, args, kwargs)
+        except CallArgumentError as e:
+            raise CallArgumentError(f"{e}; {group._describe()} has registered methods "
+                                    f"{sorted(group._endpoints)}") from None
+
+    def __repr__(self) -> str:
+        return f"<Stage {self.group.name}.{self.method}>"
 
 
 class Roles(Mapping[str, "RoleGroup[Any]"]):

@@ -473,8 +473,7 @@ def _check_algorithms(config: RunConfig) -> None:
     policy = getattr(settings, "policy", None)
     if isinstance(policy, PolicyConfig):
         check_policy("algorithm.policy", policy)
-    if algo.check is not None:
-        algo.check(settings)
+    algo.check(settings)
     if config.train.stream and not algo.streams:
         streaming = sorted(n for n, a in algorithms().items() if a.streams)
         raise ConfigError(f"train.stream = true works with {', '.join(streaming)}, not {algo.name}; "

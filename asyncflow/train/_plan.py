@@ -35,7 +35,7 @@ class _Steps:
     def __init__(self, trainer: Trainer, roles: Any, prompts: Any) -> None:
         self.trainer, self.roles, self.prompts = trainer, roles, prompts
         algo = algorithm_in(trainer.config)
-        self.state = algo.state(trainer.config.algorithm) if algo.state is not None else None
+        self.state = algo.initial_state(trainer.config.algorithm)
         self.count = 0
 
     async def step(self, *, stream: bool) -> object:

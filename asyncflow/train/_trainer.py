@@ -254,11 +254,9 @@ class Trainer:
         c = self.config
         log = MetricsLog(self.run_dir)
         algo = algorithm_in(c)
-        algo_state = None
-        if algo.state is not None:
-            algo_state = algo.state(c.algorithm)
-            if "algorithm_state" in state:  # resumed: the state the checkpoint saved
-                algo_state = msgspec.convert(state["algorithm_state"], type(algo_state))
+        algo_state = algo.initial_state(c.algorithm)
+        if algo_state is not None and "algorithm_state" in state:  # resumed: the state the checkpoint saved
+            algo_state = msgspec.convert(state["algorithm_state"], type(algo_state))
         # The data position of a resumed run: the batches drawn so far (one a step,
         # unless the algorithm draws more, as DAPO's dynamic sampling does).
         source = TrainBatches(session, prompts, c.train.prompts_per_step, seed=c.seed,
@@ -288,7 +286,7 @@ class Trainer:
 
         def overlap(m: int) -> bool:
             """May step m + 1 start before step m's metrics are back (see SamplesAhead.steps)?"""
-            return (c.train.overlap_steps and algo.state is None and not algo.draws and not ending
+            return (c.train.overlap_steps and algo.state_type is None and not algo.draws and not ending
                     and stop.signal is None and not evaluates(m) and not saves(m)
                     and not (traced.on and traced.left <= 1))
 

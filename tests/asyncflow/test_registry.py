@@ -8,10 +8,15 @@ import torch
 
 from asyncflow import RoleGroup
 from asyncflow.algos import (
+    Algorithm,
     GRPOConfig,
+    GRPORoles,
+    PolicyConfig,
+    PPOConfig,
     RLOOConfig,
     RoleSet,
     RolloutConfig,
+    SafeRLHFState,
     algorithm,
     algorithm_of,
     algorithms,
@@ -49,7 +54,7 @@ def test_role_set_refuses_a_role_that_runs_another_worker_class() -> None:
 def test_built_ins_are_registered_and_a_name_is_taken_once() -> None:
     found = algorithms()
     assert {"grpo", "ppo", "remax", "safe_rlhf", "rloo"} <= set(found)
-    assert found["ppo"].streams and not found["remax"].streams and found["safe_rlhf"].state is not None
+    assert found["ppo"].streams and not found["remax"].streams and found["safe_rlhf"].state_type is SafeRLHFState
     with pytest.raises(ConfigError, match="registered twice"):
         @algorithm("grpo", config=GRPOConfig, roles=TwoRoles)
         async def other(roles, prompts, config, *, seed=None):  # type: ignore[no-untyped-def]
@@ -100,3 +105,67 @@ def test_the_docs_example_is_the_plugin_package() -> None:
     block = block[:block.index("```")]
     source = (root / "tests" / "plugin" / "af_plugin_demo" / "__init__.py").read_text()
     assert block == source[source.index("from __future__"):]
+
+
+# ----- what a step takes, read from its signature -----
+
+class Counter:
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    @classmethod
+    def from_config(cls, config: RLOOConfig) -> Counter:
+        return cls(config.rollout.n)
+
+
+async def _counting_step(roles: TwoRoles, prompts: object, config: RLOOConfig, *, seed: int | None = None,
+                         more: object = None, state: Counter | None = None) -> dict[str, float]:
+    return {}
+
+
+def test_what_a_step_takes_is_read_from_its_signature() -> None:
+    algo = Algorithm(name="counting", config=RLOOConfig, roles=TwoRoles, step=_counting_step)
+    assert algo.takes == {"seed", "more", "state"}
+    assert algo.draws and not algo.streams and not algo.samples_ahead
+    assert algo.state_type is Counter and algo.initial_state(RLOOConfig(rollout=RolloutConfig(n=3))).count == 3
+    ppo = get_algorithm("ppo")
+    assert ppo.streams and ppo.samples_ahead and not ppo.draws and ppo.initial_state(ppo.config()) is None
+
+
+def test_a_state_without_from_config_or_a_required_unknown_keyword_is_refused() -> None:
+    async def plain_state(roles, prompts, config, *, seed=None, state: dict | None = None):  # type: ignore[no-untyped-def]
+        return {}
+
+    with pytest.raises(ConfigError, match=r"annotate .*plain_state's state parameter with a class that has a "
+                                          r"from_config\(config\) classmethod"):
+        Algorithm(name="x", config=RLOOConfig, roles=TwoRoles, step=plain_state)
+
+    async def needs_ptx(roles, prompts, config, *, seed=None, ptx):  # type: ignore[no-untyped-def]
+        return {}
+
+    with pytest.raises(ConfigError, match="takes keyword 'ptx' without a default, which the trainer never passes"):
+        Algorithm(name="x", config=RLOOConfig, roles=TwoRoles, step=needs_ptx)
+
+
+def test_the_config_checks_itself() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm.rollout.n must be >= 2, got 1"):
+        get_algorithm("rloo").check(RLOOConfig(rollout=RolloutConfig(n=1)))
+    get_algorithm("rloo").check(RLOOConfig())
+
+
+# ----- optional roles: annotated `| None`, needed by settings (RoleSet.needed) -----
+
+def test_an_optional_role_the_settings_need_is_one_config_error() -> None:
+    kl = GRPOConfig(policy=PolicyConfig(kl_coef=0.1))
+    grpo = get_algorithm("grpo")
+    assert grpo.needed_roles(GRPOConfig()) == ("actor", "reward")
+    assert grpo.needed_roles(kl) == ("actor", "reward", "ref")
+    placed = {"actor": "A", "reward": "R"}
+    assert GRPORoles.of(placed, config=GRPOConfig()).ref is None  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"GRPO with these settings needs role 'ref' \(algorithm.policy.kl_coef > 0\) "
+                                          "placed"):
+        GRPORoles.of(placed, config=kl, algorithm="GRPO")  # type: ignore[arg-type]
+    bound = GRPORoles.of(placed)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="needs role 'ref'"):
+        GRPORoles.of(bound, config=kl)
+    assert get_algorithm("ppo").needed_roles(PPOConfig(reward_kl_coef=0.0)) == ("actor", "critic", "reward")

@@ -49,7 +49,7 @@ from workers.roles._reward import CostWorker, RewardWorker, ScoreConfig, ScorerC
 from workers.roles._rollout import ROLLOUT_DTYPES, RolloutConfig
 from workers.roles._rollout_worker import PartialRollout, RolloutWorker, RolloutWorkerConfig
 from workers.roles._training import UpdateConfig
-from workers.roles._weights import WEIGHTS_VERSION
+from workers.roles._weights import WEIGHTS_VERSION, weight_buckets
 
 __all__ = [
     "ADVANTAGES",
@@ -88,4 +88,5 @@ __all__ = [
     "fields",
     "score_summary",
     "sum_over_call_rows",
+    "weight_buckets",
 ]
