@@ -37,7 +37,6 @@ from asyncflow.algos._registry import (
     ENTRY_POINT_GROUP,
     Algorithm,
     PromptSource,
-    RoleSet,
     StepState,
     algorithm,
     algorithm_of,
@@ -48,6 +47,7 @@ from asyncflow.algos._registry import (
 )
 from asyncflow.algos._remax import ReMaxConfig, ReMaxRoles, remax_step
 from asyncflow.algos._rloo import RLOOConfig, RLOORoles, leave_one_out, rloo_advantages, rloo_step
+from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._safe_rlhf import SafeRLHFConfig, SafeRLHFRoles, SafeRLHFState, safe_rlhf_step
 from asyncflow.algos._transforms import (
     gae,

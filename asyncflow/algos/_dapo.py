@@ -27,7 +27,8 @@ import torch
 from asyncflow import DataFuture, RoleGroup, concat, merge, transform
 from asyncflow.algos._checks import at_least, check_group_size
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
-from asyncflow.algos._registry import PromptSource, RoleSet, algorithm
+from asyncflow.algos._registry import PromptSource, algorithm
+from asyncflow.algos._role_set import RoleSet
 from channels import Batch, ConfigError
 from workers.engines import LossAggregation, grpo_advantages
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary

@@ -19,7 +19,8 @@ from asyncflow.algos._common import (
     whole,
 )
 from asyncflow.algos._feed import Feed
-from asyncflow.algos._registry import RoleSet, algorithm
+from asyncflow.algos._registry import algorithm
+from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._transforms import gae, kl_penalised_rewards, token_rewards
 from workers.roles import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, score_summary
 

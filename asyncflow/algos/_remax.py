@@ -9,7 +9,8 @@ import msgspec
 
 from asyncflow import DataFuture, RoleGroup, gather, merge
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
-from asyncflow.algos._registry import RoleSet, algorithm
+from asyncflow.algos._registry import algorithm
+from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._transforms import greedy_baseline_advantages
 from channels import ConfigError
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary

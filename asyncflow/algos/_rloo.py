@@ -19,7 +19,8 @@ import torch
 from asyncflow import DataFuture, RoleGroup, StreamOptions, gather, transform
 from asyncflow.algos._checks import check_group_size
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl, sample_and_score
-from asyncflow.algos._registry import RoleSet, algorithm
+from asyncflow.algos._registry import algorithm
+from asyncflow.algos._role_set import RoleSet
 from channels import Batch
 from workers.engines import group_sums
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary

@@ -12,7 +12,8 @@ import msgspec
 from asyncflow import DataFuture, RoleGroup, gather, merge
 from asyncflow.algos._checks import at_least, check_gae, finite, within
 from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
-from asyncflow.algos._registry import RoleSet, algorithm
+from asyncflow.algos._registry import algorithm
+from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._transforms import gae, safe_advantages, token_rewards
 from channels import ConfigError
 from workers.roles import (

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect
+from asyncflow import DataFuture, DataStream, ResourcePool, RoleSpec, Stage, StreamOptions, collect
+from asyncflow.algos import Feed
 from asyncflow.runtime import CallArgumentError
 from support import Consumer, Producer, Ticker, run_local
 from workers import endpoints
@@ -122,3 +123,22 @@ def test_a_wrong_keyword_on_a_stream_fails_at_call_time() -> None:
         return await collect(ticks)
 
     assert run_local(SPECS, COLUMNS, POOL, main).num_rows == 4
+
+
+def test_a_stage_names_its_group_and_a_feed_gives_it_the_rows_its_pool_takes() -> None:
+    async def main(session, roles, src):
+        stage = roles.consumer.echo
+        assert isinstance(stage, Stage) and stage.group is roles.consumer and stage.method == "echo"
+        with pytest.raises(TypeError, match="Feed takes a role group's method"):
+            Feed(src, producer=roles.ticker, stream=None)(len)
+        options = StreamOptions(micro_batch=2)
+        ticks = roles.ticker.tick(src, stream=options).rename(value="x")
+        # The consumer shares the producer's pool: with the step streaming it takes
+        # the whole batch once generation ends (no migration asked for) ...
+        whole = Feed(ticks, producer=roles.ticker, stream=options)(roles.consumer.echo)
+        # ... and without streaming it takes the rows as they are (here a stream).
+        as_is = Feed(ticks, producer=roles.ticker, stream=None)(roles.consumer.echo)
+        assert isinstance(whole, DataFuture) and isinstance(as_is, DataStream)
+        return (await whole).num_rows, (await collect(as_is)).num_rows
+
+    assert run_local(SPECS, COLUMNS, POOL, main) == (4, 4)
