@@ -24,15 +24,15 @@ from asyncflow.runtime._errors import (
     SessionClosedError,
     WorkerDiedError,
 )
-from asyncflow.runtime._future import DataFuture, gather, transform
+from asyncflow.runtime._future import DataFuture, gather
 from asyncflow.runtime._migration import StepCost, long_tail_lengths, predicted_speedups
 from asyncflow.runtime._observed import auto_migration
-from asyncflow.runtime._ops import merge
+from asyncflow.runtime._ops import concat, merge
 from asyncflow.runtime._pool import CPU_SLOT, ResourcePool, RoleSpec
 from asyncflow.runtime._proxy import RoleGroup, Roles, Stage, Submit
 from asyncflow.runtime._ray_start import check_answers, start_ray
-from asyncflow.runtime._select import concat
 from asyncflow.runtime._session import Session, shutdown_ray
+from asyncflow.runtime._transform import transform
 
 __all__ = [
     "CPU_SLOT",

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncflow.runtime._future import DataFuture, Resolved
+from asyncflow.runtime._future import DataFuture
+from asyncflow.runtime._resolved import Resolved
 from channels import AsyncflowError, Layout, MissingFieldError
 from workers import CallInfo, Endpoint, FieldContract
 

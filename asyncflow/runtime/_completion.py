@@ -3,15 +3,16 @@ its result: rows collected into one future, or the one error worth reporting
 (a rank's own error or a death before any peer failure; see ``_failures``); and
 what a worker process's death does to its pool.
 
-A mixin of :class:`~asyncflow.runtime._scheduler.Scheduler`, kept apart so that the
-dispatcher reads on its own.
+The scheduler (``_scheduler``) decides which call runs where and when; once a
+call's ranks run, it hands them to :class:`CallCompletion`, which owns everything
+after: results, failures, timeouts and deaths.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,8 +21,8 @@ import msgspec
 from asyncflow.runtime._calls import Call
 from asyncflow.runtime._errors import CallTimeoutError, WorkerDiedError
 from asyncflow.runtime._failures import peer_error, primary_error, producer_of, settle
-from asyncflow.runtime._future import Resolved
 from asyncflow.runtime._ledger import ShardLedger
+from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._transport import Transport, WorkerGone
 from channels import Collected, Layout, RankResult
 
@@ -42,28 +43,41 @@ class _Ranks:
 
 
 class CallCompletion:
-    """The scheduler's part that waits for ranks and settles calls."""
+    """Waits for the ranks of running calls and settles each call; breaks the pool
+    of a worker process that died (see the module docstring).
 
-    transport: Transport
-    ledger: ShardLedger
-    tracer: Tracer | None
-    _where: dict[int, tuple[PoolState, int]]
-    _closed: bool
+    Args:
+        transport: how the driver reaches the workers.
+        ledger: frees the shards that no future names.
+        where: per worker (session-wide index), its pool and its rank there; the
+            scheduler fills it as it adds pools.
+    """
+
+    def __init__(self, transport: Transport, ledger: ShardLedger, where: Mapping[int, tuple[PoolState, int]]) -> None:
+        self.transport = transport
+        self.ledger = ledger
+        self._where = where
+        self.tracer: Tracer | None = None
+        """Set while a trace is recording (the scheduler's ``tracer``)."""
+        self.closed = False
+        """The session is closing: deaths no longer break pools."""
 
     # ----- deaths -----
 
-    async def _watch(self, worker: int) -> None:
+    async def watch(self, worker: int) -> None:
+        """Wait for ``worker`` to die (its sentinel call fails), then break its pool.
+        Ends when the transport goes away or the task is cancelled at close."""
         try:
             await self.transport.watch(worker)
         except WorkerGone as e:
-            if not self._closed:
-                self._worker_died(worker, e.detail)
+            if not self.closed:
+                self.worker_died(worker, e.detail)
         except Exception:  # the transport is going away
             logger.debug("watch of worker %d ended", worker, exc_info=True)
 
-    def _worker_died(self, worker: int, detail: str) -> None:
+    def worker_died(self, worker: int, detail: str) -> None:
         """Break the pool of ``worker``; fail its running and queued calls."""
-        if worker not in self._where or self._closed:
+        if worker not in self._where or self.closed:
             return
         pool, rank = self._where[worker]
         if pool.died.done():
@@ -80,9 +94,14 @@ class CallCompletion:
 
     # ----- waiting for the ranks -----
 
-    async def _await_ranks(self, pool: PoolState, call: Call, tasks: Sequence[asyncio.Future[RankResult]],
-                           assignment: Any, lanes: Sequence[int], release: Callable[[int], None] | None,
-                           stream: Any) -> None:
+    async def await_ranks(self, pool: PoolState, call: Call, tasks: Sequence[asyncio.Future[RankResult]],
+                          assignment: Any, lanes: Sequence[int], release: Callable[[int], None] | None,
+                          stream: Any) -> None:
+        """Wait for ``tasks`` (one per rank of ``call``, on ``pool``'s ranks ``lanes``)
+        and settle ``call``; ``release(lane)`` gives a rank back as soon as it
+        returned (a streamed call's), and ``stream`` hears each rank's result.
+        Returns once every rank returned or the call failed, timed out or lost a
+        worker."""
         ranks = _Ranks()
         rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
         pending: set[asyncio.Future[Any]] = set(tasks)
@@ -148,7 +167,7 @@ class CallCompletion:
         return lambda i, exc: self._gone(pool, call, lanes[i], exc)
 
     def _gone(self, pool: PoolState, call: Call, rank: int, exc: WorkerGone) -> WorkerDiedError:
-        self._worker_died(exc.worker, exc.detail)
+        self.worker_died(exc.worker, exc.detail)
         if exc.worker == pool.workers[rank] or exc.worker not in self._where:
             return WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
                                    cause="its worker process died", detail=exc.detail)
@@ -161,7 +180,7 @@ class CallCompletion:
     def driver_io_died(self, exc: WorkerGone, doing: str) -> WorkerDiedError:
         """The public error for a worker that died while the driver moved rows to or
         from it (``Session.put``, ``fetch_rows``); breaks its pool."""
-        self._worker_died(exc.worker, exc.detail)
+        self.worker_died(exc.worker, exc.detail)
         pool, rank = self._where.get(exc.worker, (None, exc.worker))
         return WorkerDiedError(role="", method=doing, rank=rank, pool=pool.name if pool else "?",
                                cause="its worker process died", detail=exc.detail)

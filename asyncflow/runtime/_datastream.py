@@ -21,7 +21,9 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from asyncflow.runtime._future import DataFuture, Resolved, Transform
+from asyncflow.runtime._future import DataFuture
+from asyncflow.runtime._resolved import Resolved
+from asyncflow.runtime._transform import BoundTransform
 from channels import BatchMeta, ConfigError, SchemaError, collect_parts
 
 T = TypeVar("T")
@@ -70,13 +72,13 @@ class DataStream(Generic[T]):
     raises the producer's error after the micro-batches that made it.
     """
 
-    def __init__(self, *, label: str, fields: frozenset[str] | None, runtime: Any, spawn: Spawn,
+    def __init__(self, *, label: str, fields: frozenset[str] | None, owner: Any, spawn: Spawn,
                  origins: Mapping[str, str] | None = None) -> None:
-        self._label, self._fields, self._runtime, self._spawn = label, fields, runtime, spawn
+        self._label, self._fields, self._owner, self._spawn = label, fields, owner, spawn
         self._origins = dict(origins) if origins is not None else (
             None if fields is None else dict.fromkeys(fields, label))
         self._items: list[DataFuture[Any]] = []
-        self._loop: asyncio.AbstractEventLoop = runtime._loop
+        self._loop: asyncio.AbstractEventLoop = owner._loop
         self._end: asyncio.Future[None] = self._loop.create_future()
         self._end.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._changed: asyncio.Future[None] | None = None
@@ -178,7 +180,7 @@ class DataStream(Generic[T]):
     def _derive(self, label: str, each: Callable[[DataFuture[Any]], DataFuture[Any]]) -> DataStream[BatchMeta]:
         probe = each(template(self))
         out: DataStream[BatchMeta] = DataStream(label=label, fields=probe.fields, origins=probe._origins,
-                                                runtime=self._runtime, spawn=self._spawn)
+                                                owner=self._owner, spawn=self._spawn)
 
         def one(futs: Sequence[DataFuture[Any]]) -> DataFuture[Any]:
             return each(futs[0])
@@ -190,7 +192,7 @@ def template(stream: DataStream[Any]) -> DataFuture[Any]:
     """A future standing for any micro-batch of ``stream`` (never awaited): lets a
     call on a stream be checked at call time, before any micro-batch exists."""
     return DataFuture(label=stream.label, fields=stream.fields, origins=stream._origins,
-                      runtime=stream._runtime, source=None, derive=_never)
+                      owner=stream._owner, source=None, derive=_never)
 
 
 async def _never() -> Resolved:
@@ -261,17 +263,17 @@ def collect(stream: DataStream[Any]) -> DataFuture[BatchMeta]:
                         transforms=_common_transforms(futs, parts))
 
     out: DataFuture[BatchMeta] = DataFuture(label=f"collect({stream.label})", fields=stream.fields,
-                                            origins=stream._origins, runtime=stream._runtime, derive=derive)
+                                            origins=stream._origins, owner=stream._owner, derive=derive)
     out._late = late
     return out
 
 
-def _common_transforms(futs: Sequence[DataFuture[Any]], parts: Sequence[Resolved]) -> tuple[Transform, ...]:
+def _common_transforms(futs: Sequence[DataFuture[Any]], parts: Sequence[Resolved]) -> tuple[BoundTransform, ...]:
     if not parts:
         return ()
     first = parts[0].transforms
     for f, p in zip(futs, parts, strict=True):
-        if len(p.transforms) != len(first) or any(
-                a.fn is not b.fn or dict(a.kwargs) != dict(b.kwargs) for a, b in zip(p.transforms, first, strict=True)):
+        if len(p.transforms) != len(first) or not all(
+                a.same_as(b) for a, b in zip(p.transforms, first, strict=True)):
             raise SchemaError(f"{f.label} was mapped differently from the stream's other micro-batches")
     return first

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 from asyncflow.runtime._calls import Call
 from asyncflow.runtime._errors import RemoteStageError, WorkerDiedError
-from asyncflow.runtime._future import Resolved
+from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._transport import WorkerGone
 from channels import AsyncflowError
 from workers import RankError

@@ -15,21 +15,35 @@ a call that has not run yet and every call that depends on it.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
+from asyncflow.runtime._resolved import Resolved
+from asyncflow.runtime._select import (
+    Predicate,
+    check_filter,
+    check_take,
+    filter_column,
+    first_rows,
+    pick_rows,
+    row_mask,
+    select_columns,
+    selected_fields,
+    slice_text,
+)
+from asyncflow.runtime._transform import BoundTransform, RowFn
 from channels import Batch, BatchMeta, ConfigError, MissingFieldError
-
-if TYPE_CHECKING:
-    from asyncflow.runtime._ledger import Lease
 
 T = TypeVar("T")
 
+Compute = Callable[[], Awaitable[tuple[Resolved, tuple[int, ...] | None]]]
+"""Resolves a derived future: its rows and, when known, their stream row ids."""
 
-class Runtime(Protocol):
+
+class FutureOwner(Protocol):
     """What a future needs of the session that made it."""
 
     async def fetch_rows(self, meta: BatchMeta) -> Batch:
@@ -39,54 +53,6 @@ class Runtime(Protocol):
     def cancel(self, fut: DataFuture[Any]) -> bool:
         """Cancel ``fut``'s call (if queued) and every queued call depending on it."""
         ...
-
-
-class TransformFn:
-    """A row transform with declared fields (made by :func:`transform`)."""
-
-    def __init__(self, fn: Callable[..., Mapping[str, torch.Tensor]], reads: tuple[str, ...] | None,
-                 writes: tuple[str, ...] | None) -> None:
-        self.fn, self.reads, self.writes = fn, reads, writes
-        self.__name__ = getattr(fn, "__name__", "transform")
-        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
-        self.__doc__ = fn.__doc__
-
-    def __call__(self, batch: Batch, **kwargs: Any) -> Mapping[str, torch.Tensor]:
-        return self.fn(batch, **kwargs)
-
-
-def transform(*, reads: Sequence[str] | None = None, writes: Sequence[str] | None = None
-              ) -> Callable[[Callable[..., Mapping[str, torch.Tensor]]], TransformFn]:
-    """Declare the fields a row transform reads and writes, so that ``fut.map(fn)``
-    knows its output fields at call time and pulls only what ``fn`` needs.
-
-    The function takes a :class:`~channels.Batch` (the consumer rank's rows) and
-    keyword arguments, and returns a mapping of new or replaced columns with the
-    same row count.
-    """
-    def decorate(fn: Callable[..., Mapping[str, torch.Tensor]]) -> TransformFn:
-        return TransformFn(fn, None if reads is None else tuple(reads), None if writes is None else tuple(writes))
-    return decorate
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class Transform:
-    """A transform applied where the rows land, with its arguments."""
-
-    fn: Callable[..., Mapping[str, torch.Tensor]]
-    kwargs: Mapping[str, Any]
-    reads: tuple[str, ...] | None
-    writes: tuple[str, ...] | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class Resolved:
-    """What a row future resolves to inside the runtime."""
-
-    meta: BatchMeta
-    row_lengths: tuple[int, ...] | None
-    leases: tuple[Lease, ...]
-    transforms: tuple[Transform, ...] = ()
 
 
 class DataFuture(Generic[T]):
@@ -99,7 +65,7 @@ class DataFuture(Generic[T]):
     asyncio future.
     """
 
-    def __init__(self, *, label: str, fields: frozenset[str] | None, runtime: Runtime,
+    def __init__(self, *, label: str, fields: frozenset[str] | None, owner: FutureOwner,
                  origins: Mapping[str, str] | None = None,
                  source: asyncio.Future[Any] | None = None,
                  derive: Callable[[], Awaitable[Resolved]] | None = None,
@@ -108,7 +74,7 @@ class DataFuture(Generic[T]):
         self._fields = fields
         self._origins = dict(origins) if origins is not None else (
             None if fields is None else dict.fromkeys(fields, label))
-        self._runtime = runtime
+        self._owner = owner
         self._source = source
         self._derive = derive
         self._call_id = call_id
@@ -173,7 +139,7 @@ class DataFuture(Generic[T]):
         """
         if self.done():
             return False
-        return self._runtime.cancel(self)
+        return self._owner.cancel(self)
 
     def _mark_cancelled(self) -> None:
         """For a derived future: cancelled (the runtime cancels call futures)."""
@@ -209,7 +175,7 @@ class DataFuture(Generic[T]):
         result = await self._resolve()
         if not isinstance(result, Resolved):
             return result
-        batch = await self._runtime.fetch_rows(result.meta)
+        batch = await self._owner.fetch_rows(result.meta)
         for t in result.transforms:
             batch = batch.update(t.fn(batch, **t.kwargs))
         return batch
@@ -224,15 +190,14 @@ class DataFuture(Generic[T]):
                                         f"it has {sorted(self._fields)}")
         return _rename(self, mapping)
 
-    def map(self, fn: Callable[..., Mapping[str, torch.Tensor]], /, **kwargs: Any) -> DataFuture[BatchMeta]:
+    def map(self, fn: RowFn, /, **kwargs: Any) -> DataFuture[BatchMeta]:
         """A future of the same rows plus the columns ``fn(batch, **kwargs)``
         returns. ``fn`` runs on the ranks that consume the rows, never on the
         driver. Decorate ``fn`` with :func:`transform` to declare its fields."""
         if not callable(fn):
             raise ConfigError(f"map needs a callable, got {fn!r}")
-        reads = fn.reads if isinstance(fn, TransformFn) else None
-        writes = fn.writes if isinstance(fn, TransformFn) else None
-        t = Transform(fn=fn, kwargs=dict(kwargs), reads=reads, writes=writes)
+        t = BoundTransform.of(fn, kwargs)
+        writes = t.writes
         name = getattr(fn, "__name__", "fn")
         label = f"{self._label}.map({name})"
         fields = origins = None
@@ -249,11 +214,11 @@ class DataFuture(Generic[T]):
                             transforms=(*base.transforms, t))
 
         out: DataFuture[BatchMeta] = DataFuture(label=label, fields=fields, origins=origins,
-                                                runtime=self._runtime, derive=derive, parents=(self,))
+                                                owner=self._owner, derive=derive, parents=(self,))
         out._row_ids = self._row_ids
         return out
 
-    # ----- selections (metadata only; implemented in asyncflow.runtime._select) -----
+    # ----- selections (metadata only; the checks and row arithmetic are in _select) -----
 
     def select(self, fields: Iterable[str] | str) -> DataFuture[BatchMeta]:
         """A future of the same rows with only columns ``fields`` (metadata only).
@@ -270,8 +235,16 @@ class DataFuture(Generic[T]):
             MissingFieldError: a name is not a field (at call time when the fields
                 are known, else on await).
         """
-        from asyncflow.runtime._select import select_fields
-        return select_fields(self, fields)
+        wanted = selected_fields(self._label, self._fields, fields)
+        label = f"{self._label}.select({', '.join(wanted)})"
+
+        async def compute() -> tuple[Resolved, tuple[int, ...] | None]:
+            return select_columns(await self._rows("select"), wanted, label), self._row_ids
+
+        origins = None if self._origins is None else {k: v for k, v in self._origins.items() if k in wanted}
+        out = derived((self,), label, fields=frozenset(wanted), origins=origins, compute=compute)
+        out._row_ids = self._row_ids
+        return out
 
     def take(self, n: int, *, groups: bool = False) -> DataFuture[BatchMeta]:
         """A future of the first ``n`` rows, or with ``groups=True`` the first ``n``
@@ -290,8 +263,14 @@ class DataFuture(Generic[T]):
             SchemaError: on await (or in the consuming call), fewer than ``n`` rows
                 (groups) exist.
         """
-        from asyncflow.runtime._select import take_rows
-        return take_rows(self, n, groups=groups)
+        check_take(self._label, n)
+        label = f"{self._label}.take({n}{', groups=True' if groups else ''})"
+
+        async def compute() -> tuple[Resolved, tuple[int, ...] | None]:
+            base = await self._rows("take")
+            return self._pick(base, first_rows(base, n, groups=groups, label=label, of=self._label))
+
+        return derived((self,), label, fields=self._fields, origins=self._origins, compute=compute)
 
     def __getitem__(self, rows: slice) -> DataFuture[BatchMeta]:
         """A future of the rows in slice ``rows``, by position as for a list
@@ -300,14 +279,19 @@ class DataFuture(Generic[T]):
         Raises:
             ConfigError: ``rows`` is not a slice of ints.
         """
-        from asyncflow.runtime._select import slice_rows
-        return slice_rows(self, rows)
+        label = f"{self._label}[{slice_text(self._label, rows)}]"
+
+        async def compute() -> tuple[Resolved, tuple[int, ...] | None]:
+            base = await self._rows("slice")
+            return self._pick(base, range(*rows.indices(base.meta.num_rows)))
+
+        return derived((self,), label, fields=self._fields, origins=self._origins, compute=compute)
 
     # Slicing must not make a future iterable (``iter`` would call ``fut[0]``, ...):
     # None makes ``iter(fut)`` raise TypeError and ``isinstance(fut, Iterable)`` False.
     __iter__ = None
 
-    def filter(self, column: str, pred: Callable[[torch.Tensor], Any] | None = None, /, *,
+    def filter(self, column: str, pred: Predicate | None = None, /, *,
                by_group: bool = False) -> DataFuture[BatchMeta]:
         """A future of the rows (or prompt groups) whose values of ``column`` pass
         ``pred``. Metadata only: no row moves; the dropped rows' shards are freed
@@ -340,8 +324,30 @@ class DataFuture(Generic[T]):
             SchemaError: on await, ``column`` has more than one value per row, or
                 ``pred`` returned something else than one bool per row (group).
         """
-        from asyncflow.runtime._select import filter_rows
-        return filter_rows(self, column, pred, by_group=by_group)
+        check_filter(self._label, self._fields, column, pred)
+        name = "" if pred is None else f", {getattr(pred, '__name__', 'pred')}"
+        label = f"{self._label}.filter({column!r}{name}{', by_group=True' if by_group else ''})"
+
+        async def compute() -> tuple[Resolved, tuple[int, ...] | None]:
+            base = await self._rows("filter")
+            batch = await self._owner.fetch_rows(filter_column(base, column, label=label, of=self._label))
+            keep = row_mask(batch[column].reshape(-1), pred, by_group=by_group, group_size=base.meta.group_size,
+                            label=label)
+            return self._pick(base, torch.nonzero(keep).flatten().tolist())
+
+        return derived((self,), label, fields=self._fields, origins=self._origins, compute=compute)
+
+    async def _rows(self, op: str) -> Resolved:
+        """What this future resolves to, which must be rows to pass to ``op``."""
+        base = await self._resolve()
+        if not isinstance(base, Resolved):
+            raise ConfigError(f"{self._label} returned a value, not rows; it cannot be passed to {op}")
+        return base
+
+    def _pick(self, base: Resolved, rows: Sequence[int]) -> tuple[Resolved, tuple[int, ...] | None]:
+        """Rows ``rows`` (positions in ``base``, in order) of this future, with their stream row ids."""
+        ids = None if self._row_ids is None else tuple(self._row_ids[i] for i in rows)
+        return pick_rows(base, rows), ids
 
 
 def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[BatchMeta]:
@@ -358,9 +364,34 @@ def _rename(parent: DataFuture[Any], mapping: Mapping[str, str]) -> DataFuture[B
 
     args = ", ".join(f"{k}={v!r}" for k, v in mapping.items())
     out: DataFuture[BatchMeta] = DataFuture(label=f"{parent.label}.rename({args})", fields=fields,
-                                            origins=origins, runtime=parent._runtime, derive=derive,
+                                            origins=origins, owner=parent._owner, derive=derive,
                                             parents=(parent,))
     out._row_ids = parent._row_ids
+    return out
+
+
+def derived(parents: Sequence[DataFuture[Any]], label: str, *, fields: frozenset[str] | None,
+            origins: dict[str, str] | None, compute: Compute) -> DataFuture[BatchMeta]:
+    """A future resolved once by ``compute`` (concurrent awaiters share the one
+    result: a filter's column is fetched once) that lets go of its parents once
+    resolved, so that it holds only the leases of the shards it names."""
+    lock = asyncio.Lock()
+    done: list[Resolved] = []
+
+    async def derive() -> Resolved:
+        async with lock:
+            if not done:
+                resolved, row_ids = await compute()
+                me = ref()
+                if me is not None and row_ids is not None:
+                    me._row_ids = row_ids
+                done.append(resolved)
+        return done[0]
+
+    out: DataFuture[BatchMeta] = DataFuture(label=label, fields=fields, origins=origins,
+                                            owner=parents[0]._owner, derive=derive, parents=parents)
+    ref = weakref.ref(out)  # not the future itself: the closure would make a cycle that holds leases until gc
+    out._detach = True
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 from asyncflow.runtime._pool import RoleSpec, check_placement
 from asyncflow.runtime._proxy import Roles
 from asyncflow.runtime._runtime import Runtime
-from asyncflow.runtime._transport import Transforms, WorkerGone
+from asyncflow.runtime._transport import BoundTransforms, WorkerGone
 from channels import Piece, RankResult, StoreStats, StreamItem, open_channel
 from workers import WorkerProcess, pieces_by_worker
 
@@ -73,7 +73,7 @@ class LocalTransport:
             raise WorkerGone(p.worker, "killed")
         return self.workers[p.worker].slice(p.key, p.lo, p.hi, p.fields)
 
-    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
+    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
                       pieces: Sequence[Piece]) -> RankResult:
         def run() -> RankResult:
             fetched = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]

@@ -1,11 +1,15 @@
-"""Operations on data futures that move no rows: ``merge`` (of futures or of streams)."""
+"""Operations that combine data futures and move no rows: ``merge`` (of futures or of
+streams) and ``concat``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from asyncflow.runtime._datastream import DataStream, template, zip_into
-from asyncflow.runtime._future import DataFuture, Resolved, Transform
+from asyncflow.runtime._future import DataFuture, derived
+from asyncflow.runtime._resolved import Resolved
+from asyncflow.runtime._select import concat_fields, concat_rows
+from asyncflow.runtime._transform import BoundTransform
 from channels import BatchMeta, ConfigError, SchemaError, merge_meta
 
 
@@ -35,16 +39,52 @@ def merge(*futures: Any) -> Any:
     return _merge_futures(futures)
 
 
+def concat(*futures: DataFuture[Any]) -> DataFuture[BatchMeta]:
+    """A future of the rows of ``futures`` one after another (metadata only: the
+    result points at the inputs' shards).
+
+    Every input must carry the same fields (names, dtypes and per-row shapes) and
+    the same group size; transforms from ``map`` must be the same on every input
+    (or map after concatenating). E.g. ``batch = concat(kept_1, kept_2).take(64, groups=True)``.
+
+    Args:
+        futures: futures of rows, of one session.
+
+    Raises:
+        ConfigError: no futures, a stream (``collect()`` it first), or futures of
+            different sessions.
+        SchemaError: the fields differ (when known at call time; else on await or
+            in the consuming call), or group sizes, dtypes, shapes or transforms
+            differ.
+    """
+    if not futures:
+        raise ConfigError("concat needs at least one future")
+    for f in futures:
+        if not isinstance(f, DataFuture):
+            hint = "; collect() the stream first" if isinstance(f, DataStream) else ""
+            raise ConfigError(f"concat takes DataFutures, got {type(f).__name__}{hint}")
+    if len({id(f._owner) for f in futures}) != 1:
+        raise ConfigError("concat needs futures of one session")
+    fields = concat_fields([(f.label, f.fields) for f in futures])
+    label = "concat(" + ", ".join(f.label for f in futures) + ")"
+
+    async def compute() -> tuple[Resolved, tuple[int, ...] | None]:
+        parts = [await f._rows("concat") for f in futures]
+        return concat_rows(parts, [f.label for f in futures], label), None
+
+    return derived(futures, label, fields=fields, origins=None, compute=compute)
+
+
 def _merge_streams(streams: list[DataStream[Any]]) -> DataStream[BatchMeta]:
     probe = _merge_futures(tuple(template(s) for s in streams))
     out: DataStream[BatchMeta] = DataStream(label=probe.label, fields=probe.fields, origins=probe._origins,
-                                            runtime=streams[0]._runtime, spawn=streams[0]._spawn)
+                                            owner=streams[0]._owner, spawn=streams[0]._spawn)
     out._spawn(zip_into(out, streams, lambda futs: _merge_futures(tuple(futs))), f"asyncflow-{probe.label}")
     return out
 
 
 def _merge_futures(futures: tuple[DataFuture[Any], ...]) -> DataFuture[BatchMeta]:
-    if len({id(f._runtime) for f in futures}) != 1:
+    if len({id(f._owner) for f in futures}) != 1:
         raise ConfigError("merge needs futures of one session")
     _check_origins(futures)
     known = [f.fields for f in futures]
@@ -68,7 +108,7 @@ def _merge_futures(futures: tuple[DataFuture[Any], ...]) -> DataFuture[BatchMeta
 
     label = "merge(" + ", ".join(f.label for f in futures) + ")"
     out: DataFuture[BatchMeta] = DataFuture(label=label, fields=fields, origins=origins,
-                                            runtime=futures[0]._runtime, derive=derive, parents=futures)
+                                            owner=futures[0]._owner, derive=derive, parents=futures)
     ids = {f._row_ids for f in futures}
     if len(ids) == 1:
         out._row_ids = ids.pop()
@@ -87,9 +127,9 @@ def _check_origins(futures: tuple[DataFuture[Any], ...]) -> None:
             seen.setdefault(name, (origin, f.label))
 
 
-def _merged_transforms(parts: list[Resolved]) -> tuple[Transform, ...]:
-    out: list[Transform] = []
-    written: dict[str, Transform] = {}
+def _merged_transforms(parts: list[Resolved]) -> tuple[BoundTransform, ...]:
+    out: list[BoundTransform] = []
+    written: dict[str, BoundTransform] = {}
     for p in parts:
         for t in p.transforms:
             if any(t is o for o in out):  # the same transform reached through two parents

@@ -14,11 +14,12 @@ from typing import Any
 from asyncflow.runtime._calls import bind_call, output_fields
 from asyncflow.runtime._datastream import DataStream, StreamOptions, template, zip_into
 from asyncflow.runtime._errors import SessionClosedError
-from asyncflow.runtime._future import DataFuture, Resolved
+from asyncflow.runtime._future import DataFuture
 from asyncflow.runtime._lanes import Slot
 from asyncflow.runtime._ledger import ShardLedger
 from asyncflow.runtime._pool import ResourcePool, RoleSpec
 from asyncflow.runtime._proxy import RoleGroup, Roles
+from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._scheduler import Scheduler
 from asyncflow.runtime._tracer import Tracer, tracer_for
 from asyncflow.runtime._transport import Transport, WorkerGone
@@ -146,7 +147,7 @@ class Runtime:
         options = _stream_options(group, endpoint, kwargs)
         timeout_s = _timeout_option(group, endpoint, kwargs, streamed=options is not None)
         for value in (*args, *kwargs.values()):
-            if isinstance(value, DataFuture | DataStream) and value._runtime is not self:
+            if isinstance(value, DataFuture | DataStream) and value._owner is not self:
                 raise ConfigError(f"{group.name}: {value.label} belongs to another session")
         streams = [v for v in (*args, *kwargs.values()) if isinstance(v, DataStream)]
         if streams:
@@ -163,14 +164,14 @@ class Runtime:
         call.timeout_s = timeout_s
         if options is not None:
             call.stream = options
-            out: DataStream[Any] = DataStream(label=call.label, fields=output_fields(call), runtime=self,
+            out: DataStream[Any] = DataStream(label=call.label, fields=output_fields(call), owner=self,
                                               spawn=self._spawn)
             call.stream_out = out
             out._report = call.result
             self._scheduler.submit(call, group.pool.name)
             return out
         self._scheduler.submit(call, group.pool.name, slot=slot)
-        return DataFuture(label=call.label, fields=output_fields(call), runtime=self, source=call.result,
+        return DataFuture(label=call.label, fields=output_fields(call), owner=self, source=call.result,
                           call_id=call.call_id)
 
     def _submit_on_streams(self, group: RoleGroup, endpoint: Endpoint[Any, Any], args: tuple[Any, ...],
@@ -189,7 +190,7 @@ class Runtime:
         probe = bind_call(role=group.name, config=group.config, endpoint=endpoint, layout=group.layout,
                           args=probe_args, kwargs=probe_kwargs, loop=self._loop)
         label = f"{group.name}.{endpoint.spec.name}({', '.join(s.label for s in streams)})"
-        out: DataStream[Any] = DataStream(label=label, fields=output_fields(probe), runtime=self,
+        out: DataStream[Any] = DataStream(label=label, fields=output_fields(probe), owner=self,
                                           spawn=self._spawn)
         assert self._scheduler is not None
         scheduler, pool = self._scheduler, group.pool.name
@@ -251,14 +252,14 @@ class Runtime:
                                     batch.group_size)
                 for w, runs in zip(workers, assignments, strict=True)))
         except WorkerGone as e:
-            raise self._scheduler.driver_io_died(e, "Session.put") from None
+            raise self._scheduler.completion.driver_io_died(e, "Session.put") from None
         out = AllToAll().collect(results, Layout(d=len(workers)), assignments)
         kept = out.meta.shard_keys()
         self._ledger.release_now({(r.worker, r.key) for r in results} - kept)
         leases = tuple(self._ledger.lease(w, k) for w, k in sorted(kept))
         done = self._loop.create_future()
         done.set_result(Resolved(meta=out.meta, row_lengths=None, leases=leases))
-        return DataFuture(label=key, fields=frozenset(batch), runtime=self, source=done)
+        return DataFuture(label=key, fields=frozenset(batch), owner=self, source=done)
 
     async def fetch_rows(self, meta: BatchMeta) -> Batch:
         """The rows of ``meta``, pulled to the driver."""
@@ -268,7 +269,7 @@ class Runtime:
             return assemble(plan, await self._transport.fetch(plan.pieces))
         except WorkerGone as e:
             assert self._scheduler is not None
-            raise self._scheduler.driver_io_died(e, "fetch_rows") from None
+            raise self._scheduler.completion.driver_io_died(e, "fetch_rows") from None
 
     # ----- shard lifetime -----
 

@@ -49,10 +49,11 @@ from asyncflow.runtime._errors import (
     WorkerDiedError,
 )
 from asyncflow.runtime._failures import settle
-from asyncflow.runtime._future import DataFuture, Resolved
+from asyncflow.runtime._future import DataFuture
 from asyncflow.runtime._lanes import PoolState, Slot
 from asyncflow.runtime._ledger import ShardLedger
 from asyncflow.runtime._observed import Observed
+from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._streamcall import StreamedCall
 from asyncflow.runtime._tracer import Tracer
 from asyncflow.runtime._transport import Transport, WorkerGone
@@ -62,7 +63,7 @@ from workers import CallSpec, DataArg, StreamSpec
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(CallCompletion):
+class Scheduler:
     """The pools' dispatchers over a :class:`Transport`.
 
     Args:
@@ -75,16 +76,25 @@ class Scheduler(CallCompletion):
         self.ledger = ledger
         self.pools: dict[str, PoolState] = {}
         self._where: dict[int, tuple[PoolState, int]] = {}
+        self.completion = CallCompletion(transport, ledger, self._where)
+        """Waits for the ranks of each call it starts and settles the call."""
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.observed = Observed()
-        self.tracer: Tracer | None = None
-        """Set while a trace is recording (``Runtime.start_trace``)."""
         self._places = 0
         self.serial = False
         """Run one call at a time across every pool, in submission order
         (``Runtime.serial``)."""
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """Set while a trace is recording (``Runtime.start_trace``)."""
+        return self.completion.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer | None) -> None:
+        self.completion.tracer = tracer
 
     # ----- set-up -----
 
@@ -103,7 +113,7 @@ class Scheduler(CallCompletion):
         for pool in self.pools.values():
             self._tasks.append(asyncio.create_task(self._pool_loop(pool), name=f"asyncflow-pool-{pool.name}"))
         for w in self._where:
-            self._tasks.append(asyncio.create_task(self._watch(w), name=f"asyncflow-watch-{w}"))
+            self._tasks.append(asyncio.create_task(self.completion.watch(w), name=f"asyncflow-watch-{w}"))
 
     def spawn(self, coro: Any, name: str) -> None:
         """Run ``coro`` as a task the scheduler owns (cancelled at close). Callable
@@ -222,7 +232,7 @@ class Scheduler(CallCompletion):
         """Stop the dispatchers; every call not finished fails with :class:`SessionClosedError`."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self.completion.closed = True
         unsettled = list(self._live())
         tasks = [*self._tasks, *self._jobs]
         for t in tasks:
@@ -370,13 +380,13 @@ class Scheduler(CallCompletion):
                           for n, r in (call.inputs or {}).items() if r.transforms}
             if run is not None:
                 tasks = await run.start(specs, transforms)
-                await self._await_ranks(pool, call, tasks, assignment, lanes, release, run)
+                await self.completion.await_ranks(pool, call, tasks, assignment, lanes, release, run)
                 await run.finish()
                 return
             started = time.monotonic()
             tasks = [asyncio.ensure_future(self.transport.execute(w, spec, call.kwargs, transforms, pieces))
                      for w, (spec, pieces) in zip(workers, specs, strict=True)]
-            await self._await_ranks(pool, call, tasks, assignment, lanes, None, None)
+            await self.completion.await_ranks(pool, call, tasks, assignment, lanes, None, None)
             if call.rank_local:
                 self.observed.record_call(pool.name, call, len(lanes), time.monotonic() - started)
         finally:
@@ -424,6 +434,6 @@ class Scheduler(CallCompletion):
                                        return_exceptions=True)
         for w, r in zip(pool.workers, results, strict=True):
             if isinstance(r, WorkerGone):
-                self._worker_died(r.worker, r.detail)
+                self.completion.worker_died(r.worker, r.detail)
             elif isinstance(r, BaseException):
-                self._worker_died(w, f"reconnecting its process groups failed: {r}")
+                self.completion.worker_died(w, f"reconnecting its process groups failed: {r}")

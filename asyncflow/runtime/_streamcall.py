@@ -27,8 +27,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from asyncflow.runtime._future import DataFuture, Resolved
+from asyncflow.runtime._future import DataFuture
 from asyncflow.runtime._observed import StreamStats, auto_migration
+from asyncflow.runtime._resolved import Resolved
 from channels import Piece, RankResult, StreamItem
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ class StreamedCall:
         done.set_result(Resolved(meta=item.meta(), row_lengths=item.row_lengths, leases=(lease,)))
         self._count += 1
         fut: DataFuture[Any] = DataFuture(label=f"{call.label}[{self._count}]", fields=out.fields,
-                                          origins=out._origins, runtime=out._runtime, source=done,
+                                          origins=out._origins, owner=out._owner, source=done,
                                           call_id=call.call_id)
         fut._row_ids = item.row_ids
         fut._part = (call.call_id, self._count)

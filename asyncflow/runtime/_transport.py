@@ -23,8 +23,9 @@ import torch
 from channels import Piece, RankResult, StoreStats, open_receiver
 from workers import RankError, pieces_by_worker
 
-Transforms = Mapping[str, Sequence[tuple[Any, Mapping[str, Any]]]]
-"""Per data argument, ``(fn, kwargs)`` applied where the rows land."""
+BoundTransforms = Mapping[str, Sequence[tuple[Any, Mapping[str, Any]]]]
+"""Per data argument, its bound transforms as ``(fn, kwargs)`` pairs, applied where the
+rows land."""
 
 
 class WorkerGone(Exception):
@@ -43,7 +44,7 @@ class WorkerGone(Exception):
 class Transport(Protocol):
     """What the scheduler needs from the workers (see the module docstring)."""
 
-    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
+    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
                       pieces: Sequence[Piece]) -> RankResult:
         """Run one rank's part of a call; ``pieces`` not held by ``worker`` are
         pulled straight from their producers.
@@ -146,7 +147,7 @@ class RayTransport:
         text = f"{type(cause).__name__}: {cause}" if cause is not None else type(e).__name__
         return RankError(text, getattr(e, "traceback_str", "") or str(e))
 
-    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: Transforms,
+    async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
                       pieces: Sequence[Piece]) -> RankResult:
         handles = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
         result: RankResult = await self._call(

@@ -36,8 +36,9 @@ from channels import (
 from workers.host._register import Endpoint
 from workers.host._role import CallScope, Role, WorkerContext, calling
 
-Transform = tuple[Any, Mapping[str, Any]]
-"""A transform function and its keyword arguments."""
+BoundTransform = tuple[Any, Mapping[str, Any]]
+"""A row transform bound to the keyword arguments of one ``map`` call, as it
+travels to the rank that applies it: ``(function, kwargs)``."""
 
 
 class Traced:
@@ -93,7 +94,7 @@ def gather(store: ShardStore, plan: PullPlan, fetched: Sequence[dict[str, torch.
 
 
 def apply_transforms(role: Any, endpoint: Endpoint[Any, Any], method: str,
-                     transforms: Sequence[Transform], batch: Batch) -> Batch:
+                     transforms: Sequence[BoundTransform], batch: Batch) -> Batch:
     """``batch`` with each transform's columns merged in, in order.
 
     Transforms may reduce over the call's rows on every rank (``current_call``);

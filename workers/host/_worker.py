@@ -60,8 +60,8 @@ from workers.host._register import Endpoint, endpoints
 from workers.host._rendezvous import RayStore
 from workers.host._role import WorkerContext
 from workers.host._rows import (
+    BoundTransform,
     Traced,
-    Transform,
     apply_transforms,
     as_rows,
     check_writes,
@@ -196,7 +196,7 @@ class WorkerProcess(ChannelHost):
 
     @ray.method(concurrency_group="compute")
     def execute(self, spec_bytes: bytes, kwargs: Mapping[str, Any],
-                transforms: Mapping[str, Sequence[Transform]], *fetched: tuple[Packed, Mapping[str, torch.Tensor]]) -> RankResult:
+                transforms: Mapping[str, Sequence[BoundTransform]], *fetched: tuple[Packed, Mapping[str, torch.Tensor]]) -> RankResult:
         """Run one role method on this rank's rows and store the rows it returns.
 
         Args:
@@ -227,7 +227,7 @@ class WorkerProcess(ChannelHost):
             return result
         return msgspec.structs.replace(result, timing=traced.timing())
 
-    def _execute(self, spec: CallSpec, kwargs: Mapping[str, Any], transforms: Mapping[str, Sequence[Transform]],
+    def _execute(self, spec: CallSpec, kwargs: Mapping[str, Any], transforms: Mapping[str, Sequence[BoundTransform]],
                  pieces: Sequence[Any], traced: Traced | None) -> RankResult:
         args = dict(kwargs)
         i = 0
