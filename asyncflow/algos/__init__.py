@@ -43,7 +43,6 @@ from asyncflow.algos._registry import (
     algorithms,
     config_section,
     get_algorithm,
-    register,
 )
 from asyncflow.algos._remax import ReMaxConfig, ReMaxRoles, remax_step
 from asyncflow.algos._rloo import RLOOConfig, RLOORoles, leave_one_out, rloo_advantages, rloo_step
@@ -101,7 +100,6 @@ __all__ = [
     "overlong_penalties",
     "ppo_step",
     "ref_for_kl",
-    "register",
     "remax_step",
     "rloo_advantages",
     "rloo_step",

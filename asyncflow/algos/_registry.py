@@ -198,7 +198,7 @@ _REGISTRY: dict[str, Algorithm[Any]] = {}
 _loaded_entry_points = False
 
 
-def register(algo: Algorithm[Any]) -> Algorithm[Any]:
+def register_algorithm(algo: Algorithm[Any]) -> Algorithm[Any]:
     """Add ``algo`` to the registry.
 
     Raises:
@@ -224,11 +224,11 @@ def algorithm(name: str, *, config: type[C], roles: type[RoleSet]) -> Callable[[
 
     Raises:
         ConfigError: the step's signature is not one the trainer can call, or the
-            algorithm is refused by :func:`register`.
+            algorithm is refused by :func:`register_algorithm`.
     """
 
     def decorate(step: F) -> F:
-        register(Algorithm(name=name, config=config, roles=roles, step=step))
+        register_algorithm(Algorithm(name=name, config=config, roles=roles, step=step))
         return step
 
     return decorate
@@ -254,7 +254,7 @@ def algorithms() -> dict[str, Algorithm[Any]]:
                 raise ConfigError(f"entry point {ep.name} = {ep.value!r}{dist} in group {ENTRY_POINT_GROUP} "
                                   f"failed to load: {type(e).__name__}: {e}") from e
             if isinstance(loaded, Algorithm):
-                register(loaded)
+                register_algorithm(loaded)
     return dict(_REGISTRY)
 
 

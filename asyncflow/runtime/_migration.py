@@ -11,7 +11,7 @@ each paying a prefill of its tokens first. A decode step of ``b`` samples takes
 devices: ``inference_s_per_sample`` is their cost per sample on one instance, in
 micro-batches of finished samples (in finishing order), each on whichever free
 instance can start it first. An instance either generates or, once it has no
-sample left to generate, runs inference. ``simulate``'s modes:
+sample left to generate, runs inference. ``simulate_generation``'s modes:
 
 - ``batch``: inference starts when the last sample of the batch is done.
 - ``stream``: a micro-batch starts as soon as its samples are done.
@@ -90,7 +90,7 @@ class StepCost:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Workload:
+class GenerationWorkload:
     """One RL step's generation and inference, as the simulator sees it."""
 
     lengths: tuple[int, ...]
@@ -111,12 +111,12 @@ class Workload:
     def __post_init__(self) -> None:
         object.__setattr__(self, "lengths", tuple(self.lengths))  # a list would not hash
         _check(len(self.lengths) > 0 and all(int(n) == n >= 1 for n in self.lengths),
-               "Workload.lengths", self.lengths, "a non-empty tuple of ints >= 1")
+               "GenerationWorkload.lengths", self.lengths, "a non-empty tuple of ints >= 1")
         for name in ("instances", "max_batch", "micro_batch"):
-            _check(getattr(self, name) >= 1, f"Workload.{name}", getattr(self, name), "an int >= 1")
-        _check(self.prompt_tokens >= 0, "Workload.prompt_tokens", self.prompt_tokens, "an int >= 0")
+            _check(getattr(self, name) >= 1, f"GenerationWorkload.{name}", getattr(self, name), "an int >= 1")
+        _check(self.prompt_tokens >= 0, "GenerationWorkload.prompt_tokens", self.prompt_tokens, "an int >= 0")
         cost = self.inference_s_per_sample
-        _check(math.isfinite(cost) and cost >= 0, "Workload.inference_s_per_sample", cost, "a finite number >= 0")
+        _check(math.isfinite(cost) and cost >= 0, "GenerationWorkload.inference_s_per_sample", cost, "a finite number >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,19 +202,19 @@ def _decode(remaining: Sequence[int], prefill: Sequence[int], *, in_batch: int, 
     return run
 
 
-def _shares(w: Workload) -> list[range]:
+def _shares(w: GenerationWorkload) -> list[range]:
     q, r = divmod(len(w.lengths), w.instances)
     return [range(a, b) for a, b in pairwise(i * q + min(i, r) for i in range(w.instances + 1))]
 
 
 @lru_cache(maxsize=8)
-def _streamed(w: Workload) -> list[_Run]:
+def _streamed(w: GenerationWorkload) -> list[_Run]:
     """Every instance decoding its own share from time 0 (shared by all modes)."""
     return [_decode([w.lengths[i] for i in share], [w.prompt_tokens] * len(share), in_batch=0,
                     start_s=0.0, max_batch=w.max_batch, step=w.step) for share in _shares(w)]
 
 
-def _infer(ready: Sequence[float], free: list[float], w: Workload) -> float:
+def _infer(ready: Sequence[float], free: list[float], w: GenerationWorkload) -> float:
     """When the last micro-batch is done: micro-batches in ``ready`` order (sorted
     finish times), each on the instance free first; ``free`` is when each can start."""
     heapq.heapify(free)
@@ -226,7 +226,7 @@ def _infer(ready: Sequence[float], free: list[float], w: Workload) -> float:
     return float(max(free))
 
 
-def simulate(w: Workload, mode: Mode, *, threshold: int = 0, targets: int = 1) -> Simulated:
+def simulate_generation(w: GenerationWorkload, mode: Mode, *, threshold: int = 0, targets: int = 1) -> Simulated:
     """Simulate one step of ``w`` run in ``mode`` (see the module docstring).
 
     ``threshold`` and ``targets`` apply to ``migrate`` only; ``migrate`` with
@@ -250,7 +250,7 @@ def simulate(w: Workload, mode: Mode, *, threshold: int = 0, targets: int = 1) -
     return _migrate(w, runs, moment, targets)
 
 
-def _migrate(w: Workload, runs: list[_Run], moment: float, targets: int) -> Simulated:
+def _migrate(w: GenerationWorkload, runs: list[_Run], moment: float, targets: int) -> Simulated:
     """Stream until ``moment``, then move the unfinished samples onto ``targets`` instances."""
     shares = _shares(w)
     done: list[float] = []
@@ -290,7 +290,7 @@ def _migrate(w: Workload, runs: list[_Run], moment: float, targets: int) -> Simu
                      migrated=len(moved), reprefill_s=reprefill)
 
 
-def choose_migration(w: Workload) -> MigrationChoice:
+def choose_migration(w: GenerationWorkload) -> MigrationChoice:
     """RLHFuse's choice (§4.2): simulate thresholds from 5% to 95% of the batch in
     steps of 5%, and 0 (no migration), each with ``max(1, ceil(threshold /
     max_batch))`` targets so that no target's decode batch is over-full; return the
@@ -300,9 +300,9 @@ def choose_migration(w: Workload) -> MigrationChoice:
     tried = []
     for threshold in thresholds:
         targets = min(w.instances, max(1, math.ceil(threshold / w.max_batch)))
-        tried.append((threshold, targets, simulate(w, "migrate", threshold=threshold, targets=targets).total_s))
+        tried.append((threshold, targets, simulate_generation(w, "migrate", threshold=threshold, targets=targets).total_s))
     threshold, targets, best = min(tried, key=lambda x: x[2])
-    batch_s = simulate(w, "batch").total_s
+    batch_s = simulate_generation(w, "batch").total_s
     return MigrationChoice(threshold=threshold, targets=targets, predicted_s=best, batch_s=batch_s,
                            stream_s=tried[0][2], speedup=batch_s / best,
                            tried=tuple((t, s) for t, _, s in tried))
@@ -321,7 +321,7 @@ def predicted_speedups(lengths: Sequence[int], *, instances: Sequence[int], samp
     for count in instances:
         _check(count >= 1, "instances", instances, "instance counts >= 1")
         drawn = np.random.default_rng(seed).choice(observed, size=count * samples_per_instance)
-        w = Workload(lengths=tuple(int(x) for x in drawn), instances=count, max_batch=max_batch, step=step,
+        w = GenerationWorkload(lengths=tuple(int(x) for x in drawn), instances=count, max_batch=max_batch, step=step,
                      inference_s_per_sample=inference_s_per_sample, prompt_tokens=prompt_tokens,
                      micro_batch=micro_batch)
         choices[count] = choose_migration(w)

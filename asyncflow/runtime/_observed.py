@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncflow.runtime._migration import StepCost, Workload, choose_migration
+from asyncflow.runtime._migration import GenerationWorkload, StepCost, choose_migration
 
 
 @dataclass(kw_only=True)
@@ -90,7 +90,7 @@ def auto_migration(observed: Observed, *, pool: str, role: str, method: str, ran
         step = StepCost.fit(record.step_s)
     else:
         step = StepCost(base_s=max(done) / longest, per_sample_s=0.0)
-    workload = Workload(lengths=tuple(record.lengths), instances=ranks,
+    workload = GenerationWorkload(lengths=tuple(record.lengths), instances=ranks,
                         max_batch=max(1, max(record.initial)), step=step,
                         inference_s_per_sample=inference, micro_batch=micro_batch)
     choice = choose_migration(workload)

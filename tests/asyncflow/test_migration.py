@@ -9,13 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflow.runtime._migration import (
+    GenerationWorkload,
     Simulated,
     StepCost,
-    Workload,
     choose_migration,
     long_tail_lengths,
     predicted_speedups,
-    simulate,
+    simulate_generation,
 )
 from channels import ConfigError
 
@@ -28,23 +28,23 @@ def full_batch_cost(lengths, step=STEP, max_batch=64):
     return float(np.mean(lengths)) * step.decode_s(max_batch) / max_batch
 
 
-def tail_workload(instances=8, inference_times=1.0) -> Workload:
+def tail_workload(instances=8, inference_times=1.0) -> GenerationWorkload:
     lengths = tuple(TAIL[: instances * 64])
-    return Workload(lengths=lengths, instances=instances, max_batch=64, step=STEP, prompt_tokens=128,
+    return GenerationWorkload(lengths=lengths, instances=instances, max_batch=64, step=STEP, prompt_tokens=128,
                     micro_batch=8, inference_s_per_sample=inference_times * full_batch_cost(lengths))
 
 
 @st.composite
-def workloads(draw) -> Workload:
+def workloads(draw) -> GenerationWorkload:
     step = StepCost(base_s=draw(st.floats(0, 0.1)), per_sample_s=draw(st.floats(0, 0.01)),
                     prefill_per_token_s=draw(st.floats(0, 0.001)))
-    return Workload(lengths=tuple(draw(st.lists(st.integers(1, 60), min_size=1, max_size=40))),
+    return GenerationWorkload(lengths=tuple(draw(st.lists(st.integers(1, 60), min_size=1, max_size=40))),
                     instances=draw(st.integers(1, 6)), max_batch=draw(st.integers(1, 8)), step=step,
                     inference_s_per_sample=draw(st.floats(0, 0.2)), prompt_tokens=draw(st.integers(0, 20)),
                     micro_batch=draw(st.integers(1, 5)))
 
 
-def least_work_s(w: Workload) -> float:
+def least_work_s(w: GenerationWorkload) -> float:
     """Instance-seconds no schedule can do without: every token decoded in a full
     batch (a step's base cost shared by ``max_batch`` samples), every prompt
     prefilled once, every sample's inference."""
@@ -59,8 +59,8 @@ def test_total_time_is_at_least_the_work_spread_over_instances(w, data):
     threshold = data.draw(st.integers(0, len(w.lengths)))
     targets = data.draw(st.integers(1, w.instances))
     bound = least_work_s(w) / w.instances
-    for run in (simulate(w, "batch"), simulate(w, "stream"),
-                simulate(w, "migrate", threshold=threshold, targets=targets)):
+    for run in (simulate_generation(w, "batch"), simulate_generation(w, "stream"),
+                simulate_generation(w, "migrate", threshold=threshold, targets=targets)):
         assert run.total_s >= bound * (1 - 1e-9)
         assert run.total_s >= run.generation_s
 
@@ -68,9 +68,9 @@ def test_total_time_is_at_least_the_work_spread_over_instances(w, data):
 @settings(max_examples=300, deadline=None)
 @given(w=workloads())
 def test_stream_is_never_slower_than_batch_and_threshold_zero_is_stream(w):
-    stream = simulate(w, "stream")
-    assert stream.total_s <= simulate(w, "batch").total_s * (1 + 1e-9)
-    assert simulate(w, "migrate", threshold=0, targets=w.instances) == stream
+    stream = simulate_generation(w, "stream")
+    assert stream.total_s <= simulate_generation(w, "batch").total_s * (1 + 1e-9)
+    assert simulate_generation(w, "migrate", threshold=0, targets=w.instances) == stream
     assert stream.migrated_at_s is None
 
 
@@ -80,24 +80,24 @@ def test_a_timeline_worked_by_hand():
     # the two long samples (t=10) and take two rounds: 14 s. Migrating the two
     # long samples onto one instance at t=1 (both have made 1 token) frees the
     # other: it infers the short samples at 1-5 and one long one at 10-12.
-    w = Workload(lengths=(1, 10, 1, 10), instances=2, max_batch=4, inference_s_per_sample=2.0,
+    w = GenerationWorkload(lengths=(1, 10, 1, 10), instances=2, max_batch=4, inference_s_per_sample=2.0,
                  step=StepCost(base_s=1.0, per_sample_s=0.0))
-    assert simulate(w, "batch") == Simulated(total_s=14.0, generation_s=10.0)
-    assert simulate(w, "stream").total_s == 14.0
-    fused = simulate(w, "migrate", threshold=2, targets=1)
+    assert simulate_generation(w, "batch") == Simulated(total_s=14.0, generation_s=10.0)
+    assert simulate_generation(w, "stream").total_s == 14.0
+    fused = simulate_generation(w, "migrate", threshold=2, targets=1)
     assert fused == Simulated(total_s=12.0, generation_s=10.0, migrated_at_s=1.0, migrated=1)
-    assert simulate(w, "migrate", threshold=2, targets=2).total_s == 14.0  # nothing freed
+    assert simulate_generation(w, "migrate", threshold=2, targets=2).total_s == 14.0  # nothing freed
 
 
 def test_stream_overlaps_inference_with_the_tail():
     w = tail_workload()
-    batch, stream = simulate(w, "batch"), simulate(w, "stream")
+    batch, stream = simulate_generation(w, "batch"), simulate_generation(w, "stream")
     assert batch.generation_s == stream.generation_s
     assert stream.total_s < batch.total_s
 
 
 def test_equal_lengths_gain_nothing():
-    w = Workload(lengths=(100,) * 128, instances=8, max_batch=64, step=STEP, inference_s_per_sample=0.05)
+    w = GenerationWorkload(lengths=(100,) * 128, instances=8, max_batch=64, step=STEP, inference_s_per_sample=0.05)
     choice = choose_migration(w)
     assert choice.threshold == 0
     assert choice.speedup == pytest.approx(1.0)
@@ -127,7 +127,7 @@ def test_choice_is_the_fastest_threshold_tried():
     assert choice.predicted_s == min(s for _, s in choice.tried)
     assert (choice.threshold, choice.predicted_s) in choice.tried
     assert choice.targets == max(1, -(-choice.threshold // w.max_batch))
-    fused = simulate(w, "migrate", threshold=choice.threshold, targets=choice.targets)
+    fused = simulate_generation(w, "migrate", threshold=choice.threshold, targets=choice.targets)
     assert fused.total_s == choice.predicted_s
     assert fused.migrated_at_s is not None and 0 < fused.migrated <= choice.threshold
     assert fused.reprefill_s > 0  # moved samples had a prompt and tokens to prefill again
@@ -136,8 +136,8 @@ def test_choice_is_the_fastest_threshold_tried():
 def test_overloading_few_targets_is_slower_than_enough_targets():
     w = tail_workload(inference_times=4.0)
     threshold = len(w.lengths) // 2
-    crowded = simulate(w, "migrate", threshold=threshold, targets=1)
-    spread = simulate(w, "migrate", threshold=threshold, targets=-(-threshold // w.max_batch))
+    crowded = simulate_generation(w, "migrate", threshold=threshold, targets=1)
+    spread = simulate_generation(w, "migrate", threshold=threshold, targets=-(-threshold // w.max_batch))
     assert spread.total_s < crowded.total_s
 
 
@@ -181,15 +181,15 @@ def test_predicted_speedups_per_instance_count():
     ("make", "field"),
     [
         (lambda: StepCost(base_s=-1.0, per_sample_s=0.0), "StepCost.base_s"),
-        (lambda: Workload(lengths=(), instances=1, max_batch=1, step=STEP, inference_s_per_sample=0.0),
-         "Workload.lengths"),
-        (lambda: Workload(lengths=(3, 0), instances=1, max_batch=1, step=STEP, inference_s_per_sample=0.0),
-         "Workload.lengths"),
-        (lambda: Workload(lengths=(3,), instances=0, max_batch=1, step=STEP, inference_s_per_sample=0.0),
-         "Workload.instances"),
-        (lambda: simulate(tail_workload(), "fused"), "mode"),  # type: ignore[arg-type]
-        (lambda: simulate(tail_workload(), "migrate", threshold=-1), "threshold"),
-        (lambda: simulate(tail_workload(), "migrate", threshold=4, targets=9), "targets"),
+        (lambda: GenerationWorkload(lengths=(), instances=1, max_batch=1, step=STEP, inference_s_per_sample=0.0),
+         "GenerationWorkload.lengths"),
+        (lambda: GenerationWorkload(lengths=(3, 0), instances=1, max_batch=1, step=STEP, inference_s_per_sample=0.0),
+         "GenerationWorkload.lengths"),
+        (lambda: GenerationWorkload(lengths=(3,), instances=0, max_batch=1, step=STEP, inference_s_per_sample=0.0),
+         "GenerationWorkload.instances"),
+        (lambda: simulate_generation(tail_workload(), "fused"), "mode"),  # type: ignore[arg-type]
+        (lambda: simulate_generation(tail_workload(), "migrate", threshold=-1), "threshold"),
+        (lambda: simulate_generation(tail_workload(), "migrate", threshold=4, targets=9), "targets"),
         (lambda: long_tail_lengths(10, median=32, p99_ratio=8, max_len=16, seed=0), "max_len"),
     ],
 )
