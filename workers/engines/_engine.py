@@ -20,7 +20,6 @@ offloaded to host memory between calls (:meth:`TrainingEngine.offload`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Iterator, Mapping
 
@@ -34,9 +33,6 @@ from workers.engines._activation_checkpointing import enable_activation_checkpoi
 from workers.engines._batch import (
     build_inputs,
     check_batch,
-    dummy_row,
-    pad_columns,
-    select_rows,
     token_counts,
 )
 from workers.engines._checkpoint import ExportWriter, Generators
@@ -44,52 +40,18 @@ from workers.engines._config import TrainingConfig
 from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead
 from workers.engines._memory import MemoryFootprint, measure_memory
+from workers.engines._micro_batches import (
+    StepStats,
+    collect_outputs,
+    micro_batch,
+    pad_outputs,
+    zero_objective,
+)
 from workers.engines._objectives import LossFn, ModelOutputs
 from workers.engines._offload import Offloader
-from workers.engines._optimizer import build_adamw
+from workers.engines._optimizer import build_adamw, take_step
 from workers.engines._parallel import Parallelism, TensorParallelPlan, clip_grad_norm
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
-
-
-class _StepStats:
-    """Sums of the loss and per-token metrics of one step, reduced over DP at the end.
-
-    Kept as float64 tensors on the device so that no micro-batch waits for the device.
-    Every rank records the same metric names (a dummy micro-batch adds zeros), so the
-    packed reduction has the same size everywhere.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss = self._zero
-        self.tokens = self._zero
-        self.sums: dict[str, Tensor] = {}
-
-    def add(self, metrics: Mapping[str, Tensor], mask: Tensor, *, loss: Tensor | None) -> None:
-        # where, not a product: a non-finite value on padding must not leak into a sum.
-        keep = mask.bool()
-        if loss is not None:
-            self.loss = self.loss + loss.detach().double()
-        self.tokens = self.tokens + keep.sum().double()
-        for name, value in metrics.items():
-            total = torch.where(keep, value.detach(), 0.0).sum().double()
-            self.sums[name] = self.sums.get(name, self._zero) + total
-
-    def reduce(self, parallel: Parallelism) -> dict[str, float]:
-        names = sorted(self.sums)
-        packed = torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
-        loss, tokens, *sums = parallel.all_reduce_dp(packed).tolist()
-        return {"loss": loss} | {n: s / max(tokens, 1.0) for n, s in zip(names, sums, strict=True)}
-
-
-def _zero_objective(outputs: ModelOutputs) -> Tensor:
-    """A loss that touches every output and has exactly zero gradient (for dummy rows)."""
-    parts = [
-        value.sum()
-        for value in (getattr(outputs, f.name) for f in dataclasses.fields(outputs))
-        if value is not None and value.requires_grad
-    ]
-    return torch.stack(parts).sum() * 0.0
 
 
 class TrainingEngine:
@@ -242,35 +204,13 @@ class TrainingEngine:
         try:
             with torch.no_grad():
                 for rows_idx in self._plan(batch):
-                    micro, dummy = self._micro_batch(batch, rows_idx)
+                    micro, dummy = micro_batch(batch, rows_idx)
                     with self._precision.context():
                         outputs = head(self.model, build_inputs(micro), entropy_grad=False)
-                    self._collect(results, outputs, None if dummy else rows_idx, micro, shape)
+                    collect_outputs(results, outputs, None if dummy else rows_idx, micro, shape, self.device)
         finally:
             self.model.train(was_training)
         return ModelOutputs(**results)
-
-    def _collect(
-        self,
-        results: dict[str, Tensor],
-        outputs: ModelOutputs,
-        rows: Tensor | None,
-        micro: Mapping[str, Tensor],
-        shape: tuple[int, int],
-    ) -> None:
-        """Write a micro-batch's outputs into the batch-sized ``results`` at ``rows``.
-
-        A dummy micro-batch (``rows`` None) only creates the fields, so that a rank
-        without rows returns ``[0, R]`` outputs.
-        """
-        for field in dataclasses.fields(outputs):
-            value = getattr(outputs, field.name)
-            if value is None:
-                continue
-            dest = results.setdefault(field.name, torch.zeros(shape, device=self.device))
-            if rows is not None:
-                mask = micro["response_mask"].to(torch.float32)
-                dest[rows.to(self.device)] = pad_columns(value.float(), shape[1]) * mask
 
     # ----------------------------------------------------------------------- train
 
@@ -319,20 +259,20 @@ class TrainingEngine:
 
         self.model.train()
         optimizer.zero_grad(set_to_none=True)
-        stats = _StepStats(self.device)
+        stats = StepStats(self.device)
         for rows_idx in self._plan(batch):
-            micro, dummy = self._micro_batch(batch, rows_idx)
+            micro, dummy = micro_batch(batch, rows_idx)
             # Only the forward runs under the precision context (autocast's rule: the
             # backward follows the forward's dtypes); the objective computes in float32.
             with self._precision.context():
                 raw = self.head(self.model, build_inputs(micro), entropy_grad=loss_fn.uses_entropy)
-            outputs = self._pad_outputs(raw, micro["response_ids"].shape[1])
+            outputs = pad_outputs(raw, micro["response_ids"].shape[1])
             if dummy:
                 # Same forward and backward as a real micro-batch (FSDP's collectives),
                 # but zero gradient; the loss still names the metrics every rank reports.
                 with torch.no_grad():
                     metrics = loss_fn(outputs, micro).metrics
-                _zero_objective(outputs).backward()
+                zero_objective(outputs).backward()
                 stats.add(metrics, micro["response_mask"], loss=None)
                 continue
             terms = loss_fn(outputs, micro)
@@ -341,22 +281,13 @@ class TrainingEngine:
             stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
         self.parallel.reduce_gradients(self.model)
         reduced = stats.reduce(self.parallel)
-        return reduced | self._optimizer_step(optimizer, reduced["loss"])
-
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer, loss: float) -> dict[str, float]:
         # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
         # same decision.
         grad_norm = self._clip_gradients()
-        lr = self.config.lr_at(self._step)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        skip = self.config.skip_non_finite and not finite
-        if not skip:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
+        stepped = take_step(optimizer, self.config, self._step, loss=reduced["loss"], grad_norm=grad_norm)
+        if not stepped["step_skipped"]:
             self._step += 1
-        optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr, "step_skipped": float(skip)}
+        return reduced | stepped
 
     def _clip_gradients(self) -> float:
         """Total gradient norm over every shard, before clipping to ``grad_clip``."""
@@ -443,23 +374,6 @@ class TrainingEngine:
         return self._planner.plan(
             token_counts(batch), agree=lambda n: self.parallel.max_over_dp(n, self.device)
         )
-
-    @staticmethod
-    def _micro_batch(batch: Mapping[str, Tensor], rows: Tensor) -> tuple[dict[str, Tensor], bool]:
-        # A rank with fewer micro-batches than its DP peers (or no rows at all) still
-        # runs the same number of forwards, on a synthetic row that weighs nothing.
-        if rows.numel() == 0:
-            return dummy_row(batch), True
-        return select_rows(batch, rows), False
-
-    @staticmethod
-    def _pad_outputs(outputs: ModelOutputs, width: int) -> ModelOutputs:
-        padded = {
-            f.name: pad_columns(getattr(outputs, f.name), width)
-            for f in dataclasses.fields(outputs)
-            if getattr(outputs, f.name) is not None
-        }
-        return ModelOutputs(**padded)
 
     # --------------------------------------------------------- checkpoints, weights
 

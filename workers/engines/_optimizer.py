@@ -1,4 +1,5 @@
-"""The training engine's AdamW: parameter groups and the kernels each group runs.
+"""The training engine's AdamW: parameter groups, the kernels each group runs, and
+one step at the schedule's learning rate.
 
 Groups are split by decay (matrices decay, norms and biases do not) and by layout
 (plain tensors, or one DTensor mesh and placement), so that each group's tensors are
@@ -9,6 +10,7 @@ for the whole group); DTensor groups (TP, FSDP2 shards) run the multi-tensor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -69,3 +71,29 @@ def build_adamw(model: nn.Module, config: TrainingConfig, device: torch.device) 
         betas=config.betas,
         eps=config.eps,
     )
+
+
+def take_step(optimizer: torch.optim.Optimizer, config: TrainingConfig, step: int, *,
+              loss: float, grad_norm: float) -> dict[str, float]:
+    """Step ``optimizer`` at the learning rate of ``step``, unless the loss or the
+    gradient norm is not finite and ``config.skip_non_finite`` says to skip; the
+    gradients are cleared either way.
+
+    Args:
+        optimizer: the engine's optimizer, gradients accumulated.
+        config: the schedule (``lr_at``) and ``skip_non_finite``.
+        step: optimizer steps taken so far.
+        loss: the step's loss, equal on every rank.
+        grad_norm: the total gradient norm, equal on every rank.
+
+    Returns:
+        ``grad_norm``, ``lr`` and ``step_skipped`` (1.0 or 0.0).
+    """
+    lr = config.lr_at(step)
+    skip = config.skip_non_finite and not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not skip:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": lr, "step_skipped": float(skip)}

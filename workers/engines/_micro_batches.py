@@ -1,0 +1,108 @@
+"""One engine call as micro-batches over data-parallel ranks: the rows of each
+micro-batch (or the dummy row of a rank that has fewer), the outputs written back
+into batch-sized tensors, and one train step's loss and metric sums reduced over
+the data-parallel ranks at the end.
+
+Every data-parallel rank runs the same number of forwards (each FSDP forward is a
+collective), so a rank without rows for a micro-batch runs a dummy row whose
+objective has zero gradient and whose outputs are not kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from workers.engines._batch import dummy_row, pad_columns, select_rows
+from workers.engines._objectives import ModelOutputs
+from workers.engines._parallel import Parallelism
+
+
+def micro_batch(batch: Mapping[str, Tensor], rows: Tensor) -> tuple[dict[str, Tensor], bool]:
+    """The micro-batch of ``rows`` and whether it is a dummy (``rows`` empty: this
+    rank has fewer micro-batches than a peer, or no rows at all)."""
+    if rows.numel() == 0:
+        return dummy_row(batch), True
+    return select_rows(batch, rows), False
+
+
+def pad_outputs(outputs: ModelOutputs, width: int) -> ModelOutputs:
+    """``outputs`` with every per-token field padded (or cut) to ``width`` columns."""
+    padded = {
+        f.name: pad_columns(getattr(outputs, f.name), width)
+        for f in dataclasses.fields(outputs)
+        if getattr(outputs, f.name) is not None
+    }
+    return ModelOutputs(**padded)
+
+
+def collect_outputs(
+    results: dict[str, Tensor],
+    outputs: ModelOutputs,
+    rows: Tensor | None,
+    micro: Mapping[str, Tensor],
+    shape: tuple[int, int],
+    device: torch.device,
+) -> None:
+    """Write a micro-batch's outputs into the batch-sized ``results`` at ``rows``
+    (zero on padding).
+
+    A dummy micro-batch (``rows`` None) only creates the fields, so that a rank
+    without rows returns ``[0, R]`` outputs.
+    """
+    for field in dataclasses.fields(outputs):
+        value = getattr(outputs, field.name)
+        if value is None:
+            continue
+        dest = results.setdefault(field.name, torch.zeros(shape, device=device))
+        if rows is not None:
+            mask = micro["response_mask"].to(torch.float32)
+            dest[rows.to(device)] = pad_columns(value.float(), shape[1]) * mask
+
+
+def zero_objective(outputs: ModelOutputs) -> Tensor:
+    """A loss that touches every output and has exactly zero gradient (for dummy rows)."""
+    parts = [
+        value.sum()
+        for value in (getattr(outputs, f.name) for f in dataclasses.fields(outputs))
+        if value is not None and value.requires_grad
+    ]
+    return torch.stack(parts).sum() * 0.0
+
+
+class StepStats:
+    """Sums of the loss and per-token metrics of one step, reduced over DP at the end.
+
+    Kept as float64 tensors on the device so that no micro-batch waits for the device.
+    Every rank records the same metric names (a dummy micro-batch adds zeros), so the
+    packed reduction has the same size everywhere.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss = self._zero
+        self.tokens = self._zero
+        self.sums: dict[str, Tensor] = {}
+
+    def add(self, metrics: Mapping[str, Tensor], mask: Tensor, *, loss: Tensor | None) -> None:
+        """Add one micro-batch's loss (None for a dummy) and its metrics' sums over
+        the tokens of ``mask``."""
+        # where, not a product: a non-finite value on padding must not leak into a sum.
+        keep = mask.bool()
+        if loss is not None:
+            self.loss = self.loss + loss.detach().double()
+        self.tokens = self.tokens + keep.sum().double()
+        for name, value in metrics.items():
+            total = torch.where(keep, value.detach(), 0.0).sum().double()
+            self.sums[name] = self.sums.get(name, self._zero) + total
+
+    def reduce(self, parallel: Parallelism) -> dict[str, float]:
+        """The step's loss and each metric's token mean over the global batch
+        (collective over the data-parallel ranks)."""
+        names = sorted(self.sums)
+        packed = torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
+        loss, tokens, *sums = parallel.all_reduce_dp(packed).tolist()
+        return {"loss": loss} | {n: s / max(tokens, 1.0) for n, s in zip(names, sums, strict=True)}
