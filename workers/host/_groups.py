@@ -11,8 +11,8 @@ collectives find it by name), so the inner backends can be replaced under them:
 * :meth:`~ReconnectableGroup.poison` drops the inner backends and the inner
   ``Work`` objects of the group's pending collectives (a live gloo ``Work`` keeps
   the sockets open). Gloo closes the sockets, so a peer blocked in a collective
-  with this rank fails within ~0.1 s ("Connection closed by peer") instead of
-  waiting for the timeout. A rank whose call failed calls :func:`workers.host._meshes.poison_all`, so
+  with this rank fails at once ("Connection closed by peer") instead of waiting
+  for the timeout. A rank whose call failed calls :func:`workers.host._meshes.poison_all`, so
   the failure cascades through every group.
 * :meth:`~ReconnectableGroup.heal` builds fresh inner backends over a new key
   prefix of the world's store; the same objects then work again.
@@ -256,7 +256,7 @@ class ReconnectableGroup(dist.ProcessGroup):
     def poison(self) -> None:
         """Drop the inner backends; collectives raise :class:`GroupPoisonedError` until healed.
 
-        Local. Peers blocked in a gloo collective with this rank fail within ~0.1 s;
+        Local. Peers blocked in a gloo collective with this rank fail at once;
         peers inside an NCCL kernel notice only through NCCL's own error detection or
         their timeout. The group's pending ``Work`` objects let go of their result
         (``wait`` raises). Waits for this rank's in-flight gloo work on the group to

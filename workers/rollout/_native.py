@@ -135,6 +135,12 @@ class NativeRolloutEngine:
         """The engine's settings."""
         return self._config
 
+    @property
+    def weights_version(self) -> int:
+        """Changes whenever the weights do (a load, bind or release): a run started
+        before refuses to step on."""
+        return self._weights_version
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -233,7 +239,7 @@ class NativeRolloutEngine:
         self._check_params(params)
         budgets = resolve_budgets(max_new_tokens, len(prompts), params)
         prompt_lists = [
-            self._checked_prompt(p, budget, f"prompts[{i}]")
+            self.checked_prompt(p, budget, f"prompts[{i}]")
             for i, (p, budget) in enumerate(zip(prompts, budgets, strict=True))
         ]
         caller_indices = resolve_indices(indices, len(prompt_lists))
@@ -354,8 +360,12 @@ class NativeRolloutEngine:
                     f"[0, {self._vocab_size})"
                 )
 
-    def _checked_tokens(self, tokens: Sequence[int], where: str) -> list[int]:
-        """``tokens`` as a list of ints, all within the vocabulary."""
+    def checked_tokens(self, tokens: Sequence[int], where: str) -> list[int]:
+        """``tokens`` as a list of ints, all within the vocabulary.
+
+        Raises:
+            ConfigError: naming ``where`` and the token outside the vocabulary.
+        """
         ids = [int(token) for token in tokens]
         bad = next((t for t in ids if not 0 <= t < self._vocab_size), None)
         if bad is not None:
@@ -365,12 +375,16 @@ class NativeRolloutEngine:
             )
         return ids
 
-    def _checked_prompt(self, prompt: Sequence[int], budget: int, where: str) -> list[int]:
+    def checked_prompt(self, prompt: Sequence[int], budget: int, where: str) -> list[int]:
         """``prompt`` as a list, checked: not empty, in the vocabulary, and short
-        enough for ``budget`` more tokens."""
+        enough for ``budget`` more tokens.
+
+        Raises:
+            ConfigError: naming ``where`` and what is wrong.
+        """
         if not prompt:
             raise ConfigError(f"{where} is empty; every prompt needs >= 1 token")
-        ids = self._checked_tokens(prompt, where)
+        ids = self.checked_tokens(prompt, where)
         length = len(ids)
         if length + budget > self._max_length:
             raise ConfigError(

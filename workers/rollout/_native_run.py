@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from transformers import PreTrainedModel
 
 from ._kv_batch import KVBatch, decode, prefill
 from ._lean_decode import lean_decoder
@@ -32,8 +33,40 @@ from ._types import (
     ends_response,
 )
 
-if TYPE_CHECKING:
-    from ._native import NativeRolloutEngine
+
+class _BatchCap(Protocol):
+    @property
+    def max_batch_size(self) -> int | None:
+        """Most rows decoded at once (None: no cap)."""
+        ...
+
+
+class RunEngine(Protocol):
+    """What a :class:`NativeRun` uses of its engine (a
+    :class:`~._native.NativeRolloutEngine`)."""
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The causal LM sampled from."""
+        ...
+
+    @property
+    def config(self) -> _BatchCap:
+        """The engine's settings (``max_batch_size``)."""
+        ...
+
+    @property
+    def weights_version(self) -> int:
+        """Changes whenever the engine's weights do."""
+        ...
+
+    def checked_tokens(self, tokens: Sequence[int], where: str) -> list[int]:
+        """``tokens`` as a list of ints, all within the vocabulary."""
+        ...
+
+    def checked_prompt(self, prompt: Sequence[int], budget: int, where: str) -> list[int]:
+        """``prompt`` checked: not empty, in the vocabulary, room for ``budget`` tokens."""
+        ...
 
 __all__ = ["NativeRun"]
 
@@ -82,7 +115,7 @@ class NativeRun:
 
     def __init__(
         self,
-        engine: NativeRolloutEngine,
+        engine: RunEngine,
         params: SamplingParams,
         seed: int,
         *,
@@ -94,7 +127,7 @@ class NativeRun:
         self._params = params
         self._seed = seed
         self._stop = stop
-        self._weights_version = engine._weights_version
+        self._weights_version = engine.weights_version
         self._rows: dict[int, _Row] = {}
         """Every pending sample by index, waiting or running."""
         self._waiting: deque[_Row] = deque()
@@ -152,8 +185,8 @@ class NativeRun:
         for partial in samples:
             where = f"PartialSample index={partial.index}"
             budget = budget_of(partial, self._params)
-            prompt = engine._checked_prompt(partial.prompt, budget, where)
-            response = engine._checked_tokens(partial.response_ids, f"{where} response_ids")
+            prompt = engine.checked_prompt(partial.prompt, budget, where)
+            response = engine.checked_tokens(partial.response_ids, f"{where} response_ids")
             logprobs = list(partial.logprobs)
             rows.append(
                 self.row(partial.index, prompt, response, logprobs, budget, partial.rng_state)
@@ -225,7 +258,7 @@ class NativeRun:
     def _check_usable(self, action: str) -> None:
         if self._closed:
             raise RuntimeError(f"cannot {action}: this run is closed; start a new one")
-        if self._weights_version != self._engine._weights_version:
+        if self._weights_version != self._engine.weights_version:
             raise RuntimeError(
                 f"cannot {action}: the engine's weights changed since this run started; "
                 "export() its unfinished samples and admit them into a new run"

@@ -68,9 +68,8 @@ class VLLMRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """Weight and activation dtype. ``"auto"``: the policy's training precision (the
     actor's ``TrainingConfig.precision``: bfloat16 on a GPU, float32 on the CPU by
     default; a rollout role on its own pool takes the same rule from its device).
-    float32 keeps vLLM's log-probs within 1e-3 of the training engine's on CPU
-    (measured: 2e-6); bfloat16 is faster but misses it (max error 4e-3 on the 0.3 M
-    test model, 1.3e-2 on a 45 M one)."""
+    float32 keeps vLLM's log-probs within 1e-3 of the training engine's on CPU;
+    bfloat16 is faster but does not."""
     max_model_len: int = 256
     """Longest prompt plus response, in tokens."""
     seed: int = 0
