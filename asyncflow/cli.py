@@ -108,8 +108,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.trace:
         overrides.setdefault("train.trace_steps", 3)
     config = load_config(args.config, overrides)
-    task = (config.data.train if config.data.train
-            else f"{config.task.digits}-digit arithmetic ({'+'.join(config.task.operators)})")
+    arithmetic = config.data.arithmetic
+    task = (config.data.train if config.data.kind == "files"
+            else f"{arithmetic.digits}-digit arithmetic ({'+'.join(arithmetic.operators)})")
     _say(f"asyncflow train: {algorithm_in(config).name} on {task}, output in {config.output_dir}")
     trainer = Trainer(config, resume=args.resume, clean=args.clean, say=_say, progress_bar=not args.no_progress,
                       address=args.address, module_dirs=module_dirs(args.config),

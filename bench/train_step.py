@@ -40,8 +40,9 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM
 
-from workers.engines import PolicyLoss, TrainingConfig, TrainingEngine
+from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import TinyModelConfig, tiny_hf_config
+from workers.objectives import PolicyLoss
 
 SHAPES = {
     "tiny": TinyModelConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

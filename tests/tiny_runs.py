@@ -37,7 +37,7 @@ seed = {seed}
 [model]
 path = "{model}"
 
-[task]
+[data.arithmetic]
 digits = 1
 train_size = 40
 eval_size = 8

@@ -28,7 +28,6 @@ from asyncflow.algos._dapo import (
     DAPORoles,
     dapo_advantages,
     dapo_step,
-    overlong_penalties,
 )
 from asyncflow.algos._feed import Feed
 from asyncflow.algos._grpo import GRPOConfig, GRPORoles, grpo_step
@@ -45,7 +44,7 @@ from asyncflow.algos._registry import (
     get_algorithm,
 )
 from asyncflow.algos._remax import ReMaxConfig, ReMaxRoles, remax_step
-from asyncflow.algos._rloo import RLOOConfig, RLOORoles, leave_one_out, rloo_advantages, rloo_step
+from asyncflow.algos._rloo import RLOOConfig, RLOORoles, rloo_advantages, rloo_step
 from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._safe_rlhf import SafeRLHFConfig, SafeRLHFRoles, SafeRLHFState, safe_rlhf_step
 from asyncflow.algos._transforms import (
@@ -95,9 +94,7 @@ __all__ = [
     "group_advantages",
     "grpo_step",
     "kl_penalised_rewards",
-    "leave_one_out",
     "merge_rows",
-    "overlong_penalties",
     "ppo_step",
     "ref_for_kl",
     "remax_step",

@@ -9,7 +9,7 @@ import msgspec
 from asyncflow import DataFuture, DataStream, RoleGroup, StreamOptions, collect, merge
 from asyncflow.algos._feed import Feed
 from channels import ConfigError
-from workers.engines import LossAggregation, OffPolicyCorrection, PolicyLoss
+from workers.objectives import LossAggregation, OffPolicyCorrection, PolicyLoss
 from workers.roles import REF_LOGPROBS, SCORES, ActorWorker, ReferenceWorker, RewardWorker
 from workers.rollout import SamplingParams
 

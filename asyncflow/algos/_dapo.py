@@ -30,7 +30,7 @@ from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_k
 from asyncflow.algos._registry import PromptSource, algorithm
 from asyncflow.algos._role_set import RoleSet
 from channels import Batch, ConfigError
-from workers.engines import LossAggregation, grpo_advantages
+from workers.objectives import LossAggregation, grpo_advantages, overlong_penalties
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 
@@ -77,16 +77,6 @@ class DAPORoles(RoleSet):
     def needed(cls, config: DAPOConfig) -> dict[str, str]:
         """The reference when the loss has a KL term."""
         return ref_for_kl(config.policy)
-
-
-def overlong_penalties(lengths: torch.Tensor, *, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment: 0 up to ``max_len - buffer`` tokens, then
-    falling linearly to ``-penalty`` at ``max_len`` (no shaping when ``buffer`` is 0)."""
-    lengths = lengths.to(torch.float32)
-    if buffer <= 0:
-        return torch.zeros_like(lengths)
-    over = (lengths - (max_len - buffer)).clamp(min=0.0) / buffer
-    return -penalty * over.clamp(max=1.0)
 
 
 @transform(reads=("scores", "uid", "response_mask"), writes=("advantages",))

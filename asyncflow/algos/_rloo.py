@@ -22,7 +22,7 @@ from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_k
 from asyncflow.algos._registry import algorithm
 from asyncflow.algos._role_set import RoleSet
 from channels import Batch
-from workers.engines import group_sums
+from workers.objectives import leave_one_out_advantages
 from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summary
 
 
@@ -53,22 +53,12 @@ class RLOORoles(RoleSet):
         return ref_for_kl(config.policy)
 
 
-def leave_one_out(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """``[B]`` advantages: each score minus the mean of the other scores of its
-    group (0 for a group of one, which has no baseline)."""
-    scores = scores.to(torch.float32)
-    inverse, group_counts, group_totals = group_sums(scores, group_ids)
-    counts, sums = group_counts[inverse], group_totals[inverse]
-    others = (counts - 1).clamp(min=1)
-    return torch.where(counts > 1, scores - (sums - scores) / others, torch.zeros_like(scores))
-
-
 @transform(reads=("scores", "uid", "response_mask"), writes=("advantages",))
 def rloo_advantages(batch: Batch) -> dict[str, torch.Tensor]:
     """RLOO's advantages on every response token. The rows of a prompt's group must
     be on this rank (``generate`` keeps them together)."""
     mask = batch["response_mask"]
-    adv = leave_one_out(batch["scores"], batch["uid"])
+    adv = leave_one_out_advantages(batch["scores"], batch["uid"])
     return {"advantages": adv[:, None].expand_as(mask).to(torch.float32) * mask}
 
 

@@ -1,5 +1,7 @@
-"""Advantage transforms: they run on the ranks that consume the rows (``fut.map``),
-never on the driver. Each wraps a vectorised estimator from ``workers.engines``.
+"""The algorithms' advantage steps as row transforms: which columns feed which
+estimator of ``workers.objectives`` (where the math lives) and the fields each step
+reads and writes, which the driver needs to plan pulls at call time. They run on
+the ranks that consume the rows (``fut.map``), never on the driver.
 
 Per-row math needs only the rank's rows. Whitening needs the mean and variance of
 the whole batch: the ranks add up their partial sums (``sum_over_call_rows``, a few
@@ -15,11 +17,12 @@ import torch
 
 from asyncflow import transform
 from channels import Batch
-from workers.engines import (
+from workers.objectives import (
     KLEstimator,
     fold_kl_into_rewards,
     gae_advantages,
     grpo_advantages,
+    lagrangian_advantages,
     masked_whiten,
     remax_advantages,
     scores_to_token_rewards,
@@ -89,5 +92,5 @@ def safe_advantages(batch: Batch, *, lagrange: float, gamma: float = 1.0, lam: f
                                   mask, gamma=gamma, lam=lam)
     c_adv, c_ret = gae_advantages(scores_to_token_rewards(batch["costs"].float(), mask), batch["cost_values"],
                                   mask, gamma=gamma, lam=lam)
-    adv = masked_whiten((r_adv - lagrange * c_adv) / (1.0 + lagrange), mask, sum_over_ranks=sum_over_call_rows)
+    adv = masked_whiten(lagrangian_advantages(r_adv, c_adv, lagrange), mask, sum_over_ranks=sum_over_call_rows)
     return {"advantages": adv * mask, "returns": r_ret, "cost_returns": c_ret}

@@ -44,10 +44,11 @@ from asyncflow.train._sections import (
     TrainSection,
     WeightedFunction,
 )
+from asyncflow.train._sft import SFTConfig
 from asyncflow.train._user_modules import importable, module_dirs
 from channels import ConfigError
+from workers.data import ArithmeticTaskConfig
 from workers.engines import megatron_available
-from workers.tasks import ArithmeticTaskConfig, SFTConfig
 
 __all__ = [
     "ActorSection", "DataSection", "GenSection", "ModelSection", "OptimSection", "PlacementSection", "PoolSection",
@@ -79,13 +80,11 @@ class RunConfig(msgspec.Struct, **_CFG):
     worker_nice: int = 0
     """Niceness of the worker processes (0..19; Ray's own default is 15, which
     lets any busy process on the machine starve them)."""
-    task: ArithmeticTaskConfig = ArithmeticTaskConfig()
-    """The built-in synthetic task (train and held-out splits), used unless ``[data]``
-    names files."""
     data: DataSection = DataSection()
-    """Prompts from the user's files (``data.train``, ``data.eval``)."""
+    """The prompts: the user's files (``data.train``, ``data.eval``) or the built-in
+    arithmetic problems (``[data.arithmetic]``)."""
     sft: SFTConfig | None = None
-    """SFT warm start on the built-in task (its ``task`` is replaced by ``[task]``);
+    """SFT warm start on the arithmetic source's problems (``[data.arithmetic]``);
     None: start from ``[model]``."""
     model: ModelSection = ModelSection()
     """The policy's starting point when there is no SFT warm start."""
@@ -142,6 +141,7 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
             if key == "algorithm" and isinstance(value, str) and isinstance(data.get("algorithm"), dict):
                 key = "algorithm.name"  # another algorithm, the file's other settings kept
             _set(data, key, value)
+        _refuse_task_section(data)
         _algorithm_table(data)
         _check_switched_algorithm(data, file_algorithm)
         config = msgspec.convert(data, run_config_type())
@@ -173,6 +173,15 @@ def run_config_type() -> type[RunConfig]:
 
 
 _RUN_CONFIG_TYPES: dict[tuple[str, ...], Any] = {}
+
+
+def _refuse_task_section(data: dict[str, object]) -> None:
+    """The old ``[task]`` section (the arithmetic problems) is ``[data.arithmetic]``
+    now, one prompt source among the ``[data]`` ones: say where its keys go."""
+    if "task" in data:
+        keys = [f.name for f in msgspec.structs.fields(ArithmeticTaskConfig)]
+        raise ConfigError(f"[task] is now [data.arithmetic] (with [data] source = \"arithmetic\", the default without "
+                          f"data.train): move its keys {keys} there")
 
 
 def _algorithm_table(data: dict[str, object]) -> None:
@@ -321,16 +330,16 @@ def _check_start(config: RunConfig) -> tuple[tuple[int, int], str]:
         return gguf_heads("model.gguf", config.model.gguf), "model.gguf"
     if not config.model.path:
         raise ConfigError("set model.path to a Hugging Face model directory (or model.gguf to a GGUF file), "
-                          "or add [sft] for a warm start on the built-in task")
+                          "or add [sft] for a warm start on the arithmetic source")
     return model_heads("model.path", config.model.path), "model.path"
 
 
 def _check_data(config: RunConfig) -> None:
     d = config.data
-    if not d.train:
+    if d.kind == "arithmetic":
         return
     if config.sft is not None:
-        raise ConfigError("[sft] warms up on the built-in arithmetic task, not on data.train; remove [sft] "
+        raise ConfigError("[sft] warms up on the arithmetic source ([data.arithmetic]), not on data.train; remove [sft] "
                           "and start from model.path")
     if not d.eval:
         raise ConfigError("data.eval is not set: the run evaluates held-out prompts before and after RL; "
@@ -341,7 +350,7 @@ def _check_data(config: RunConfig) -> None:
     weighted = config.reward.weighted
     if (not config.reward.model_dir and len(weighted) == 1
             and weighted[0].function == ScoreSection.DEFAULT_FUNCTION):
-        raise ConfigError("[reward] function is the built-in arithmetic task's; with data.train set it "
+        raise ConfigError("[reward] function is the arithmetic source's verifier; with data.train set it "
                           "to your verifier (function = \"mymodule:score\"), or a built-in one such as "
                           "\"workers.rewards:numeric_match\"")
 

@@ -1,7 +1,7 @@
 """``asyncflow plan CONFIG``: the planner (``asyncflow.plan``) on a run's roles and step.
 
 The profile runs the configuration's own roles and algorithm step on a batch of
-its prompts (the task's or ``[data]``'s). A configuration with an SFT warm start is profiled with a
+its prompts (``[data]``'s source). A configuration with an SFT warm start is profiled with a
 fresh model of the SFT model's shape (costs depend on the shape, not on the
 weights; responses of an untrained model run longer, so the plan is for the
 longest responses).

@@ -1,5 +1,5 @@
-"""The prompts of a run, as generation batches: the built-in arithmetic task, or
-the user's files (``[data]``).
+"""The prompts of a run, as generation batches, from its ``[data]`` source: the
+built-in arithmetic problems or the user's files.
 
 Both give the trainer the same three things: how many training prompts there are,
 a batch of them by index (with uids unique over the run), and the fixed held-out
@@ -22,15 +22,17 @@ from torch import Tensor
 from asyncflow.runtime import DataFuture, Session
 from asyncflow.train._config import RunConfig
 from channels import ConfigError
-from workers.data import PromptDataset, load_prompt_tokenizer, load_rows
-from workers.models import CharTokenizer, check_supported_checkpoint
-from workers.tasks import (
+from workers.data import (
     ArithmeticProblem,
+    PromptDataset,
     check_fits_context,
     generate_splits,
     iter_problem_batches,
+    load_prompt_tokenizer,
+    load_rows,
     prompt_batch,
 )
+from workers.models import CharTokenizer, check_supported_checkpoint
 
 
 class RunPrompts(Protocol):
@@ -62,7 +64,7 @@ class RunPrompts(Protocol):
 
 @dataclass
 class ArithmeticPrompts:
-    """The built-in 2-digit arithmetic task with the character tokenizer."""
+    """The arithmetic source (``[data.arithmetic]``) with the character tokenizer."""
 
     train: list[ArithmeticProblem]
     eval: list[ArithmeticProblem]
@@ -71,7 +73,7 @@ class ArithmeticPrompts:
 
     @classmethod
     def build(cls, config: RunConfig, model_dir: str, max_new_tokens: int) -> ArithmeticPrompts:
-        splits = generate_splits(config.task)
+        splits = generate_splits(config.data.arithmetic)
         tokenizer = CharTokenizer.from_pretrained(model_dir)
         limit = int(check_supported_checkpoint(Path(model_dir)).max_position_embeddings)
         problems = list(splits.train) + list(splits.eval)
@@ -136,8 +138,8 @@ class FilePrompts:
 
 
 def run_prompts(config: RunConfig, model_dir: str, max_new_tokens: int) -> RunPrompts:
-    """The run's prompts: ``[data]`` files when set, else the built-in task."""
-    if config.data.train:
+    """The run's prompts, from ``[data]``'s source."""
+    if config.data.kind == "files":
         return FilePrompts.build(config, model_dir, max_new_tokens)
     return ArithmeticPrompts.build(config, model_dir, max_new_tokens)
 

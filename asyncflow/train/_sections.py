@@ -13,6 +13,7 @@ import msgspec
 
 from asyncflow.algos._checks import above, at_least
 from channels import ConfigError
+from workers.data import ArithmeticTaskConfig
 from workers.rewards import split_function_spec
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
@@ -35,15 +36,23 @@ class ModelSection(msgspec.Struct, **_CFG):
 
 
 class DataSection(msgspec.Struct, **_CFG):
-    """Prompts from files instead of the built-in arithmetic task. Each file is
-    JSONL (or JSON), Parquet, CSV or a ``datasets`` ``save_to_disk`` directory; every
-    field of a row other than the prompt reaches the reward function as a keyword
-    list (``answer=[...]``)."""
+    """Where the prompts come from: the user's files (``source = "files"``) or the
+    built-in arithmetic problems (``source = "arithmetic"``, set in
+    ``[data.arithmetic]``). Each file is JSONL (or JSON), Parquet, CSV or a
+    ``datasets`` ``save_to_disk`` directory; every field of a row other than the
+    prompt reaches the reward function as a keyword list (``answer=[...]``)."""
 
+    source: Literal["files", "arithmetic"] | None = None
+    """``"files"`` (``train`` and ``eval``) or ``"arithmetic"`` (``arithmetic``);
+    unset: ``"files"`` when ``train`` is set, else ``"arithmetic"``."""
+    arithmetic: ArithmeticTaskConfig = ArithmeticTaskConfig()
+    """The arithmetic source: operand digits, operators, the sizes of the train and
+    held-out splits, and the seed they are drawn with (equal settings give equal
+    problems)."""
     train: str = ""
-    """The training prompts; empty: the built-in ``[task]``."""
+    """The training prompts' file."""
     eval: str = ""
-    """The held-out prompts, evaluated before and after RL (the first
+    """The held-out prompts' file, evaluated before and after RL (the first
     ``train.eval_size``)."""
     prompt: str = "prompt"
     """The prompt's field: plain text, or a list of chat messages (``[{role,
@@ -59,6 +68,21 @@ class DataSection(msgspec.Struct, **_CFG):
             raise ConfigError("DataSection: eval is set but train is not; set data.train too")
         if not self.prompt:
             raise ConfigError("DataSection.prompt must name the prompt's field, e.g. prompt = \"question\"")
+        if self.source == "arithmetic" and self.train:
+            raise ConfigError("DataSection: source = \"arithmetic\" but train is set; remove data.train, or set "
+                              "source = \"files\"")
+        if self.source == "files" and not self.train:
+            raise ConfigError("DataSection: source = \"files\" needs train (and eval) set to your files")
+        if self.kind == "files" and self.arithmetic != ArithmeticTaskConfig():
+            raise ConfigError("DataSection: [data.arithmetic] is set but the prompts come from data.train; "
+                              "remove one of them")
+
+    @property
+    def kind(self) -> Literal["files", "arithmetic"]:
+        """The source the prompts come from (``source``, or what its default picks)."""
+        if self.source is not None:
+            return self.source
+        return "files" if self.train else "arithmetic"
 
 
 class TrainSection(msgspec.Struct, **_CFG):
@@ -249,7 +273,7 @@ class ScoreSection(msgspec.Struct, **_CFG):
     and each function's mean is logged as ``reward/<fn>/mean``.
     """
 
-    DEFAULT_FUNCTION: ClassVar[str] = "workers.tasks:exact_match_reward"
+    DEFAULT_FUNCTION: ClassVar[str] = "workers.rewards:arithmetic_reward"
 
     function: str = DEFAULT_FUNCTION
     """``module:function``, called as ``fn(prompts=, completions=, **columns)`` (TRL's

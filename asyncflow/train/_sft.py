@@ -1,4 +1,5 @@
-"""SFT warm start: a tiny model trained to answer arithmetic problems, saved for RL.
+"""SFT warm start: a tiny model trained to answer the arithmetic source's problems,
+saved for RL; and its greedy held-out accuracy.
 
 :func:`sft_warm_start` is what the CLI's SFT command runs: it builds a tiny random
 causal LM (:mod:`workers.models`), trains it with :class:`TrainingEngine` and
@@ -19,22 +20,26 @@ import torch
 from torch import nn
 
 from channels import ConfigError
-from workers.engines import NLLLoss, TrainingConfig, TrainingEngine
+from workers.data import (
+    ArithmeticProblem,
+    ArithmeticTaskConfig,
+    check_fits_context,
+    decode_responses,
+    generate_splits,
+    iter_problem_batches,
+    sft_batch,
+)
+from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model
-from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
-
-from ._batches import check_fits_context, iter_problem_batches, sft_batch
-from ._evaluate import evaluate_greedy
-from ._problems import ArithmeticProblem, ArithmeticTaskConfig, generate_splits
-
-__all__ = ["SFTConfig", "sft_warm_start"]
+from workers.objectives import NLLLoss
+from workers.rewards import arithmetic_reward
+from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, SamplingParams
 
 
 class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything :func:`sft_warm_start` needs: the task, the model and the training run."""
+    """How :func:`sft_warm_start` trains: the model and the training run (the
+    problems are the run's ``[data.arithmetic]``)."""
 
-    task: ArithmeticTaskConfig = msgspec.field(default_factory=ArithmeticTaskConfig)
-    """The problems to learn (the train split is used; the eval split is measured)."""
     model: TinyModelConfig = msgspec.field(default_factory=TinyModelConfig)
     """Shape of the tiny model built at random and trained."""
     steps: int = 2000
@@ -104,15 +109,17 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
-def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, float]:
-    """Build a tiny model, train it on the task's train split, and save it.
+def sft_warm_start(model_dir_out: str | Path, config: SFTConfig, task: ArithmeticTaskConfig) -> dict[str, float]:
+    """Build a tiny model, train it on ``task``'s train split, and save it.
 
     Uses the calling process's torch thread settings; nothing is downloaded.
 
     Args:
         model_dir_out: Output directory (created if needed) for the Hugging Face model
             and its tokenizer.
-        config: Task, model and training settings.
+        config: Model and training settings.
+        task: The problems (the train split is learnt; the held-out split is
+            evaluated when ``config.evaluate`` is set).
 
     Returns:
         ``loss`` (mean of the last 10 steps), ``steps``, ``train_seconds`` (probes
@@ -124,8 +131,8 @@ def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, fl
         ConfigError: If a prompt plus its answer does not fit the model's context.
     """
     tokenizer = CharTokenizer(config.model.tokenizer)
-    splits = generate_splits(config.task)
-    max_new_tokens = config.task.max_answer_chars + 1
+    splits = generate_splits(task)
+    max_new_tokens = task.max_answer_chars + 1
     check_fits_context(
         splits.train + splits.eval,
         tokenizer,
@@ -146,7 +153,7 @@ def sft_warm_start(model_dir_out: str | Path, config: SFTConfig) -> dict[str, fl
     rollout = NativeRolloutEngine(
         model, config=NativeRolloutConfig(max_batch_size=config.decode_batch_size)
     )
-    metrics = _train(engine, rollout, splits.train, tokenizer, config)
+    metrics = _train(engine, rollout, splits.train, tokenizer, config, max_new_tokens=max_new_tokens)
     metrics["num_parameters"] = float(sum(p.numel() for p in model.parameters()))
     model.eval()
     _save(Path(model_dir_out), engine, tokenizer)
@@ -167,11 +174,12 @@ def _train(
     train: Sequence[ArithmeticProblem],
     tokenizer: CharTokenizer,
     config: SFTConfig,
+    *,
+    max_new_tokens: int,
 ) -> dict[str, float]:
     """The SFT loop, stopping at ``steps``, the probe's target or ``max_seconds``."""
     batches = iter_problem_batches(train, config.batch_size, seed=config.seed)
     probe = train[: config.probe_size]
-    max_new_tokens = config.task.max_answer_chars + 1
     losses: list[float] = []
     train_accuracy = -1.0
     start = time.perf_counter()
@@ -199,3 +207,52 @@ def _save(path: Path, engine: TrainingEngine, tokenizer: CharTokenizer) -> None:
     if generation_config is not None:
         generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def evaluate_greedy(
+    engine: NativeRolloutEngine,
+    problems: Sequence[ArithmeticProblem],
+    tokenizer: CharTokenizer,
+    *,
+    max_new_tokens: int,
+) -> dict[str, float]:
+    """Greedy-decode every problem once and score it with :func:`workers.rewards.arithmetic_reward`.
+
+    Args:
+        engine: The policy's rollout engine (its ``max_batch_size`` sets the batch).
+        problems: The split to evaluate, usually the held-out eval split.
+        tokenizer: The model's tokenizer.
+        max_new_tokens: Generation limit; the longest answer plus one (for ``<eos>``)
+            suffices.
+
+    Returns:
+        ``accuracy`` (fraction exactly right), ``num_problems`` and
+        ``mean_response_tokens``.
+
+    Raises:
+        ConfigError: If ``problems`` is empty or a prompt does not fit the context.
+    """
+    if not problems:
+        raise ConfigError("evaluate_greedy got no problems; the split is empty")
+    check_fits_context(
+        problems,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        max_positions=int(engine.model.config.max_position_embeddings),
+    )
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    output = engine.generate([tokenizer.encode(p.prompt) for p in problems], params)
+    responses = decode_responses(output.response_ids, output.response_mask, tokenizer)
+    scores = arithmetic_reward(
+        [p.prompt for p in problems], responses, [p.answer for p in problems]
+    )
+    return {
+        "accuracy": sum(scores) / len(scores),
+        "num_problems": float(len(scores)),
+        "mean_response_tokens": float(output.response_lengths.float().mean()),
+    }

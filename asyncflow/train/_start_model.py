@@ -15,9 +15,9 @@ import msgspec
 
 from asyncflow.train._config import RunConfig
 from asyncflow.train._rundir import cache_dir
+from asyncflow.train._sft import sft_warm_start
 from asyncflow.train._signals import Say
 from workers.models import check_supported_checkpoint, gguf_to_hf_dir
-from workers.tasks import sft_warm_start
 
 SFT_STAMP = "asyncflow_sft.json"
 """The settings an SFT warm start's directory was trained with (written last)."""
@@ -43,8 +43,9 @@ def starting_model(config: RunConfig, *, say: Say) -> str:
             return str(gguf_to_hf_dir(config.model.gguf, target, key="model.gguf"))
         check_supported_checkpoint(Path(config.model.path))
         return config.model.path
-    sft = msgspec.structs.replace(config.sft, task=config.task)
-    settings = msgspec.json.encode(sft)
+    sft, task = config.sft, config.data.arithmetic
+    # The settings' bytes as when the task was SFTConfig's first field: same settings, same directory.
+    settings = msgspec.json.encode({"task": task, **msgspec.structs.asdict(sft)})
     target = cache_dir(output_dir, "sft_model", settings)
     if (target / SFT_STAMP).exists():
         say(f"SFT warm start: reusing {target} (same settings)")
@@ -57,7 +58,7 @@ def starting_model(config: RunConfig, *, say: Say) -> str:
     tmp = target.with_name(f".tmp_{target.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        metrics = sft_warm_start(tmp, sft)
+        metrics = sft_warm_start(tmp, sft, task)
         (tmp / SFT_STAMP).write_bytes(settings)
         try:
             os.replace(tmp, target)

@@ -50,9 +50,9 @@ from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from asyncflow.train._start_model import starting_model
 from asyncflow.train._user_modules import importable, worker_python_path
 from channels import AsyncflowError, ConfigError
+from workers.data import check_fits_context, generate_splits
 from workers.models import CharTokenizer
 from workers.roles import PartialRollout
-from workers.tasks import check_fits_context, generate_splits
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,7 +172,7 @@ class Trainer:
         c = self.config
         max_new = rollout_of(c).max_new_tokens
         if c.sft is not None:  # fail before minutes of SFT, not after
-            splits = generate_splits(c.task)
+            splits = generate_splits(c.data.arithmetic)
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
                                max_new_tokens=max_new, max_positions=c.sft.model.max_position_embeddings)
         model_dir = self.model_dir()

@@ -29,6 +29,7 @@ from asyncflow.algos import (
     safe_rlhf_step,
 )
 from support import cost_of_long_answers
+from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.rewards import RuleRewardConfig
 from workers.roles import (
@@ -42,7 +43,6 @@ from workers.roles import (
     RewardWorker,
     ScoreConfig,
 )
-from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)

@@ -39,7 +39,7 @@ seed = 3
 [model]
 path = "{model}"
 
-[task]
+[data.arithmetic]
 digits = 1
 train_size = 40
 eval_size = 8

@@ -30,7 +30,7 @@ seed = 3
 [model]
 path = "{model}"
 
-[task]
+[data.arithmetic]
 digits = 1
 train_size = 40
 eval_size = 8
@@ -107,7 +107,7 @@ def test_malformed_config_names_the_key(tmp_path, model_dir, capsys) -> None:
 
 def test_empty_data_set_is_refused(tmp_path, model_dir, capsys) -> None:
     cfg = _config(tmp_path, model_dir, steps=1, name="empty")
-    assert main(["train", str(cfg), "--set", "task.train_size=0"]) == 2
+    assert main(["train", str(cfg), "--set", "data.arithmetic.train_size=0"]) == 2
     assert "train_size" in capsys.readouterr().err
 
 
@@ -116,7 +116,7 @@ def test_prompt_longer_than_the_context_is_refused(tmp_path, capsys) -> None:
         hidden_size=64, intermediate_size=128, num_attention_heads=1, num_key_value_heads=1, head_dim=64,
         num_hidden_layers=1, max_position_embeddings=6), seed=0))
     cfg = _config(tmp_path, short, steps=1, name="long")
-    assert main(["train", str(cfg), "--set", "task.digits=3"]) == 2
+    assert main(["train", str(cfg), "--set", "data.arithmetic.digits=3"]) == 2
     err = capsys.readouterr().err
     assert "max_position_embeddings" in err and "prompt" in err
 

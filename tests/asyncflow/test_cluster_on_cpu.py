@@ -204,7 +204,7 @@ def test_an_address_where_no_cluster_answers_ends_the_run_before_it_starts(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "sft.toml"
     config.write_text(f'output_dir = "{tmp_path / "out"}"\n'
-                      "[task]\ndigits = 1\ntrain_size = 40\neval_size = 8\n[sft]\nsteps = 1\n")
+                      "[data.arithmetic]\ndigits = 1\ntrain_size = 40\neval_size = 8\n[sft]\nsteps = 1\n")
     port = _free_port()  # nothing listens there once the probe socket is closed
     assert main(["train", str(config), "--address", f"127.0.0.1:{port}", "--no-progress"]) == 2
     said = capsys.readouterr()

@@ -29,7 +29,7 @@ TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_head
 SFT_ONE_HEAD = {"sft.model.hidden_size": 64, "sft.model.num_attention_heads": 1,
                 "sft.model.num_key_value_heads": 1, "sft.model.head_dim": 64, "model.path": ""}
 
-COST = {"cost.function": "workers.tasks:exact_match_reward"}
+COST = {"cost.function": "workers.rewards:arithmetic_reward"}
 
 # (id, dotted key -> value set over a valid config, what the one-line message must contain)
 BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
@@ -63,7 +63,15 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("rollout-batch", {"actor.rollout_batch_size": 0}, ("actor.rollout_batch_size", ">= 1")),
     ("train-steps", {"train.steps": 0}, ("train.steps", ">= 1")),
     ("train-seconds", {"train.max_seconds": -1.0}, ("train.max_seconds", ">= 0")),
-    ("task-size", {"task.train_size": 0}, ("task.train_size",)),
+    ("task-size", {"data.arithmetic.train_size": 0}, ("data.arithmetic", "train_size")),
+    ("old-task-section", {"task.digits": 1},
+     ("[task] is now [data.arithmetic]", "'digits'", "'operators'", "'train_size'", "'eval_size'", "'seed'")),
+    ("data-source-unknown", {"data.source": "web"}, ("data.source", "'web'")),
+    ("data-source-files-without-train", {"data.source": "files"}, ("source = \"files\"", "train")),
+    ("data-source-arithmetic-with-train", {"data.source": "arithmetic", "data.train": "{file}", "data.eval": "{file}"},
+     ("source = \"arithmetic\"", "data.train")),
+    ("data-arithmetic-and-files", {"data.train": "{file}", "data.eval": "{file}", "data.arithmetic.seed": 1},
+     ("[data.arithmetic]", "data.train")),
     ("unknown-key", {"critic.lrr": 0.1}, ("lrr", "$.critic", "valid keys there", "'lr'")),
     ("unknown-algorithm", {"algorithm.name": "a2c"}, ("algorithm.name", "'a2c'", "registered", "'ppo'")),
     ("unknown-algorithm-key", {"algorithm.clip": 0.2}, ("clip", "$.algorithm", "valid keys there", "'policy'")),
@@ -93,7 +101,7 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("reward-no-module", {"reward.function": "no_such_module_af:fn"},
      ("reward.function", "no_such_module_af", "ModuleNotFoundError")),
     ("reward-no-attribute", {"reward.function": "support:no_such_reward"}, ("reward.function", "no_such_reward")),
-    ("reward-not-callable", {"reward.function": "workers.tasks:EOS_TEXT"}, ("reward.function", "not a function")),
+    ("reward-not-callable", {"reward.function": "workers.rewards:DEFAULT_REWARD_FN"}, ("reward.function", "not a function")),
     ("reward-model-dir", {"reward.model_dir": "/no/such/reward"}, ("reward.model_dir", "/no/such/reward")),
     ("cost-missing", {"algorithm": "safe_rlhf"}, ("cost", "function", "model_dir")),
     ("model-dir-missing", {"model.path": "/no/such/model/dir"}, ("model.path", "/no/such/model/dir")),
@@ -141,12 +149,14 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _valid(tmp: Path, model: str) -> dict[str, Any]:
     return {"algorithm": {"name": "grpo"}, "output_dir": str(tmp / "run"), "model": {"path": model},
-            "task": {"digits": 1, "train_size": 40, "eval_size": 8}, "pools": {"main": {"devices": 2}}}
+            "data": {"arithmetic": {"digits": 1, "train_size": 40, "eval_size": 8}}, "pools": {"main": {"devices": 2}}}
 
 
 def _write(tmp: Path, model: str, overrides: dict[str, Any], name: str = "run") -> Path:
     """A YAML config: the valid one with ``overrides`` (dotted keys) set."""
     data = copy.deepcopy(_valid(tmp, model))
+    if "data.train" in overrides:  # prompts from files instead of the arithmetic source
+        del data["data"]["arithmetic"]
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         node = data

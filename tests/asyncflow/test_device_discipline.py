@@ -26,6 +26,7 @@ import fake_device
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
 from asyncflow.runtime._local import LocalSession
 from support import ppo_role_specs
+from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.rewards import RuleRewardConfig
 from workers.roles import (
@@ -36,7 +37,6 @@ from workers.roles import (
     RolloutWorkerConfig,
     ScoreConfig,
 )
-from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)

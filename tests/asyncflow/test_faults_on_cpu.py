@@ -22,10 +22,10 @@ import torch
 import asyncflow as af
 from asyncflow import Layout, ResourcePool, RoleSpec
 from support import Collective, Consumer, Producer, Sleeper
+from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker, CriticConfig, CriticWorker, UpdateConfig
 from workers.rollout import NativeRolloutConfig, SamplingParams
-from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)

@@ -15,9 +15,9 @@ import torch
 import asyncflow as af
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
 from support import ppo_role_specs
+from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
 from workers.engines import TrainingConfig
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
-from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

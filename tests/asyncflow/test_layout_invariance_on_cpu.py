@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncflow as af
 from asyncflow import DP, Batch, ResourcePool, Role, RoleSpec, register
 from asyncflow.algos import PolicyConfig, gae, safe_advantages
-from workers.engines import TrainingConfig, ValueLoss, gae_advantages, masked_whiten
+from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig, save_tiny_model
+from workers.objectives import ValueLoss, gae_advantages, masked_whiten
 from workers.rewards import RuleRewardConfig
 from workers.roles import (
     ActorConfig,

@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _write(tmp: Path, model: str, overrides: dict[str, Any]) -> Path:
     """A valid YAML config with ``overrides`` (dotted keys) set."""
     data: dict[str, Any] = {"algorithm": {"name": "grpo"}, "output_dir": str(tmp / "run"), "model": {"path": model},
-                            "task": {"digits": 1, "train_size": 40, "eval_size": 8},
+                            "data": {"arithmetic": {"digits": 1, "train_size": 40, "eval_size": 8}},
                             "pools": {"main": {"devices": 2}}}
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")

@@ -22,7 +22,7 @@ output_dir = "{out}"
 [model]
 path = "{model}"
 
-[task]
+[data.arithmetic]
 digits = 1
 train_size = 40
 eval_size = 8

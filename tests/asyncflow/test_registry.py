@@ -4,7 +4,6 @@ RLOO's leave-one-out baseline. No Ray."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from asyncflow import RoleGroup
 from asyncflow.algos import (
@@ -22,7 +21,6 @@ from asyncflow.algos import (
     algorithms,
     config_section,
     get_algorithm,
-    leave_one_out,
 )
 from channels import ConfigError
 from workers.roles import ActorWorker, CriticWorker, RewardWorker
@@ -83,16 +81,6 @@ def test_sections_are_tagged_subclasses_that_name_their_algorithm() -> None:
     assert algorithm_of(RLOOConfig()) is rloo  # an untagged instance of a registered config
     assert rloo.needed_roles(RLOOConfig()) == ("actor", "reward")
     assert rloo.needed_roles(RLOOConfig(), also=("ref", "critic")) == ("actor", "reward", "ref")
-
-
-def test_leave_one_out_baseline() -> None:
-    scores = torch.tensor([1.0, 0.0, 0.0, 2.0, 4.0, 7.0])
-    groups = torch.tensor([5, 5, 5, 9, 9, 3])
-    got = leave_one_out(scores, groups)
-    # group 5: 1 - 0, 0 - 0.5, 0 - 0.5; group 9: 2 - 4, 4 - 2; a group of one: 0
-    assert torch.allclose(got, torch.tensor([1.0, -0.5, -0.5, -2.0, 2.0, 0.0]))
-    # k / (k - 1) times the deviation from the group mean
-    assert torch.allclose(got[:3], 3 / 2 * (scores[:3] - scores[:3].mean()))
 
 
 def test_the_docs_example_is_the_plugin_package() -> None:

@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _config(tmp: Path, model: str, reward: str) -> Path:
     path = tmp / "run.toml"
     path.write_text(f'output_dir = "{tmp / "run"}"\n[model]\npath = "{model}"\n'
-                    f'[task]\ndigits = 1\ntrain_size = 40\neval_size = 8\n[reward]\n{reward}\n')
+                    f'[data.arithmetic]\ndigits = 1\ntrain_size = 40\neval_size = 8\n[reward]\n{reward}\n')
     return path
 
 

@@ -1,4 +1,4 @@
-"""SFT on the arithmetic task: the loss falls, the warm start saves a loadable model, errors."""
+"""SFT warm start on the arithmetic source: the loss falls, the warm start saves a loadable model, errors."""
 
 from __future__ import annotations
 
@@ -7,18 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncflow.train._sft import SFTConfig, evaluate_greedy, sft_warm_start
 from channels import ConfigError
-from workers.engines import NLLLoss, TrainingConfig, TrainingEngine
+from workers.data import ArithmeticTaskConfig, generate_splits, sft_batch
+from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model, load_model
+from workers.objectives import NLLLoss
 from workers.rollout import NativeRolloutConfig, NativeRolloutEngine
-from workers.tasks import (
-    ArithmeticTaskConfig,
-    SFTConfig,
-    evaluate_greedy,
-    generate_splits,
-    sft_batch,
-    sft_warm_start,
-)
 
 torch.set_num_threads(1)
 
@@ -45,9 +40,9 @@ def test_a_few_sft_steps_reduce_the_loss() -> None:
 
 def test_sft_warm_start_saves_a_model_the_loaders_and_rollout_accept(tmp_path: Path) -> None:
     config = SFTConfig(
-        task=TASK, model=MODEL, steps=6, batch_size=16, warmup_steps=2, stop_at_train_accuracy=None
+        model=MODEL, steps=6, batch_size=16, warmup_steps=2, stop_at_train_accuracy=None
     )
-    metrics = sft_warm_start(tmp_path / "sft", config)
+    metrics = sft_warm_start(tmp_path / "sft", config, TASK)
     assert metrics["steps"] == 6.0 and metrics["train_accuracy"] == -1.0
     assert metrics["loss"] > 0 and metrics["num_parameters"] > 0
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
@@ -62,9 +57,9 @@ def test_sft_warm_start_saves_a_model_the_loaders_and_rollout_accept(tmp_path: P
 
 def test_sft_stops_at_max_seconds_and_can_skip_evaluation(tmp_path: Path) -> None:
     config = SFTConfig(
-        task=TASK, model=MODEL, steps=50, batch_size=8, max_seconds=1e-6, evaluate=False
+        model=MODEL, steps=50, batch_size=8, max_seconds=1e-6, evaluate=False
     )
-    metrics = sft_warm_start(tmp_path / "sft", config)
+    metrics = sft_warm_start(tmp_path / "sft", config, TASK)
     assert metrics["steps"] == 1.0 and "eval_accuracy" not in metrics
 
 
@@ -78,13 +73,13 @@ def test_a_prompt_longer_than_the_context_is_a_config_error(tmp_path: Path) -> N
         max_position_embeddings=8,
     )
     with pytest.raises(ConfigError, match="max_position_embeddings"):
-        sft_warm_start(tmp_path / "sft", SFTConfig(task=TASK, model=short, steps=1))
+        sft_warm_start(tmp_path / "sft", SFTConfig(model=short, steps=1), TASK)
     assert not (tmp_path / "sft").exists()
 
 
 def test_empty_data_and_bad_settings_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="train_size"):
-        SFTConfig(task=ArithmeticTaskConfig(train_size=0))
+        ArithmeticTaskConfig(train_size=0)
     with pytest.raises(ConfigError, match=r"SFTConfig\.steps"):
         SFTConfig(steps=0)
     with pytest.raises(ConfigError, match="stop_at_train_accuracy"):

@@ -15,10 +15,10 @@ pytest.importorskip("vllm")
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec, StreamOptions, collect
+from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker
 from workers.rollout import SamplingParams, VLLMRolloutConfig
-from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

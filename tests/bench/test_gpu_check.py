@@ -19,7 +19,7 @@ from workers.models import TinyModelConfig, save_tiny_model
 MAIN_JOB = "examples/arith_grpo.toml"
 TINY_JOB = """
 output_dir = "unused"
-[task]
+[data.arithmetic]
 digits = 2
 train_size = 200
 eval_size = 50

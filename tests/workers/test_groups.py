@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from channels import ConfigError
-from workers.engines import MESH_DIM_NAMES, PolicyLoss, TrainingConfig, TrainingEngine
+from workers.engines import MESH_DIM_NAMES, TrainingConfig, TrainingEngine
 from workers.host._groups import (
     GroupPoisonedError,
     ReconnectableGroup,
@@ -38,6 +38,7 @@ from workers.host._groups import (
 )
 from workers.host._meshes import heal_all, mesh_from_groups, new_reconnectable_group, poison_all
 from workers.models import TinyModelConfig, build_tiny_model
+from workers.objectives import PolicyLoss
 
 TIMEOUT = timedelta(seconds=60)
 GRID = torch.arange(4).view(1, 2, 2)  # ranks 0,1 and 2,3 are tp pairs; 0,2 and 1,3 dp pairs

@@ -1,4 +1,6 @@
-"""Users' data files turned into generation batches for the policy.
+"""Prompt sources turned into generation batches for the policy: the user's data
+files (``[data] source = "files"``) or the built-in arithmetic problems
+(``source = "arithmetic"``).
 
 - :func:`load_rows` reads the rows of a data file: JSON lines (``.jsonl``, or
   ``.json`` holding JSON lines or one list of objects), Parquet, CSV, or a
@@ -14,21 +16,49 @@
   column that reaches the reward function under its own name
   (:func:`workers.rewards.row_columns` reads it back).
 
-Everything reads local files only; nothing is downloaded.
+- The arithmetic source: :class:`ArithmeticTaskConfig` names a problem family and
+  the sizes of its splits, :func:`generate_splits` draws them from a seed,
+  :func:`prompt_batch` and :func:`sft_batch` tokenize problems with the character
+  tokenizer, :func:`decode_responses` turns generated ids back into text for the
+  verifier (``workers.rewards.arithmetic_reward``).
+- :func:`iter_problem_batches`: the seeded order in which a run draws training
+  prompts (any source), a function of the seed and of the number of batches drawn.
+
+Everything reads local files or generates from a seed; nothing is downloaded.
 """
 
 from __future__ import annotations
 
-from workers.data._dataset import RESERVED_FIELDS, ColumnKind, PromptDataset
-from workers.data._files import SUFFIXES, load_rows
+from workers.data._arithmetic import (
+    ArithmeticProblem,
+    ArithmeticTaskConfig,
+    TaskSplits,
+    generate_splits,
+)
+from workers.data._arithmetic_batches import (
+    check_fits_context,
+    decode_responses,
+    iter_problem_batches,
+    prompt_batch,
+    sft_batch,
+)
+from workers.data._dataset import ColumnKind, PromptDataset
+from workers.data._files import load_rows
 from workers.data._tokenizer import PromptTokenizer, load_prompt_tokenizer
 
 __all__ = [
-    "RESERVED_FIELDS",
-    "SUFFIXES",
+    "ArithmeticProblem",
+    "ArithmeticTaskConfig",
     "ColumnKind",
     "PromptDataset",
     "PromptTokenizer",
+    "TaskSplits",
+    "check_fits_context",
+    "decode_responses",
+    "generate_splits",
+    "iter_problem_batches",
     "load_prompt_tokenizer",
     "load_rows",
+    "prompt_batch",
+    "sft_batch",
 ]

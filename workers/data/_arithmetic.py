@@ -1,4 +1,5 @@
-"""Synthetic arithmetic problems with a verifiable answer, generated from a seed.
+"""The arithmetic prompt source (``[data] source = "arithmetic"``): synthetic
+problems with a verifiable answer, generated from a seed.
 
 An :class:`ArithmeticTaskConfig` names a problem family (operand digits, operators)
 and the sizes of two splits; :func:`generate_splits` draws distinct problems from the
@@ -16,14 +17,6 @@ from collections.abc import Sequence
 import msgspec
 
 from channels import ConfigError
-
-__all__ = [
-    "OPERATORS",
-    "ArithmeticProblem",
-    "ArithmeticTaskConfig",
-    "TaskSplits",
-    "generate_splits",
-]
 
 OPERATORS: tuple[str, ...] = ("+", "-", "*")
 """Operators a task may use."""

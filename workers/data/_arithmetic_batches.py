@@ -1,9 +1,10 @@
-"""Token batches of a task, in the conventions of the rollout and training engines.
+"""Token batches of arithmetic problems, in the conventions of the rollout and
+training engines; and the seeded order in which a run draws its training prompts.
 
 - :func:`prompt_batch`: what a generation stage consumes, ``prompt_ids``/``prompt_mask``
   left-padded, a ``uid`` per prompt (GRPO groups samples by it) and the reference
   ``answer_ids`` right-padded, all int64.
-- :func:`sft_batch`: supervised examples for :class:`workers.engines.NLLLoss`, the
+- :func:`sft_batch`: supervised examples for :class:`workers.objectives.NLLLoss`, the
   prompt as ``prompt_ids``/``prompt_mask`` and ``answer + <eos>`` as
   ``response_ids``/``response_mask``, so the loss covers the answer and EOS only.
 - :func:`decode_responses`: generated ids back to text for the verifier, EOS kept as
@@ -19,19 +20,11 @@ import torch
 from torch import Tensor
 
 from channels import ConfigError
+from workers.data._arithmetic import ArithmeticProblem
 from workers.models import CharTokenizer
-
-from ._problems import ArithmeticProblem
 
 T = TypeVar("T")
 
-__all__ = [
-    "check_fits_context",
-    "decode_responses",
-    "iter_problem_batches",
-    "prompt_batch",
-    "sft_batch",
-]
 
 
 def prompt_batch(

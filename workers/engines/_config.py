@@ -13,8 +13,8 @@ from workers.engines._batch import (
     WholeBatch,
 )
 from workers.engines._errors import EngineConfigError, enum_field
-from workers.engines._losses import LossAggregation
 from workers.engines._precision import PRECISION_SETTINGS
+from workers.objectives import LossAggregation
 
 
 def _positive(name: str, value: float | None, *, allow_zero: bool = False) -> None:

@@ -47,11 +47,11 @@ from workers.engines._micro_batches import (
     pad_outputs,
     zero_objective,
 )
-from workers.engines._objectives import LossFn, ModelOutputs
 from workers.engines._offload import Offloader
 from workers.engines._optimizer import build_adamw, take_step
 from workers.engines._parallel import Parallelism, TensorParallelPlan, clip_grad_norm
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
+from workers.objectives import LossFn, ModelOutputs
 
 
 class TrainingEngine:

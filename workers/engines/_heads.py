@@ -19,8 +19,7 @@ from torch import Tensor, nn
 
 from workers.engines._batch import SequenceInputs
 from workers.engines._errors import EngineConfigError
-from workers.engines._losses import entropy_from_logits, logprobs_from_logits
-from workers.engines._objectives import ModelOutputs
+from workers.objectives import ModelOutputs, entropy_from_logits, logprobs_from_logits
 
 
 class ModelHead(Protocol):

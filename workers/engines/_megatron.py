@@ -86,8 +86,8 @@ from workers.engines._megatron_weights import (
     split_for_tp,
     tp_split_kind,
 )
-from workers.engines._objectives import LossFn
 from workers.engines._parallel import Parallelism
+from workers.objectives import LossFn
 
 __all__ = [
     "MEGATRON_MIN_VERSION",

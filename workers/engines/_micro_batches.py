@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from workers.engines._batch import dummy_row, pad_columns, select_rows
-from workers.engines._objectives import ModelOutputs
 from workers.engines._parallel import Parallelism
+from workers.objectives import ModelOutputs
 
 
 def micro_batch(batch: Mapping[str, Tensor], rows: Tensor) -> tuple[dict[str, Tensor], bool]:

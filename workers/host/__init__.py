@@ -14,36 +14,32 @@
 """
 
 from workers.host._call import CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
-from workers.host._engine_logs import EngineLogs, engine_log_env, route_from_environment
+from workers.host._engine_logs import EngineLogs, engine_log_env
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
 from workers.host._register import (
     CallInfo,
     Endpoint,
     FieldContract,
-    MethodSpec,
     check_role_class,
     endpoints,
     register,
 )
-from workers.host._rendezvous import RayStore, StoreServer
-from workers.host._role import CallScope, Role, WorkerContext, calling, current_call
+from workers.host._rendezvous import StoreServer
+from workers.host._role import Role, WorkerContext, calling, current_call
 from workers.host._streaming import (
     Adopt,
     Chunk,
     Finish,
     Handoff,
     Step,
-    StreamControl,
     StreamMethod,
-    StreamSink,
     Tail,
 )
 from workers.host._worker import CONCURRENCY_GROUPS, WorkerProcess
 
 __all__ = [
-    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallScope", "CallSpec", "Chunk", "DataArg", "Endpoint", "EngineLogs",
-    "FieldContract", "Finish", "Handoff", "MethodSpec", "RankError", "RayStore", "Role", "Step", "StoreServer",
-    "StreamControl", "StreamMethod", "StreamSink", "StreamSpec", "Tail", "WorkerContext", "WorkerProcess", "calling",
-    "check_role_class", "current_call", "endpoints", "engine_log_env", "mesh_from_groups", "new_reconnectable_group",
-    "pieces_by_worker", "register", "route_from_environment",
+    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallSpec", "Chunk", "DataArg", "Endpoint", "EngineLogs",
+    "FieldContract", "Finish", "Handoff", "RankError", "Role", "Step", "StoreServer", "StreamMethod", "StreamSpec",
+    "Tail", "WorkerContext", "WorkerProcess", "calling", "check_role_class", "current_call", "endpoints",
+    "engine_log_env", "mesh_from_groups", "new_reconnectable_group", "pieces_by_worker", "register",
 ]

@@ -10,7 +10,7 @@ checkpoint directory. Examples and tests build tiny random models with
 
 from __future__ import annotations
 
-from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint, save_pretrained_here
+from ._checkpoint import check_supported_checkpoint, save_pretrained_here
 from ._factory import (
     TinyModelConfig,
     build_tiny_model,
@@ -18,16 +18,13 @@ from ._factory import (
     save_tiny_model,
     tiny_hf_config,
 )
-from ._gguf import GGUF_STAMP_FILE, GgufModel, gguf_to_hf_dir, read_gguf_header, smollm2_gguf
-from ._tokenizer import ARITHMETIC_SYMBOLS, SPECIAL_TOKENS, CharTokenizer, CharTokenizerConfig
-from ._tokenizer_dir import TOKENIZER_FILES, has_tokenizer, is_char_tokenizer_dir, load_tokenizer
-from ._value_head import VALUE_HEAD_FILE, ValueModel, is_value_model_dir
+from ._gguf import GgufModel, gguf_to_hf_dir, read_gguf_header, smollm2_gguf
+from ._tokenizer import SPECIAL_TOKENS, CharTokenizer, CharTokenizerConfig
+from ._tokenizer_dir import TOKENIZER_FILES, has_tokenizer, load_tokenizer
+from ._value_head import VALUE_HEAD_FILE, ValueModel
 
 __all__ = [
-    "ARITHMETIC_SYMBOLS",
-    "GGUF_STAMP_FILE",
     "SPECIAL_TOKENS",
-    "SUPPORTED_ARCHITECTURES",
     "TOKENIZER_FILES",
     "VALUE_HEAD_FILE",
     "CharTokenizer",
@@ -39,8 +36,6 @@ __all__ = [
     "check_supported_checkpoint",
     "gguf_to_hf_dir",
     "has_tokenizer",
-    "is_char_tokenizer_dir",
-    "is_value_model_dir",
     "load_model",
     "load_tokenizer",
     "read_gguf_header",

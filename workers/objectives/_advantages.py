@@ -1,4 +1,7 @@
-"""Advantage estimators for RLHF: GAE (PPO), group-normalised outcome advantages (GRPO), ReMax.
+"""Advantage estimators for RLHF: GAE (PPO), group-normalised outcome advantages
+(GRPO, DAPO), leave-one-out baselines (RLOO), ReMax, Safe-RLHF's Lagrangian; and the reward shaping they
+start from (scores on the last token, the KL penalty folded in, DAPO's overlong
+punishment).
 
 All estimators are vectorised over the batch and the response length: GAE is one
 matrix product of the TD residuals with a discount matrix, not a loop over tokens.
@@ -11,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from workers.engines._losses import KLEstimator
+from workers.objectives._losses import KLEstimator
 
 
 def scores_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
@@ -129,6 +132,45 @@ def group_sums(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tenso
     return inverse, zeros.index_add(0, inverse, torch.ones_like(values)), zeros.index_add(0, inverse, values)
 
 
+def leave_one_out_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO's advantages: each score minus the mean of the other scores of its
+    prompt group (0 for a group of one, which has no baseline).
+
+    Args:
+        scores: ``[B]`` sequence-level rewards.
+        group_ids: ``[B]`` integer id of each sample's prompt group (any values).
+
+    Returns:
+        ``[B]`` float32 advantages.
+    """
+    scores = scores.to(torch.float32)
+    inverse, group_counts, group_totals = group_sums(scores, group_ids)
+    counts, sums = group_counts[inverse], group_totals[inverse]
+    others = (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, scores - (sums - scores) / others, torch.zeros_like(scores))
+
+
+def overlong_penalties(lengths: Tensor, *, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment of a response of ``lengths`` tokens: 0 up to
+    ``max_len - buffer`` tokens, then falling linearly to ``-penalty`` at ``max_len``
+    (no shaping when ``buffer`` is 0).
+
+    Args:
+        lengths: ``[B]`` response lengths.
+        max_len: the longest response (the sampling's ``max_new_tokens``).
+        buffer: how many tokens before ``max_len`` the punishment starts.
+        penalty: the punishment at ``max_len``.
+
+    Returns:
+        ``[B]`` float32 reward terms, 0 or negative.
+    """
+    lengths = lengths.to(torch.float32)
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    over = (lengths - (max_len - buffer)).clamp(min=0.0) / buffer
+    return -penalty * over.clamp(max=1.0)
+
+
 def grpo_advantages(
     scores: Tensor,
     group_ids: Tensor,
@@ -167,6 +209,22 @@ def grpo_advantages(
     if mask is None:
         return advantages
     return advantages.unsqueeze(1) * mask.to(torch.float32)
+
+
+def lagrangian_advantages(reward_advantages: Tensor, cost_advantages: Tensor, lagrange: float) -> Tensor:
+    """Safe-RLHF's advantages: reward and cost advantages combined as
+    ``(A_r - lambda * A_c) / (1 + lambda)`` (the Lagrangian of "maximise reward
+    subject to expected cost", scaled to stay comparable as ``lambda`` grows).
+
+    Args:
+        reward_advantages: ``[B, R]`` advantages of the reward model's scores.
+        cost_advantages: ``[B, R]`` advantages of the cost model's scores.
+        lagrange: the multiplier ``lambda`` (at least 0).
+
+    Returns:
+        ``[B, R]`` advantages.
+    """
+    return (reward_advantages - lagrange * cost_advantages) / (1.0 + lagrange)
 
 
 def remax_advantages(token_rewards: Tensor, baseline_scores: Tensor, mask: Tensor) -> Tensor:

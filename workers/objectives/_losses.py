@@ -7,7 +7,7 @@ algorithms and the tests all call the same code.
 
 Here: masked reductions, log-probs and entropy from logits, KL estimators, and
 :class:`LossAggregation`. The per-token policy and value losses
-(:mod:`workers.engines._policy_losses`) return their unreduced terms; how the terms
+(:mod:`workers.objectives._policy_losses`) return their unreduced terms; how the terms
 become one scalar is a :class:`LossAggregation`, kept separate so that the engine can
 split a batch into micro-batches and data-parallel shards and still reduce exactly as
 one full-batch step would.

@@ -11,21 +11,24 @@ whatever the objective.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
-from workers.engines._errors import EngineConfigError, enum_field
-from workers.engines._losses import KLEstimator, LossAggregation
-from workers.engines._policy_losses import (
+from channels import ConfigError
+from workers.objectives._losses import KLEstimator, LossAggregation
+from workers.objectives._policy_losses import (
     OffPolicyCorrection,
     clipped_value_loss,
     ppo_policy_loss,
     staleness_correction,
 )
+
+E = TypeVar("E", bound=enum.Enum)
 
 BEHAVIOUR_LOGPROBS = "behaviour_logprobs"
 """Optional column of :class:`PolicyLoss`, float32 ``[R]``: the log-probs of the policy
@@ -56,12 +59,12 @@ class ModelOutputs:
             The tensor.
 
         Raises:
-            EngineConfigError: if the engine's head did not produce it.
+            ConfigError: if the engine's head did not produce it.
         """
         value = getattr(self, name)
         if value is None:
             head = "ValueHead" if name == "values" else "CausalLMHead"
-            raise EngineConfigError(
+            raise ConfigError(
                 f"the loss needs model output {name!r}, which this engine's head does not "
                 f"produce; build the engine with head={head}()"
             )
@@ -102,14 +105,24 @@ class LossFn(Protocol):
         ...
 
 
+def _member(field_name: str, kind: type[E], value: object) -> E:
+    """``value`` as a member of ``kind`` (members and their values are accepted);
+    a :class:`ConfigError` naming ``field_name`` and the allowed values otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(f"{field_name} must be one of {allowed}, got {value!r}") from None
+
+
 def _check_non_negative(owner: str, name: str, value: float | None) -> None:
     if value is not None and value < 0:
-        raise EngineConfigError(f"{owner}.{name} must be >= 0, got {value}")
+        raise ConfigError(f"{owner}.{name} must be >= 0, got {value}")
 
 
 def _loss_agg(owner: str, value: object) -> LossAggregation | None:
     """``value`` as an aggregation (strings such as ``"token-mean"`` accepted), or None."""
-    return None if value is None else enum_field(f"{owner}.loss_agg", LossAggregation, value)
+    return None if value is None else _member(f"{owner}.loss_agg", LossAggregation, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +157,7 @@ class PolicyLoss:
     off_policy: OffPolicyCorrection = OffPolicyCorrection.BEHAVIOUR
     """How tokens an older policy sampled are corrected, when the batch marks them
     (:data:`STALE_TOKENS`, with :data:`BEHAVIOUR_LOGPROBS`): ``"behaviour"``
-    (default) or ``"decoupled"`` (see :class:`~workers.engines.OffPolicyCorrection`).
+    (default) or ``"decoupled"`` (see :class:`OffPolicyCorrection`).
     Fresh tokens are never touched."""
     is_cap: float = 2.0
     """The largest importance weight of a stale token (``"decoupled"``)."""
@@ -152,17 +165,17 @@ class PolicyLoss:
     def __post_init__(self) -> None:
         for name in ("clip_ratio_low", "clip_ratio_high", "entropy_coef", "kl_coef"):
             _check_non_negative("PolicyLoss", name, getattr(self, name))
-        object.__setattr__(self, "off_policy", enum_field("PolicyLoss.off_policy", OffPolicyCorrection,
+        object.__setattr__(self, "off_policy", _member("PolicyLoss.off_policy", OffPolicyCorrection,
                                                           self.off_policy))
         if not self.is_cap >= 1.0:
-            raise EngineConfigError(f"PolicyLoss.is_cap must be >= 1 (it caps pi_prox / pi_behav), "
+            raise ConfigError(f"PolicyLoss.is_cap must be >= 1 (it caps pi_prox / pi_behav), "
                                     f"got {self.is_cap}")
         object.__setattr__(self, "loss_agg", _loss_agg("PolicyLoss", self.loss_agg))
         if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise EngineConfigError(
+            raise ConfigError(
                 f"PolicyLoss.dual_clip must be > 1 (typically 3.0) or None, got {self.dual_clip}"
             )
-        estimator = enum_field("PolicyLoss.kl_estimator", KLEstimator, self.kl_estimator)
+        estimator = _member("PolicyLoss.kl_estimator", KLEstimator, self.kl_estimator)
         object.__setattr__(self, "kl_estimator", estimator)
 
     @property

@@ -1,10 +1,10 @@
 """The policy and value losses of RLHF training (PPO's clipped objective, the
-correction of tokens an older policy sampled, the clipped value loss, GRPO's loss),
+correction of tokens an older policy sampled, the clipped value loss),
 as pure vectorised tensor functions over padded ``[B, R]`` response tokens, built
-on :mod:`workers.engines._losses`' masked reductions and estimators.
+on :mod:`workers.objectives._losses`' masked reductions and estimators.
 
 Like those, they return unreduced per-token terms; a
-:class:`~workers.engines.LossAggregation` makes them one scalar.
+:class:`~workers.objectives.LossAggregation` makes them one scalar.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from workers.engines._errors import EngineConfigError
-from workers.engines._losses import _LOG_RATIO_LIMIT, KLEstimator, LossAggregation, masked_mean
+from channels import ConfigError
+from workers.objectives._losses import _LOG_RATIO_LIMIT
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +62,10 @@ def ppo_policy_loss(
         The per-token terms; reduce ``loss`` with a :class:`LossAggregation`.
 
     Raises:
-        EngineConfigError: if ``dual_clip`` is not greater than 1.
+        ConfigError: if ``dual_clip`` is not greater than 1.
     """
     if dual_clip is not None and dual_clip <= 1.0:
-        raise EngineConfigError(
+        raise ConfigError(
             f"dual_clip must be > 1 (it bounds -A*ratio at -A*c), got {dual_clip}"
         )
     if advantages.dim() == logprobs.dim() - 1:
@@ -183,61 +183,3 @@ def clipped_value_loss(
         loss=0.5 * torch.maximum(error, error_clipped),
         clipped=(error_clipped > error).float(),
     )
-
-
-def grpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_ratio: float = 0.2,
-    clip_ratio_high: float | None = None,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = KLEstimator.K3,
-    aggregation: LossAggregation = LossAggregation.SEQ_MEAN_TOKEN_MEAN,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO objective: clipped ratio on group-normalised advantages plus a KL loss term.
-
-    Args:
-        logprobs: ``[B, R]`` current log-probs.
-        old_logprobs: ``[B, R]`` sampling-policy log-probs.
-        advantages: ``[B]`` group-normalised outcome advantages (see
-            :func:`grpo_advantages`) or ``[B, R]``.
-        mask: ``[B, R]`` response mask.
-        clip_ratio: ratio clip epsilon (lower, and upper unless ``clip_ratio_high``).
-        clip_ratio_high: upper clip epsilon.
-        ref_logprobs: ``[B, R]`` reference log-probs; required when ``kl_coef > 0``.
-        kl_coef: weight of the KL(pi || ref) loss term (the GRPO paper uses k3).
-        kl_estimator: estimator for the KL term.
-        aggregation: how tokens and sequences are averaged.
-
-    Returns:
-        ``(loss, metrics)`` with metrics ``clip_fraction``, ``approx_kl`` and ``kl``.
-
-    Raises:
-        EngineConfigError: if ``kl_coef > 0`` without ``ref_logprobs``.
-    """
-    terms = ppo_policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        clip_ratio_low=clip_ratio,
-        clip_ratio_high=clip_ratio_high,
-    )
-    per_token = terms.loss
-    kl = torch.zeros_like(per_token)
-    if kl_coef:
-        if ref_logprobs is None:
-            raise EngineConfigError(
-                "grpo_loss: kl_coef > 0 needs ref_logprobs; pass them or set kl_coef=0"
-            )
-        kl = kl_estimator.estimate(logprobs, ref_logprobs)
-        per_token = per_token + kl_coef * kl
-    metrics = {
-        "clip_fraction": masked_mean(terms.clipped, mask),
-        "approx_kl": masked_mean(terms.approx_kl, mask),
-        "kl": masked_mean(kl.detach(), mask),
-    }
-    return aggregation.reduce(per_token, mask), metrics

@@ -8,7 +8,8 @@
   tells them apart; contract in ``workers.rewards._rule``). Sync or async.
 - Built-in verifiers: :func:`exact_match`, :func:`numeric_match`,
   :data:`format_check` (:class:`FormatCheck` for other patterns);
-  :func:`arithmetic_reward` is the arithmetic task's exact-match rule.
+  :func:`arithmetic_reward` is the verifier of the arithmetic prompt source
+  (``[data] source = "arithmetic"``): exact match up to ``<eos>``.
 - Model-based (:class:`ModelRewardConfig`, :class:`ModelScorer`): a
   :class:`~workers.models.ValueModel` read at the last response token.
 
@@ -18,49 +19,36 @@ roles in ``workers.roles`` host them on a pool.
 
 from __future__ import annotations
 
+from workers.rewards._arithmetic import arithmetic_reward
 from workers.rewards._calling import (
     CallStyle,
     RewardBatch,
     RewardFn,
     RewardFunction,
     RewardFunctionError,
-    call_style,
-    function_label,
-    function_labels,
-    reward_fn_name,
 )
 from workers.rewards._columns import row_columns, text_column
 from workers.rewards._decode import (
-    UNKNOWN_TOKEN_TEXT,
     Decoder,
-    decode_ids,
-    decode_rows,
-    known_ids,
-    load_decoder,
 )
-from workers.rewards._inputs import ScoreInputs, Scorer, masked_token_lists
+from workers.rewards._inputs import ScoreInputs, Scorer
 from workers.rewards._model import ModelRewardConfig, ModelScorer
 from workers.rewards._rule import (
     DEFAULT_REWARD_FN,
     RuleRewardConfig,
     RuleScorer,
-    arithmetic_reward,
     load_reward_fn,
     split_function_spec,
 )
 from workers.rewards._verifiers import (
-    DEFAULT_FORMAT,
     FormatCheck,
     exact_match,
-    extract_number,
     format_check,
     numeric_match,
 )
 
 __all__ = [
-    "DEFAULT_FORMAT",
     "DEFAULT_REWARD_FN",
-    "UNKNOWN_TOKEN_TEXT",
     "CallStyle",
     "Decoder",
     "FormatCheck",
@@ -75,20 +63,10 @@ __all__ = [
     "ScoreInputs",
     "Scorer",
     "arithmetic_reward",
-    "call_style",
-    "decode_ids",
-    "decode_rows",
     "exact_match",
-    "extract_number",
     "format_check",
-    "function_label",
-    "function_labels",
-    "known_ids",
-    "load_decoder",
     "load_reward_fn",
-    "masked_token_lists",
     "numeric_match",
-    "reward_fn_name",
     "row_columns",
     "split_function_spec",
     "text_column",

@@ -1,4 +1,4 @@
-"""The exact-match verifier of the arithmetic tasks, as a batched reward function.
+"""The verifier of the arithmetic prompt source: exact match, as a batched reward function.
 
 A response is judged on its text up to the first ``<eos>`` (whatever follows is
 ignored), stripped of surrounding whitespace: it earns 1.0 when that equals the
@@ -12,10 +12,8 @@ from collections.abc import Sequence
 from channels import ConfigError
 from workers.models import SPECIAL_TOKENS
 
-__all__ = ["EOS_TEXT", "exact_match_reward", "extract_answer"]
-
 EOS_TEXT = SPECIAL_TOKENS[2]
-"""How ``<eos>`` reads in decoded text (see :func:`decode_responses`)."""
+"""How ``<eos>`` reads in decoded text (see ``workers.data.decode_responses``)."""
 
 
 def extract_answer(response: str) -> str:
@@ -30,7 +28,7 @@ def extract_answer(response: str) -> str:
     return response.split(EOS_TEXT, 1)[0].strip()
 
 
-def exact_match_reward(
+def arithmetic_reward(
     prompts: Sequence[str], responses: Sequence[str], answers: Sequence[str]
 ) -> list[float]:
     """Score responses by exact match with the reference answers.
@@ -49,7 +47,7 @@ def exact_match_reward(
     """
     if not len(prompts) == len(responses) == len(answers):
         raise ConfigError(
-            f"exact_match_reward needs one prompt, response and answer per row, got "
+            f"arithmetic_reward needs one prompt, response and answer per row, got "
             f"{len(prompts)} prompts, {len(responses)} responses, {len(answers)} answers"
         )
     return [

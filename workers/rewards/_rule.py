@@ -65,22 +65,6 @@ DEFAULT_REWARD_FN = "workers.rewards:arithmetic_reward"
 """The rule of the arithmetic task: exact match with the answer."""
 
 
-def arithmetic_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
-    """The arithmetic task's rule: 1.0 when the response, stripped, equals the answer,
-    stripped; else 0.0.
-
-    Args:
-        prompts: the problems (unused).
-        responses: the generated text (up to EOS).
-        answers: the reference answers.
-
-    Returns:
-        One score per sample.
-    """
-    del prompts
-    return [float(r.strip() == a.strip()) for r, a in zip(responses, answers, strict=True)]
-
-
 def split_function_spec(spec: object, *, key: str = "RuleRewardConfig.fn") -> tuple[str, str]:
     """``"module:function"`` as ``(module, function)``.
 

@@ -40,7 +40,6 @@ from workers.roles._fields import (
     RETURNS,
     ROLLOUT_LOGPROBS,
     SCORES,
-    SEQUENCE,
     UID,
     VALUES,
 )
@@ -66,7 +65,6 @@ __all__ = [
     "ROLLOUT_DTYPES",
     "ROLLOUT_LOGPROBS",
     "SCORES",
-    "SEQUENCE",
     "UID",
     "VALUES",
     "WEIGHTS_VERSION",

@@ -29,19 +29,15 @@ from torch import Tensor, nn
 
 from channels import DP, AllToAll, Batch, ConfigError, Metrics, MicroDP
 from workers.engines import (
-    ROW_INDEX,
     CausalLMHead,
-    NLLLoss,
-    OnPolicy,
-    PolicyLoss,
     PrecisionName,
     TrainingConfig,
     TrainingEngine,
-    kl_k3,
     resolve_precision,
 )
 from workers.host import CallInfo, StreamMethod, WorkerContext, register
 from workers.models import load_model, save_pretrained_here
+from workers.objectives import ROW_INDEX, NLLLoss, OnPolicy, PolicyLoss, kl_k3
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
 from workers.roles._engine_choice import EngineName, build_engine, check_engine
@@ -282,7 +278,7 @@ class ActorWorker(TrainedRole):
         ``old_logprobs`` the rows are taken as sampled by the current policy (on-policy
         training, no ``log_prob`` call in between): one optimizer step then takes them
         from its own forward pass, detached, which gives the same loss and update as
-        passing ``log_prob``'s (see :class:`~workers.engines.OnPolicy`); a schedule of
+        passing ``log_prob``'s (see :class:`~workers.objectives.OnPolicy`); a schedule of
         several steps computes them first with a no-grad pass.
 
         Rows with ``policy_version`` and ``rollout_logprobs`` (asynchronous training)
@@ -340,7 +336,7 @@ class ActorWorker(TrainedRole):
                           stale_fields: tuple[str, ...]) -> dict[str, float]:
         """``update`` of rows without ``old_logprobs``: they take the current policy's
         (the proximal policy; the sampling one unless rows are stale). One optimizer
-        step takes them from its own forward (:class:`~workers.engines.OnPolicy`);
+        step takes them from its own forward (:class:`~workers.objectives.OnPolicy`);
         more steps compute them first, here, with a no-grad pass (what ``log_prob``
         would return, without its call)."""
         fields = (*F.SEQUENCE, *(f for f in loss.required_fields if f != F.OLD_LOGPROBS), *stale_fields)

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from channels import DP, Batch, ConfigError, Metrics
-from workers.engines import TrainingConfig, ValueHead, ValueLoss
+from workers.engines import TrainingConfig, ValueHead
 from workers.host import WorkerContext, register
 from workers.models import load_model
+from workers.objectives import ValueLoss
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
 from workers.roles._engine_choice import EngineName, build_engine, check_engine

@@ -19,7 +19,6 @@ from torch import nn
 
 from channels import ConfigError
 from workers.engines import (
-    LossFn,
     MegatronTrainingEngine,
     ModelHead,
     TrainingConfig,
@@ -27,6 +26,7 @@ from workers.engines import (
     megatron_available,
 )
 from workers.host import WorkerContext
+from workers.objectives import LossFn
 from workers.roles._training import engine_group, engine_mesh
 
 EngineName = Literal["native", "megatron"]

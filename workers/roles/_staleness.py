@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from channels import Batch
-from workers.engines import BEHAVIOUR_LOGPROBS, STALE_TOKENS
+from workers.objectives import BEHAVIOUR_LOGPROBS, STALE_TOKENS
 from workers.roles import _fields as F
 
 VERSION_METRICS_REDUCE: dict[str, Literal["mean", "token_mean", "max"]] = {"actor/version_lag_mean": "token_mean", "actor/version_lag_max": "max",
@@ -19,7 +19,7 @@ VERSION_METRICS_REDUCE: dict[str, Literal["mean", "token_mean", "max"]] = {"acto
 
 
 def staleness_columns(batch: Batch, step: int) -> tuple[Mapping[str, Tensor], tuple[str, ...]]:
-    """``batch`` with the columns :class:`~workers.engines.PolicyLoss` corrects stale
+    """``batch`` with the columns :class:`~workers.objectives.PolicyLoss` corrects stale
     tokens by (when it has ``policy_version`` and ``rollout_logprobs``): which tokens
     an older version than ``step`` sampled, and their behaviour log-probs. Returns
     the batch and the added column names (none without those columns)."""

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from channels import ConfigError, MissingFieldError
-from workers.engines import LossFn, TrainingEngine
+from workers.engines import TrainingEngine
 from workers.host import WorkerContext
+from workers.objectives import LossFn
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from channels import ConfigError
-from workers.models import CharTokenizer
-from workers.tasks import (
+from workers.data import (
     ArithmeticProblem,
     check_fits_context,
     decode_responses,
@@ -17,6 +16,7 @@ from workers.tasks import (
     prompt_batch,
     sft_batch,
 )
+from workers.models import CharTokenizer
 
 TOKENIZER = CharTokenizer()
 PROBLEMS = [

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from channels import ConfigError
-from workers.tasks import ArithmeticProblem, ArithmeticTaskConfig, generate_splits
+from workers.data import ArithmeticProblem, ArithmeticTaskConfig, generate_splits
 
 SMALL = ArithmeticTaskConfig(train_size=300, eval_size=100, seed=3)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from channels import ConfigError
-from workers.data import SUFFIXES, load_rows
+from workers.data import load_rows
+from workers.data._files import SUFFIXES
 
 ROWS = [
     {"question": "What is 2 + 3?", "answer": "5", "level": 1, "hard": False, "score": 0.5,

@@ -15,12 +15,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from workers.engines import (
     MESH_DIM_NAMES,
     EngineConfigError,
-    PolicyLoss,
     TrainingConfig,
     TrainingEngine,
     ValueHead,
-    ValueLoss,
 )
+from workers.objectives import PolicyLoss, ValueLoss
 
 torch.set_num_threads(1)
 

@@ -17,16 +17,8 @@ from engines_testlib import SMALL, TinyValueModel, full_weights, make_batch, run
 from torch.distributed.device_mesh import init_device_mesh
 
 from channels import ConfigError
-from workers.engines import (
-    MESH_DIM_NAMES,
-    LossAggregation,
-    PolicyLoss,
-    TrainingConfig,
-    TrainingEngine,
-    ValueHead,
-    ValueLoss,
-    grpo_advantages,
-)
+from workers.engines import MESH_DIM_NAMES, TrainingConfig, TrainingEngine, ValueHead
+from workers.objectives import LossAggregation, PolicyLoss, ValueLoss, grpo_advantages
 
 torch.set_num_threads(1)
 

@@ -27,12 +27,11 @@ from transformers import LlamaForCausalLM
 from workers.engines import (
     MESH_DIM_NAMES,
     EngineConfigError,
-    PolicyLoss,
     TrainingConfig,
     TrainingEngine,
     ValueHead,
-    ValueLoss,
 )
+from workers.objectives import PolicyLoss, ValueLoss
 
 torch.set_num_threads(1)
 

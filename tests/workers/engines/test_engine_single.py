@@ -9,16 +9,9 @@ import torch
 from engines_testlib import EXACT, TinyValueModel, full_weights, make_batch, tiny_lm
 from transformers import LlamaForCausalLM
 
-from workers.engines import (
-    EngineConfigError,
-    LossAggregation,
-    NLLLoss,
-    PolicyLoss,
-    TrainingConfig,
-    TrainingEngine,
-    ValueHead,
-    ValueLoss,
-)
+from channels import ConfigError
+from workers.engines import EngineConfigError, TrainingConfig, TrainingEngine, ValueHead
+from workers.objectives import LossAggregation, NLLLoss, PolicyLoss, ValueLoss
 
 torch.set_num_threads(1)
 
@@ -138,14 +131,14 @@ def test_errors_name_the_field_and_the_fix() -> None:
         TrainingConfig(micro_batch_size=2, max_tokens_per_micro_batch=10)
     with pytest.raises(EngineConfigError, match=r"TrainingConfig\.lr"):
         TrainingConfig(lr=-1.0)
-    with pytest.raises(EngineConfigError, match="dual_clip"):
+    with pytest.raises(ConfigError, match="dual_clip"):
         PolicyLoss(dual_clip=0.5)
     engine = TrainingEngine(tiny_lm(), config=TrainingConfig(), loss=PolicyLoss(kl_coef=0.1))
     batch = make_batch()
     del batch["ref_logprobs"]
     with pytest.raises(EngineConfigError, match="'ref_logprobs'"):
         engine.train_step(batch)
-    with pytest.raises(EngineConfigError, match="ValueHead"):
+    with pytest.raises(ConfigError, match="ValueHead"):
         engine.train_step(make_batch(), loss=ValueLoss())
 
 

@@ -22,16 +22,8 @@ from channels import (
     SchemaError,
     reduce_metrics,
 )
-from workers.engines import (
-    EngineConfigError,
-    LossAggregation,
-    NLLLoss,
-    PolicyLoss,
-    TrainingConfig,
-    TrainingEngine,
-    ValueLoss,
-    masked_whiten,
-)
+from workers.engines import TrainingConfig, TrainingEngine
+from workers.objectives import LossAggregation, NLLLoss, PolicyLoss, ValueLoss, masked_whiten
 
 torch.set_num_threads(1)
 
@@ -138,7 +130,7 @@ def test_counting_ranks_count_each_row_once() -> None:
 def test_objectives_validate_and_name_their_loss_agg() -> None:
     assert PolicyLoss(loss_agg="seq-mean-token-sum").loss_agg is LossAggregation.SEQ_MEAN_TOKEN_SUM  # type: ignore[arg-type]
     assert PolicyLoss().loss_agg is None and ValueLoss().loss_agg is None and NLLLoss().loss_agg is None
-    with pytest.raises(EngineConfigError, match=r"ValueLoss.loss_agg must be one of 'token-mean'"):
+    with pytest.raises(ConfigError, match=r"ValueLoss.loss_agg must be one of 'token-mean'"):
         ValueLoss(loss_agg="mean")  # type: ignore[arg-type]
 
 

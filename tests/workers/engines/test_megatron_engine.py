@@ -19,14 +19,7 @@ import torch
 from engines_testlib import make_batch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from workers.engines import (
-    EngineConfigError,
-    PolicyLoss,
-    TrainingConfig,
-    TrainingEngine,
-    ValueHead,
-    ValueLoss,
-)
+from workers.engines import EngineConfigError, TrainingConfig, TrainingEngine, ValueHead
 from workers.engines._megatron import (
     GPTShape,
     MegatronConfig,
@@ -40,6 +33,7 @@ from workers.engines._megatron import (
     split_for_tp,
 )
 from workers.models import ValueModel
+from workers.objectives import PolicyLoss, ValueLoss
 
 HAVE_MEGATRON = megatron_available() is None
 VOCAB = 40

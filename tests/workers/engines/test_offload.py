@@ -21,12 +21,12 @@ from workers.engines import (
     MESH_DIM_NAMES,
     EngineConfigError,
     MemoryFootprint,
-    PolicyLoss,
     TrainingConfig,
     TrainingEngine,
     estimate_memory,
 )
 from workers.engines._offload import HostCopies
+from workers.objectives import PolicyLoss
 
 torch.set_num_threads(1)
 

@@ -12,13 +12,12 @@ from torch import nn
 
 from workers.engines import (
     EngineConfigError,
-    PolicyLoss,
     TrainingConfig,
     TrainingEngine,
     ValueHead,
-    ValueLoss,
     resolve_precision,
 )
+from workers.objectives import PolicyLoss, ValueLoss
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from channels import ConfigError
-from workers.models import GGUF_STAMP_FILE, gguf_to_hf_dir, load_model, smollm2_gguf
+from workers.models import gguf_to_hf_dir, load_model, smollm2_gguf
+from workers.models._gguf import GGUF_STAMP_FILE
 
 torch.set_num_threads(1)
 

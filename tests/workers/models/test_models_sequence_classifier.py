@@ -15,14 +15,8 @@ from transformers import (
 )
 
 from channels import ConfigError
-from workers.models import (
-    VALUE_HEAD_FILE,
-    TinyModelConfig,
-    ValueModel,
-    is_value_model_dir,
-    load_model,
-    save_tiny_model,
-)
+from workers.models import VALUE_HEAD_FILE, TinyModelConfig, ValueModel, load_model, save_tiny_model
+from workers.models._value_head import is_value_model_dir
 from workers.rewards import ModelRewardConfig
 from workers.rewards._inputs import ScoreInputs
 

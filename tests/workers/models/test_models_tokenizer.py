@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from workers.models import ARITHMETIC_SYMBOLS, CharTokenizer, CharTokenizerConfig
+from workers.models import CharTokenizer, CharTokenizerConfig
+from workers.models._tokenizer import ARITHMETIC_SYMBOLS
 
 torch.set_num_threads(1)
 

@@ -7,11 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engines import (
+from workers.objectives import (
     KLEstimator,
     fold_kl_into_rewards,
     gae_advantages,
     grpo_advantages,
+    lagrangian_advantages,
+    leave_one_out_advantages,
+    overlong_penalties,
     remax_advantages,
     scores_to_token_rewards,
 )
@@ -111,3 +114,28 @@ def test_kl_folded_into_token_rewards() -> None:
         torch.tensor([3.0]), logp, ref, mask, kl_coef=1.0, estimator=KLEstimator.K2
     )
     torch.testing.assert_close(k2, torch.tensor([[-0.125, 2.5, 0.0]]))
+
+
+def test_leave_one_out_baseline() -> None:
+    scores = torch.tensor([1.0, 0.0, 0.0, 2.0, 4.0, 7.0])
+    groups = torch.tensor([5, 5, 5, 9, 9, 3])
+    got = leave_one_out_advantages(scores, groups)
+    # group 5: 1 - 0, 0 - 0.5, 0 - 0.5; group 9: 2 - 4, 4 - 2; a group of one: 0
+    assert torch.allclose(got, torch.tensor([1.0, -0.5, -0.5, -2.0, 2.0, 0.0]))
+    # k / (k - 1) times the deviation from the group mean
+    assert torch.allclose(got[:3], 3 / 2 * (scores[:3] - scores[:3].mean()))
+
+
+def test_overlong_penalty_falls_linearly_over_the_buffer() -> None:
+    lengths = torch.tensor([0, 12, 13, 14, 16, 20])
+    got = overlong_penalties(lengths, max_len=16, buffer=4, penalty=2.0)
+    # free up to 16 - 4 = 12 tokens, then -2 * (over / 4), at most -2
+    assert torch.allclose(got, torch.tensor([0.0, 0.0, -0.5, -1.0, -2.0, -2.0]))
+    assert torch.equal(overlong_penalties(lengths, max_len=16, buffer=0, penalty=2.0), torch.zeros(6))
+
+
+def test_lagrangian_advantages_weigh_cost_by_lambda_and_rescale() -> None:
+    reward, cost = torch.tensor([[2.0, 1.0]]), torch.tensor([[1.0, 3.0]])
+    assert torch.equal(lagrangian_advantages(reward, cost, 0.0), reward)
+    # lambda 1: (A_r - A_c) / 2
+    assert torch.allclose(lagrangian_advantages(reward, cost, 1.0), torch.tensor([[0.5, -1.0]]))

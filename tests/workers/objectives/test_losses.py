@@ -9,20 +9,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engines import (
+from workers.objectives import (
     KLEstimator,
     LossAggregation,
-    clipped_value_loss,
+    ModelOutputs,
+    PolicyLoss,
     entropy_from_logits,
-    grpo_loss,
-    kl_k1,
-    kl_k2,
     kl_k3,
     logprobs_from_logits,
-    masked_mean,
     masked_whiten,
-    ppo_policy_loss,
 )
+from workers.objectives._losses import kl_k1, kl_k2, masked_mean
+from workers.objectives._policy_losses import clipped_value_loss, ppo_policy_loss
 
 torch.set_num_threads(1)
 
@@ -148,19 +146,21 @@ def test_aggregation_parts_add_up_over_row_splits(
     torch.testing.assert_close((num_a + num_b) / (den_a + den_b).clamp(min=1), whole)
 
 
-def test_grpo_loss_aggregation_and_kl_term() -> None:
+def test_grpo_objective_is_the_policy_loss_with_a_k3_kl_term_and_seq_mean_token_mean() -> None:
     logp = torch.full((2, 4), -1.0)
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
-    adv = torch.tensor([1.0, -3.0])
-    token_mean, _ = grpo_loss(logp, logp, adv, mask, aggregation=LossAggregation.TOKEN_MEAN)
-    seq_mean, metrics = grpo_loss(logp, logp, adv, mask)
+    batch = {"old_logprobs": logp, "advantages": torch.tensor([1.0, -3.0])}
+    outputs = ModelOutputs(logprobs=logp)
+    plain = PolicyLoss()(outputs, batch)
+    token_mean = LossAggregation.TOKEN_MEAN.reduce(plain.per_token, mask)
+    seq_mean = LossAggregation.SEQ_MEAN_TOKEN_MEAN.reduce(plain.per_token, mask)
     assert token_mean.item() == pytest.approx((-4 * 1.0 + 3.0) / 5)
     assert seq_mean.item() == pytest.approx((-1.0 + 3.0) / 2)
-    assert metrics["clip_fraction"].item() == 0.0
+    assert masked_mean(plain.metrics["clip_fraction"], mask).item() == 0.0
     ref = torch.full((2, 4), -1.5)
-    with_kl, metrics = grpo_loss(logp, logp, adv, mask, ref_logprobs=ref, kl_coef=0.1)
+    with_kl = PolicyLoss(kl_coef=0.1)(outputs, batch | {"ref_logprobs": ref})
     k3 = math.exp(-0.5) - 1 + 0.5
-    assert with_kl.item() == pytest.approx(seq_mean.item() + 0.1 * k3, rel=1e-6)
-    assert metrics["kl"].item() == pytest.approx(k3, rel=1e-6)
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(logp, logp, adv, mask, kl_coef=0.1)
+    got = LossAggregation.SEQ_MEAN_TOKEN_MEAN.reduce(with_kl.per_token, mask)
+    assert got.item() == pytest.approx(seq_mean.item() + 0.1 * k3, rel=1e-6)
+    assert masked_mean(with_kl.metrics["kl"], mask).item() == pytest.approx(k3, rel=1e-6)
+    assert PolicyLoss(kl_coef=0.1).required_fields == ("old_logprobs", "advantages", "ref_logprobs")

@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from workers.engines import (
+from channels import ConfigError
+from workers.objectives import (
     BEHAVIOUR_LOGPROBS,
     STALE_TOKENS,
-    EngineConfigError,
     ModelOutputs,
     OffPolicyCorrection,
     PolicyLoss,
-    staleness_correction,
 )
+from workers.objectives._policy_losses import staleness_correction
 
 torch.set_num_threads(1)
 
@@ -127,7 +127,7 @@ def test_behaviour_mode_is_ppo_against_the_behaviour_policy_on_stale_tokens() ->
 )
 def test_bad_settings_are_refused(settings: dict[str, object]) -> None:
     name = next(iter(settings))
-    with pytest.raises(EngineConfigError, match=f"PolicyLoss.{name}"):
+    with pytest.raises(ConfigError, match=f"PolicyLoss.{name}"):
         PolicyLoss(**settings)  # type: ignore[arg-type]
 
 

@@ -1,11 +1,12 @@
-"""The exact-match verifier."""
+"""The arithmetic source's verifier: exact match up to ``<eos>``."""
 
 from __future__ import annotations
 
 import pytest
 
 from channels import ConfigError
-from workers.tasks import exact_match_reward, extract_answer
+from workers.rewards import arithmetic_reward
+from workers.rewards._arithmetic import extract_answer
 
 
 @pytest.mark.parametrize(
@@ -26,14 +27,14 @@ from workers.tasks import exact_match_reward, extract_answer
     ],
 )
 def test_exact_match(response: str, answer: str, reward: float) -> None:
-    assert exact_match_reward(["p="], [response], [answer]) == [reward]
+    assert arithmetic_reward(["p="], [response], [answer]) == [reward]
 
 
 def test_batched_and_length_checked() -> None:
-    assert exact_match_reward(["a", "b"], ["1<eos>", "3<eos>"], ["1", "2"]) == [1.0, 0.0]
-    assert exact_match_reward([], [], []) == []
+    assert arithmetic_reward(["a", "b"], ["1<eos>", "3<eos>"], ["1", "2"]) == [1.0, 0.0]
+    assert arithmetic_reward([], [], []) == []
     with pytest.raises(ConfigError, match="one prompt, response and answer per row"):
-        exact_match_reward(["a"], ["1", "2"], ["1"])
+        arithmetic_reward(["a"], ["1", "2"], ["1"])
 
 
 def test_extract_answer() -> None:

@@ -12,23 +12,21 @@ import torch
 from channels import ConfigError, SchemaError
 from workers.models import CharTokenizer
 from workers.rewards import (
-    UNKNOWN_TOKEN_TEXT,
     FormatCheck,
     RewardFunctionError,
     RuleRewardConfig,
     RuleScorer,
     ScoreInputs,
-    call_style,
-    decode_rows,
+    arithmetic_reward,
     exact_match,
-    extract_number,
     format_check,
-    function_labels,
     numeric_match,
     row_columns,
     text_column,
 )
-from workers.tasks import exact_match_reward
+from workers.rewards._calling import call_style, function_labels
+from workers.rewards._decode import UNKNOWN_TOKEN_TEXT, decode_rows
+from workers.rewards._verifiers import extract_number
 
 TOK = CharTokenizer()
 PAD, EOS = TOK.pad_token_id, TOK.eos_token_id
@@ -75,7 +73,7 @@ def test_call_style_is_read_from_the_signature() -> None:
     def old_with_kwargs(prompts, responses, answers, **kwargs): ...
 
     assert [call_style(f) for f in (trl, named, kwargs_only, exact_match, format_check)] == ["keyword"] * 5
-    assert [call_style(f) for f in (old, old_with_kwargs, exact_match_reward, len)] == ["positional"] * 4
+    assert [call_style(f) for f in (old, old_with_kwargs, arithmetic_reward, len)] == ["positional"] * 4
 
 
 def test_keyword_form_gets_prompts_completions_and_every_column(tokenizer_dir: str) -> None:
@@ -124,7 +122,7 @@ def test_a_missing_named_column_says_which_and_how_to_add_it(tokenizer_dir: str)
 
 def test_positional_form_still_needs_answer_ids(tokenizer_dir: str) -> None:
     with pytest.raises(SchemaError, match="answer_ids"):
-        _scorer(exact_match_reward, tokenizer_dir)(make_inputs(["1="], ["1"]))
+        _scorer(arithmetic_reward, tokenizer_dir)(make_inputs(["1="], ["1"]))
 
 
 def test_an_explicit_text_column_wins_over_decoding_its_ids() -> None:

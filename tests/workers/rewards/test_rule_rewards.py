@@ -17,9 +17,9 @@ from workers.rewards import (
     RuleScorer,
     ScoreInputs,
     arithmetic_reward,
-    load_decoder,
     load_reward_fn,
 )
+from workers.rewards._decode import load_decoder
 
 TOK = CharTokenizer()
 PAD, EOS = TOK.pad_token_id, TOK.eos_token_id

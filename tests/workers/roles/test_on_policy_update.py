@@ -8,8 +8,9 @@ import torch
 from roles_testlib import TINY, advantages_for, local_ctx, prompt_columns
 
 from channels import Batch
-from workers.engines import PolicyLoss, TrainingConfig
+from workers.engines import TrainingConfig
 from workers.models import save_tiny_model
+from workers.objectives import PolicyLoss
 from workers.roles import ActorConfig, ActorWorker, UpdateConfig
 from workers.rollout import SamplingParams
 

@@ -16,9 +16,9 @@ import asyncflow as af
 from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
 from asyncflow.runtime._local import LocalSession
 from support import ppo_role_specs
+from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
 from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
-from workers.tasks import ArithmeticTaskConfig, generate_splits, prompt_batch
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
                        head_dim=32, num_hidden_layers=2)

@@ -11,8 +11,9 @@ from roles_testlib import TINY, advantages_for, local_ctx, prompt_columns
 
 from channels import Batch, ConfigError, MissingFieldError
 from workers import Adopt, Chunk, Finish, Handoff, Tail
-from workers.engines import PolicyLoss, TrainingConfig
+from workers.engines import TrainingConfig
 from workers.models import load_model, save_tiny_model
+from workers.objectives import PolicyLoss
 from workers.roles import (
     ActorConfig,
     ActorWorker,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from channels import Batch
-from workers.engines import BEHAVIOUR_LOGPROBS, STALE_TOKENS
+from workers.objectives import BEHAVIOUR_LOGPROBS, STALE_TOKENS
 from workers.roles import fields
 from workers.roles._staleness import staleness_columns, version_metrics
 

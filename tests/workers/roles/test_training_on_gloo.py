@@ -12,14 +12,8 @@ from roles_testlib import random_rows, run_ranks, small_lm
 from torch.distributed.device_mesh import init_device_mesh
 
 from channels import Batch, ConfigError
-from workers.engines import (
-    MESH_DIM_NAMES,
-    LossAggregation,
-    PolicyLoss,
-    TrainingConfig,
-    TrainingEngine,
-    grpo_advantages,
-)
+from workers.engines import MESH_DIM_NAMES, TrainingConfig, TrainingEngine
+from workers.objectives import LossAggregation, PolicyLoss, grpo_advantages
 from workers.roles._actor import rollout_consistency
 from workers.roles._training import UpdateConfig, run_updates
 
