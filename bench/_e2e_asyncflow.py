@@ -25,7 +25,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from asyncflow.algos import GRPOConfig, PolicyConfig, RolloutConfig, grpo_step  # noqa: E402
+from asyncflow.algos import GRPOConfig, PolicyConfig, SamplingConfig, grpo_step  # noqa: E402
 from asyncflow.tracing import summarise  # noqa: E402
 from bench._e2e_job import PLACEMENTS, E2EJob  # noqa: E402
 from workers.engines import TrainingConfig  # noqa: E402
@@ -42,7 +42,7 @@ from workers.roles import (  # noqa: E402
 
 def grpo_config(job: E2EJob) -> GRPOConfig:
     """GRPO's settings for the workload."""
-    return GRPOConfig(rollout=RolloutConfig(n=job.n, temperature=1.0, max_new_tokens=job.new_tokens,
+    return GRPOConfig(sampling=SamplingConfig(n=job.n, temperature=1.0, max_new_tokens=job.new_tokens,
                                             ignore_eos=True),
                       policy=PolicyConfig(kl_coef=job.kl_coef))
 

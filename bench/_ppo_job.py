@@ -22,7 +22,7 @@ import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec, StreamOptions
-from asyncflow.algos import PolicyConfig, PPOConfig, RolloutConfig, ppo_step
+from asyncflow.algos import PolicyConfig, PPOConfig, SamplingConfig, ppo_step
 from asyncflow.plan import Placement
 from asyncflow.runtime import long_tail_lengths
 from workers.engines import TrainingConfig
@@ -81,7 +81,7 @@ class PPOJob:
 
     def config(self) -> PPOConfig:
         """PPO's settings: one response per prompt, each to its budget."""
-        return PPOConfig(rollout=RolloutConfig(n=1, max_new_tokens=self.max_len, ignore_eos=True),
+        return PPOConfig(sampling=SamplingConfig(n=1, max_new_tokens=self.max_len, ignore_eos=True),
                          policy=PolicyConfig(kl_coef=0.0), reward_kl_coef=0.05)
 
     def prompt_columns(self) -> dict[str, torch.Tensor]:

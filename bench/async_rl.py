@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 import asyncflow as af
-from asyncflow.algos import GRPOConfig, RolloutConfig, grpo_step
+from asyncflow.algos import GRPOConfig, SamplingConfig, grpo_step
 from asyncflow.runtime import long_tail_lengths
 from asyncflow.tracing import summarise
 from asyncflow.train._ahead import Sampled, SamplesAhead
@@ -146,7 +146,7 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
     """One session: ``warmup + steps`` GRPO steps in ``mode``; the record. ``overlap``:
     asynchronous modes start each step once the last submitted its update
     (:meth:`SamplesAhead.steps`, ``train.overlap_steps``); else after it ended."""
-    config = GRPOConfig(rollout=RolloutConfig(n=job.n, temperature=1.0, max_new_tokens=job.max_tokens,
+    config = GRPOConfig(sampling=SamplingConfig(n=job.n, temperature=1.0, max_new_tokens=job.max_tokens,
                                               ignore_eos=True))
     if mode.endswith("_partial"):
         # Warm up until the longest sample's chain of generations (``partial_steps`` each)
@@ -166,7 +166,7 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
             if mode.startswith("async"):
                 partial = (PartialRollout(decode_steps=job.partial_steps, max_carries=job.partial_carries)
                            if mode.endswith("_partial") else None)
-                ahead = SamplesAhead(session, roles, config.rollout, max_staleness=int(mode[len("async")]),
+                ahead = SamplesAhead(session, roles, config.sampling, max_staleness=int(mode[len("async")]),
                                      last_step=total, seed_of=lambda j: job.seed + j, next_prompts=prompts, start=0,
                                      partial=partial)
             trained: dict[int, float] = {}

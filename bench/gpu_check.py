@@ -36,7 +36,7 @@ ALGORITHMS = ("grpo", "ppo", "dapo", "rloo", "remax", "safe_rlhf")
 STREAMING = frozenset({"grpo", "ppo", "rloo"})
 """The algorithms whose steps stream (``train.stream``)."""
 PER_ALGORITHM: dict[str, dict[str, object]] = {
-    "remax": {"algorithm.rollout.n": 1},  # one sample per prompt, beside the greedy baseline
+    "remax": {"algorithm.sampling.n": 1},  # one sample per prompt, beside the greedy baseline
     "safe_rlhf": {"cost.function": "bench.gpu_check:long_answer_cost"},
 }
 """What an algorithm needs beyond the main job's settings."""

@@ -47,7 +47,7 @@ eval_size = 8
 
 [algorithm]
 name = "grpo"
-rollout = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
+sampling = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
 
 [actor]
 lr = 1e-3

@@ -1,5 +1,5 @@
 """Checks of algorithm settings, each failing with a :class:`ConfigError` that names
-the key as the user wrote it (``algorithm.rollout.top_p``), says what is wrong and
+the key as the user wrote it (``algorithm.sampling.top_p``), says what is wrong and
 how to fix it. The trainer's own sections use the number checks too.
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from channels import ConfigError
 
 if TYPE_CHECKING:
-    from asyncflow.algos._common import PolicyConfig, RolloutConfig
+    from asyncflow.algos._common import PolicyConfig, SamplingConfig
 
 
 # ----- numbers -----
@@ -65,17 +65,17 @@ def within(key: str, value: float, low: float, high: float, *, open_low: bool = 
 
 # ----- settings every algorithm shares -----
 
-def check_rollout(key: str, rollout: RolloutConfig) -> None:
-    """Sampling settings (``rollout.n`` checks itself).
+def check_sampling(key: str, sampling: SamplingConfig) -> None:
+    """Sampling settings (``sampling.n`` checks itself).
 
     Raises:
-        ConfigError: naming the key, e.g. ``algorithm.rollout.top_p``.
+        ConfigError: naming the key, e.g. ``algorithm.sampling.top_p``.
     """
-    at_least(f"{key}.max_new_tokens", rollout.max_new_tokens, 1,
+    at_least(f"{key}.max_new_tokens", sampling.max_new_tokens, 1,
              "a response needs at least one token (its EOS); raise it to the longest answer plus one")
-    at_least(f"{key}.temperature", rollout.temperature, 0, "use 1.0 to sample as the model predicts, 0 for greedy")
-    within(f"{key}.top_p", rollout.top_p, 0, 1, open_low=True, fix="use 1.0 to turn nucleus sampling off")
-    at_least(f"{key}.top_k", rollout.top_k, 0, "use 0 to turn top-k sampling off")
+    at_least(f"{key}.temperature", sampling.temperature, 0, "use 1.0 to sample as the model predicts, 0 for greedy")
+    within(f"{key}.top_p", sampling.top_p, 0, 1, open_low=True, fix="use 1.0 to turn nucleus sampling off")
+    at_least(f"{key}.top_k", sampling.top_k, 0, "use 0 to turn top-k sampling off")
 
 
 def check_policy(key: str, policy: PolicyConfig) -> None:
@@ -105,11 +105,11 @@ def check_gae(key: str, gamma: float, lam: float) -> None:
 
 
 def check_group_size(n: int, why: str) -> None:
-    """``algorithm.rollout.n`` is at least 2 (a group-baseline algorithm compares
+    """``algorithm.sampling.n`` is at least 2 (a group-baseline algorithm compares
     the samples of one prompt).
 
     Raises:
         ConfigError: naming the key, the value and ``why``.
     """
     if n < 2:
-        raise ConfigError(f"algorithm.rollout.n must be >= 2, got {n}: {why}")
+        raise ConfigError(f"algorithm.sampling.n must be >= 2, got {n}: {why}")

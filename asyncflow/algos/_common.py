@@ -66,7 +66,7 @@ class PolicyConfig(msgspec.Struct, **_CFG):
         return {"loss": loss}
 
 
-class RolloutConfig(msgspec.Struct, **_CFG):
+class SamplingConfig(msgspec.Struct, **_CFG):
     """How the actor samples responses."""
 
     n: int = 1
@@ -92,12 +92,12 @@ class RolloutConfig(msgspec.Struct, **_CFG):
 
     def __post_init__(self) -> None:
         if self.n < 1:
-            raise ConfigError(f"rollout.n must be >= 1, got {self.n}")
+            raise ConfigError(f"sampling.n must be >= 1, got {self.n}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ConfigError(f"rollout.min_new_tokens must be in 0..rollout.max_new_tokens={self.max_new_tokens} "
+            raise ConfigError(f"sampling.min_new_tokens must be in 0..sampling.max_new_tokens={self.max_new_tokens} "
                               f"(0 disables it), got {self.min_new_tokens}; lower it or raise max_new_tokens")
         if any(not text for text in self.stop):
-            raise ConfigError(f"rollout.stop must list non-empty strings, got {list(self.stop)!r}; remove the "
+            raise ConfigError(f"sampling.stop must list non-empty strings, got {list(self.stop)!r}; remove the "
                               "empty ones")
 
     def params(self, *, seed: int | None, greedy: bool = False) -> SamplingParams:
@@ -125,7 +125,7 @@ def ref_for_kl(policy: PolicyConfig) -> dict[str, str]:
 def sample_and_score(roles: OutcomeRoles, prompts: DataFuture[Any], config: Any, *, seed: int | None,
                      stream: StreamOptions | None, rollout: DataFuture[Any] | None = None
                      ) -> tuple[DataFuture[Any], DataFuture[Any]]:
-    """The first half of a critic-free, outcome-reward step: ``config.rollout.n``
+    """The first half of a critic-free, outcome-reward step: ``config.sampling.n``
     samples per prompt from ``roles.actor``, their ``roles.reward`` scores and, when
     placed, the reference's log-probs, merged. Returns ``(the whole batch, the
     scores)`` (streamed as :class:`Feed` says).
@@ -164,12 +164,12 @@ def sampled(roles: OutcomeRoles, prompts: DataFuture[Any], config: Any, *, seed:
             ) -> DataFuture[Any] | DataStream[Any]:
     """The step's samples: ``rollout`` when the trainer generated them ahead (a
     rollout role's rows, possibly of an older policy: ``actor.update`` corrects
-    them by their ``policy_version``), else ``config.rollout.n`` samples per prompt
+    them by their ``policy_version``), else ``config.sampling.n`` samples per prompt
     from ``roles.actor.generate``."""
     if rollout is not None:
         return rollout
-    rollout_config: RolloutConfig = config.rollout
-    return roles.actor.generate(prompts, n=rollout_config.n, params=rollout_config.params(seed=seed), stream=stream)
+    sampling: SamplingConfig = config.sampling
+    return roles.actor.generate(prompts, n=sampling.n, params=sampling.params(seed=seed), stream=stream)
 
 
 def merge_rows(*parts: Any) -> Any:

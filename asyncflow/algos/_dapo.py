@@ -12,7 +12,7 @@ Learning System at Scale").
   (high) apart, 0.2 and 0.28 by default, so low-probability tokens can rise.
 - **Token-level loss**: ``policy.loss_agg = "token-mean"`` over the global batch.
 - **Overlong shaping**: a response within ``overlong_buffer`` tokens of
-  ``rollout.max_new_tokens`` is penalised linearly, up to ``overlong_penalty`` at
+  ``sampling.max_new_tokens`` is penalised linearly, up to ``overlong_penalty`` at
   the limit (0 turns it off).
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from asyncflow import DataFuture, RoleGroup, concat, merge, transform
 from asyncflow.algos._checks import at_least, check_group_size
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
+from asyncflow.algos._common import _CFG, PolicyConfig, SamplingConfig, ref_for_kl
 from asyncflow.algos._registry import PromptSource, algorithm
 from asyncflow.algos._role_set import RoleSet
 from channels import Batch, ConfigError
@@ -37,7 +37,7 @@ from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summ
 class DAPOConfig(msgspec.Struct, **_CFG):
     """DAPO settings."""
 
-    rollout: RolloutConfig = RolloutConfig(n=8)
+    sampling: SamplingConfig = SamplingConfig(n=8)
     """Sampling; ``n`` (at least 2) samples per prompt form its group."""
     policy: PolicyConfig = PolicyConfig(clip_ratio=0.2, clip_ratio_high=0.28,
                                         loss_agg=LossAggregation.TOKEN_MEAN)
@@ -49,20 +49,20 @@ class DAPOConfig(msgspec.Struct, **_CFG):
     """Most prompt batches sampled in one step (the first included); a step that
     has not filled its batch by then trains on the groups it has."""
     overlong_buffer: int = 0
-    """Tokens before ``rollout.max_new_tokens`` where the overlong penalty starts
+    """Tokens before ``sampling.max_new_tokens`` where the overlong penalty starts
     (0: no shaping)."""
     overlong_penalty: float = 1.0
-    """Penalty of a response that reaches ``rollout.max_new_tokens``."""
+    """Penalty of a response that reaches ``sampling.max_new_tokens``."""
 
     def check(self) -> None:
         """Raises ConfigError naming a group size, round count or overlong setting
         out of range."""
-        check_group_size(self.rollout.n, "DAPO compares the samples of one prompt; 8 or 16 is usual")
+        check_group_size(self.sampling.n, "DAPO compares the samples of one prompt; 8 or 16 is usual")
         at_least("algorithm.max_rounds", self.max_rounds, 1, "3 or 4 is usual")
         at_least("algorithm.overlong_buffer", self.overlong_buffer, 0, "0 turns the shaping off")
-        if self.overlong_buffer >= self.rollout.max_new_tokens:
+        if self.overlong_buffer >= self.sampling.max_new_tokens:
             raise ConfigError(f"algorithm.overlong_buffer = {self.overlong_buffer} must be below "
-                              f"algorithm.rollout.max_new_tokens = {self.rollout.max_new_tokens}")
+                              f"algorithm.sampling.max_new_tokens = {self.sampling.max_new_tokens}")
         at_least("algorithm.overlong_penalty", self.overlong_penalty, 0, "1.0 is DAPO's")
 
 
@@ -103,7 +103,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     unless ``max_rounds`` ran out), ``dapo/sampled_groups``, ``dapo/kept_fraction``
     and ``dapo/rounds``; ``reward/*`` are over every sampled response."""
     r = DAPORoles.of(roles, config=config, algorithm="DAPO")
-    n = config.rollout.n
+    n = config.sampling.n
     target = (await prompts).num_rows
     # [docs:dynamic-sampling] docs/algorithms.md shows this loop, to its end mark.
     source: DataFuture[Any] = prompts
@@ -113,7 +113,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     while True:
         round_seed = None if seed is None else seed + 7919 * rounds
         rounds += 1
-        rollout = r.actor.generate(source, n=n, params=config.rollout.params(seed=round_seed))
+        rollout = r.actor.generate(source, n=n, params=config.sampling.params(seed=round_seed))
         scored = merge(rollout, r.reward.score(rollout))
         sampled.append(scored)
         sampled_groups += (await scored).num_rows // n
@@ -135,7 +135,7 @@ async def dapo_step(roles: DAPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     # The policy that sampled every round is the one updated: the update takes
     # old_logprobs from its own forward (no actor.log_prob call).
     parts = [batch] + ([r.ref.log_prob(batch)] if r.ref else [])
-    batch = merge(*parts).map(dapo_advantages, max_len=config.rollout.max_new_tokens,
+    batch = merge(*parts).map(dapo_advantages, max_len=config.sampling.max_new_tokens,
                               buffer=config.overlong_buffer, penalty=config.overlong_penalty)
     actor = await r.actor.update(batch, **config.policy.update_kwargs())
     return actor | stats | summary

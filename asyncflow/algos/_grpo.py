@@ -9,7 +9,7 @@ import msgspec
 
 from asyncflow import DataFuture, RoleGroup, StreamOptions, gather
 from asyncflow.algos._checks import check_group_size
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl, sample_and_score
+from asyncflow.algos._common import _CFG, PolicyConfig, SamplingConfig, ref_for_kl, sample_and_score
 from asyncflow.algos._registry import algorithm
 from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._transforms import group_advantages
@@ -19,7 +19,7 @@ from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summ
 class GRPOConfig(msgspec.Struct, **_CFG):
     """GRPO settings."""
 
-    rollout: RolloutConfig = RolloutConfig(n=8)
+    sampling: SamplingConfig = SamplingConfig(n=8)
     """Sampling; ``n`` responses form each prompt's group."""
     policy: PolicyConfig = PolicyConfig()
     """The actor's update (``kl_coef > 0`` adds the KL loss and needs role ``ref``)."""
@@ -28,7 +28,7 @@ class GRPOConfig(msgspec.Struct, **_CFG):
 
     def check(self) -> None:
         """Raises ConfigError unless each prompt has a group of samples."""
-        check_group_size(self.rollout.n, "GRPO compares the samples of one prompt; 8 is usual")
+        check_group_size(self.sampling.n, "GRPO compares the samples of one prompt; 8 is usual")
 
 
 class GRPORoles(RoleSet):

@@ -12,7 +12,7 @@ from asyncflow.algos._checks import at_least, check_gae
 from asyncflow.algos._common import (
     _CFG,
     PolicyConfig,
-    RolloutConfig,
+    SamplingConfig,
     merge_rows,
     sampled,
     scores_and_ref,
@@ -28,7 +28,7 @@ from workers.roles import ActorWorker, CriticWorker, ReferenceWorker, RewardWork
 class PPOConfig(msgspec.Struct, **_CFG):
     """PPO settings."""
 
-    rollout: RolloutConfig = RolloutConfig()
+    sampling: SamplingConfig = SamplingConfig()
     """Sampling."""
     policy: PolicyConfig = PolicyConfig()
     """The actor's update."""

@@ -1,8 +1,8 @@
 """Algorithms as plug-ins: one :class:`Algorithm` record each, registered the same
 way for built-ins and third-party packages.
 
-An algorithm is its config type (a msgspec Struct with a ``rollout:
-RolloutConfig``), its roles (a :class:`RoleSet` subclass: required and optional
+An algorithm is its config type (a msgspec Struct with a ``sampling:
+SamplingConfig``), its roles (a :class:`RoleSet` subclass: required and optional
 roles, each typed by the worker class it runs) and ``async def step(roles,
 prompts, config, *, seed)``. Register it with the :func:`algorithm` decorator::
 
@@ -80,7 +80,7 @@ class Algorithm(Generic[C]):
     name: str
     """What ``[algorithm] name`` says."""
     config: type[C]
-    """Its settings: a msgspec Struct with a ``rollout: RolloutConfig`` field, and
+    """Its settings: a msgspec Struct with a ``sampling: SamplingConfig`` field, and
     optionally a ``check(self)`` method for the checks no field can make alone
     (raising ConfigError naming ``algorithm.<key>``)."""
     roles: type[RoleSet]
@@ -203,15 +203,15 @@ def register_algorithm(algo: Algorithm[Any]) -> Algorithm[Any]:
 
     Raises:
         ConfigError: another algorithm has its name, or its config has no
-            ``rollout`` field.
+            ``sampling`` field.
     """
     held = _REGISTRY.get(algo.name)
     if held is not None and held.step is not algo.step:
         raise ConfigError(f"algorithm {algo.name!r} is registered twice: by {_where(held.step)} and "
                           f"{_where(algo.step)}; give one another name")
-    if "rollout" not in algo.config.__struct_fields__:
+    if "sampling" not in algo.config.__struct_fields__:
         raise ConfigError(f"algorithm {algo.name!r}: its config {algo.config.__name__} needs a "
-                          "`rollout: RolloutConfig` field (the trainer evaluates with its sampling)")
+                          "`sampling: SamplingConfig` field (the trainer evaluates with its sampling)")
     _REGISTRY[algo.name] = algo
     _SECTIONS.pop(algo.name, None)
     return algo

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from asyncflow import DataFuture, RoleGroup, gather, merge
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
+from asyncflow.algos._common import _CFG, PolicyConfig, SamplingConfig, ref_for_kl
 from asyncflow.algos._registry import algorithm
 from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._transforms import greedy_baseline_advantages
@@ -19,15 +19,15 @@ from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summ
 class ReMaxConfig(msgspec.Struct, **_CFG):
     """ReMax settings."""
 
-    rollout: RolloutConfig = RolloutConfig()
+    sampling: SamplingConfig = SamplingConfig()
     """Sampling of the trained responses (one per prompt)."""
     policy: PolicyConfig = PolicyConfig()
     """The actor's update."""
 
     def check(self) -> None:
         """Raises ConfigError unless one response is sampled per prompt."""
-        if self.rollout.n != 1:
-            raise ConfigError(f"algorithm.rollout.n = {self.rollout.n}: ReMax samples one response per prompt "
+        if self.sampling.n != 1:
+            raise ConfigError(f"algorithm.sampling.n = {self.sampling.n}: ReMax samples one response per prompt "
                               "(and the greedy one as its baseline); leave it out")
 
 
@@ -51,8 +51,8 @@ async def remax_step(roles: ReMaxRoles | Mapping[str, RoleGroup[Any]], prompts: 
     response's score is the sampled one's baseline. The update takes
     ``old_logprobs`` from its own forward (on-policy: no ``actor.log_prob`` call)."""
     r = ReMaxRoles.of(roles, config=config, algorithm="ReMax")
-    rollout = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed))
-    greedy = r.actor.generate(prompts, n=1, params=config.rollout.params(seed=seed, greedy=True))
+    rollout = r.actor.generate(prompts, n=1, params=config.sampling.params(seed=seed))
+    greedy = r.actor.generate(prompts, n=1, params=config.sampling.params(seed=seed, greedy=True))
     scores = r.reward.score(rollout)
     baseline = r.reward.score(greedy).rename(scores="baseline_scores")
     parts = [rollout, scores, baseline] + ([r.ref.log_prob(rollout)] if r.ref else [])

@@ -18,7 +18,7 @@ import torch
 
 from asyncflow import DataFuture, RoleGroup, StreamOptions, gather, transform
 from asyncflow.algos._checks import check_group_size
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl, sample_and_score
+from asyncflow.algos._common import _CFG, PolicyConfig, SamplingConfig, ref_for_kl, sample_and_score
 from asyncflow.algos._registry import algorithm
 from asyncflow.algos._role_set import RoleSet
 from channels import Batch
@@ -29,7 +29,7 @@ from workers.roles import ActorWorker, ReferenceWorker, RewardWorker, score_summ
 class RLOOConfig(msgspec.Struct, **_CFG):
     """RLOO settings."""
 
-    rollout: RolloutConfig = RolloutConfig(n=4)
+    sampling: SamplingConfig = SamplingConfig(n=4)
     """Sampling; ``n`` (at least 2) samples per prompt form its leave-one-out group."""
     policy: PolicyConfig = PolicyConfig()
     """The actor's update (RLOO's paper uses the PPO clip; ``clip_ratio`` large
@@ -37,7 +37,7 @@ class RLOOConfig(msgspec.Struct, **_CFG):
 
     def check(self) -> None:
         """Raises ConfigError unless each prompt has a group of samples."""
-        check_group_size(self.rollout.n, "RLOO's baseline is the other samples of the prompt; 4 is usual")
+        check_group_size(self.sampling.n, "RLOO's baseline is the other samples of the prompt; 4 is usual")
 
 
 class RLOORoles(RoleSet):

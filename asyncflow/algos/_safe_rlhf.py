@@ -11,7 +11,7 @@ import msgspec
 
 from asyncflow import DataFuture, RoleGroup, gather, merge
 from asyncflow.algos._checks import at_least, check_gae, finite, within
-from asyncflow.algos._common import _CFG, PolicyConfig, RolloutConfig, ref_for_kl
+from asyncflow.algos._common import _CFG, PolicyConfig, SamplingConfig, ref_for_kl
 from asyncflow.algos._registry import algorithm
 from asyncflow.algos._role_set import RoleSet
 from asyncflow.algos._transforms import gae, safe_advantages, token_rewards
@@ -29,7 +29,7 @@ from workers.roles import (
 class SafeRLHFConfig(msgspec.Struct, **_CFG):
     """Safe-RLHF settings."""
 
-    rollout: RolloutConfig = RolloutConfig()
+    sampling: SamplingConfig = SamplingConfig()
     """Sampling."""
     policy: PolicyConfig = PolicyConfig()
     """The actor's update."""
@@ -100,7 +100,7 @@ async def safe_rlhf_step(roles: SafeRLHFRoles | Mapping[str, RoleGroup[Any]], pr
     (``state`` None: starts from ``lagrange_init`` and keeps nothing)."""
     r = SafeRLHFRoles.of(roles, config=config, algorithm="Safe-RLHF")
     state = state if state is not None else SafeRLHFState.from_config(config)
-    rollout = r.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
+    rollout = r.actor.generate(prompts, n=config.sampling.n, params=config.sampling.params(seed=seed))
     old = r.actor.log_prob(rollout)
     values = r.critic.values(rollout)
     cost_values = r.cost_critic.values(rollout).rename(values="cost_values")

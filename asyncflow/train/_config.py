@@ -16,13 +16,13 @@ import msgspec
 from asyncflow.algos import (
     Algorithm,
     PolicyConfig,
-    RolloutConfig,
+    SamplingConfig,
     algorithm_of,
     algorithms,
     config_section,
     get_algorithm,
 )
-from asyncflow.algos._checks import at_least, check_policy, check_rollout
+from asyncflow.algos._checks import at_least, check_policy, check_sampling
 from asyncflow.train._checks import (
     MODEL_ROLES,
     ROLLOUT_ROLE,
@@ -51,9 +51,23 @@ from workers.data import ArithmeticTaskConfig
 from workers.engines import megatron_available
 
 __all__ = [
-    "ActorSection", "DataSection", "GenSection", "ModelSection", "OptimSection", "PlacementSection", "PoolSection",
-    "RunConfig", "ScoreSection", "TrainSection", "WeightedFunction", "algorithm_in", "load_config",
-    "needed_roles", "rollout_of", "run_config_type", "validate",
+    "ActorSection",
+    "DataSection",
+    "GenSection",
+    "ModelSection",
+    "OptimSection",
+    "PlacementSection",
+    "PoolSection",
+    "RunConfig",
+    "ScoreSection",
+    "TrainSection",
+    "WeightedFunction",
+    "algorithm_in",
+    "load_config",
+    "needed_roles",
+    "run_config_type",
+    "sampling_of",
+    "validate",
 ]
 
 DEFAULT_ALGORITHM = "grpo"
@@ -186,7 +200,8 @@ def _refuse_task_section(data: dict[str, object]) -> None:
 
 def _algorithm_table(data: dict[str, object]) -> None:
     """``algorithm = "ppo"`` is ``[algorithm] name = "ppo"``; a name must be a
-    registered algorithm; the old per-algorithm sections get a pointer."""
+    registered algorithm; the old per-algorithm sections and the old name of the
+    sampling table (``[algorithm.rollout]``) get a pointer."""
     registered = algorithms()
     stale = sorted(k for k in data if k in registered)
     if stale:
@@ -198,7 +213,10 @@ def _algorithm_table(data: dict[str, object]) -> None:
     if not isinstance(table, dict):
         raise ConfigError(f"algorithm must be a table ([algorithm] name = ...) or a name, got {table!r}")
     table.setdefault("name", DEFAULT_ALGORITHM)
-    get_algorithm(str(table["name"]))  # an unknown name fails here, listing the registered ones
+    algo = get_algorithm(str(table["name"]))  # an unknown name fails here, listing the registered ones
+    if "rollout" in table and "rollout" not in algo.config.__struct_fields__:
+        raise ConfigError("[algorithm.rollout] is now [algorithm.sampling] (the same keys): rename the table, "
+                          "or write algorithm.sampling.<key> in --set")
     data["algorithm"] = table
 
 
@@ -254,7 +272,7 @@ _AT_SECTION = re.compile(r"(?s)[A-Za-z_]\w*\.(?P<field>\w+)(?P<rest>.*) - at `\$
 def _name_the_key(message: str) -> str:
     """msgspec reports a ``__post_init__``'s ``"ActorSection.lr must be ..."`` as
     ``"... - at `$.actor`"``; say ``"actor.lr must be ..."``, the key as the user
-    wrote it (``"rollout.n ..." - at `$.ppo.rollout``` becomes ``"ppo.rollout.n ..."``).
+    wrote it (``"sampling.n ..." - at `$.algorithm.sampling``` becomes ``"algorithm.sampling.n ..."``).
     Other messages, and sections inside a table (``$.pools[...]``), stay as they are."""
     m = _AT_SECTION.fullmatch(message)
     return f"{m['section']}.{m['field']}{m['rest']}" if m else message
@@ -284,10 +302,10 @@ def hybrid_actor(config: RunConfig) -> bool:
     return place is not None and place.gen is not None
 
 
-def rollout_of(config: RunConfig) -> RolloutConfig:
+def sampling_of(config: RunConfig) -> SamplingConfig:
     """The algorithm's sampling settings (every algorithm has them)."""
-    rollout: RolloutConfig = getattr(config.algorithm, "rollout")  # noqa: B009  (a registered config's field)
-    return rollout
+    sampling: SamplingConfig = getattr(config.algorithm, "sampling")  # noqa: B009  (a registered config's field)
+    return sampling
 
 
 def needed_roles(config: RunConfig) -> tuple[str, ...]:
@@ -384,7 +402,7 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
             raise ConfigError(f"{key}.t = {place.t} must divide the {devices} devices of pool {place.pool!r} "
                               f"(pools.{place.pool}.devices); change t or the pool's size")
         if role == ROLLOUT_ROLE:
-            _check_rollout_role(config, place, heads, source)
+            _check_sampling_role(config, place, heads, source)
             continue
         if place.gen is not None:
             _check_gen(config, role, place)
@@ -432,7 +450,7 @@ def _check_engines(config: RunConfig) -> None:
                               "own recomputation is not wired in yet; set one of them back")
 
 
-def _check_rollout_role(config: RunConfig, place: PlacementSection, heads: tuple[int, int], source: str) -> None:
+def _check_sampling_role(config: RunConfig, place: PlacementSection, heads: tuple[int, int], source: str) -> None:
     """Generation on its own pool: its layout (``t``) is its generation layout (the
     native engine when tensor parallel), the actor does not also generate, and the
     algorithm trains on samples generated ahead."""
@@ -478,7 +496,7 @@ def _check_scores(config: RunConfig) -> None:
 def _check_algorithms(config: RunConfig) -> None:
     algo = algorithm_in(config)
     settings: Any = config.algorithm
-    check_rollout("algorithm.rollout", settings.rollout)
+    check_sampling("algorithm.sampling", settings.sampling)
     policy = getattr(settings, "policy", None)
     if isinstance(policy, PolicyConfig):
         check_policy("algorithm.policy", policy)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncflow.runtime import DataFuture, Roles, Session, merge
-from asyncflow.train._config import RunConfig, rollout_of
+from asyncflow.train._config import RunConfig, sampling_of
 from asyncflow.train._metrics import pass_at_k
 from asyncflow.train._prompts import RunPrompts
 from workers.roles import score_summary
@@ -39,7 +39,7 @@ async def evaluate(session: Session, roles: Roles, prompts: RunPrompts, config: 
         ``train.eval_samples`` = n also ``eval/mean@n`` and ``eval/pass@k``.
     """
     held_out = await session.put(prompts.eval_batch(first_uid=EVAL_UID_BASE))
-    r = rollout_of(config)
+    r = sampling_of(config)
     greedy = generate(held_out, n=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_new, stop=r.stop))
     stats = score_summary(await roles.reward.stats(roles.reward.score(greedy)))
     out = {"eval/accuracy": float(stats.get("reward/mean", 0.0))}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncflow.train._config import RunConfig, hybrid_actor, needed_roles, rollout_of
+from asyncflow.train._config import RunConfig, hybrid_actor, needed_roles, sampling_of
 from workers.engines import REPLICATE_MAX_PARAMS, PrecisionName, estimate_memory
 
 GIB = 2**30
@@ -154,7 +154,7 @@ def _precision(setting: str, device: torch.device) -> PrecisionName:
 def _generation(config: RunConfig, shape: ModelShape, *, precision: PrecisionName, dp: int, context: int) -> dict[str, int]:
     """The rollout engine's weights and one step's KV cache on a rank."""
     width = 2 if precision == "bf16" else 4
-    samples = math.ceil(config.train.prompts_per_step * rollout_of(config).n / dp)
+    samples = math.ceil(config.train.prompts_per_step * sampling_of(config).n / dp)
     cache = 2 * shape.layers * shape.kv_width * context * samples * width
     return {"rollout weights": shape.parameters * width, "KV cache": cache}
 

@@ -23,7 +23,7 @@ from asyncflow.train._config import (
     RunConfig,
     algorithm_in,
     needed_roles,
-    rollout_of,
+    sampling_of,
 )
 from asyncflow.train._prompts import RunPrompts, run_prompts
 from asyncflow.train._roles import role_specs
@@ -62,7 +62,7 @@ class TrainPlanJob:
     async def start(self, placement: Placement, session: Session) -> _Steps:
         config = self.placed(placement)
         if self._data is None:  # read and tokenized once, for every placement profiled
-            self._data = run_prompts(config, self.model_dir, rollout_of(config).max_new_tokens)
+            self._data = run_prompts(config, self.model_dir, sampling_of(config).max_new_tokens)
         data = self._data
         roles = await session.spawn(role_specs(config, self.model_dir, context=data.context))
         count = min(config.train.prompts_per_step, data.train_size)

@@ -59,7 +59,7 @@ class DataSection(msgspec.Struct, **_CFG):
     content}]``) rendered with the tokenizer's chat template."""
     max_prompt_tokens: int = 0
     """Longer prompts are dropped (and counted in the log); 0: the model's context
-    minus the rollout's ``max_new_tokens``."""
+    minus ``algorithm.sampling.max_new_tokens``."""
 
     def __post_init__(self) -> None:
         at_least("DataSection.max_prompt_tokens", self.max_prompt_tokens, 0,
@@ -101,9 +101,9 @@ class TrainSection(msgspec.Struct, **_CFG):
     eval_size: int = 500
     """Held-out prompts evaluated (the first ones of the eval split)."""
     eval_samples: int = 0
-    """Also sample this many responses per held-out prompt (at the rollout's
-    temperature) and log ``eval/mean@n`` and ``eval/pass@k`` for k = 1, 2, 4, ...
-    up to n (0: greedy accuracy only)."""
+    """Also sample this many responses per held-out prompt (at
+    ``algorithm.sampling.temperature``) and log ``eval/mean@n`` and
+    ``eval/pass@k`` for k = 1, 2, 4, ... up to n (0: greedy accuracy only)."""
     pass_threshold: float = 1.0
     """A sampled response counts as correct for pass@k when its reward is at least
     this (the built-in verifiers give 1.0 to a correct answer)."""

@@ -31,7 +31,7 @@ from asyncflow.runtime import (
 )
 from asyncflow.train._ahead import Sampled, SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir, staged
-from asyncflow.train._config import RunConfig, algorithm_in, rollout_of
+from asyncflow.train._config import RunConfig, algorithm_in, sampling_of
 from asyncflow.train._evaluation import evaluate
 from asyncflow.train._memory import check_memory
 from asyncflow.train._metrics import (
@@ -170,7 +170,7 @@ class Trainer:
 
     async def _run(self, worker_env: dict[str, str]) -> RunResult:
         c = self.config
-        max_new = rollout_of(c).max_new_tokens
+        max_new = sampling_of(c).max_new_tokens
         if c.sft is not None:  # fail before minutes of SFT, not after
             splits = generate_splits(c.data.arithmetic)
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
@@ -267,7 +267,7 @@ class Trainer:
             partial = (PartialRollout(c.train.partial_rollout_decode_steps, c.train.partial_rollout,
                                       c.train.partial_rollout_max_carries)
                        if c.train.partial_rollout_decode_steps else None)
-            self._ahead = SamplesAhead(session, roles, rollout_of(c), max_staleness=c.train.max_staleness,
+            self._ahead = SamplesAhead(session, roles, sampling_of(c), max_staleness=c.train.max_staleness,
                                        last_step=c.train.steps, seed_of=self._seed, next_prompts=source.next,
                                        start=start, sync=sync, partial=partial)
             if self._resumed is not None:

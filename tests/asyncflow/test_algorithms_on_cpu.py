@@ -18,9 +18,9 @@ from asyncflow.algos import (
     PPOConfig,
     ReMaxConfig,
     RLOOConfig,
-    RolloutConfig,
     SafeRLHFConfig,
     SafeRLHFState,
+    SamplingConfig,
     dapo_step,
     grpo_step,
     ppo_step,
@@ -46,7 +46,7 @@ from workers.roles import (
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
-ROLLOUT = RolloutConfig(n=2, temperature=1.0, max_new_tokens=4)
+SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4)
 POLICY = PolicyConfig(kl_coef=0.01)
 ROLES = ("actor", "ref", "critic", "cost_critic", "reward", "cost")
 
@@ -89,11 +89,11 @@ def test_every_algorithm_runs_two_steps(placement, model_dir) -> None:
             roles = await session.spawn(_specs(model_dir, PLACEMENTS[placement]))
             state = SafeRLHFState(lagrange=1.0)
             steps = {
-                "grpo": lambda p, s: grpo_step(roles, p, GRPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
-                "ppo": lambda p, s: ppo_step(roles, p, PPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
-                "remax": lambda p, s: remax_step(roles, p, ReMaxConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
+                "grpo": lambda p, s: grpo_step(roles, p, GRPOConfig(sampling=SAMPLING, policy=POLICY), seed=s),
+                "ppo": lambda p, s: ppo_step(roles, p, PPOConfig(sampling=SAMPLING, policy=POLICY), seed=s),
+                "remax": lambda p, s: remax_step(roles, p, ReMaxConfig(sampling=SAMPLING, policy=POLICY), seed=s),
                 "safe_rlhf": lambda p, s: safe_rlhf_step(
-                    roles, p, SafeRLHFConfig(rollout=ROLLOUT, policy=POLICY, cost_limit=0.1), state=state, seed=s),
+                    roles, p, SafeRLHFConfig(sampling=SAMPLING, policy=POLICY, cost_limit=0.1), state=state, seed=s),
             }
             out = {}
             for name, step in steps.items():
@@ -133,7 +133,7 @@ def test_prompts_for_grpo_keep_groups_whole_across_ranks(model_dir) -> None:
                                       config=ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir))),
             })
             prompts = await session.put(prompt_batch(problems[:5], tok))
-            rollout = roles.actor.generate(prompts, n=3, params=ROLLOUT.params(seed=1))
+            rollout = roles.actor.generate(prompts, n=3, params=SAMPLING.params(seed=1))
             meta = await rollout
             rows = await rollout.fetch()
             return meta, rows
@@ -169,9 +169,9 @@ def test_streamed_grpo_and_ppo_steps_train_exactly_as_the_batch_steps(model_dir)
                         "critic": roles[f"critic_{mode}"], "reward": roles.reward}
                 for s in range(2):
                     prompts = await session.put(prompt_batch(problems[s * 4:(s + 1) * 4], tok, first_uid=100 * s))
-                    grpo = GRPOConfig(rollout=ROLLOUT, policy=POLICY)
+                    grpo = GRPOConfig(sampling=SAMPLING, policy=POLICY)
                     out[("grpo", mode, s)] = await grpo_step(mine, prompts, grpo, seed=s, stream=stream)
-                    ppo = PPOConfig(rollout=ROLLOUT, policy=POLICY)
+                    ppo = PPOConfig(sampling=SAMPLING, policy=POLICY)
                     out[("ppo", mode, s)] = await ppo_step(mine, prompts, ppo, seed=10 + s, stream=stream)
                 calls[mode] = Counter(c.role.split("_")[0] + "." + c.method for c in session.stop_trace().calls)
             return out, calls
@@ -215,10 +215,10 @@ def test_dapo_fills_its_batch_from_further_prompts_and_rloo_trains(model_dir) ->
                 batch = problems[(drawn - 1) * 4:drawn * 4]
                 return await session.put(prompt_batch(batch, tok, first_uid=100 * drawn))
 
-            dapo = DAPOConfig(rollout=RolloutConfig(n=2, temperature=1.0, max_new_tokens=4), max_rounds=8,
+            dapo = DAPOConfig(sampling=SamplingConfig(n=2, temperature=1.0, max_new_tokens=4), max_rounds=8,
                               overlong_buffer=2)
             first = await dapo_step(roles, await more(), dapo, seed=1, more=more)
-            rloo = await rloo_step(roles, await more(), RLOOConfig(rollout=ROLLOUT), seed=2)
+            rloo = await rloo_step(roles, await more(), RLOOConfig(sampling=SAMPLING), seed=2)
             return first, rloo, drawn
 
     dapo, rloo, drawn = asyncio_run(main())

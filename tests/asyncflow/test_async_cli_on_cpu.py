@@ -56,7 +56,7 @@ weight_sync_bucket_mb = 0.02    # ~20 KiB: the weights reach the rollout in abou
 
 [algorithm]
 name = "grpo"
-rollout = {{ n = 4, temperature = 1.0, max_new_tokens = {max_new}, stop = {stop} }}
+sampling = {{ n = 4, temperature = 1.0, max_new_tokens = {max_new}, stop = {stop} }}
 
 [reward]
 function = "support:digit_share_reward"

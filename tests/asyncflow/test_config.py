@@ -77,15 +77,15 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("unknown-algorithm-key", {"algorithm.clip": 0.2}, ("clip", "$.algorithm", "valid keys there", "'policy'")),
     ("unknown-algorithm-nested-key", {"algorithm.policy.clip": 0.2}, ("clip", "'clip_ratio'")),
     ("old-section", {"grpo.policy.clip_ratio": 0.2}, ("[grpo]", "[algorithm]")),
-    ("max-new-tokens", {"algorithm.rollout.max_new_tokens": 0}, ("algorithm.rollout.max_new_tokens", ">= 1")),
-    ("temperature", {"algorithm.rollout.temperature": -0.5}, ("algorithm.rollout.temperature", ">= 0")),
-    ("top-p-zero", {"algorithm.rollout.top_p": 0.0}, ("algorithm.rollout.top_p", "(0, 1]")),
-    ("top-p-above-one", {"algorithm.name": "ppo", "algorithm.rollout.top_p": 1.5}, ("algorithm.rollout.top_p", "(0, 1]")),
-    ("top-k", {"algorithm.rollout.top_k": -1}, ("algorithm.rollout.top_k", ">= 0")),
-    ("grpo-n", {"algorithm.rollout.n": 1}, ("algorithm.rollout.n", ">= 2")),
-    ("ppo-n", {"algorithm.name": "ppo", "algorithm.rollout.n": 0}, ("algorithm.rollout.n", ">= 1")),
+    ("max-new-tokens", {"algorithm.sampling.max_new_tokens": 0}, ("algorithm.sampling.max_new_tokens", ">= 1")),
+    ("temperature", {"algorithm.sampling.temperature": -0.5}, ("algorithm.sampling.temperature", ">= 0")),
+    ("top-p-zero", {"algorithm.sampling.top_p": 0.0}, ("algorithm.sampling.top_p", "(0, 1]")),
+    ("top-p-above-one", {"algorithm.name": "ppo", "algorithm.sampling.top_p": 1.5}, ("algorithm.sampling.top_p", "(0, 1]")),
+    ("top-k", {"algorithm.sampling.top_k": -1}, ("algorithm.sampling.top_k", ">= 0")),
+    ("grpo-n", {"algorithm.sampling.n": 1}, ("algorithm.sampling.n", ">= 2")),
+    ("ppo-n", {"algorithm.name": "ppo", "algorithm.sampling.n": 0}, ("algorithm.sampling.n", ">= 1")),
     ("sft-model", {**SFT_ONE_HEAD, "sft.model.head_dim": 16}, ("sft.model.head_dim", ">= 32")),
-    ("remax-n", {"algorithm.name": "remax", "algorithm.rollout.n": 4}, ("algorithm.rollout.n", "one response")),
+    ("remax-n", {"algorithm.name": "remax", "algorithm.sampling.n": 4}, ("algorithm.sampling.n", "one response")),
     ("clip-ratio", {"algorithm.policy.clip_ratio": -0.2}, ("algorithm.policy.clip_ratio", ">= 0")),
     ("clip-ratio-high", {"algorithm.name": "ppo", "algorithm.policy.clip_ratio_high": -0.1}, ("algorithm.policy.clip_ratio_high", ">= 0")),
     ("dual-clip", {"algorithm.policy.dual_clip": 1.0}, ("algorithm.policy.dual_clip", "> 1")),
@@ -341,19 +341,31 @@ def test_the_smollm2_example_loads(tmp_path: Path) -> None:
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 200
 
 
+@pytest.mark.parametrize("where", ["file", "--set"])
+def test_the_old_sampling_table_name_is_refused_naming_the_new_one(tmp_path: Path, model_dir: str,
+                                                                   where: str) -> None:
+    old = {"algorithm.rollout": {"n": 3}}
+    path = _write(tmp_path, model_dir, old if where == "file" else {})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {"algorithm.rollout.n": 3} if where == "--set" else None)
+    message = str(info.value)
+    assert "\n" not in message and "[algorithm.rollout] is now [algorithm.sampling]" in message
+    assert load_config(_write(tmp_path, model_dir, {"algorithm.sampling": {"n": 3}})).algorithm.sampling.n == 3
+
+
 @pytest.mark.parametrize("key", ["algorithm", "algorithm.name"])
 def test_switching_the_algorithm_keeps_the_files_other_algorithm_keys(tmp_path: Path, model_dir: str,
                                                                       key: str) -> None:
-    path = _write(tmp_path, model_dir, {"algorithm.rollout": {"n": 3, "temperature": 0.7}})
+    path = _write(tmp_path, model_dir, {"algorithm.sampling": {"n": 3, "temperature": 0.7}})
     config = load_config(path, {key: "rloo"})
     assert algorithm_in(config).name == "rloo"
-    assert (config.algorithm.rollout.n, config.algorithm.rollout.temperature) == (3, 0.7)
+    assert (config.algorithm.sampling.n, config.algorithm.sampling.temperature) == (3, 0.7)
 
 
 @pytest.mark.parametrize("key", ["algorithm", "algorithm.name"])
 def test_switching_to_an_algorithm_without_the_files_keys_names_them(tmp_path: Path, model_dir: str,
                                                                      key: str) -> None:
-    path = _write(tmp_path, model_dir, {"algorithm.scale_by_std": False, "algorithm.rollout": {"n": 3}})
+    path = _write(tmp_path, model_dir, {"algorithm.scale_by_std": False, "algorithm.sampling": {"n": 3}})
     with pytest.raises(ConfigError) as info:
         load_config(path, {key: "rloo"})
     message = str(info.value)

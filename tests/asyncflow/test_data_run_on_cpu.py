@@ -40,7 +40,7 @@ function = "support:carried_column_reward"
 
 [algorithm]
 name = "{algorithm}"
-rollout = {{ n = 2, max_new_tokens = 4 }}
+sampling = {{ n = 2, max_new_tokens = 4 }}
 
 [train]
 steps = 2

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import asyncflow as af
 import fake_device
-from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, SamplingConfig, grpo_step, ppo_step
 from asyncflow.runtime._local import LocalSession
 from support import ppo_role_specs
 from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
@@ -40,7 +40,7 @@ from workers.roles import (
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
-ROLLOUT = RolloutConfig(n=2, temperature=1.0, max_new_tokens=4)
+SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4)
 POLICY = PolicyConfig(kl_coef=0.01)
 FAKE = fake_device.NAME
 
@@ -75,10 +75,10 @@ def test_the_fake_device_refuses_cpu_tensors_where_cuda_does() -> None:
 
 Step = Callable[[Any, Any, int], Awaitable[dict[str, float]]]
 STEPS: dict[str, Step] = {
-    "grpo": lambda roles, prompts, s: grpo_step(roles, prompts, GRPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
-    "ppo": lambda roles, prompts, s: ppo_step(roles, prompts, PPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s),
+    "grpo": lambda roles, prompts, s: grpo_step(roles, prompts, GRPOConfig(sampling=SAMPLING, policy=POLICY), seed=s),
+    "ppo": lambda roles, prompts, s: ppo_step(roles, prompts, PPOConfig(sampling=SAMPLING, policy=POLICY), seed=s),
     "grpo_streamed": lambda roles, prompts, s: grpo_step(
-        roles, prompts, GRPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s, stream=af.StreamOptions(micro_batch=2)),
+        roles, prompts, GRPOConfig(sampling=SAMPLING, policy=POLICY), seed=s, stream=af.StreamOptions(micro_batch=2)),
 }
 
 
@@ -93,7 +93,7 @@ def _run_steps(model_dir: str, out_dir: Path, *, device: str, store_on_device: b
             for s, (name, step) in enumerate(STEPS.items()):
                 columns = prompt_batch(problems[s * 2:(s + 1) * 2], tok, first_uid=10 * s)
                 # The second prompt's group finishes first: the rows come back out of order.
-                columns["max_new_tokens"] = torch.tensor([ROLLOUT.max_new_tokens, 1])
+                columns["max_new_tokens"] = torch.tensor([SAMPLING.max_new_tokens, 1])
                 prompts = await session.put(columns)
                 out[name] = await step(roles, prompts, s)
             # Checkpoints and exports of device tensors; a loaded checkpoint trains on.
@@ -103,7 +103,7 @@ def _run_steps(model_dir: str, out_dir: Path, *, device: str, store_on_device: b
             await af.gather(roles.actor.load_checkpoint(str(out_dir / "actor")),
                             roles.critic.load_checkpoint(str(out_dir / "critic")))
             out["after_load"] = await STEPS["ppo"](roles, prompts, 9)
-            rollout = roles.actor.generate(prompts, n=2, params=ROLLOUT.params(seed=7))
+            rollout = roles.actor.generate(prompts, n=2, params=SAMPLING.params(seed=7))
             out["fetched"] = await rollout.fetch()
             assert session.local is not None
             worker = session.local.workers[0]
@@ -159,10 +159,10 @@ def _rollout_after_update(model_dir: str, *, device: str, store_on_device: bool)
         async with LocalSession(device=device, store_on_device=store_on_device) as session:
             roles = await session.spawn(specs)
             prompts = await session.put(prompt_batch(problems[:2], tok))
-            rollout = roles.rollout.generate(prompts, n=2, params=ROLLOUT.params(seed=3))
-            await grpo_step(roles, prompts, GRPOConfig(rollout=ROLLOUT, policy=PolicyConfig()), rollout=rollout)
+            rollout = roles.rollout.generate(prompts, n=2, params=SAMPLING.params(seed=3))
+            await grpo_step(roles, prompts, GRPOConfig(sampling=SAMPLING, policy=PolicyConfig()), rollout=rollout)
             await roles.rollout.load_weights(roles.actor.weights())
-            return await roles.rollout.generate(prompts, n=2, params=ROLLOUT.params(seed=4)).fetch()
+            return await roles.rollout.generate(prompts, n=2, params=SAMPLING.params(seed=4)).fetch()
     return asyncio.run(main())
 
 

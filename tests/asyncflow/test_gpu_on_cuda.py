@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import asyncflow as af
-from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, SamplingConfig, grpo_step, ppo_step
 from support import ppo_role_specs
 from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
 from workers.engines import TrainingConfig
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 TINY = TinyModelConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
                        head_dim=64, num_hidden_layers=2)
-ROLLOUT = RolloutConfig(n=4, temperature=1.0, max_new_tokens=4)
+SAMPLING = SamplingConfig(n=4, temperature=1.0, max_new_tokens=4)
 BF16 = TrainingConfig(lr=1e-4, precision="bf16", micro_batch_size=8)
 
 
@@ -44,11 +44,11 @@ def _train(model_dir: str, pools: tuple[af.ResourcePool, af.ResourcePool]) -> tu
             for s, stream in enumerate((None, af.StreamOptions(micro_batch=8))):
                 mode = "stream" if stream else "batch"
                 prompts = await session.put(prompt_batch(problems[s * 8:(s + 1) * 8], tok, first_uid=100 * s))
-                out[f"grpo_{mode}"] = await grpo_step(roles, prompts, GRPOConfig(rollout=ROLLOUT, policy=policy),
+                out[f"grpo_{mode}"] = await grpo_step(roles, prompts, GRPOConfig(sampling=SAMPLING, policy=policy),
                                                       seed=s, stream=stream)
-                out[f"ppo_{mode}"] = await ppo_step(roles, prompts, PPOConfig(rollout=ROLLOUT, policy=policy),
+                out[f"ppo_{mode}"] = await ppo_step(roles, prompts, PPOConfig(sampling=SAMPLING, policy=policy),
                                                     seed=s, stream=stream)
-            out["fetched"] = await roles.actor.generate(prompts, n=2, params=ROLLOUT.params(seed=1)).fetch()
+            out["fetched"] = await roles.actor.generate(prompts, n=2, params=SAMPLING.params(seed=1)).fetch()
             return session.transport, out
     return asyncio.run(main())
 

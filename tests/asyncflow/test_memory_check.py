@@ -45,7 +45,7 @@ def test_checkpointing_offload_and_precision_move_the_estimate() -> None:
     assert estimate_pools(fp32, shape, context=256, cuda=True)[0].parts["ref weights"] == 4 * shape.parameters
     assert on_cpu["ref weights"] == 2 * shape.parameters
     # A generation whose KV cache outweighs training: offloading leaves it the memory.
-    long = {"algorithm.rollout.n": 64, "train.prompts_per_step": 256}
+    long = {"algorithm.sampling.n": 64, "train.prompts_per_step": 256}
     generating = estimate_pools(load_config(GPU_EXAMPLE, long), shape, context=256, cuda=True)[0].parts
     offloaded = estimate_pools(load_config(GPU_EXAMPLE, long | {"actor.offload_optimizer": True}), shape,
                                context=256, cuda=True)[0].parts

@@ -37,7 +37,7 @@ kl_metric = false
 [algorithm]
 name = "group_mean"
 scale = 0.5
-rollout = {{ n = 2, max_new_tokens = 3 }}
+sampling = {{ n = 2, max_new_tokens = 3 }}
 
 [actor]
 lr = 1e-3

@@ -14,8 +14,8 @@ from asyncflow.algos import (
     PPOConfig,
     RLOOConfig,
     RoleSet,
-    RolloutConfig,
     SafeRLHFState,
+    SamplingConfig,
     algorithm,
     algorithm_of,
     algorithms,
@@ -67,7 +67,7 @@ def test_a_config_without_rollout_is_refused_at_registration() -> None:
     class NoRollout(msgspec.Struct):
         x: int = 0
 
-    with pytest.raises(ConfigError, match="needs a `rollout: RolloutConfig` field"):
+    with pytest.raises(ConfigError, match="needs a `sampling: SamplingConfig` field"):
         @algorithm("no_rollout", config=NoRollout, roles=TwoRoles)
         async def step(roles, prompts, config, *, seed=None):  # type: ignore[no-untyped-def]
             return {}
@@ -76,7 +76,7 @@ def test_a_config_without_rollout_is_refused_at_registration() -> None:
 def test_sections_are_tagged_subclasses_that_name_their_algorithm() -> None:
     rloo = get_algorithm("rloo")
     section = config_section(rloo)
-    made = section(rollout=RolloutConfig(n=3))
+    made = section(sampling=SamplingConfig(n=3))
     assert isinstance(made, RLOOConfig) and algorithm_of(made) is rloo
     assert algorithm_of(RLOOConfig()) is rloo  # an untagged instance of a registered config
     assert rloo.needed_roles(RLOOConfig()) == ("actor", "reward")
@@ -103,7 +103,7 @@ class Counter:
 
     @classmethod
     def from_config(cls, config: RLOOConfig) -> Counter:
-        return cls(config.rollout.n)
+        return cls(config.sampling.n)
 
 
 async def _counting_step(roles: TwoRoles, prompts: object, config: RLOOConfig, *, seed: int | None = None,
@@ -115,7 +115,7 @@ def test_what_a_step_takes_is_read_from_its_signature() -> None:
     algo = Algorithm(name="counting", config=RLOOConfig, roles=TwoRoles, step=_counting_step)
     assert algo.takes == {"seed", "more", "state"}
     assert algo.draws and not algo.streams and not algo.samples_ahead
-    assert algo.state_type is Counter and algo.initial_state(RLOOConfig(rollout=RolloutConfig(n=3))).count == 3
+    assert algo.state_type is Counter and algo.initial_state(RLOOConfig(sampling=SamplingConfig(n=3))).count == 3
     ppo = get_algorithm("ppo")
     assert ppo.streams and ppo.samples_ahead and not ppo.draws and ppo.initial_state(ppo.config()) is None
 
@@ -136,8 +136,8 @@ def test_a_state_without_from_config_or_a_required_unknown_keyword_is_refused() 
 
 
 def test_the_config_checks_itself() -> None:
-    with pytest.raises(ConfigError, match=r"algorithm.rollout.n must be >= 2, got 1"):
-        get_algorithm("rloo").check(RLOOConfig(rollout=RolloutConfig(n=1)))
+    with pytest.raises(ConfigError, match=r"algorithm.sampling.n must be >= 2, got 1"):
+        get_algorithm("rloo").check(RLOOConfig(sampling=SamplingConfig(n=1)))
     get_algorithm("rloo").check(RLOOConfig())
 
 

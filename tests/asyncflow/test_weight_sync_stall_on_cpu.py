@@ -23,7 +23,7 @@ import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
-from asyncflow.algos import RolloutConfig, WeightSync
+from asyncflow.algos import SamplingConfig, WeightSync
 from asyncflow.train._ahead import SamplesAhead
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker, RolloutWorker, RolloutWorkerConfig
@@ -68,7 +68,7 @@ def test_a_stalled_weight_pull_ends_the_waiting_step_naming_both_ends(tmp_path) 
                 return batches.pop(0)
 
             sync = WeightSync(roles.actor, roles.rollout, bucket_bytes=8 << 10, timeout_s=TIMEOUT_S)
-            ahead = SamplesAhead(session, roles, RolloutConfig(n=2, max_new_tokens=4), max_staleness=1,
+            ahead = SamplesAhead(session, roles, SamplingConfig(n=2, max_new_tokens=4), max_staleness=1,
                                  last_step=4, seed_of=lambda j: j, next_prompts=prompts, start=0, sync=sync)
             await ahead.prepare()
             first, _ = await ahead.for_step(1)  # batches 1 and 2, by version 0: no load yet

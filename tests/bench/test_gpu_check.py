@@ -36,7 +36,7 @@ head_dim = 32
 prompts_per_step = 4
 [algorithm]
 name = "grpo"
-rollout = { n = 2, max_new_tokens = 3 }
+sampling = { n = 2, max_new_tokens = 3 }
 [pools]
 main = { devices = 1 }
 """

@@ -35,7 +35,7 @@ def test_every_key_has_a_docstring() -> None:
 def test_every_section_and_algorithm_is_there() -> None:
     titles = {s.title for s in sections()}
     for title in ("top level", "[train]", "[actor]", "[pools.<name>]", "[placement.<role>]",
-                  "[placement.<role>.gen]", "[[reward.functions]]", "[algorithm.rollout]", "[algorithm.policy]"):
+                  "[placement.<role>.gen]", "[[reward.functions]]", "[algorithm.sampling]", "[algorithm.policy]"):
         assert title in titles
     for name in ("grpo", "ppo", "dapo", "rloo", "remax", "safe_rlhf"):
         assert f'[algorithm] name = "{name}"' in titles

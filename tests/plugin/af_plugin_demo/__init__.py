@@ -13,14 +13,14 @@ import msgspec
 import torch
 
 from asyncflow import Batch, DataFuture, RoleGroup, gather, transform
-from asyncflow.algos import PolicyConfig, RoleSet, RolloutConfig, algorithm, merge_rows
+from asyncflow.algos import PolicyConfig, RoleSet, SamplingConfig, algorithm, merge_rows
 from workers.roles import ActorWorker, RewardWorker, score_summary
 
 
 class GroupMeanConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The plug-in's settings."""
 
-    rollout: RolloutConfig = RolloutConfig(n=2)
+    sampling: SamplingConfig = SamplingConfig(n=2)
     """Sampling: ``n`` samples per prompt."""
     policy: PolicyConfig = PolicyConfig()
     """The actor's update."""
@@ -50,7 +50,7 @@ def group_mean_advantages(batch: Batch, *, scale: float = 1.0) -> dict[str, torc
 async def group_mean_step(roles: GroupMeanRoles, prompts: DataFuture[Any], config: GroupMeanConfig, *,
                           seed: int | None = None) -> dict[str, float]:
     """Sample, score, subtract the group mean, update."""
-    rollout = roles.actor.generate(prompts, n=config.rollout.n, params=config.rollout.params(seed=seed))
+    rollout = roles.actor.generate(prompts, n=config.sampling.n, params=config.sampling.params(seed=seed))
     scores = roles.reward.score(rollout)
     batch = merge_rows(rollout, scores).map(group_mean_advantages, scale=config.scale)
     actor, stats = await gather(roles.actor.update(batch, **config.policy.update_kwargs()),

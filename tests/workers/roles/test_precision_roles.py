@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import asyncflow as af
-from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, RolloutConfig, grpo_step, ppo_step
+from asyncflow.algos import GRPOConfig, PolicyConfig, PPOConfig, SamplingConfig, grpo_step, ppo_step
 from asyncflow.runtime._local import LocalSession
 from support import ppo_role_specs
 from workers.data import ArithmeticTaskConfig, generate_splits, prompt_batch
@@ -22,7 +22,7 @@ from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
                        head_dim=32, num_hidden_layers=2)
-ROLLOUT = RolloutConfig(n=2, temperature=1.0, max_new_tokens=4)
+SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4)
 POLICY = PolicyConfig(kl_coef=0.01)
 
 
@@ -46,8 +46,8 @@ def _steps(model_dir: str, *, precision: str = "fp32", checkpointing: bool = Fal
             out: dict[str, Any] = {}
             for s in range(2):
                 prompts = await session.put(prompt_batch(problems[s * 4:(s + 1) * 4], tok, first_uid=10 * s))
-                out[f"grpo{s}"] = await grpo_step(roles, prompts, GRPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s)
-                out[f"ppo{s}"] = await ppo_step(roles, prompts, PPOConfig(rollout=ROLLOUT, policy=POLICY), seed=s)
+                out[f"grpo{s}"] = await grpo_step(roles, prompts, GRPOConfig(sampling=SAMPLING, policy=POLICY), seed=s)
+                out[f"ppo{s}"] = await ppo_step(roles, prompts, PPOConfig(sampling=SAMPLING, policy=POLICY), seed=s)
             assert session.local is not None
             hosted = session.local.workers[0].roles
             out["dtypes"] = {
