@@ -46,7 +46,7 @@ import asyncflow as af
 from asyncflow.algos import GRPOConfig, SamplingConfig, grpo_step
 from asyncflow.runtime import long_tail_lengths
 from asyncflow.tracing import summarise
-from asyncflow.train._ahead import Sampled, SamplesAhead
+from asyncflow.train import Sampled, SamplesAhead
 from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.rewards import RuleRewardConfig

@@ -1,5 +1,6 @@
 """Running an RL job from a configuration file (``asyncflow train CONFIG``)."""
 
+from asyncflow.train._ahead import Sampled, SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir, CheckpointError
 from asyncflow.train._config import (
     RunConfig,
@@ -16,6 +17,6 @@ from asyncflow.train._user_modules import module_dirs
 
 __all__ = [
     "CheckpointDir", "CheckpointError", "MetricsLog", "RunConfig", "RunDirs", "RunInterruptedError", "RunResult",
-    "Trainer", "algorithm_in", "load_config", "module_dirs", "needed_roles", "plot_curves", "read_metrics", "run_config_type",
-    "validate",
+    "Sampled", "SamplesAhead", "Trainer", "algorithm_in", "load_config", "module_dirs", "needed_roles",
+    "plot_curves", "read_metrics", "run_config_type", "validate",
 ]
