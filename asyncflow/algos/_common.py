@@ -44,9 +44,8 @@ class PolicyConfig(msgspec.Struct, **_CFG):
     ratio against the proximal policy (the actor's at the update's start), each
     stale token's policy-gradient term weighted by ``min(pi_prox / pi_behav, is_cap)``
     (decoupled PPO, AReaL). Fresh tokens are trained exactly as synchronous
-    training trains them. On the main job (GRPO, one update a batch) behaviour
-    reached 0.57-0.61 held-out accuracy after 150 steps at ``max_staleness`` 1
-    and 2 on every seed tried, decoupled 0.37-0.51 (synchronous: 0.50-0.58)."""
+    training trains them. How the two compare on the main job is on the docs'
+    benchmarks page."""
     is_cap: float = 2.0
     """The largest importance weight of a stale token (``"decoupled"``)."""
 

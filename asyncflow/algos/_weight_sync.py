@@ -29,9 +29,9 @@ BUCKET_BYTES = 256 << 20
 """Default bytes of one bucket (over all publishing ranks)."""
 
 TIMEOUT_S = 30.0
-"""Default seconds one bucket's pull may take once its call runs: ample for a
-256 MiB bucket (about 0.15 s over gloo on this 2-core machine), and below Ray's
-own limit on a direct-transport fetch (60 s, ``RAY_rdt_fetch_fail_timeout_milliseconds``),
+"""Default seconds one bucket's pull may take once its call runs: many times what
+a default bucket (:data:`BUCKET_BYTES`) takes over gloo on a CPU machine, and below
+Ray's own limit on a direct-transport fetch (60 s, ``RAY_rdt_fetch_fail_timeout_milliseconds``),
 past which Ray kills both ends of the transfer and the error would name a death
 instead of the stall."""
 

@@ -140,10 +140,10 @@ class TrainSection(msgspec.Struct, **_CFG):
     without waiting for step ``m``'s metrics to reach the driver. The results are
     those of steps run one after the other (each pool runs its calls in the order
     they were queued). Never across an evaluation, a checkpoint, the last traced
-    step, a stop request or the time budget's end. Off by default: on a 2-core CPU
-    machine, where both pools share the cores, it was 9-12 % slower (the rollout's
-    generations slowed more than the training pool's idle gap shrank); for pools
-    on devices of their own."""
+    step, a stop request or the time budget's end. Off by default: where both
+    pools share the same cores, the rollout's generations slow down by more than
+    the training pool's idle gap shrinks (the docs' benchmarks page has the
+    figures); for pools on devices of their own."""
     weight_sync_bucket_mb: float = 256.0
     """With a rollout role: the actor's weights reach it in buckets of at most this
     many MiB (one ``rollout.load_weights`` call each; a larger parameter is a
