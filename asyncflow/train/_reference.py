@@ -67,9 +67,10 @@ class Section:
 
 
 def sections() -> list[Section]:
-    """Every section of the run config, then ``[algorithm]`` once per built-in
-    algorithm (an installed plug-in's are left out: they are not asyncflow's), then
-    the tables nested in algorithms' settings."""
+    """Every section of the run config in the order of its fields: the top-level
+    keys, ``[algorithm]`` (its ``name``, one section per built-in algorithm, then
+    the tables nested in their settings), then the other sections depth first. An
+    installed plug-in's algorithm is left out: it is not asyncflow's."""
     top, *rest = _walk(RunConfig, "", RunConfig(), skip=("algorithm",))
     built_in = [a for a in algorithms().values() if a.step.__module__.startswith("asyncflow.")]
     algos = [_algorithm_names(built_in)]
@@ -93,9 +94,10 @@ def undocumented() -> list[str]:
 
 def config_reference() -> str:
     """``docs/config.md``: the Markdown reference of :func:`sections`."""
+    every = sections()
     parts = [_HEADER]
-    parts += [f"- [`{s.title}`](#{_slug(s.title)})" for s in sections()]
-    for s in sections():
+    parts += [f"- [`{s.title}`](#{_slug(s.title)})" for s in every]
+    for s in every:
         parts += ["", f"## `{s.title}`", "", _doc(s.doc), "", "| key | type | default | description |",
                   "|---|---|---|---|"]
         parts += [f"| `{k.name}` | {_cell(k.type)} | {_cell(k.default)} | {_cell(k.doc)} |" for k in s.keys]
