@@ -1,5 +1,5 @@
 """Sampling options of the native engine: ``min_new_tokens``, stop strings, seeds, and
-their validation (``SamplingParams`` and the algorithms' ``RolloutConfig``)."""
+their validation (``SamplingParams`` and the algorithms' ``SamplingConfig``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from asyncflow.algos._common import RolloutConfig
+from asyncflow.algos import SamplingConfig
 from channels import ConfigError
 from workers.models import CharTokenizer, TinyModelConfig, build_tiny_model
 from workers.rollout import (
@@ -203,14 +203,14 @@ def test_options_are_validated_naming_the_field(model: PreTrainedModel) -> None:
         no_tokenizer.start(PROMPTS, SamplingParams(stop=["+"]))
 
 
-def test_rollout_config_exposes_the_options() -> None:
-    config = msgspec.convert({"min_new_tokens": 2, "stop": ["\n\n"]}, RolloutConfig)
+def test_sampling_config_exposes_the_options() -> None:
+    config = msgspec.convert({"min_new_tokens": 2, "stop": ["\n\n"]}, SamplingConfig)
     params = config.params(seed=1)
     assert params.min_new_tokens == 2 and params.stop == ("\n\n",)
-    with pytest.raises(ConfigError, match=r"rollout\.min_new_tokens"):
-        RolloutConfig(max_new_tokens=4, min_new_tokens=5)
-    with pytest.raises(ConfigError, match=r"rollout\.stop"):
-        RolloutConfig(stop=("",))
+    with pytest.raises(ConfigError, match=r"sampling\.min_new_tokens"):
+        SamplingConfig(max_new_tokens=4, min_new_tokens=5)
+    with pytest.raises(ConfigError, match=r"sampling\.stop"):
+        SamplingConfig(stop=("",))
     with pytest.raises(msgspec.ValidationError, match="stop"):
-        msgspec.convert({"stop": "x"}, RolloutConfig)
+        msgspec.convert({"stop": "x"}, SamplingConfig)
 
