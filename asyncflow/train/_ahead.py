@@ -140,6 +140,10 @@ class SamplesAhead:
                 if submitted is not None and not submitted.done():
                     submitted.set_result(None)
                 self._launching = asyncio.ensure_future(self._launch(step + 1 + self.k, newest=step, after=previous))
+                # Its error reaches whoever settles it; when the step failed first
+                # (a worker died), nobody does, and asyncio would print the
+                # unretrieved error after the run's one line.
+                self._launching.add_done_callback(_retrieve)
             return out
         return hooked
 
@@ -303,3 +307,9 @@ class SamplesAhead:
         carried = directory / IN_FLIGHT_DIR / CARRIED_FILE
         if self.partial is not None and carried.exists():
             await self.roles.rollout.restore_carried(torch.load(carried, weights_only=True))
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a background task's error as seen (it is raised where it is awaited)."""
+    if not future.cancelled():
+        future.exception()

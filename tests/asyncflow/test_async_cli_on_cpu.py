@@ -226,7 +226,8 @@ def test_a_killed_asynchronous_run_resumes_exactly(tmp_path: Path, model_dir: st
         proc.wait(timeout=120)
     err = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 1, err
-    assert err.strip().splitlines()[-1].startswith("asyncflow: RunInterruptedError: ")
+    assert err.strip().splitlines()[-1].startswith("asyncflow: RunInterruptedError: "), err
+    assert "never retrieved" not in err  # the generations queued behind the failed update
 
     checkpoints = tmp_path / "run" / "latest" / "checkpoints"
     checkpoint = checkpoints / (checkpoints / "latest").read_text().strip()
