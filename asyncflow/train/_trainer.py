@@ -186,7 +186,7 @@ class Trainer:
             state = CheckpointDir.state(self._resumed)
             start = int(state["step"])
         async with Session(address=self.address, worker_nice=c.worker_nice, worker_env=worker_env) as session:
-            roles = await session.spawn(role_specs(c, model_dir, context=prompts.context))
+            roles = await session.spawn(role_specs(c, _for_workers(model_dir), context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
                      f"rows move by {session.transport}")
             self.say("pools on nodes: " + "; ".join(
@@ -379,9 +379,9 @@ class Trainer:
         with staged(f"writing checkpoint step {step}", self.checkpoints.staging(step),
                     then=self._where_to_go_on) as tmp:
             for role in trained:
-                await roles[role].save_checkpoint(str(tmp / role))
+                await roles[role].save_checkpoint(_for_workers(tmp / role))
             if self.config.train.export_hf == "checkpoints":
-                await roles.actor.export_hf(str(tmp / "policy"))
+                await roles.actor.export_hf(_for_workers(tmp / "policy"))
             if self._ahead is not None:  # the batches generated ahead, by versions this checkpoint no longer holds
                 state = state | {"in_flight": await self._ahead.save(tmp)}
             final = self.checkpoints.commit(tmp, step, state | {"step": step, "seed": self.config.seed})
@@ -392,7 +392,7 @@ class Trainer:
         place once complete."""
         policy = self.run_dir / "policy"
         with staged("exporting the policy", self.run_dir / ".tmp_policy", then=self._where_to_go_on) as tmp:
-            await roles.actor.export_hf(str(tmp))
+            await roles.actor.export_hf(_for_workers(tmp))
             shutil.rmtree(policy, ignore_errors=True)  # a resumed run's own earlier export
             os.replace(tmp, policy)
         self.say(f"trained policy: {policy} (AutoModelForCausalLM.from_pretrained or vLLM)")
@@ -402,7 +402,14 @@ class Trainer:
             if role in roles:
                 if not (ckpt / role).exists():
                     raise ConfigError(f"--resume: checkpoint {ckpt} has no {role} (placement changed?)")
-                await roles[role].load_checkpoint(str(ckpt / role))
+                await roles[role].load_checkpoint(_for_workers(ckpt / role))
+
+
+def _for_workers(path: str | os.PathLike[str]) -> str:
+    """``path`` as the workers are told it: absolute, since a worker's working
+    directory is where its Ray node started (a cluster's, or a Ray instance started
+    before this run), not necessarily the driver's."""
+    return os.path.abspath(path)
 
 
 async def _one_by_one(first: int, last: int, run: Callable[[int], Awaitable[T]]) -> AsyncGenerator[tuple[int, T], None]:
