@@ -40,7 +40,7 @@ TIMINGS: dict[str, float] = {}
 @pytest.fixture(scope="module")
 def env(loop_thread, tmp_path_factory):
     model = str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session(collective_timeout_s=120)
     # One sequence per decode batch: 128 sequences per rank take seconds.
     slow_rollout = NativeRolloutConfig(max_batch_size=1)

@@ -21,7 +21,7 @@ W = 4
 
 @pytest.fixture(scope="module")
 def env(loop_thread):
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
     roles = loop_thread.run(_start(session))
     yield loop_thread, session, roles

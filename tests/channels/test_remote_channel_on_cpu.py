@@ -158,7 +158,7 @@ class Plain:
 def ray_env() -> Iterator[None]:
     # Workers import the item types by name (see remote_channel_items).
     path = os.pathsep.join(p for p in (os.path.dirname(__file__), os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()

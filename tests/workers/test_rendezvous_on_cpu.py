@@ -96,7 +96,7 @@ class Rank:
 
 @pytest.fixture(scope="module")
 def ray_env() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

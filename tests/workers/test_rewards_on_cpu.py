@@ -30,7 +30,7 @@ def by_difficulty(prompts, completions, difficulty, solution, **columns):
 @pytest.fixture(scope="module")
 def env(loop_thread, tmp_path_factory):
     tokenizer_dir = str(TOK.save_pretrained(tmp_path_factory.mktemp("tok")))
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 4}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 4}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
     rule = RuleRewardConfig(tokenizer_dir=tokenizer_dir, fn=[by_difficulty, "workers.rewards:exact_match"],
                             weights=[0.5, 2.0])

@@ -44,7 +44,7 @@ def actor_and_rollout(loop_thread: Any, model_dir: str, *, gen: ResourcePool,
                       rollout_layout: Layout | None = None) -> Iterator[tuple[af.Session, af.Roles]]:
     """A Ray session with ``actor`` (t = 2 on :data:`POLICY`) and ``rollout`` (on
     ``gen``, laid out as ``rollout_layout``), closed and Ray shut down on exit."""
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
 
     async def start() -> af.Roles:

@@ -50,7 +50,7 @@ def fails_on_42(prompts: list[str], responses: list[str], answers: list[str]) ->
 @pytest.fixture(scope="module")
 def env(loop_thread, tmp_path_factory):
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("policy"), TINY, seed=0))
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
     roles = loop_thread.run(_start(session, model_dir))
     yield loop_thread, session, roles, tmp_path_factory.mktemp("ckpt")
