@@ -38,10 +38,21 @@ smollm2: $(STAMP)
 # the mistakes in tests/typing/typed_algo_bad.py).
 TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
+# The suite on two pytest-xdist workers, a module (or the modules that share a worker)
+# at a time on each (tests/conftest.py); about 15 minutes on the 2-core machine. It prints
+# how long it took in all (installing included) and pytest's share.
+START := $(shell date +%s)
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
 	$(PY) -m mypy asyncflow channels workers hybrid_engine bench $(TYPED_FIXTURE)
-	$(PY) -m pytest -q --durations=15 tests
+	@t=$$(date +%s); status=0; \
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests \
+		|| status=$$?; \
+	now=$$(date +%s); \
+	echo "make test: $$((now - $(START))) s in all, pytest $$((now - t)) s"; \
+	exit $$status
 
 # On a CUDA machine: the GPU-marked tests, then the main job with every built-in
 # algorithm on CUDA in bf16, one line per run (bench.gpu_check). It installs

@@ -1,9 +1,15 @@
-"""Shared fixtures. Ray-based tests start their own Ray instance per module and
-shut it down at the end."""
+"""Shared fixtures. Ray-based tests start their own Ray instance per module
+(``ray.init(address="local", ...)``: never one that a cluster started beside them
+names in ``/tmp/ray/ray_current_cluster``), or share one (:func:`shared_ray`), and
+shut it down at the end. Which module runs when, and beside which: scheduling.py."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 # For the tests that call ray.init themselves: their Ray instances bind every
 # listener to the loopback interface, as asyncflow's own (asyncflow.runtime._ray_start.
@@ -18,8 +24,14 @@ import pytest
 import ray.cloudpickle
 import torch
 
+import asyncflow as af
 import fake_device
 import support
+from scheduling import (  # noqa: F401 (pytest finds hooks and fixtures here)
+    _alone_or_together,
+    pytest_collection_modifyitems,
+    pytest_xdist_make_scheduler,
+)
 
 # The fake accelerator of the device-discipline tests is registered before any test
 # runs: torch's autograd engine sizes its per-device queues at the process's first
@@ -46,3 +58,49 @@ def loop_thread():
     lt = support.LoopThread()
     yield lt
     lt.close()
+
+
+@pytest.fixture(scope="module")
+def shared_ray() -> Iterator[None]:
+    """One Ray instance for the module's sessions (``asyncflow.Session``, in-process
+    ``asyncflow train`` runs), which would otherwise each start and stop their own
+    (seconds each). A session that finds Ray running uses it and leaves it running
+    (its ``cpu_slots`` and ``worker_nice`` unused); this one is started as asyncflow
+    starts its own (every listener on loopback, 64 CPU slots, no dashboard), and
+    its workers can import the tests' modules (support's reward functions): the
+    repository, then tests/, on their path (whatever a run's working directory,
+    tests/channels never shadows the package)."""
+    tests = Path(__file__).parent
+    path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": path}  # the raylet's, so the workers'
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={af.CPU_SLOT: 64},
+                 include_dashboard=False, logging_level=logging.WARNING)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    yield
+    af.shutdown_ray()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap() -> None:
+    """What the earlier modules left alive (imported modules: a million objects
+    with torch, transformers and vLLM loaded) is collected once, then moved out of
+    the garbage collector's sight. Libraries call ``gc.collect()`` often (vLLM
+    several times an engine, a GGUF conversion dozens of times), and each full
+    collection would otherwise walk all of it: half a second to a second each on
+    the 2-core machine."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish() -> None:
+    """The heap back in the collector's sight, so that the interpreter's exit frees
+    it as usual (nanobind-based libraries report what is left as leaks)."""
+    gc.unfreeze()

@@ -50,6 +50,8 @@ SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4)
 POLICY = PolicyConfig(kl_coef=0.01)
 ROLES = ("actor", "ref", "critic", "cost_critic", "reward", "cost")
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's sessions
+
 
 PLACEMENTS = {
     "one_pool": {r: "all" for r in ROLES},

@@ -77,6 +77,9 @@ rollout = { pool = "gen" }
 """
 
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's runs
+
+
 @pytest.fixture(autouse=True)
 def _environment(monkeypatch: pytest.MonkeyPatch) -> None:
     # main() sets these for the Ray it starts; later tests' Ray must not inherit them.

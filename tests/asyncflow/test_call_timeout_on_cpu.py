@@ -23,6 +23,8 @@ from support import Consumer, Producer, Sleeper
 GUARD_S = 120.0
 """Only guards against a hang."""
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's sessions
+
 
 def test_a_call_past_its_timeout_fails_naming_it_and_breaks_only_its_pool() -> None:
     async def main():

@@ -54,6 +54,9 @@ main = {{ devices = 1 }}
 """
 
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's runs
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     # main() sets these for the Ray it starts; later tests' Ray must not inherit them.

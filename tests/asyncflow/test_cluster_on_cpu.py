@@ -84,6 +84,7 @@ def two_nodes() -> Iterator[tuple[Cluster, Node]]:
         cluster.shutdown()
 
 
+@pytest.mark.slow
 def test_pools_on_two_nodes_train_then_a_lost_node_ends_the_run_and_resume_continues(
         tmp_path: Path, model_dir: str, two_nodes: tuple[Cluster, Node],
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -163,6 +164,7 @@ def _end_processes_under(temp_dir: Path) -> None:
     psutil.wait_procs(list(mine.values()), timeout=10)
 
 
+@pytest.mark.slow
 def test_ray_job_submit_runs_the_cli_on_a_cluster_started_by_hand(tmp_path: Path, model_dir: str) -> None:
     temp_dir = Path(tempfile.mkdtemp(prefix="afray", dir="/tmp"))
     env = clean_env(RAY_AUTH_MODE="token")  # `ray start` enabled it (a token is in ~/.ray): its clients need it too

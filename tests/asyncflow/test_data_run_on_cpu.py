@@ -56,6 +56,9 @@ micro_batch_size = 8
 """
 
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's runs
+
+
 @pytest.fixture(autouse=True)
 def _environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_DISABLE_PROGRESS_BARS"):

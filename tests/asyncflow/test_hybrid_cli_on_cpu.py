@@ -53,6 +53,9 @@ reward = {{ pool = "main" }}
 """
 
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's runs
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "HF_HUB_DISABLE_PROGRESS_BARS"):

@@ -21,6 +21,8 @@ from tiny_runs import grpo_toml, save_model
 
 PLAIN = "support:digit_share_reward"
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's runs
+
 
 @pytest.fixture(autouse=True)
 def _environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,7 @@ C3 = ResourcePool(name="c3", devices=3)
 @pytest.fixture(scope="module")
 def env(loop_thread):
     # The dashboard serves ray.util.state, which the object-store check reads.
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=True, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=True, log_to_driver=False)
     session = af.Session()
     roles = loop_thread.run(_start(session))
     yield loop_thread, session, roles
@@ -286,6 +286,7 @@ def test_driver_rss_grows_less_than_a_tenth_of_a_256mb_payload(env) -> None:
     assert grown_kb * 1024 < 0.10 * 256 * 2**20
 
 
+@pytest.mark.slow
 def test_1000_calls_between_two_pools_with_100_failing_leak_nothing(env) -> None:
     """Every store's shard count returns to zero and the driver's memory stays flat."""
     lt, session, roles = env

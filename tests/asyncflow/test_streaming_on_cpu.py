@@ -22,6 +22,9 @@ from workers.rollout import NativeRolloutConfig, SamplingParams
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
+# alone: the tail migrates only while both generating ranks go at one pace.
+pytestmark = pytest.mark.alone
+
 GEN = ResourcePool(name="gen", devices=2)
 INF = ResourcePool(name="inf", devices=1)
 TOY = ResourcePool(name="toy", devices=2)
@@ -34,7 +37,7 @@ LONG = SamplingParams(max_new_tokens=64, temperature=1.0, seed=11, ignore_eos=Tr
 @pytest.fixture(scope="module")
 def env(loop_thread, tmp_path_factory):
     model = str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session(collective_timeout_s=120)
     roles = loop_thread.run(_start(session, {
         "actor": RoleSpec(cls=ActorWorker, pool=GEN, config=ActorConfig(model_dir=model)),

@@ -20,7 +20,8 @@ from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker
 from workers.rollout import SamplingParams, VLLMRolloutConfig
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# alone: the tail migrates only while both generating ranks go at one pace.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.alone]
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
@@ -31,7 +32,7 @@ HANG_GUARD_S = 240
 @pytest.fixture(scope="module")
 def env(loop_thread, tmp_path_factory):
     model = str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
-    ray.init(num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session(collective_timeout_s=240)
     # Two sequences at a time: generation lasts long enough for the tail to migrate.
     rollout = VLLMRolloutConfig(kv_cache_bytes=64 << 20, max_num_seqs=2)

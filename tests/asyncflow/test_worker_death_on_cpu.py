@@ -15,6 +15,8 @@ import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
 from support import Sleeper
 
+pytestmark = pytest.mark.usefixtures("shared_ray")  # one Ray instance for the module's sessions
+
 
 def test_killed_worker_surfaces_quickly_naming_role_and_rank() -> None:
     async def main():

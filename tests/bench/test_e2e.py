@@ -21,6 +21,7 @@ def _run(tmp_path: Path, *args: str) -> dict:
     return record
 
 
+@pytest.mark.slow
 def test_asyncflow_side_records_steps_stages_and_startup_and_the_floor_beside(tmp_path: Path) -> None:
     record = _run(tmp_path, "--placement", "split", "--no-trl")
     assert record["best_placement"] == "split"
