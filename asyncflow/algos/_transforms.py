@@ -30,19 +30,23 @@ from workers.objectives import (
 from workers.roles import sum_over_call_rows
 
 
-@transform(reads=("scores", "response_mask"), writes=("token_rewards",))
+@transform(reads=("scores", "response_mask"), optional=("turn_rewards",), writes=("token_rewards",))
 def token_rewards(batch: Batch) -> dict[str, torch.Tensor]:
-    """Sequence scores placed on each response's last token."""
-    return {"token_rewards": scores_to_token_rewards(batch["scores"].float(), batch["response_mask"])}
+    """Sequence scores placed on each response's last token (an episode's turn
+    rewards, when the rows have them, on their turns)."""
+    return {"token_rewards": scores_to_token_rewards(batch["scores"].float(), batch["response_mask"],
+                                                     batch.get("turn_rewards"))}
 
 
-@transform(reads=("scores", "old_logprobs", "ref_logprobs", "response_mask"), writes=("token_rewards",))
+@transform(reads=("scores", "old_logprobs", "ref_logprobs", "response_mask"), optional=("turn_rewards",),
+           writes=("token_rewards",))
 def kl_penalised_rewards(batch: Batch, *, kl_coef: float, estimator: str = "k1") -> dict[str, torch.Tensor]:
-    """Scores on the last token minus ``kl_coef`` times the per-token KL to the
-    reference policy (the KL folded into the reward, as in InstructGPT's PPO)."""
+    """Scores on the last token (turn rewards on their turns) minus ``kl_coef`` times
+    the per-token KL to the reference policy (the KL folded into the reward, as in
+    InstructGPT's PPO)."""
     rewards = fold_kl_into_rewards(
         batch["scores"].float(), batch["old_logprobs"], batch["ref_logprobs"], batch["response_mask"],
-        kl_coef=kl_coef, estimator=KLEstimator(estimator),
+        kl_coef=kl_coef, estimator=KLEstimator(estimator), turn_rewards=batch.get("turn_rewards"),
     )
     return {"token_rewards": rewards}
 

@@ -168,6 +168,7 @@ def pull_fields(call: Call, name: str, r: Resolved) -> tuple[str, ...] | None:
         if t.writes is None or t.reads is None:
             return None  # an undeclared transform may read anything
         transform_reads.extend(f for f in t.reads if f not in made)
+        transform_reads.extend(f for f in t.optional if f not in made and f in have)
         made |= set(t.writes)
     for f in call.contract.required.get(name, ()):
         if f not in have | made:

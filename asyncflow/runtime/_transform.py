@@ -26,8 +26,9 @@ class Transform:
     """A row function with declared fields (made by :func:`transform`); called as
     the function itself."""
 
-    def __init__(self, fn: RowFn, reads: tuple[str, ...] | None, writes: tuple[str, ...] | None) -> None:
-        self.fn, self.reads, self.writes = fn, reads, writes
+    def __init__(self, fn: RowFn, reads: tuple[str, ...] | None, writes: tuple[str, ...] | None,
+                 optional: tuple[str, ...] = ()) -> None:
+        self.fn, self.reads, self.writes, self.optional = fn, reads, writes, optional
         self.__name__ = getattr(fn, "__name__", "transform")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = fn.__doc__
@@ -36,17 +37,19 @@ class Transform:
         return self.fn(batch, **kwargs)
 
 
-def transform(*, reads: Sequence[str] | None = None, writes: Sequence[str] | None = None
-              ) -> Callable[[RowFn], Transform]:
+def transform(*, reads: Sequence[str] | None = None, writes: Sequence[str] | None = None,
+              optional: Sequence[str] = ()) -> Callable[[RowFn], Transform]:
     """Declare the fields a row transform reads and writes, so that ``fut.map(fn)``
-    knows its output fields at call time and pulls only what ``fn`` needs.
+    knows its output fields at call time and pulls only what ``fn`` needs;
+    ``optional``: fields it reads when the rows have them.
 
     The function takes a :class:`~channels.Batch` (the consumer rank's rows) and
     keyword arguments, and returns a mapping of new or replaced columns with the
     same row count.
     """
     def decorate(fn: RowFn) -> Transform:
-        return Transform(fn, None if reads is None else tuple(reads), None if writes is None else tuple(writes))
+        return Transform(fn, None if reads is None else tuple(reads), None if writes is None else tuple(writes),
+                         tuple(optional))
     return decorate
 
 
@@ -61,13 +64,15 @@ class BoundTransform:
     """The fields ``fn`` reads (None: undeclared, so every field)."""
     writes: tuple[str, ...] | None
     """The fields ``fn`` writes (None: undeclared, known once it ran)."""
+    optional: tuple[str, ...] = ()
+    """The fields ``fn`` reads when the rows have them."""
 
     @classmethod
     def of(cls, fn: RowFn, kwargs: Mapping[str, Any]) -> BoundTransform:
         """``fn`` bound to ``kwargs``, with the fields a :class:`Transform` declares."""
         declared = fn if isinstance(fn, Transform) else None
         return cls(fn=fn, kwargs=dict(kwargs), reads=declared.reads if declared else None,
-                   writes=declared.writes if declared else None)
+                   writes=declared.writes if declared else None, optional=declared.optional if declared else ())
 
     def same_as(self, other: BoundTransform) -> bool:
         """The same function with equal arguments (two micro-batches mapped alike)."""

@@ -35,6 +35,7 @@ from asyncflow.train._sections import (
     _CFG,
     ActorSection,
     DataSection,
+    EnvSection,
     GenSection,
     ModelSection,
     OptimSection,
@@ -53,6 +54,7 @@ from workers.engines import megatron_available
 __all__ = [
     "ActorSection",
     "DataSection",
+    "EnvSection",
     "GenSection",
     "ModelSection",
     "OptimSection",
@@ -65,6 +67,8 @@ __all__ = [
     "algorithm_in",
     "load_config",
     "needed_roles",
+    "response_width",
+    "reward_of",
     "run_config_type",
     "sampling_of",
     "validate",
@@ -116,6 +120,8 @@ class RunConfig(msgspec.Struct, **_CFG):
     """Resource pools by name."""
     placement: dict[str, PlacementSection] = msgspec.field(default_factory=dict)
     """Role name -> pool and layout; a needed role left out goes to the first pool."""
+    env: EnvSection | None = None
+    """Multi-turn episodes with an environment; None: one response per sample."""
 
 
 def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> RunConfig:
@@ -308,6 +314,26 @@ def sampling_of(config: RunConfig) -> SamplingConfig:
     return sampling
 
 
+ENV_REWARD = "workers.episodes:episode_reward"
+"""The reward of a run with an environment, unless ``[reward]`` names another."""
+
+
+def reward_of(config: RunConfig) -> ScoreSection:
+    """The run's ``[reward]``: with an ``[env]`` and the default function, the
+    episodes' own reward (:data:`ENV_REWARD`)."""
+    r = config.reward
+    if (config.env is not None and not r.model_dir and not r.functions
+            and r.function == ScoreSection.DEFAULT_FUNCTION):
+        return msgspec.structs.replace(r, function=ENV_REWARD)
+    return r
+
+
+def response_width(config: RunConfig) -> int:
+    """The most tokens a sample holds after its prompt: one response
+    (``max_new_tokens``), or an episode's turns and observations (``[env] max_tokens``)."""
+    return config.env.max_tokens if config.env is not None else sampling_of(config).max_new_tokens
+
+
 def needed_roles(config: RunConfig) -> tuple[str, ...]:
     """The roles ``config``'s algorithm places: its required roles, the optional
     ones its settings want, and ``ref`` for the KL metric (``train.kl_metric``)
@@ -331,6 +357,7 @@ def validate(config: RunConfig) -> None:
     _check_placement(config, heads, source)
     _check_engines(config)
     _check_scores(config)
+    _check_env(config)
     _check_algorithms(config)
 
 
@@ -365,7 +392,7 @@ def _check_data(config: RunConfig) -> None:
     for key, file in (("data.train", d.train), ("data.eval", d.eval)):
         if not Path(file).exists():
             raise ConfigError(f"{key} = {file!r} does not exist")
-    weighted = config.reward.weighted
+    weighted = reward_of(config).weighted
     if (not config.reward.model_dir and len(weighted) == 1
             and weighted[0].function == ScoreSection.DEFAULT_FUNCTION):
         raise ConfigError("[reward] function is the arithmetic source's verifier; with data.train set it "
@@ -480,7 +507,7 @@ def _check_scores(config: RunConfig) -> None:
     for role in ("reward", "cost"):
         if role not in roles:
             continue
-        score: ScoreSection = getattr(config, role)
+        score: ScoreSection = reward_of(config) if role == "reward" else config.cost
         if score.model_dir:
             model_heads(f"{role}.model_dir", score.model_dir)
         elif score.functions:
@@ -491,6 +518,19 @@ def _check_scores(config: RunConfig) -> None:
         else:
             raise ConfigError(f"algorithm {algorithm_in(config).name} needs a {role}: set [{role}] function "
                               f"('module:function'), functions or model_dir")
+
+
+def _check_env(config: RunConfig) -> None:
+    """The environment class imports and has ``reset`` and ``step``."""
+    if config.env is None:
+        return
+    from workers.episodes import load_env_class
+
+    load_env_class(config.env.cls, key="[env] class")
+    if sampling_of(config).max_new_tokens > config.env.max_tokens:
+        raise ConfigError(f"algorithm.sampling.max_new_tokens ({sampling_of(config).max_new_tokens}, a turn's "
+                          f"budget) is more than [env] max_tokens ({config.env.max_tokens}, the episode's); "
+                          "lower it or raise max_tokens")
 
 
 def _check_algorithms(config: RunConfig) -> None:

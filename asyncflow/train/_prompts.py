@@ -28,11 +28,10 @@ from workers.data import (
     check_fits_context,
     generate_splits,
     iter_problem_batches,
-    load_prompt_tokenizer,
     load_rows,
     prompt_batch,
 )
-from workers.models import CharTokenizer, check_supported_checkpoint
+from workers.models import CharTokenizer, check_supported_checkpoint, load_prompt_tokenizer
 
 
 class RunPrompts(Protocol):

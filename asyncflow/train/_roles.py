@@ -14,9 +14,11 @@ from asyncflow.train._config import (
     ScoreSection,
     hybrid_actor,
     needed_roles,
+    reward_of,
 )
 from channels import GenerationLayout, Layout
 from workers.engines import TrainingConfig
+from workers.episodes import EpisodeConfig
 from workers.rewards import ModelRewardConfig, RuleRewardConfig
 from workers.roles import (
     ROLLOUT_DTYPES,
@@ -56,6 +58,15 @@ def _scorer(s: ScoreSection, model_dir: str, precision: Literal["auto", "fp32", 
                                                weights=[w.weight for w in weighted]))
 
 
+def _episodes(config: RunConfig) -> EpisodeConfig | None:
+    e = config.env
+    if e is None:
+        return None
+    return EpisodeConfig(env=e.cls, settings=e.settings, max_turns=e.max_turns, max_tokens=e.max_tokens,
+                         timeout_s=e.timeout_s, on_error=e.on_error, format=e.format,
+                         observation_role=e.observation_role, text_template=e.text_template, stop=tuple(e.stop))
+
+
 def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[str, RoleSpec]:
     """Every role the run's algorithm needs, placed as ``[placement]`` says (a role it
     leaves out goes to the first pool); ``context``: the longest prompt plus its
@@ -73,15 +84,17 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
                else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed, dtype=dtype))
     hybrid = hybrid_actor(config)
     disaggregated = "rollout" in config.placement  # the actor trains, the rollout role generates
+    episodes = _episodes(config)
     # The hybrid engine reshards tensor-parallel shards: data-parallel ranks keep theirs whole.
     actor_training = dataclasses.replace(_training(a), data_parallel="replicate") if hybrid else _training(a)
     build = {
         "actor": lambda: (ActorWorker, ActorConfig(model_dir=model_dir, training=actor_training, update=_update(a),
                                                    rollout=None if disaggregated else rollout, seed=config.seed,
                                                    engine=a.engine, offload_optimizer=a.offload_optimizer,
-                                                   offload_params=a.offload_params)),
+                                                   offload_params=a.offload_params,
+                                                   episodes=None if disaggregated else episodes)),
         "rollout": lambda: (RolloutWorker, RolloutWorkerConfig(model_dir=model_dir, rollout=rollout,
-                                                               seed=config.seed)),
+                                                               seed=config.seed, episodes=episodes)),
         # The reference infers in the actor's precision and micro-batches.
         "ref": lambda: (ReferenceWorker, ReferenceConfig(
             model_dir=model_dir, seed=config.seed, engine=a.engine,
@@ -92,7 +105,7 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
         "cost_critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
                                                            update=_update(config.critic), seed=config.seed + 1,
                                                            engine=config.critic.engine)),
-        "reward": lambda: (RewardWorker, _scorer(config.reward, model_dir, a.precision)),
+        "reward": lambda: (RewardWorker, _scorer(reward_of(config), model_dir, a.precision)),
         "cost": lambda: (CostWorker, _scorer(config.cost, model_dir, a.precision)),
     }
     specs = {}

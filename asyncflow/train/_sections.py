@@ -7,7 +7,7 @@ whole :class:`~asyncflow.train.RunConfig` and the checks across sections live in
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -345,3 +345,43 @@ class PlacementSection(msgspec.Struct, **_CFG):
     engine reshards the training shards into generation shards for each
     generation (native rollout engine; the actor's data-parallel ranks then keep
     whole tensor-parallel shards)."""
+
+
+class EnvSection(msgspec.Struct, **_CFG):
+    """Multi-turn episodes: each sample is an episode with an environment (see
+    ``workers.episodes``). The sampling settings' ``max_new_tokens`` is a turn's
+    budget; the reward is the episode's (``workers.episodes:episode_reward``) unless
+    ``[reward]`` names another function."""
+
+    cls: str = msgspec.field(name="class", default="")
+    """The environment class, ``"module:Class"`` (a module beside the config works):
+    ``reset(row) -> observation`` and ``step(action) -> (observation, reward,
+    done)``, ``async`` or not; ``"workers.episodes:ToolEnv"`` makes functions tools."""
+    settings: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword arguments of the class (one environment per episode)."""
+    max_turns: int = 4
+    """Most turns of the model in an episode."""
+    max_tokens: int = 256
+    """An episode's tokens after the prompt, turns and observations together."""
+    timeout_s: float = 60.0
+    """Longest an environment call may take."""
+    on_error: Literal["end", "fail"] = "end"
+    """An environment that raises or times out ends its episode with reward 0
+    (``"end"``) or the run (``"fail"``)."""
+    format: Literal["auto", "chat", "text"] = "auto"
+    """How observations are wrapped: the chat template's (``"chat"``) or
+    ``text_template`` (``"text"``); ``"auto"``: chat when the model has a template."""
+    observation_role: str = "tool"
+    """The chat role of observations."""
+    text_template: str = "{observation}"
+    """An observation's text in the text format."""
+    stop: list[str] = msgspec.field(default_factory=list)
+    """More stop strings that end a turn (e.g. ``"</tool_call>"``)."""
+
+    def __post_init__(self) -> None:
+        if not self.cls:
+            raise ConfigError("[env] needs class = 'module:Class' (e.g. 'workers.episodes:ToolEnv')")
+        split_function_spec(self.cls, key="[env] class")
+        at_least("[env] max_turns", self.max_turns, 1)
+        at_least("[env] max_tokens", self.max_tokens, 1)
+        above("[env] timeout_s", self.timeout_s, 0)

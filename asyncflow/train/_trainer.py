@@ -31,7 +31,7 @@ from asyncflow.runtime import (
 )
 from asyncflow.train._ahead import Sampled, SamplesAhead
 from asyncflow.train._checkpoint import CheckpointDir, staged
-from asyncflow.train._config import RunConfig, algorithm_in, sampling_of
+from asyncflow.train._config import RunConfig, algorithm_in, response_width, sampling_of
 from asyncflow.train._evaluation import evaluate
 from asyncflow.train._memory import check_memory
 from asyncflow.train._metrics import (
@@ -174,9 +174,9 @@ class Trainer:
         if c.sft is not None:  # fail before minutes of SFT, not after
             splits = generate_splits(c.data.arithmetic)
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
-                               max_new_tokens=max_new, max_positions=c.sft.model.max_position_embeddings)
+                               max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings)
         model_dir = self.model_dir()
-        prompts = run_prompts(c, model_dir, max_new)
+        prompts = run_prompts(c, model_dir, response_width(c))
         for line in prompts.summary():
             self.say(line)
         for line in check_memory(c, model_dir, context=prompts.context):  # before the workers start

@@ -6,10 +6,10 @@ files (``[data] source = "files"``) or the built-in arithmetic problems
   ``.json`` holding JSON lines or one list of objects), Parquet, CSV, or a
   directory written by ``datasets``' ``save_to_disk``. Errors name the config
   key, the file, and the line and field where the format has them.
-- :func:`load_prompt_tokenizer` loads the policy's tokenizer from its model
-  directory as a :class:`PromptTokenizer`: the repository's ``CharTokenizer`` or
-  any local transformers tokenizer, encoding plain-text prompts with its special
-  tokens and chat-message prompts through its chat template.
+- The policy's tokenizer (``workers.models.load_prompt_tokenizer``): the
+  repository's ``CharTokenizer`` or any local transformers tokenizer, encoding
+  plain-text prompts with its special tokens and chat-message prompts through its
+  chat template.
 - :class:`PromptDataset` tokenizes the prompt field of every row once, drops (and
   counts) prompts over the length limit, and cuts batches by index: left-padded
   ``prompt_ids`` / ``prompt_mask``, ``uid``, and every other field of the row as a
@@ -44,20 +44,17 @@ from workers.data._arithmetic_batches import (
 )
 from workers.data._dataset import ColumnKind, PromptDataset
 from workers.data._files import load_rows
-from workers.data._tokenizer import PromptTokenizer, load_prompt_tokenizer
 
 __all__ = [
     "ArithmeticProblem",
     "ArithmeticTaskConfig",
     "ColumnKind",
     "PromptDataset",
-    "PromptTokenizer",
     "TaskSplits",
     "check_fits_context",
     "decode_responses",
     "generate_splits",
     "iter_problem_batches",
-    "load_prompt_tokenizer",
     "load_rows",
     "prompt_batch",
     "sft_batch",

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from channels import ConfigError
-from workers.data._tokenizer import PromptTokenizer
+from workers.models import PromptTokenizer
 from workers.rewards import text_column
 from workers.roles import fields as F
 

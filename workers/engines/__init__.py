@@ -15,6 +15,7 @@ it minimises live in :mod:`workers.objectives`.
 from __future__ import annotations
 
 from workers.engines._batch import (
+    OBSERVATION_MASK,
     SEQUENCE_FIELDS,
     FixedSizeMicroBatches,
     MicroBatchPlanner,
@@ -39,6 +40,7 @@ from workers.engines._precision import PrecisionName, resolve_precision
 
 __all__ = [
     "MESH_DIM_NAMES",
+    "OBSERVATION_MASK",
     "REPLICATE_MAX_PARAMS",
     "SEQUENCE_FIELDS",
     "CausalLMHead",

@@ -25,6 +25,11 @@ from workers.engines._errors import EngineConfigError
 SEQUENCE_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 """Fields every batch must hold."""
 
+OBSERVATION_MASK = "observation_mask"
+"""Optional ``[B, R]`` field: 1 on response tokens the model reads but did not sample
+(a multi-turn episode's observations). The model attends to them; they carry no
+log-prob, loss or metric (``response_mask`` is 0 there)."""
+
 
 def check_batch(batch: Mapping[str, Tensor], required: tuple[str, ...] = ()) -> int:
     """Check that ``batch`` holds the sequence fields and ``required`` with matching rows.
@@ -115,8 +120,16 @@ def token_counts(batch: Mapping[str, Tensor]) -> Tensor:
     Returns:
         ``[B]`` int64 counts (on the CPU).
     """
-    counts = batch["prompt_mask"].sum(dim=1) + batch["response_mask"].sum(dim=1)
+    counts = batch["prompt_mask"].sum(dim=1) + _seen(batch).sum(dim=1)
     return counts.to("cpu", torch.int64)
+
+
+def _seen(batch: Mapping[str, Tensor]) -> Tensor:
+    """``[B, R]`` 1 on the response tokens the model reads: sampled ones and
+    observations (:data:`OBSERVATION_MASK`)."""
+    mask = batch["response_mask"]
+    observed = batch.get(OBSERVATION_MASK)
+    return mask if observed is None else (mask.bool() | observed.bool()).to(mask.dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,13 +163,12 @@ def build_inputs(batch: Mapping[str, Tensor]) -> SequenceInputs:
     """
     prompt_used = batch["prompt_mask"].bool().any(dim=0).nonzero()
     left = int(prompt_used[0]) if prompt_used.numel() else batch["prompt_mask"].shape[1] - 1
-    response_used = batch["response_mask"].bool().any(dim=0).nonzero()
+    seen = _seen(batch)
+    response_used = seen.bool().any(dim=0).nonzero()
     width = int(response_used[-1]) + 1 if response_used.numel() else 1
     response_ids = batch["response_ids"][:, :width]
     input_ids = torch.cat([batch["prompt_ids"][:, left:], response_ids], dim=1)
-    attention_mask = torch.cat(
-        [batch["prompt_mask"][:, left:], batch["response_mask"][:, :width]], dim=1
-    )
+    attention_mask = torch.cat([batch["prompt_mask"][:, left:], seen[:, :width]], dim=1)
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
     return SequenceInputs(
         input_ids=input_ids,

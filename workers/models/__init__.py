@@ -3,7 +3,8 @@
 Actor and reference roles use transformers causal LMs (Llama, Qwen2) loaded from a
 local directory; critic, reward and cost roles wrap the same backbones in a
 :class:`ValueModel` (which also loads one-label sequence classifiers, the usual
-format of reward models). :func:`gguf_to_hf_dir` turns a user's GGUF file into a
+format of reward models). :func:`load_prompt_tokenizer` gives a policy's tokenizer
+as prompts and episodes need it (:class:`PromptTokenizer`). :func:`gguf_to_hf_dir` turns a user's GGUF file into a
 checkpoint directory. Examples and tests build tiny random models with
 :func:`save_tiny_model`; nothing is downloaded.
 """
@@ -19,6 +20,7 @@ from ._factory import (
     tiny_hf_config,
 )
 from ._gguf import GgufModel, gguf_to_hf_dir, read_gguf_header, smollm2_gguf
+from ._prompt_tokenizer import PromptTokenizer, load_prompt_tokenizer
 from ._tokenizer import SPECIAL_TOKENS, CharTokenizer, CharTokenizerConfig
 from ._tokenizer_dir import TOKENIZER_FILES, has_tokenizer, load_tokenizer
 from ._value_head import VALUE_HEAD_FILE, ValueModel
@@ -30,6 +32,7 @@ __all__ = [
     "CharTokenizer",
     "CharTokenizerConfig",
     "GgufModel",
+    "PromptTokenizer",
     "TinyModelConfig",
     "ValueModel",
     "build_tiny_model",
@@ -37,6 +40,7 @@ __all__ = [
     "gguf_to_hf_dir",
     "has_tokenizer",
     "load_model",
+    "load_prompt_tokenizer",
     "load_tokenizer",
     "read_gguf_header",
     "save_pretrained_here",

@@ -17,21 +17,30 @@ from torch import Tensor
 from workers.objectives._losses import KLEstimator
 
 
-def scores_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
+def scores_to_token_rewards(scores: Tensor, mask: Tensor, turn_rewards: Tensor | None = None) -> Tensor:
     """Place each sequence's outcome score on its last response token.
 
     Args:
         scores: ``[B]`` sequence-level rewards.
         mask: ``[B, R]`` response mask.
+        turn_rewards: ``[B, R]`` an episode's per-turn rewards, each on its turn's
+            last sampled token (``workers.episodes``); then each turn's reward stays
+            on its turn and only what the score adds to their sum goes on the last
+            token (the score is usually that sum: nothing is added).
 
     Returns:
         ``[B, R]`` float token rewards, zero except at each row's last masked-in token
-        (all zero for a row with an empty mask).
+        (and the turns' ends; all zero for a row with an empty mask).
     """
     positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
     last = (mask.to(positions.dtype) * positions).argmax(dim=1, keepdim=True)
     rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    rewards.scatter_(1, last, scores.to(torch.float32).unsqueeze(1))
+    outcome = scores.to(torch.float32)
+    if turn_rewards is not None:
+        placed = turn_rewards.to(torch.float32) * mask
+        outcome = outcome - placed.sum(dim=1)
+        rewards += placed
+    rewards.scatter_add_(1, last, outcome.unsqueeze(1))
     return rewards * mask
 
 
@@ -43,8 +52,11 @@ def fold_kl_into_rewards(
     *,
     kl_coef: float,
     estimator: KLEstimator = KLEstimator.K1,
+    turn_rewards: Tensor | None = None,
 ) -> Tensor:
-    """PPO token rewards: the outcome score on the last token minus a per-token KL penalty.
+    """PPO token rewards: the outcome score on the last token (an episode's turn
+    rewards on their turns, see :func:`scores_to_token_rewards`) minus a per-token
+    KL penalty.
 
     Args:
         scores: ``[B]`` sequence-level rewards.
@@ -53,12 +65,13 @@ def fold_kl_into_rewards(
         mask: ``[B, R]`` response mask.
         kl_coef: weight of the KL penalty.
         estimator: KL estimator used for the penalty.
+        turn_rewards: see :func:`scores_to_token_rewards`.
 
     Returns:
         ``[B, R]`` token rewards, 0 on padding.
     """
     kl = estimator.estimate(logprobs, ref_logprobs)
-    return scores_to_token_rewards(scores, mask) - kl_coef * kl * mask
+    return scores_to_token_rewards(scores, mask, turn_rewards) - kl_coef * kl * mask
 
 
 def _pack_left(mask: Tensor) -> Tensor:

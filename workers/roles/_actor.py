@@ -35,12 +35,14 @@ from workers.engines import (
     TrainingEngine,
     resolve_precision,
 )
+from workers.episodes import EPISODE_METRIC_FIELDS, EpisodeConfig, episode_metrics
 from workers.host import CallInfo, StreamMethod, WorkerContext, register
 from workers.models import load_model, save_pretrained_here
 from workers.objectives import ROW_INDEX, NLLLoss, OnPolicy, PolicyLoss, kl_k3
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
 from workers.roles._engine_choice import EngineName, build_engine, check_engine
+from workers.roles._episodes import EpisodeSetup
 from workers.roles._generation import checked_generate
 from workers.roles._hybrid import HybridWeights
 from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
@@ -83,6 +85,9 @@ class ActorConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Default sampling of :meth:`ActorWorker.generate`; an unset ``eos_token_id`` is
     taken from the model's config."""
+    episodes: EpisodeConfig | None = None
+    """Multi-turn generation: each sample of ``generate`` is an episode with the
+    environment this names (see ``workers.episodes``); None: one response each."""
     seed: int = 0
     """Seeds torch's global RNG and the mini-batch shuffling."""
     reshard_bucket_mb: float = 64.0
@@ -147,6 +152,7 @@ class ActorWorker(TrainedRole):
         # In place; transformers' annotation of PreTrainedModel.to confuses type checkers.
         nn.Module.to(model, ctx.device)
         self._eos = model_eos(model)
+        self._episodes = EpisodeSetup.of(config.episodes, config.model_dir)
         gen = ctx.layout.gen
         # The ranks of one generation replica sample alike (tensor parallel ones must).
         self._seed_rank = ctx.layout.gen_coords(ctx.rank).replica if gen is not None else ctx.rank
@@ -193,6 +199,11 @@ class ActorWorker(TrainedRole):
         migration); called without, it returns all rows at once. The rows are the
         same either way.
 
+        With ``config.episodes``, each sample is an episode with the environment
+        it names: the rows are laid out as :func:`workers.episodes.episode_rows`
+        says (response width ``episodes.max_tokens``; a turn samples at most
+        ``params.max_new_tokens``), and groups stream without migration.
+
         Args:
             prompts: ``prompt_ids``/``prompt_mask``, optionally ``max_new_tokens``,
                 plus any columns to carry along (``uid``, ``answer_ids``, ...).
@@ -217,7 +228,8 @@ class ActorWorker(TrainedRole):
         # A prompt's n samples are one group: data-parallel splits keep them together.
         run = functools.partial(checked_generate, self.rollout, prompts, n=n, params=params,
                                 default=self.config.sampling, eos_token_id=self._eos, seed_rank=self._seed_rank,
-                                rank=self.ctx.rank, where="actor.generate", version=self.engine.step)
+                                rank=self.ctx.rank, where="actor.generate", version=self.engine.step,
+                                episodes=self._episodes)
         offload = self.config.offload_optimizer or self.config.offload_params
         if offload:  # generation's device memory: the training state waits in host memory
             self.engine.offload(params=self.config.offload_params)
@@ -249,7 +261,7 @@ class ActorWorker(TrainedRole):
         """
         return weight_rows(self.engine.model, self.ctx, version=self.engine.step)
 
-    @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.OLD_LOGPROBS, F.ENTROPY))
+    @register(protocol=DP(), reads=F.SEQUENCE, optional=F.SEQUENCE_OPTIONAL, writes=(F.OLD_LOGPROBS, F.ENTROPY))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:
         """The current policy's log-probs and entropy of the response tokens.
 
@@ -267,7 +279,7 @@ class ActorWorker(TrainedRole):
         return {F.OLD_LOGPROBS: logprobs, F.ENTROPY: entropy}
 
     @register(protocol=UPDATE_METRICS, reads=lambda call: _update_reads(call),
-              optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS, F.OLD_LOGPROBS, F.POLICY_VERSION))
+              optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS, F.OLD_LOGPROBS, F.POLICY_VERSION, *EPISODE_METRIC_FIELDS))
     def update(self, batch: Batch, *, loss: PolicyLoss | None = None,
                schedule: UpdateConfig | None = None, ptx: Batch | None = None,
                ptx_coef: float = 0.0) -> dict[str, float]:
@@ -305,7 +317,8 @@ class ActorWorker(TrainedRole):
             ``logprob_mismatch`` / ``logprob_mismatch_max``: how far the rollout
             engine's log-probs of the sampled tokens are from the training engine's
             (mean and max absolute difference; a silent failure when large) and
-            ``kl_to_ref`` when the batch has ``ref_logprobs``.
+            ``kl_to_ref`` when the batch has ``ref_logprobs``; for episodes' rows,
+            ``episode/*`` (:func:`~workers.episodes.episode_metrics`).
 
         Raises:
             MissingFieldError: the batch lacks a field the loss reads.
@@ -330,7 +343,7 @@ class ActorWorker(TrainedRole):
                                       schedule=UpdateConfig(), generator=self._shuffle, prefix="actor/ptx_")
             metrics |= ptx_metrics
         self._sync_rollout()
-        return metrics | lags
+        return metrics | lags | episode_metrics(batch)
 
     def _update_on_policy(self, batch: Mapping[str, Tensor], loss: PolicyLoss, schedule: UpdateConfig,
                           stale_fields: tuple[str, ...]) -> dict[str, float]:

@@ -92,7 +92,7 @@ class CriticWorker(TrainedRole):
         """``values`` when the model is replicated (see ``CriticConfig.replicate``)."""
         return frozenset({"values"}) if self.config.replicate else frozenset()
 
-    @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.VALUES,))
+    @register(protocol=DP(), reads=F.SEQUENCE, optional=F.SEQUENCE_OPTIONAL, writes=(F.VALUES,))
     def values(self, batch: Batch) -> dict[str, Tensor]:
         """Value predictions at the response positions.
 
@@ -105,7 +105,7 @@ class CriticWorker(TrainedRole):
         """
         return {F.VALUES: self.engine.values(batch)}
 
-    @register(protocol=UPDATE_METRICS, reads=(*F.SEQUENCE, F.VALUES, F.RETURNS))
+    @register(protocol=UPDATE_METRICS, reads=(*F.SEQUENCE, F.VALUES, F.RETURNS), optional=F.SEQUENCE_OPTIONAL)
     def update(self, batch: Batch, *, loss: ValueLoss | None = None,
                schedule: UpdateConfig | None = None) -> dict[str, float]:
         """Regress the values towards ``returns`` (clipped around the batch's ``values``).

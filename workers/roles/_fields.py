@@ -6,7 +6,7 @@ response width (``max_new_tokens``), ``A`` the answer width.
 
 from __future__ import annotations
 
-from workers.engines import SEQUENCE_FIELDS
+from workers.engines import OBSERVATION_MASK, SEQUENCE_FIELDS
 
 # ----- put by the driver (one row per prompt)
 PROMPT_IDS = "prompt_ids"
@@ -25,6 +25,9 @@ RESPONSE_MASK = "response_mask"
 """int64 ``[R]``, 1 on generated tokens."""
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 """float32 ``[R]``: raw (temperature 1) log-probs of the sampled tokens, by the rollout engine."""
+OBSERVATION_MASK = OBSERVATION_MASK
+"""int64 ``[R]``, only in episodes' rows: 1 on the environment's tokens inside the
+response (read by the model, not sampled: ``response_mask`` is 0 there)."""
 POLICY_VERSION = "policy_version"
 """int64 ``[R]``: the version of the weights that sampled each token (the actor's
 optimizer step count when they were published); ``ActorWorker.update`` corrects
@@ -52,5 +55,9 @@ RETURNS = "returns"
 
 SEQUENCE = (PROMPT_IDS, PROMPT_MASK, RESPONSE_IDS, RESPONSE_MASK)
 """The four fields forming a training sequence (``prompt ++ response``)."""
+
+SEQUENCE_OPTIONAL = (OBSERVATION_MASK,)
+"""Sequence fields that only some rows carry (methods that read the sequence pull
+them when present)."""
 
 assert SEQUENCE == SEQUENCE_FIELDS, "the training engine's sequence fields changed"

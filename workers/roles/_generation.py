@@ -28,6 +28,7 @@ from channels import ROW_ID_BITS, Batch, ConfigError, row_id
 from workers.host import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
 from workers.host import Step as StepEvent
 from workers.roles import _fields as F
+from workers.roles._episodes import EpisodeSetup, stream_episodes
 from workers.roles._rollout import (
     RolloutEngine,
     params_for_rank,
@@ -237,10 +238,11 @@ class CarryOver:
 def checked_generate(engine: RolloutEngine, prompts: Batch, *, n: int, params: SamplingParams | None,
                      default: SamplingParams, eos_token_id: int | None, seed_rank: int, rank: int,
                      where: str, version: int, migratable: bool = True,
-                     carry: CarryOver | None = None) -> StreamMethod:
+                     carry: CarryOver | None = None, episodes: EpisodeSetup | None = None) -> StreamMethod:
     """A role's ``generate``: check the call, fill in the model's EOS and the
     per-rank seed, then :func:`stream_rollout` (``version``: the weights' version,
-    the rows' ``policy_version``; ``carry``: partial rollouts).
+    the rows' ``policy_version``; ``carry``: partial rollouts; ``episodes``: each
+    sample is an episode, :func:`~workers.roles._episodes.stream_episodes`).
 
     Raises:
         ConfigError: ``n`` < 1 or ``params`` is not a SamplingParams (naming ``where``).
@@ -252,6 +254,12 @@ def checked_generate(engine: RolloutEngine, prompts: Batch, *, n: int, params: S
         raise ConfigError(f"{where}: params must be a SamplingParams, got {params!r}")
     require_fields(prompts, (F.PROMPT_IDS, F.PROMPT_MASK), where=where)
     chosen = params_for_rank(params or default, eos_token_id=eos_token_id, rank=seed_rank)
+    if episodes is not None:
+        if carry is not None:
+            raise ConfigError(f"{where}: partial rollouts of episodes are planned, not built; set "
+                              "train.partial_rollout_decode_steps = 0 with an [env]")
+        return (yield from stream_episodes(engine, prompts, n=n, params=chosen, config=episodes.config,
+                                           tokenizer=episodes.tokenizer, rank=rank, version=version, where=where))
     return (yield from stream_rollout(engine, prompts, n=n, params=chosen, rank=rank, version=version,
                                       migratable=migratable, carry=carry))
 

@@ -78,7 +78,7 @@ class ReferenceWorker(Role):
         """``log_prob`` when the model is replicated (see ``ReferenceConfig.replicate``)."""
         return frozenset({"log_prob"}) if self.config.replicate else frozenset()
 
-    @register(protocol=DP(), reads=F.SEQUENCE, writes=(F.REF_LOGPROBS,))
+    @register(protocol=DP(), reads=F.SEQUENCE, optional=F.SEQUENCE_OPTIONAL, writes=(F.REF_LOGPROBS,))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:
         """The reference policy's log-probs of the response tokens.
 

@@ -137,7 +137,7 @@ class RewardWorker(_ScoringRole):
 
     Config = ScoreConfig
 
-    @register(protocol=DP(), reads=_score_reads, optional=(F.ANSWER_IDS, F.UID),
+    @register(protocol=DP(), reads=_score_reads, optional=(F.ANSWER_IDS, F.UID, *F.SEQUENCE_OPTIONAL),
               writes=lambda info: (F.SCORES, *component_fields(info.config, F.SCORES)))
     def score(self, batch: Batch) -> dict[str, Tensor]:
         """One reward per sample.
@@ -178,7 +178,7 @@ class CostWorker(_ScoringRole):
 
     Config = ScoreConfig
 
-    @register(protocol=DP(), reads=_score_reads, optional=(F.ANSWER_IDS, F.UID),
+    @register(protocol=DP(), reads=_score_reads, optional=(F.ANSWER_IDS, F.UID, *F.SEQUENCE_OPTIONAL),
               writes=lambda info: (F.COSTS, *component_fields(info.config, F.COSTS)))
     def score(self, batch: Batch) -> dict[str, Tensor]:
         """One cost per sample (as :meth:`RewardWorker.score`).

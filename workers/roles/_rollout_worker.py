@@ -29,9 +29,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from channels import DP, Batch, ConfigError, OneToAll, TensorShards
 from workers.engines import apply_tensor_parallel, resolve_precision
+from workers.episodes import EpisodeConfig
 from workers.host import Role, StreamMethod, WorkerContext, register
 from workers.models import load_model
 from workers.roles import _fields as F
+from workers.roles._episodes import EpisodeSetup
 from workers.roles._generation import TAIL_LENGTH, CarryOver, checked_generate
 from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
 from workers.roles._training import check_model_dir, check_seed, check_types
@@ -86,6 +88,9 @@ class RolloutWorkerConfig:
     offset by the rank."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Default sampling of :meth:`RolloutWorker.generate`."""
+    episodes: EpisodeConfig | None = None
+    """Multi-turn generation: each sample of ``generate`` is an episode with the
+    environment this names (see ``workers.episodes``); None: one response each."""
     seed: int = 0
     """Seeds torch's global RNG."""
 
@@ -121,6 +126,7 @@ class RolloutWorker(Role):
         model = load_model(config.model_dir)
         nn.Module.to(model, ctx.device)
         self._eos = model_eos(model)
+        self._episodes = EpisodeSetup.of(config.episodes, config.model_dir)
         self._shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         # "auto" follows the training precision's rule on this device (the actor's default).
         self.rollout = build_rollout(config.rollout, model=model, model_dir=config.model_dir, rank=replica,
@@ -181,7 +187,8 @@ class RolloutWorker(Role):
         return (yield from checked_generate(self.rollout, prompts, n=n, params=params, default=self.config.sampling,
                                             eos_token_id=self._eos, seed_rank=self._replica, rank=self.ctx.rank,
                                             where="rollout.generate", version=self.weights_version or 0,
-                                            migratable=self._tp_size == 1, carry=carry))
+                                            migratable=self._tp_size == 1, carry=carry,
+                                            episodes=self._episodes))
 
     @register(protocol=OneToAll())
     def carried(self) -> dict[str, Any]:

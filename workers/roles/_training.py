@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from channels import ConfigError, MissingFieldError
-from workers.engines import TrainingEngine
+from workers.engines import OBSERVATION_MASK, TrainingEngine
 from workers.host import WorkerContext
 from workers.objectives import LossFn
 
@@ -192,7 +192,8 @@ def run_updates(engine: TrainingEngine, batch: Mapping[str, Tensor], *, loss: Lo
         ConfigError: the global batch has fewer rows than ``mini_batches`` (raised on
             every rank, so none waits in a collective).
     """
-    columns = {name: batch[name] for name in dict.fromkeys(fields)}
+    optional = (OBSERVATION_MASK,) if OBSERVATION_MASK in batch else ()
+    columns = {name: batch[name] for name in dict.fromkeys((*fields, *optional))}
     rows = len(next(iter(columns.values()))) if columns else 0
     part = _mini_batch_of_rows(engine, rows, schedule.mini_batches,
                                f"{prefix.rstrip('/')}.update")

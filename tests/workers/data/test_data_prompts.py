@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from channels import ConfigError
 from support_hf import save_tiny_hf_tokenizer
-from workers.data import PromptDataset, PromptTokenizer, load_prompt_tokenizer, load_rows
-from workers.models import TinyModelConfig, save_tiny_model
+from workers.data import PromptDataset, load_rows
+from workers.models import PromptTokenizer, TinyModelConfig, load_prompt_tokenizer, save_tiny_model
 from workers.rewards import row_columns
 
 ENGINE_COLUMNS = ("prompt_ids", "prompt_mask", "uid")

@@ -10,8 +10,13 @@ from transformers import AutoTokenizer
 
 from channels import ConfigError
 from support_hf import save_tiny_hf_llama, save_tiny_hf_tokenizer
-from workers.data import PromptTokenizer, load_prompt_tokenizer
-from workers.models import CharTokenizer, TinyModelConfig, save_tiny_model
+from workers.models import (
+    CharTokenizer,
+    PromptTokenizer,
+    TinyModelConfig,
+    load_prompt_tokenizer,
+    save_tiny_model,
+)
 
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 3?"}]
 

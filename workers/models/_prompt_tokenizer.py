@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from channels import ConfigError
-from workers.models import CharTokenizer, load_tokenizer
+from workers.models._tokenizer import CharTokenizer
+from workers.models._tokenizer_dir import load_tokenizer
 
 __all__ = ["PromptTokenizer", "load_prompt_tokenizer"]
 
