@@ -9,6 +9,7 @@ order.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -538,3 +539,84 @@ def test_engine_on_one_rank_of_a_gloo_world_leaves_the_world_working(tmp_path: P
     for rank, (proc, output) in enumerate(zip(ranks, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{output[-4000:]}"
         assert "engine up ok" in output and "engine closed ok" in output, output[-4000:]
+
+
+class _Digits:
+    """An environment whose observations the character tokenizer can encode: each
+    action's length; done after three turns."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def reset(self, row: object) -> str:
+        return "0="
+
+    async def step(self, action: str) -> tuple[str, float, bool]:
+        self.seen += 1
+        return f"{len(action)}=", 1.0, self.seen >= 3
+
+
+def test_episodes_on_vllm_hold_the_tokens_it_sampled_with_its_logprobs(
+    engine: VLLMRolloutEngine, models: dict[str, PreTrainedModel]
+) -> None:
+    """Token-in/token-out on vLLM: every turn's tokens as vLLM sampled them, and the
+    training engine's log-probs of them within 1e-3 of vLLM's."""
+    from workers.engines import TrainingConfig, TrainingEngine
+    from workers.episodes import MAX_TURNS_LIMIT, EpisodeConfig, EpisodeRun, ObservationCodec, episode_rows
+    from workers.models import CharTokenizer, PromptTokenizer
+
+    _load(engine, models["a"])
+    tokenizer = PromptTokenizer(CharTokenizer(), source="tiny")
+    recorded: dict[int, FinishedSample] = {}
+    start = engine.start
+
+    def recording_start(*args: object, **kwargs: object) -> GenerationRun:
+        run = start(*args, **kwargs)  # type: ignore[arg-type]
+        step = run.step
+
+        def recorded_step() -> list[FinishedSample]:
+            out = step()
+            recorded.update({s.index: s for s in out})
+            return out
+
+        run.step = recorded_step  # type: ignore[method-assign]
+        return run
+
+    engine.start = recording_start  # type: ignore[method-assign]
+    try:
+        prompts = [tokenizer.encode_text(f"{i}+{i * 3}=") for i in range(4)]
+        config = EpisodeConfig(env=_Digits, max_turns=3, max_tokens=48)
+        params = SamplingParams(max_new_tokens=6, seed=3, eos_token_id=tokenizer.eos_token_id)
+        run = EpisodeRun(engine, prompts, [{} for _ in prompts], n=2, params=params, config=config,
+                         tokenizer=tokenizer, where="test")
+        episodes = []
+        while run.pending:
+            episodes += run.advance()
+        run.close()
+    finally:
+        del engine.start
+    codec = ObservationCodec(tokenizer)
+    assert codec.format == "text"
+    episodes.sort(key=lambda e: e.index)
+    parts = []
+    for e in episodes:
+        assert e.outcome == "done" and e.turns == 3
+        want = codec.encode_first("0=")
+        for t in range(3):
+            turn = recorded[e.index * MAX_TURNS_LIMIT + t].response_ids
+            want += turn
+            if t < 2:
+                want += codec.encode(f"{len(tokenizer.decode(list(turn)))}=", after_eos=False)
+        assert e.tokens == want
+        prompt = torch.tensor([prompts[e.index // 2]])
+        parts.append(episode_rows({"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt)}, [e],
+                                  width=48, pad=0, version=0))
+    width = max(p["prompt_ids"].shape[1] for p in parts)
+    for p in parts:  # left-pad the prompts to one width
+        pad = width - p["prompt_ids"].shape[1]
+        p["prompt_ids"] = torch.nn.functional.pad(p["prompt_ids"], (pad, 0))
+        p["prompt_mask"] = torch.nn.functional.pad(p["prompt_mask"], (pad, 0))
+    rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    logprobs, _ = TrainingEngine(copy.deepcopy(models["a"]), config=TrainingConfig()).log_probs(rows)
+    sampled = rows["response_mask"].bool()
+    torch.testing.assert_close(logprobs[sampled], rows["rollout_logprobs"][sampled], atol=1e-3, rtol=0)
