@@ -178,6 +178,26 @@ def raising_reward(prompts: list[str], responses: list[str], answers: list[str])
     raise ZeroDivisionError("reward bug")
 
 
+class DigitsEnv:
+    """An environment for the episode runs of the tests: each step answers with the
+    action's length (digits, which the character tokenizer encodes), rewards the
+    share of the action's characters that are digits, and ends the episode after
+    ``turns`` steps; ``sleep_s`` per step (a run to kill mid-episode)."""
+
+    def __init__(self, turns: int = 2, sleep_s: float = 0.0) -> None:
+        self.turns, self.sleep_s, self.seen = turns, sleep_s, 0
+
+    async def reset(self, row: Any) -> None:
+        return None
+
+    async def step(self, action: str) -> tuple[str, float, bool]:
+        if self.sleep_s:
+            await asyncio.sleep(self.sleep_s)
+        self.seen += 1
+        share = sum(c.isdigit() for c in action) / max(len(action), 1)
+        return f"{len(action)}=", share / self.turns, self.seen >= self.turns
+
+
 def wait_for_a_checkpoint(proc: subprocess.Popen[str], checkpoints: Path, stderr: Path,
                           *, timeout_s: float = 200) -> None:
     """Wait until the ``asyncflow train`` run ``proc`` has a complete checkpoint

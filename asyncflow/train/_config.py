@@ -526,6 +526,8 @@ def _check_env(config: RunConfig) -> None:
         return
     from workers.episodes import load_env_class
 
+    if not config.env.cls:
+        raise ConfigError("[env] needs class = 'module:Class' (e.g. 'workers.episodes:ToolEnv')")
     load_env_class(config.env.cls, key="[env] class")
     if sampling_of(config).max_new_tokens > config.env.max_tokens:
         raise ConfigError(f"algorithm.sampling.max_new_tokens ({sampling_of(config).max_new_tokens}, a turn's "

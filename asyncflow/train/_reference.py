@@ -167,7 +167,7 @@ def _section(cls: type, title: str, path: str, instance: Any, *, skip: tuple[str
             link = f"[`[{child[0]}]`](#{_slug(f'[{child[0]}]')})"
             head, _, tail = kind.rpartition("table")  # the last: "table of table" is a table of them
             kind = f"{head}table {link}{tail}"
-        keys.append(Key(name=name, type=kind, default=_default(value, hint), doc=docs.get(name, "")))
+        keys.append(Key(name=_key(cls, name), type=kind, default=_default(value, hint), doc=docs.get(name, "")))
     doc = inspect.cleandoc(cls.__doc__ or "")
     return Section(title=title, doc=f"{doc}\n\n{extra}" if extra else doc, keys=tuple(keys))
 
@@ -184,6 +184,14 @@ def _roles(algo: Algorithm[Any]) -> str:
     required, optional = algo.roles.required(), algo.roles.optional()
     text = f"Roles it places: {', '.join(f'`{r}`' for r in required)}"
     return text + (f"; when wanted: {', '.join(f'`{r}`' for r in optional)}." if optional else ".")
+
+
+def _key(cls: type, name: str) -> str:
+    """The key a config file spells field ``name`` with (a Struct may rename it:
+    ``[env] class`` is the field ``cls``)."""
+    if issubclass(cls, msgspec.Struct):
+        return next(f.encode_name for f in msgspec.structs.fields(cls) if f.name == name)
+    return name
 
 
 def _fields(cls: type) -> list[tuple[str, Any, Any]]:
@@ -312,7 +320,7 @@ def _toml(value: Any) -> str:
         items = [f"{k} = {_toml(v)}" for k, v in value.items() if v is not None]  # None: the key left out
         return "{ " + ", ".join(items) + " }" if items else "{}"
     if _is_table(value):
-        return _toml({name: getattr(value, name) for name, _, _ in _fields(type(value))})
+        return _toml({_key(type(value), name): getattr(value, name) for name, _, _ in _fields(type(value))})
     return repr(value)
 
 

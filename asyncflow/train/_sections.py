@@ -379,9 +379,8 @@ class EnvSection(msgspec.Struct, **_CFG):
     """More stop strings that end a turn (e.g. ``"</tool_call>"``)."""
 
     def __post_init__(self) -> None:
-        if not self.cls:
-            raise ConfigError("[env] needs class = 'module:Class' (e.g. 'workers.episodes:ToolEnv')")
-        split_function_spec(self.cls, key="[env] class")
+        if self.cls:  # required: validate says so when it is missing
+            split_function_spec(self.cls, key="[env] class")
         at_least("[env] max_turns", self.max_turns, 1)
         at_least("[env] max_tokens", self.max_tokens, 1)
         above("[env] timeout_s", self.timeout_s, 0)
