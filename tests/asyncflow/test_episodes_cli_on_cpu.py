@@ -13,10 +13,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import wait_for_a_checkpoint
 
 from asyncflow.cli import main
 from asyncflow.train import read_metrics
+from support import wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,

@@ -562,7 +562,13 @@ def test_episodes_on_vllm_hold_the_tokens_it_sampled_with_its_logprobs(
     """Token-in/token-out on vLLM: every turn's tokens as vLLM sampled them, and the
     training engine's log-probs of them within 1e-3 of vLLM's."""
     from workers.engines import TrainingConfig, TrainingEngine
-    from workers.episodes import MAX_TURNS_LIMIT, EpisodeConfig, EpisodeRun, ObservationCodec, episode_rows
+    from workers.episodes import (
+        MAX_TURNS_LIMIT,
+        EpisodeConfig,
+        EpisodeRun,
+        ObservationCodec,
+        episode_rows,
+    )
     from workers.models import CharTokenizer, PromptTokenizer
 
     _load(engine, models["a"])
