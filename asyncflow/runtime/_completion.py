@@ -109,7 +109,11 @@ class CallCompletion:
         deadline = None if call.timeout_s is None else loop.time() + call.timeout_s  # never set on a streamed call
         while pending:
             left = None if deadline is None else max(0.0, deadline - loop.time())
-            done, _ = await asyncio.wait(pending | {pool.died}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait(pending | {pool.died}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the driver gave up on the call: its ranks' results are seen later
+                self._abandon(pending)
+                raise
             if not done:  # the call's timeout_s passed with ranks still running
                 self._timed_out(pool, call, sorted(lanes[rank_of[t]] for t in pending))
                 self._abandon(pending)

@@ -175,15 +175,19 @@ def test_listeners_bind_node_address_and_reject_store_clients(group: dict[str, A
 # ----- store semantics against TCPStore -----
 
 
+STORE_TIMEOUT = timedelta(seconds=30)
+"""Both stores' default timeout: a guard against a hang only (an actor call on a
+busy 2-core machine took more than 5 s once), the timeouts tested are their own."""
+
+
 @pytest.fixture(scope="module")
 def tcp_store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5),
-                         wait_for_workers=False)
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
 
 
 @pytest.fixture(scope="module")
 def ray_store(server: Any) -> RayStore:
-    return RayStore(server, timedelta(seconds=5))
+    return RayStore(server, STORE_TIMEOUT)
 
 
 TEXT_KEYS = ["a", "b", "c"]
