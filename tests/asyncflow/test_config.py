@@ -118,6 +118,14 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
     ("data-default-reward", {"data.train": "{file}", "data.eval": "{file}"}, ("[reward] function", "verifier")),
     ("data-with-sft", {"data.train": "{file}", "data.eval": "{file}", "sft": {}, "model.path": ""},
      ("[sft]", "data.train")),
+    ("env-no-class", {"env": {"max_turns": 2}}, ("[env]", "class")),
+    ("env-class-not-module-class", {"env": {"class": "support.DigitsEnv"}}, ("[env] class", "module:function")),
+    ("env-class-missing", {"env": {"class": "support:NoSuchEnv"}}, ("[env] class", "NoSuchEnv")),
+    ("env-not-an-env", {"env": {"class": "support:Producer"}}, ("[env] class", "no reset or step")),
+    ("env-turn-over-episode", {"env": {"class": "support:DigitsEnv", "max_tokens": 8},
+                               "algorithm.sampling.max_new_tokens": 16}, ("max_new_tokens", "[env] max_tokens")),
+    ("env-max-turns", {"env": {"class": "support:DigitsEnv", "max_turns": 0}}, ("[env] max_turns", ">= 1")),
+    ("env-on-error", {"env": {"class": "support:DigitsEnv", "on_error": "retry"}}, ("on_error",)),
     ("data-max-prompt-tokens", {"data.max_prompt_tokens": -1}, ("data.max_prompt_tokens", ">= 0")),
     ("eval-samples", {"train.eval_samples": -2}, ("train.eval_samples", ">= 0")),
     ("export-hf", {"train.export_hf": "always"}, ("export_hf",)),
@@ -371,3 +379,19 @@ def test_switching_to_an_algorithm_without_the_files_keys_names_them(tmp_path: P
     message = str(info.value)
     assert "\n" not in message and "['scale_by_std']" in message and "'rloo'" in message
     assert algorithm_in(load_config(path, {key: "grpo"})).name == "grpo"  # the same algorithm: nothing dropped
+
+
+def test_an_env_section_makes_the_generating_role_run_episodes_scored_by_them(tmp_path: Path, model_dir: str) -> None:
+    from asyncflow.train._config import ENV_REWARD, reward_of
+    from asyncflow.train._roles import role_specs
+
+    config = load_config(_write(tmp_path, model_dir, {"env": {"class": "support:DigitsEnv", "settings": {"turns": 3},
+                                                              "max_tokens": 64, "stop": ["!"]}}))
+    assert config.env is not None and config.env.cls == "support:DigitsEnv"
+    assert reward_of(config).function == ENV_REWARD
+    episodes = role_specs(config, model_dir)["actor"].config.episodes
+    assert (episodes.env, episodes.settings, episodes.max_tokens, episodes.stop) == (
+        "support:DigitsEnv", {"turns": 3}, 64, ("!",))
+    named = load_config(_write(tmp_path, model_dir, {"env": {"class": "support:DigitsEnv"},
+                                                     "reward.function": "support:digit_share_reward"}, name="own"))
+    assert reward_of(named).function == "support:digit_share_reward"  # the user's reward wins

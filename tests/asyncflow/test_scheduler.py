@@ -229,6 +229,22 @@ def test_merge_refuses_two_columns_with_one_name_and_accepts_the_same_column() -
     assert set(ok) == {"idx", "x", "mask", "idx2", "x2", "rank"}
 
 
+def test_a_transforms_optional_field_is_pulled_where_the_rows_have_it() -> None:
+    @af.transform(reads=("x",), optional=("w",), writes=("adv",))
+    def weighted(batch):
+        w = batch.get("w")
+        return {"adv": batch["x"].sum(dim=1) * (1.0 if w is None else w)}
+
+    async def main(session, roles):
+        made = await _made(session, roles, 6)
+        with_w = af.merge(made, (await session.put({"w": torch.full((6,), 2.0)}, pool=P4)))
+        return (await roles.consumer2.needs_adv(made.map(weighted)).fetch(),
+                await roles.consumer2.needs_adv(with_w.map(weighted)).fetch())
+
+    plain, doubled = run(main)
+    torch.testing.assert_close(doubled["adv"], 2 * plain["adv"])
+
+
 def test_put_keeps_groups_whole() -> None:
     async def main(session, roles):
         src = await session.put({"idx": torch.arange(12), "x": torch.zeros(12, 2)}, pool=C3, group_size=4)

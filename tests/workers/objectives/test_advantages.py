@@ -77,6 +77,17 @@ def test_gae_outcome_reward_with_lambda_one_is_reward_minus_value() -> None:
     torch.testing.assert_close(ret, torch.tensor([[2.0, 2.0, 2.0, 0.0]]))
 
 
+def test_turn_rewards_stay_on_their_turns_and_the_rest_of_the_score_goes_last() -> None:
+    # An episode: two sampled turns with an observation between them (mask 0).
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
+    turns = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    rewards = scores_to_token_rewards(torch.tensor([1.5]), mask, turns)  # the score is their sum
+    assert rewards.tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0, 1.0, 0.0]]
+    rewards = scores_to_token_rewards(torch.tensor([2.0]), mask, turns)  # a bonus beyond the turns'
+    assert rewards.tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0, 1.5, 0.0]]
+    assert scores_to_token_rewards(torch.tensor([1.5]), mask).tolist() == [[0, 0, 0, 0, 0, 1.5, 0]]
+
+
 def test_grpo_advantages_match_per_group_normalisation() -> None:
     scores = torch.tensor([1.0, 0.0, 2.0, 5.0, 5.0, 3.0, 7.0])
     groups = torch.tensor([10, 10, 10, 4, 4, 99, 4])
