@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
 
-.PHONY: run test gpu-check smollm2 bench docs lint typecheck clean-venv
+.PHONY: run test gpu-check smollm2 smollm2-tools bench docs lint typecheck clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ run: $(STAMP)
 smollm2: $(STAMP)
 	$(PY) examples/smollm2/make_data.py
 	$(VENV)/bin/asyncflow train examples/smollm2/grpo.toml \
+		--set model.gguf=$$($(PY) -c "from workers.models import smollm2_gguf; print(smollm2_gguf())")
+
+# Multi-turn tool use on the same model: 3-digit multiplications with a calculator
+# tool in the chat template's tool format; 30 minutes on 2 cores.
+smollm2-tools: $(STAMP)
+	$(PY) examples/smollm2/make_data.py
+	$(VENV)/bin/asyncflow train examples/smollm2/tools.toml \
 		--set model.gguf=$$($(PY) -c "from workers.models import smollm2_gguf; print(smollm2_gguf())")
 
 # TYPED_FIXTURE: an algorithm on typed role groups, checked with the mypy plugin

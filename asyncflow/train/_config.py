@@ -521,14 +521,15 @@ def _check_scores(config: RunConfig) -> None:
 
 
 def _check_env(config: RunConfig) -> None:
-    """The environment class imports and has ``reset`` and ``step``."""
+    """The environment class imports, has ``reset`` and ``step``, and takes its settings."""
     if config.env is None:
         return
-    from workers.episodes import load_env_class
+    from workers.episodes import build_env, load_env_class
 
     if not config.env.cls:
         raise ConfigError("[env] needs class = 'module:Class' (e.g. 'workers.episodes:ToolEnv')")
-    load_env_class(config.env.cls, key="[env] class")
+    # One is built, so that settings it refuses (a tool that does not import) fail now.
+    build_env(load_env_class(config.env.cls, key="[env] class"), config.env.settings)
     if sampling_of(config).max_new_tokens > config.env.max_tokens:
         raise ConfigError(f"algorithm.sampling.max_new_tokens ({sampling_of(config).max_new_tokens}, a turn's "
                           f"budget) is more than [env] max_tokens ({config.env.max_tokens}, the episode's); "

@@ -5,6 +5,11 @@ both), each row ``{"messages": [{"role": "user", "content": "What is 27 + 82? An
 "answer": "109"}``: the prompt is a chat conversation (rendered with the model's
 chat template) and ``answer`` reaches the reward function as ``answer=[...]``.
 
+``tools_train.jsonl`` and ``tools_eval.jsonl`` (4000 and 200 rows) hold 3-digit
+multiplications for the tool example (``tools.toml``): a system message describes
+the ``multiply`` tool in the Hermes ``<tool_call>`` format, the user asks for the
+product.
+
 Run ``python examples/smollm2/make_data.py [OUT_DIR]`` (default: this directory);
 the files are the same on every machine (seeded).
 """
@@ -28,6 +33,27 @@ def row(a: int, b: int) -> dict[str, object]:
     return {"messages": [{"role": "user", "content": f"What is {a} + {b}? Answer with only the number."}], "answer": str(a + b)}
 
 
+TOOL_SYSTEM = (
+    "You can use a calculator. To multiply two numbers, write exactly "
+    '<tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 456}}</tool_call> '
+    "with your numbers and wait for the result. Then answer with only the number."
+)
+"""The tool example's system message: the tool and its call format."""
+
+
+def tool_row(a: int, b: int) -> dict[str, object]:
+    return {"messages": [{"role": "system", "content": TOOL_SYSTEM},
+                         {"role": "user", "content": f"What is {a} * {b}?"}], "answer": str(a * b)}
+
+
+def tool_problems(seed: int = 2027) -> list[tuple[int, int]]:
+    """4200 distinct ordered pairs of 3-digit numbers."""
+    rng, seen = random.Random(seed), set()
+    while len(seen) < 4200:
+        seen.add((rng.randrange(100, 1000), rng.randrange(100, 1000)))
+    return sorted(seen, key=lambda pair: rng.random())
+
+
 def main(out: Path) -> None:
     pairs = problems()
     held_out, train = pairs[:200], pairs[200:4200]
@@ -37,6 +63,12 @@ def main(out: Path) -> None:
             for a, b in rows:
                 f.write(json.dumps(row(a, b)) + "\n")
     print(f"wrote {len(train)} training and {len(held_out)} held-out problems to {out}")
+    pairs = tool_problems()
+    for name, rows in (("tools_train.jsonl", pairs[200:]), ("tools_eval.jsonl", pairs[:200])):
+        with open(out / name, "w") as f:
+            for a, b in rows:
+                f.write(json.dumps(tool_row(a, b)) + "\n")
+    print(f"wrote {len(pairs) - 200} training and 200 held-out tool problems to {out}")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,9 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
                                "algorithm.sampling.max_new_tokens": 16}, ("max_new_tokens", "[env] max_tokens")),
     ("env-max-turns", {"env": {"class": "support:DigitsEnv", "max_turns": 0}}, ("[env] max_turns", ">= 1")),
     ("env-on-error", {"env": {"class": "support:DigitsEnv", "on_error": "retry"}}, ("on_error",)),
+    ("env-settings", {"env": {"class": "support:DigitsEnv", "settings": {"turn": 2}}}, ("[env] settings", "turn")),
+    ("env-tool-missing", {"env": {"class": "workers.episodes:ToolEnv", "settings": {"tools": ["support:nope"]}}},
+     ("[env] tools[0]", "nope")),
     ("data-max-prompt-tokens", {"data.max_prompt_tokens": -1}, ("data.max_prompt_tokens", ">= 0")),
     ("eval-samples", {"train.eval_samples": -2}, ("train.eval_samples", ">= 0")),
     ("export-hf", {"train.export_hf": "always"}, ("export_hf",)),
@@ -347,6 +350,11 @@ def test_the_smollm2_example_loads(tmp_path: Path) -> None:
                                               "data.eval": str(tmp_path / "eval.jsonl")})
     assert algorithm_in(config).name == "grpo" and config.data.prompt == "messages"
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 200
+    tools = load_config(root / "tools.toml", {"model.gguf": str(gguf),
+                                              "data.train": str(tmp_path / "tools_train.jsonl"),
+                                              "data.eval": str(tmp_path / "tools_eval.jsonl")})
+    assert tools.env is not None and tools.env.settings["tools"] == ["tools:multiply"]  # beside the config
+    assert len((tmp_path / "tools_eval.jsonl").read_text().splitlines()) == 200
 
 
 @pytest.mark.parametrize("where", ["file", "--set"])

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from channels import ConfigError
 from workers.rewards import load_reward_fn
 
-__all__ = ["EnvLoop", "EnvProtocolError", "Environment", "StepResult", "checked_step", "load_env_class"]
+__all__ = ["EnvLoop", "EnvProtocolError", "Environment", "StepResult", "build_env", "checked_step", "load_env_class"]
 
 
 class Environment(Protocol):
@@ -85,7 +85,12 @@ def build_env(cls: type, settings: Mapping[str, Any], *, key: str = "[env]") -> 
         raise ConfigError(f"{key} settings {sorted(settings)} do not fit {cls.__name__}: {e}") from None
     except ValueError:  # no signature to read (a builtin): let the call say
         pass
-    return cls(**settings)
+    try:
+        return cls(**settings)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's constructor
+        raise ConfigError(f"{key}: {cls.__name__}(**settings) raised {type(e).__name__}: {e}") from None
 
 
 def checked_observation(value: Any, where: str) -> str:

@@ -13,8 +13,9 @@
 A call that cannot be parsed, names no tool, has arguments that do not fit, or
 whose tool raises, is answered with an observation that says so (``error: ...``):
 the model sees its mistake, the episode goes on. A turn that calls no tool is the
-answer: the episode ends, rewarded by ``reward`` (exact match with the row's
-``answer`` by default, or ``"module:function"`` called as ``fn(answer, row)``).
+answer: the episode ends, rewarded by ``reward`` (:func:`exact_answer` with the
+row's ``answer`` by default; :func:`numeric_answer`; or ``"module:function"``
+called as ``fn(answer, row)``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Literal, cast
 from channels import ConfigError
 from workers.rewards import load_reward_fn
 
-__all__ = ["ToolCall", "ToolEnv", "exact_answer", "parse_tool_calls"]
+__all__ = ["ToolCall", "ToolEnv", "exact_answer", "numeric_answer", "parse_tool_calls"]
 
 _CHAT_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _TEXT_CALL = re.compile(r"^\s*[A-Za-z_]\w*\s*\(")
@@ -100,6 +101,21 @@ def _load(spec: str | Callable[..., Any], key: str) -> Callable[..., Any]:
 def exact_answer(answer: str, row: Mapping[str, Any]) -> float:
     """1.0 when the answer is the row's ``answer`` (both stripped), else 0.0."""
     return float(answer.strip() == str(row.get("answer", "")).strip())
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def numeric_answer(answer: str, row: Mapping[str, Any]) -> float:
+    """1.0 when the answer's last number (thousands separators dropped) equals the
+    row's ``answer`` as a number, else 0.0: for models that answer in words."""
+    numbers = _NUMBER.findall(answer)
+    if not numbers:
+        return 0.0
+    try:
+        return float(float(numbers[-1].replace(",", "")) == float(str(row.get("answer", "")).replace(",", "")))
+    except ValueError:
+        return 0.0
 
 
 class ToolEnv:

@@ -79,3 +79,11 @@ def test_tools_and_formats_are_checked_at_construction() -> None:
     with pytest.raises(ConfigError, match="tools\\[0\\]"):
         ToolEnv(tools=["no_such_module_here:f"])
     assert ToolEnv(tools=["workers.episodes:exact_answer"]).tools.keys() == {"exact_answer"}
+
+
+def test_numeric_answer_reads_the_last_number() -> None:
+    from workers.episodes import numeric_answer
+
+    assert numeric_answer("The product is 56,088.", {"answer": "56088"}) == 1.0
+    assert numeric_answer("56088 or 56089", {"answer": "56088"}) == 0.0
+    assert numeric_answer("no idea", {"answer": "56088"}) == 0.0
