@@ -125,6 +125,8 @@ class ToolEnv:
         tools: ``"module:function"`` names (or the functions).
         format: the tool-call format, ``"chat"`` or ``"text"``.
         reward: the answer's reward, ``fn(answer, row) -> float``.
+        call_reward: the reward of a turn whose tool calls all ran (a format reward
+            that teaches a model to call at all; 0 by default).
 
     Raises:
         ConfigError: a tool cannot be loaded, two tools share a name, or the
@@ -132,7 +134,7 @@ class ToolEnv:
     """
 
     def __init__(self, tools: Sequence[str | Callable[..., Any]] = (), format: str = "text",
-                 reward: str | Callable[..., float] = exact_answer) -> None:
+                 reward: str | Callable[..., float] = exact_answer, call_reward: float = 0.0) -> None:
         if format not in ("chat", "text"):
             raise ConfigError(f"[env] format = {format!r}: the tool-call format is 'chat' or 'text'")
         self.format: Literal["chat", "text"] = "chat" if format == "chat" else "text"
@@ -144,6 +146,9 @@ class ToolEnv:
                 raise ConfigError(f"[env] tools: two tools are named {name!r}")
             self.tools[name] = fn
         self.reward = _load(reward, "[env] reward")
+        if isinstance(call_reward, bool) or not isinstance(call_reward, int | float):
+            raise ConfigError(f"[env] call_reward must be a number, got {call_reward!r}")
+        self.call_reward = float(call_reward)
         self.row: Mapping[str, Any] = {}
 
     async def reset(self, row: Mapping[str, Any]) -> None:
@@ -156,18 +161,20 @@ class ToolEnv:
         if not calls:
             return None, float(self.reward(action, self.row)), True
         results = [await self._run(call) for call in calls]
-        return "\n".join(results), 0.0, False
+        ran = all(ok for _, ok in results)
+        return "\n".join(text for text, _ in results), self.call_reward if ran else 0.0, False
 
-    async def _run(self, call: ToolCall) -> str:
+    async def _run(self, call: ToolCall) -> tuple[str, bool]:
+        """The call's observation, and whether the tool ran."""
         if call.error:
-            return f"error: {call.error}"
+            return f"error: {call.error}", False
         fn = self.tools.get(call.name)
         if fn is None:
-            return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})"
+            return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", False
         try:
             inspect.signature(fn).bind(*call.args, **call.kwargs)
         except TypeError as e:
-            return f"error: {call.name}: {e}"
+            return f"error: {call.name}: {e}", False
         except ValueError:
             pass
         try:
@@ -177,5 +184,5 @@ class ToolEnv:
                 out = await asyncio.get_running_loop().run_in_executor(
                     None, functools.partial(fn, *call.args, **call.kwargs))
         except Exception as e:  # the tool's error is the model's to see
-            return f"error: {call.name}: {type(e).__name__}: {e}"
-        return str(out)
+            return f"error: {call.name}: {type(e).__name__}: {e}", False
+        return str(out), True

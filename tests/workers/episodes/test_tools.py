@@ -87,3 +87,11 @@ def test_numeric_answer_reads_the_last_number() -> None:
     assert numeric_answer("The product is 56,088.", {"answer": "56088"}) == 1.0
     assert numeric_answer("56088 or 56089", {"answer": "56088"}) == 0.0
     assert numeric_answer("no idea", {"answer": "56088"}) == 0.0
+
+
+def test_a_call_reward_pays_turns_whose_calls_ran() -> None:
+    env = ToolEnv(tools=[mul], format="text", call_reward=0.25)
+    asyncio.run(env.reset({"answer": "36"}))
+    assert _step(env, "mul(12, 3)") == ("36", 0.25, False)
+    assert _step(env, "mul(12)")[1] == 0.0
+    assert _step(env, "36") == (None, 1.0, True)
