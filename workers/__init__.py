@@ -3,7 +3,8 @@
 
 Subpackages: ``host`` (the worker process that hosts roles, ``register``),
 ``roles`` (actor, critic, reference, reward, rollout), ``engines`` (training),
-``rollout`` (generation), ``models``, ``rewards`` and ``data``. This face
+``rollout`` (generation), ``episodes`` (multi-turn generation with an
+environment), ``models``, ``rewards``, ``objectives`` and ``data``. This face
 re-exports the host's public names, which the control plane and role authors use.
 """
 
