@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
 
-.PHONY: run test gpu-check smollm2 smollm2-tools bench docs lint typecheck clean-venv
+.PHONY: run test gpu-check smollm2 smollm2-tools tools bench docs lint typecheck clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ smollm2-tools: $(STAMP)
 	$(PY) examples/smollm2/make_data.py
 	$(VENV)/bin/asyncflow train examples/smollm2/tools.toml \
 		--set model.gguf=$$($(PY) -c "from workers.models import smollm2_gguf; print(smollm2_gguf())")
+
+# An example that learns to use a tool: 3-digit multiplication with a calculator
+# function (examples/arith_tools.py), an SFT warm start with demonstrations of
+# calling it, then GRPO on multi-turn episodes; about 3 minutes on 2 cores.
+tools: $(STAMP)
+	$(VENV)/bin/asyncflow train examples/arith_tools.toml
 
 # TYPED_FIXTURE: an algorithm on typed role groups, checked with the mypy plugin
 # (tests/asyncflow/test_typed_roles.py checks it too, and that the plugin reports

@@ -124,14 +124,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    from asyncflow.train import Trainer, load_config
+    from asyncflow.train import Trainer, load_config, module_dirs
     from channels import ConfigError
 
     config = load_config(args.config, _overrides(args.set))
     if config.sft is None:
         raise ConfigError(f"{args.config} has no [sft] section; add one to run the SFT warm start "
                           "(examples/arith_grpo.toml has one)")
-    path = Trainer(config, say=_say).model_dir()
+    path = Trainer(config, say=_say, module_dirs=module_dirs(args.config)).model_dir()
     _say(f"SFT model: {path}")
     return 0
 

@@ -31,6 +31,7 @@ from asyncflow.train._checks import (
     load_score_function,
     model_heads,
 )
+from asyncflow.train._demonstrations import fill_turn
 from asyncflow.train._sections import (
     _CFG,
     ActorSection,
@@ -48,8 +49,10 @@ from asyncflow.train._sections import (
 from asyncflow.train._sft import SFTConfig
 from asyncflow.train._user_modules import importable, module_dirs
 from channels import ConfigError
-from workers.data import ArithmeticTaskConfig
+from workers.data import ArithmeticProblem, ArithmeticTaskConfig
 from workers.engines import megatron_available
+from workers.episodes import EpisodeConfig, build_env, load_env_class
+from workers.models import CharTokenizer
 
 __all__ = [
     "ActorSection",
@@ -65,6 +68,7 @@ __all__ = [
     "TrainSection",
     "WeightedFunction",
     "algorithm_in",
+    "episode_config",
     "load_config",
     "needed_roles",
     "response_width",
@@ -328,6 +332,16 @@ def reward_of(config: RunConfig) -> ScoreSection:
     return r
 
 
+def episode_config(config: RunConfig) -> EpisodeConfig | None:
+    """The episodes' settings of a run with ``[env]`` (None without)."""
+    e = config.env
+    if e is None:
+        return None
+    return EpisodeConfig(env=e.cls, settings=e.settings, max_turns=e.max_turns, max_tokens=e.max_tokens,
+                         timeout_s=e.timeout_s, on_error=e.on_error, format=e.format,
+                         observation_role=e.observation_role, text_template=e.text_template, stop=tuple(e.stop))
+
+
 def response_width(config: RunConfig) -> int:
     """The most tokens a sample holds after its prompt: one response
     (``max_new_tokens``), or an episode's turns and observations (``[env] max_tokens``)."""
@@ -358,6 +372,7 @@ def validate(config: RunConfig) -> None:
     _check_engines(config)
     _check_scores(config)
     _check_env(config)
+    _check_demonstrations(config)
     _check_algorithms(config)
 
 
@@ -524,8 +539,6 @@ def _check_env(config: RunConfig) -> None:
     """The environment class imports, has ``reset`` and ``step``, and takes its settings."""
     if config.env is None:
         return
-    from workers.episodes import build_env, load_env_class
-
     if not config.env.cls:
         raise ConfigError("[env] needs class = 'module:Class' (e.g. 'workers.episodes:ToolEnv')")
     # One is built, so that settings it refuses (a tool that does not import) fail now.
@@ -534,6 +547,32 @@ def _check_env(config: RunConfig) -> None:
         raise ConfigError(f"algorithm.sampling.max_new_tokens ({sampling_of(config).max_new_tokens}, a turn's "
                           f"budget) is more than [env] max_tokens ({config.env.max_tokens}, the episode's); "
                           "lower it or raise max_tokens")
+
+
+def _check_demonstrations(config: RunConfig) -> None:
+    """SFT demonstrations are episodes of the run's environment whose turns fit a
+    turn's budget (checked on the problems with the widest operands)."""
+    sft = config.sft
+    if sft is None or not sft.demonstration_share:
+        return
+    if config.env is None:
+        raise ConfigError(f"sft.demonstration_share = {sft.demonstration_share} teaches episodes with the run's "
+                          "environment: add [env] (e.g. class = \"workers.episodes:ToolEnv\") or set "
+                          "demonstration_share = 0")
+    tokenizer = CharTokenizer(sft.model.tokenizer)
+    budget = sampling_of(config).max_new_tokens
+    widest = 10 ** config.data.arithmetic.digits - 1
+    for k, template in enumerate(sft.demonstration_turns):
+        key = f"sft.demonstration_turns[{k}]"
+        for operator in config.data.arithmetic.operators:
+            turn = fill_turn(template, ArithmeticProblem(left=widest, operator=operator, right=widest), key=key)
+            try:
+                tokens = len(tokenizer.encode(turn, add_bos=False)) + 1
+            except ConfigError as e:
+                raise ConfigError(f"{key}: {e} (sft.model.tokenizer.symbols)") from None
+            if tokens > budget:
+                raise ConfigError(f"{key}: the turn {turn!r} is {tokens} tokens with EOS, more than a turn's budget "
+                                  f"(algorithm.sampling.max_new_tokens = {budget}); raise it")
 
 
 def _check_algorithms(config: RunConfig) -> None:

@@ -12,13 +12,13 @@ from asyncflow.train._config import (
     OptimSection,
     RunConfig,
     ScoreSection,
+    episode_config,
     hybrid_actor,
     needed_roles,
     reward_of,
 )
 from channels import GenerationLayout, Layout
 from workers.engines import TrainingConfig
-from workers.episodes import EpisodeConfig
 from workers.rewards import ModelRewardConfig, RuleRewardConfig
 from workers.roles import (
     ROLLOUT_DTYPES,
@@ -58,15 +58,6 @@ def _scorer(s: ScoreSection, model_dir: str, precision: Literal["auto", "fp32", 
                                                weights=[w.weight for w in weighted]))
 
 
-def _episodes(config: RunConfig) -> EpisodeConfig | None:
-    e = config.env
-    if e is None:
-        return None
-    return EpisodeConfig(env=e.cls, settings=e.settings, max_turns=e.max_turns, max_tokens=e.max_tokens,
-                         timeout_s=e.timeout_s, on_error=e.on_error, format=e.format,
-                         observation_role=e.observation_role, text_template=e.text_template, stop=tuple(e.stop))
-
-
 def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[str, RoleSpec]:
     """Every role the run's algorithm needs, placed as ``[placement]`` says (a role it
     leaves out goes to the first pool); ``context``: the longest prompt plus its
@@ -84,7 +75,7 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
                else NativeRolloutConfig(max_batch_size=a.rollout_batch_size, seed=config.seed, dtype=dtype))
     hybrid = hybrid_actor(config)
     disaggregated = "rollout" in config.placement  # the actor trains, the rollout role generates
-    episodes = _episodes(config)
+    episodes = episode_config(config)
     # The hybrid engine reshards tensor-parallel shards: data-parallel ranks keep theirs whole.
     actor_training = dataclasses.replace(_training(a), data_parallel="replicate") if hybrid else _training(a)
     build = {

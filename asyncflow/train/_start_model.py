@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 
-from asyncflow.train._config import RunConfig
+from asyncflow.train._config import RunConfig, episode_config
 from asyncflow.train._rundir import cache_dir
 from asyncflow.train._sft import sft_warm_start
 from asyncflow.train._signals import Say
@@ -44,21 +44,28 @@ def starting_model(config: RunConfig, *, say: Say) -> str:
         check_supported_checkpoint(Path(config.model.path))
         return config.model.path
     sft, task = config.sft, config.data.arithmetic
-    # The settings' bytes as when the task was SFTConfig's first field: same settings, same directory.
-    settings = msgspec.json.encode({"task": task, **msgspec.structs.asdict(sft)})
+    # The settings' bytes as when the task was SFTConfig's first field (and before
+    # demonstrations, when there are none): same settings, same directory.
+    fields = msgspec.structs.asdict(sft)
+    if sft.demonstration_share:  # the episodes demonstrated are the environment's
+        fields["env"] = config.env
+    else:
+        del fields["demonstration_share"], fields["demonstration_turns"]
+    settings = msgspec.json.encode({"task": task, **fields})
     target = cache_dir(output_dir, "sft_model", settings)
     if (target / SFT_STAMP).exists():
         say(f"SFT warm start: reusing {target} (same settings)")
         return str(target)
-    say(f"SFT warm start: up to {sft.steps} steps, until {sft.stop_at_train_accuracy or 'all'} "
-        f"train accuracy (at most {sft.max_seconds or 'unlimited'} s) ...")
+    until = f", until {sft.stop_at_train_accuracy} train accuracy" if sft.stop_at_train_accuracy else ""
+    limit = f" (at most {sft.max_seconds} s)" if sft.max_seconds else ""
+    say(f"SFT warm start: up to {sft.steps} steps{until}{limit} ...")
     t = time.monotonic()
     # Trained beside its place and renamed into it once complete: the directory
     # exists only complete, whatever stops this run.
     tmp = target.with_name(f".tmp_{target.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        metrics = sft_warm_start(tmp, sft, task)
+        metrics = sft_warm_start(tmp, sft, task, episode_config(config))
         (tmp / SFT_STAMP).write_bytes(settings)
         try:
             os.replace(tmp, target)

@@ -138,7 +138,8 @@ class Trainer:
         """The policy's starting directory: ``[model]``'s, a GGUF file's conversion or
         the SFT warm start's, the last two made once and shared by the runs with the
         same settings (see :func:`~asyncflow.train._start_model.starting_model`)."""
-        return starting_model(self.config, say=self.say)
+        with importable(self.module_dirs):  # an SFT warm start's demonstrations call the config's modules
+            return starting_model(self.config, say=self.say)
 
     def _new_run(self) -> None:
         """A new run directory (with ``clean``, the earlier runs deleted first)."""

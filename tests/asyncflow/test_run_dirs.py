@@ -107,7 +107,7 @@ def test_resume_without_a_run_is_refused_before_the_sft_warm_start(tmp_path: Pat
 def test_sft_warm_starts_with_other_settings_keep_their_own_directories(tmp_path: Path, monkeypatch) -> None:
     trained: list[int] = []
 
-    def fake_sft(out: Path, config: object, task: object) -> dict[str, float]:
+    def fake_sft(out: Path, config: object, task: object, episodes: object = None) -> dict[str, float]:
         trained.append(config.steps)  # type: ignore[attr-defined]
         out.mkdir(parents=True)
         (out / "config.json").write_text(str(config.steps))  # type: ignore[attr-defined]
