@@ -5,7 +5,7 @@ Run as ``python -m bench.episodes --json PATH [--episodes 64 --turns 4 --wait-ms
 ``N`` episodes of ``T`` turns (each turn exactly ``--turn-tokens`` tokens) of a
 tiny random Llama in the native engine, with an environment that sleeps
 ``L`` ms per step, run by :class:`workers.episodes.EpisodeRun` (what a rollout
-rank runs), three ways, alternated over ``--rounds`` (medians):
+rank runs), three ways, alternated over ``--rounds`` (5; medians):
 
 - ``overlapped_s``: all ``N`` in flight at once, the environment sleeping ``L``;
 - ``no_wait_s``: the same episodes, the environment answering at once;
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--wait-ms", type=float, default=100.0)
     parser.add_argument("--turn-tokens", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
