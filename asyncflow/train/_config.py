@@ -536,7 +536,8 @@ def _check_scores(config: RunConfig) -> None:
 
 
 def _check_env(config: RunConfig) -> None:
-    """The environment class imports, has ``reset`` and ``step``, and takes its settings."""
+    """The environment class imports, has ``reset`` and ``step``, and takes its
+    settings; nothing asks for what episodes lack (partial rollouts, migration)."""
     if config.env is None:
         return
     if not config.env.cls:
@@ -547,6 +548,12 @@ def _check_env(config: RunConfig) -> None:
         raise ConfigError(f"algorithm.sampling.max_new_tokens ({sampling_of(config).max_new_tokens}, a turn's "
                           f"budget) is more than [env] max_tokens ({config.env.max_tokens}, the episode's); "
                           "lower it or raise max_tokens")
+    if config.train.partial_rollout_decode_steps:
+        raise ConfigError("train.partial_rollout_decode_steps: partial rollouts of episodes are planned, not "
+                          "built; set it to 0 with an [env]")
+    if config.train.stream and config.train.migrate not in (0, "auto"):
+        raise ConfigError(f"train.migrate = {config.train.migrate}: long-tail migration of episodes is planned, "
+                          "not built (with an [env], \"auto\" streams without it); set it to 0 or \"auto\"")
 
 
 def _check_demonstrations(config: RunConfig) -> None:

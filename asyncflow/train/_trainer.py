@@ -355,7 +355,9 @@ class Trainer:
         c = self.config
         stream = None
         if c.train.stream:
-            stream = StreamOptions(micro_batch=c.train.stream_micro_batch, migrate=c.train.migrate)
+            # Episodes do not migrate (planned): their environments live on the rank that runs them.
+            migrate = None if c.env is not None else c.train.migrate
+            stream = StreamOptions(micro_batch=c.train.stream_micro_batch, migrate=migrate)
         return await algorithm_in(c).run_step(roles, prompts, c.algorithm, seed=seed, stream=stream,
                                               state=algo_state, more=more, rollout=rollout)
 
