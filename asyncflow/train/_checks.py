@@ -2,7 +2,7 @@
 names the key as the user wrote it (``actor.lr``, ``placement.critic.t``), says what is
 wrong and how to fix it.
 
-:func:`~asyncflow.train._config.validate` uses them for what no section can check
+:func:`~asyncflow.train._validate.validate` uses them for what no section can check
 alone: the layouts against the pools and the model, and the reward functions,
 imported here in the driver so that a bad one fails before Ray starts rather than
 as a worker's start-up error. Numbers and the algorithms' settings are checked by

@@ -1,8 +1,9 @@
 """The sections of a run configuration (``[model]``, ``[data]``, ``[train]``,
-``[actor]``, ``[critic]``, ``[reward]``, ``[cost]``, ``[pools]``, ``[placement]``):
-typed, keyword-only msgspec Structs that check their own values on decode. The
-whole :class:`~asyncflow.train.RunConfig` and the checks across sections live in
-:mod:`asyncflow.train._config`."""
+``[actor]``, ``[critic]``, ``[reward]``, ``[cost]``, ``[pools]``, ``[placement]``,
+``[env]``): typed, keyword-only msgspec Structs that check their own values on
+decode. The whole :class:`~asyncflow.train.RunConfig` lives in
+:mod:`asyncflow.train._config`, the checks across sections in
+:mod:`asyncflow.train._validate`."""
 
 from __future__ import annotations
 
