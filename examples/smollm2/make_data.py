@@ -34,9 +34,8 @@ def row(a: int, b: int) -> dict[str, object]:
 
 
 TOOL_SYSTEM = (
-    "You can use a calculator. To multiply two numbers, write exactly "
-    '<tool_call>{"name": "multiply", "arguments": {"a": 123, "b": 456}}</tool_call> '
-    "with your numbers and wait for the result. Then answer with only the number."
+    'To multiply, call <tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call> '
+    "with your numbers. Then answer with only the number."
 )
 """The tool example's system message: the tool and its call format."""
 
