@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from workers.models import TinyModelConfig, save_tiny_model
 
 ROOT = Path(__file__).parents[2]
@@ -73,3 +75,22 @@ def test_an_entry_point_algorithm_trains_with_asyncflow_train(tmp_path: Path) ->
     bad = _train(config)
     assert bad.returncode == 2
     assert "scal" in bad.stderr and "valid keys there" in bad.stderr and "'scale'" in bad.stderr
+
+
+def test_an_entry_point_algorithm_trains_on_episodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plug-in's step calls ``actor.generate`` as before; with an ``[env]`` its
+    samples are episodes, scored by their reward."""
+    model = save_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=64, intermediate_size=128,
+                                                                num_attention_heads=1, num_key_value_heads=1,
+                                                                head_dim=64, num_hidden_layers=1), seed=0)
+    config = tmp_path / "run.toml"
+    env = '\n[env]\nclass = "support:DigitsEnv"\nsettings = { turns = 2 }\nmax_tokens = 16\n'
+    config.write_text(CONFIG.format(out=tmp_path / "run", model=model) + env)
+    # support.DigitsEnv, for the driver and its workers.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    done = _train(config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "latest" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "group_mean/scale" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["episode/turns"] == 2 and r["episode/done"] == 1 for r in steps)
