@@ -17,10 +17,7 @@ import pytest
 from asyncflow.cli import main
 from asyncflow.train import read_metrics
 from support import wait_for_a_checkpoint
-from workers.models import TinyModelConfig, save_tiny_model
-
-TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
-                       num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
+from tiny_runs import save_model
 
 CONFIG = """
 output_dir = "{out}"
@@ -80,7 +77,7 @@ def _environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
+    return save_model(tmp_path_factory.mktemp("model"))
 
 
 def _config(tmp: Path, model: str, name: str, *, algorithm: str = "grpo", steps: int = 2, staleness: int = 0,
