@@ -29,7 +29,6 @@ from workers.episodes._codec import ObservationCodec
 from workers.episodes._config import MAX_TURNS_LIMIT, EpisodeConfig
 from workers.episodes._env import (
     EnvLoop,
-    EnvProtocolError,
     build_env,
     checked_observation,
     checked_step,
@@ -183,7 +182,7 @@ class EpisodeRun:
             except (TimeoutError, concurrent.futures.TimeoutError):
                 self._failed(episode, "timeout", f"{self._name(call.method)} took more than "
                              f"{self.config.timeout_s:g} s", ended)
-            except (EnvProtocolError, Exception) as e:  # the user's environment: any error
+            except Exception as e:  # the user's environment (EnvProtocolError included): any error
                 self._failed(episode, "error", f"{self._name(call.method)} raised {type(e).__name__}: {e}", ended)
 
     def _name(self, method: str) -> str:
