@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from channels import ConfigError
 from support import probe_with_tcpstore_clients, tcp_listeners
 from workers.host._binding import GLOO_SOCKET_IFNAME, bind_gloo_to_node, gloo_interface_for
-from workers.host._rendezvous import RayStore, RendezvousError, RendezvousTimeoutError, StoreServer
+from workers.host._rendezvous import RayStore, RendezvousError, RendezvousTimeoutError
+from workers.host._store_server import StoreServer
 
 # The rank actors below live in this file, which Ray workers cannot import.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

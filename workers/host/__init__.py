@@ -24,8 +24,8 @@ from workers.host._register import (
     endpoints,
     register,
 )
-from workers.host._rendezvous import StoreServer
 from workers.host._role import Role, WorkerContext, calling, current_call
+from workers.host._store_server import StoreServer
 from workers.host._streaming import (
     Adopt,
     Chunk,

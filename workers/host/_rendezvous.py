@@ -3,7 +3,7 @@
 ``dist.init_process_group(init_method="tcp://...")`` makes one worker host a
 ``TCPStore``: a listener that accepts any unauthenticated client on all interfaces
 for as long as the session runs. Here the key-value store lives in a Ray actor
-(:class:`StoreServer`) and every worker reaches it through :class:`RayStore`, a
+(:class:`~workers.host._store_server.StoreServer`) and every worker reaches it through :class:`RayStore`, a
 ``torch.distributed.Store`` whose operations are Ray actor calls, so the rendezvous
 travels over Ray's own (authenticated) channels and opens no port of its own::
 
@@ -40,7 +40,6 @@ Gloo's own data connections are a separate matter: see :mod:`workers.host._bindi
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -53,7 +52,7 @@ from channels import TransportError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayStore", "RendezvousError", "RendezvousTimeoutError", "StoreServer"]
+__all__ = ["RayStore", "RendezvousError", "RendezvousTimeoutError"]
 
 _RPC_GRACE_S = 30.0
 """Added to a waiting call's own timeout for the Ray round trip: the server's
@@ -71,156 +70,6 @@ class RendezvousError(TransportError, dist.DistStoreError):
 
 class RendezvousTimeoutError(RendezvousError):
     """Keys were not set before the timeout; the message names them and the timeout."""
-
-
-class StoreServer:
-    """The key-value store of one session's rendezvous, run as an async Ray actor.
-
-    Created once per session by the driver with
-    ``ray.remote(StoreServer).options(num_cpus=0, ...)``. Its methods are
-    coroutines, so waiting callers (one per rank in a rendezvous) wait together on
-    the actor's event loop; Ray runs up to ``max_concurrency`` (1000 by default
-    for async actors) at a time, which bounds how many ranks can wait at once.
-
-    Keys are ``str`` and values ``bytes``, as in torch's ``Store``. The semantics
-    are those of ``TCPStore`` (the tests compare the two operation by operation).
-
-    Concurrency contract: ``get``, ``multi_get`` and ``wait`` wait until their
-    keys exist, unblocked by ``set``, ``multi_set``, ``add``, ``append`` or
-    ``compare_set`` creating them, and raise :class:`RendezvousTimeoutError` after
-    ``timeout_s``. Every other method returns at once.
-    """
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        # One event per key somebody waits for, set once the key exists. A deleted
-        # key's event is dropped (it was set), so later waiters get a fresh one.
-        self._arrived: dict[str, asyncio.Event] = {}
-
-    # ----- writes -----
-
-    async def set(self, key: str, value: bytes) -> None:
-        """Store ``value`` under ``key``."""
-        self._store(key, value)
-
-    async def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        """Store each value under its key.
-
-        Raises:
-            ValueError: ``keys`` and ``values`` differ in length.
-        """
-        if len(keys) != len(values):
-            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        for key, value in zip(keys, values, strict=True):
-            self._store(key, value)
-
-    async def append(self, key: str, value: bytes) -> None:
-        """Append ``value`` to the bytes under ``key`` (which it creates if missing)."""
-        self._store(key, self._data.get(key, b"") + value)
-
-    async def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the counter under ``key`` (0 if missing); return the sum.
-
-        The counter is stored as its decimal ASCII bytes, as ``TCPStore`` does, so
-        ``get`` returns e.g. ``b"3"``.
-
-        Raises:
-            RendezvousError: the value under ``key`` is not a decimal integer.
-        """
-        current = self._data.get(key, b"0")
-        try:
-            total = int(current) + amount
-        except ValueError:
-            raise RendezvousError(
-                f"add({key!r}): the value {current[:40]!r} is not a counter; use a key "
-                "that only add() writes"
-            ) from None
-        self._store(key, str(total).encode())
-        return total
-
-    async def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        """Replace the value under ``key`` by ``desired`` if it equals ``expected``.
-
-        ``TCPStore`` semantics: a missing key is created when ``expected`` is empty.
-        Returns ``desired`` when it was stored, otherwise the current value, or
-        ``expected`` itself when the key is missing and ``expected`` is not empty.
-        """
-        current = self._data.get(key)
-        if current is None:
-            if expected:
-                return expected
-        elif current != expected:
-            return current
-        self._store(key, desired)
-        return desired
-
-    async def delete_key(self, key: str) -> bool:
-        """Remove ``key``; return whether it existed."""
-        if self._data.pop(key, None) is None:
-            return False
-        self._arrived.pop(key, None)
-        return True
-
-    # ----- reads -----
-
-    async def get(self, key: str, timeout_s: float) -> bytes:
-        """The value under ``key``, waiting up to ``timeout_s`` for it to be set.
-
-        Raises:
-            RendezvousTimeoutError: ``key`` was not set within ``timeout_s``.
-        """
-        await self._wait_for([key], timeout_s, "get")
-        return self._data[key]
-
-    async def multi_get(self, keys: Sequence[str], timeout_s: float) -> list[bytes]:
-        """The values under ``keys``, waiting up to ``timeout_s`` for all of them.
-
-        Raises:
-            RendezvousTimeoutError: some key was not set within ``timeout_s``.
-        """
-        await self._wait_for(keys, timeout_s, "multi_get")
-        return [self._data[k] for k in keys]
-
-    async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
-        """Return once every key in ``keys`` exists.
-
-        Raises:
-            RendezvousTimeoutError: some key was not set within ``timeout_s``.
-        """
-        await self._wait_for(keys, timeout_s, "wait")
-
-    async def check(self, keys: Sequence[str]) -> bool:
-        """Whether every key in ``keys`` exists (true for no keys)."""
-        return all(k in self._data for k in keys)
-
-    async def num_keys(self) -> int:
-        """How many keys the store holds."""
-        return len(self._data)
-
-    # ----- internals -----
-
-    def _store(self, key: str, value: bytes) -> None:
-        self._data[key] = value
-        event = self._arrived.get(key)
-        if event is not None:
-            event.set()
-
-    async def _wait_for(self, keys: Sequence[str], timeout_s: float, op: str) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                # A woken key can be deleted again before this coroutine runs:
-                # look again rather than trust the event.
-                while missing := [k for k in keys if k not in self._data]:
-                    event = self._arrived.get(missing[0])
-                    if event is None:
-                        event = self._arrived[missing[0]] = asyncio.Event()
-                    await event.wait()
-        except TimeoutError:
-            missing = [k for k in keys if k not in self._data]
-            raise RendezvousTimeoutError(
-                f"{op}: keys {missing} were not set within {timeout_s:g} s (the rendezvous "
-                "timeout); a rank that should have set them is late, gone, or in another session"
-            ) from None
 
 
 class RayStore(dist.Store):
@@ -343,8 +192,11 @@ class RayStore(dist.Store):
         try:
             return ray.get(ref, timeout=deadline)
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, RendezvousError):
-                raise type(e.cause)(str(e.cause)) from None
+            # The server raises built-in errors (see workers.host._store_server).
+            if isinstance(e.cause, TimeoutError):
+                raise RendezvousTimeoutError(str(e.cause)) from None
+            if isinstance(e.cause, ValueError):
+                raise RendezvousError(str(e.cause)) from None
             raise
         except ray.exceptions.GetTimeoutError:
             ray.cancel(ref)
