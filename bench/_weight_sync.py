@@ -113,8 +113,8 @@ async def _pull(model_dir: str, repeats: int) -> tuple[list[float], int]:
 
     train = af.ResourcePool(name="train", devices=1, threads=1)
     gen = af.ResourcePool(name="gen", devices=1, threads=1)
-    # The session starts Ray when none runs and then shuts it down when it closes,
-    # freeing every worker's copy of the model before the next size.
+    # The session's workers end when it closes (and Ray with them, if the session
+    # started it), freeing every worker's copy of the model before the next size.
     async with af.Session() as session:
         roles = await session.spawn({
             "actor": af.RoleSpec(cls=ActorWorker, pool=train, config=ActorConfig(model_dir=model_dir, rollout=None)),

@@ -201,7 +201,6 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
             if ahead is not None and carried_before is not None:
                 tokens = await _generated(roles, trained, carried_before, first=warmup + 2 + ahead.k) * steps
             summary = summarise(session.stop_trace())
-        af.shutdown_ray()
     return {"mode": mode, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / steps, "tokens": tokens,
             "mean_staleness": sum(staleness[warmup:]) / steps if staleness else 0.0,
             "stage_ms": {k: round(1000 * v / steps) for k, v in sorted(summary.stage_busy_s.items())},
@@ -243,9 +242,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     job = AsyncJob(**{k: type(getattr(AsyncJob(), k))(v) for k, v in (item.split("=", 1) for item in args.job)})
     torch.set_num_threads(1)
-    records = {mode: asyncio.run(measure(job, mode, steps=args.steps, warmup=args.warmup, transport=args.transport,
-                                         overlap=args.overlap))
-               for mode in args.modes}
+    af.start_ray(preload=(), keep=True)  # one instance for every mode's session (and the weight sync's)
+    try:
+        _report(args, job, {mode: asyncio.run(measure(job, mode, steps=args.steps, warmup=args.warmup,
+                                                      transport=args.transport, overlap=args.overlap))
+                            for mode in args.modes})
+    finally:
+        af.shutdown_ray()
+
+
+def _report(args: argparse.Namespace, job: AsyncJob, records: dict[str, dict[str, Any]]) -> None:
+    """Print the table; write the JSON (with the weight sync's measurements)."""
     out: dict[str, Any] = {"job": asdict(job) | {"budgets": job.budgets(), "tokens_per_step": job.tokens_per_step},
                            "steps": args.steps, "warmup": args.warmup, "overlap_steps": args.overlap}
     for mode, record in records.items():

@@ -1,7 +1,8 @@
-"""Shared fixtures. Ray-based tests start their own Ray instance per module
-(``ray.init(address="local", ...)``: never one that a cluster started beside them
-names in ``/tmp/ray/ray_current_cluster``), or share one (:func:`shared_ray`), and
-shut it down at the end. Which module runs when, and beside which: scheduling.py."""
+"""Shared fixtures. Ray-based tests share one Ray instance per pytest process
+(:func:`shared_ray`), or start their own (``ray.init(address="local", ...)``: never
+one that a cluster started beside them names in ``/tmp/ray/ray_current_cluster``)
+after :func:`no_shared_ray` and shut it down at the end. Which module runs when, and
+beside which: scheduling.py."""
 
 from __future__ import annotations
 
@@ -60,16 +61,42 @@ def loop_thread():
     lt.close()
 
 
+_shared: dict[str, str] = {}
+"""The shared Ray instance's GCS address while this process runs it."""
+
+
+def _shared_is_up() -> bool:
+    return ray.is_initialized() and _shared.get("gcs") == ray.get_runtime_context().gcs_address
+
+
 @pytest.fixture(scope="module")
 def shared_ray() -> Iterator[None]:
-    """One Ray instance for the module's sessions (``asyncflow.Session``, in-process
-    ``asyncflow train`` runs), which would otherwise each start and stop their own
-    (seconds each). A session that finds Ray running uses it and leaves it running
-    (its ``cpu_slots`` and ``worker_nice`` unused); this one is started as asyncflow
-    starts its own (every listener on loopback, 64 CPU slots, no dashboard), and
-    its workers can import the tests' modules (support's reward functions): the
+    """One Ray instance for the modules that ask for it, kept up from one module to
+    the next in this pytest process (each pytest-xdist worker has its own): a start
+    and a stop cost seconds of both cores each. Their sessions (``asyncflow.Session``,
+    in-process ``asyncflow train`` runs) find it running, use it and leave it
+    running (their ``cpu_slots`` and ``worker_nice`` unused). It starts as asyncflow
+    starts its own (every listener on loopback, 64 CPU slots, no dashboard); its
+    workers' output stays in their log files, not interleaved with what a test
+    reads; and its workers can import the tests' modules (support's reward functions): the
     repository, then tests/, on their path (whatever a run's working directory,
-    tests/channels never shadows the package)."""
+    tests/channels never shadows the package). A module that needs Ray stopped, or
+    a Ray instance of its own settings, asks for :func:`no_shared_ray` first."""
+    if not _shared_is_up():
+        _stop_ray()  # whatever an earlier module left running
+        _start_shared_ray()
+    yield
+
+
+@pytest.fixture(scope="module")
+def no_shared_ray() -> None:
+    """No Ray instance in this process when the module starts: the shared one (see
+    :func:`shared_ray`) is stopped, for a module that starts Ray with its own
+    settings, joins a cluster, or checks that nothing started."""
+    _stop_ray()
+
+
+def _start_shared_ray() -> None:
     tests = Path(__file__).parent
     path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": path}  # the raylet's, so the workers'
@@ -77,15 +104,20 @@ def shared_ray() -> Iterator[None]:
     os.environ.update(env)
     try:
         ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={af.CPU_SLOT: 64},
-                 include_dashboard=False, logging_level=logging.WARNING)
+                 include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     finally:
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    yield
-    af.shutdown_ray()
+    _shared["gcs"] = ray.get_runtime_context().gcs_address
+
+
+def _stop_ray() -> None:
+    _shared.clear()
+    if ray.is_initialized():
+        af.shutdown_ray()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -101,6 +133,8 @@ def _frozen_heap() -> None:
 
 
 def pytest_sessionfinish() -> None:
-    """The heap back in the collector's sight, so that the interpreter's exit frees
-    it as usual (nanobind-based libraries report what is left as leaks)."""
+    """The shared Ray instance stopped, and the heap back in the collector's sight,
+    so that the interpreter's exit frees it as usual (nanobind-based libraries
+    report what is left as leaks)."""
+    _stop_ray()
     gc.unfreeze()

@@ -99,7 +99,8 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
                   cores: int | None = None) -> Profile:
     """Run ``job`` serially under :func:`profile_placements` and fit its costs.
 
-    Each placement gets its own session: a warm-up step of each kind, then
+    Each placement gets its own session (on the Ray instance running, else on one
+    it starts and stops): a warm-up step of each kind, then
     ``steps`` traced batch steps (and ``steps`` streamed ones with ``stream``).
     With ``cores`` (a CPU machine), the first placement then runs ``steps`` more of
     each kind with calls overlapping, and ``Profile.interference`` is fitted to them;
@@ -107,7 +108,7 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
     batch steps, and ``Profile.oversubscription`` is fitted to its calls' time
     against the first placement's (:func:`fit_oversubscription`).
     """
-    from asyncflow.runtime import Session, shutdown_ray
+    from asyncflow.runtime import Session
 
     traces: dict[str, list[Trace]] = {}
     overheads: list[float] = []
@@ -137,7 +138,6 @@ async def profile(job: PlanJob, *, devices: int, stream: bool = True, steps: int
                     for _ in range(steps):
                         await stepper.step(stream=kind)
                     overlapped["stream" if kind else "batch"] = (time.perf_counter() - began) / steps
-        shutdown_ray()
     one = traces["1"]
     over = 0.0
     if cores is not None and "packed" in traces:

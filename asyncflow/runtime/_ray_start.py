@@ -43,7 +43,7 @@ _unclaimed = False  # a start_ray instance no session has taken over yet
 
 
 def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
-              preload: Sequence[str] = HEAVY_MODULES) -> None:
+              preload: Sequence[str] = HEAVY_MODULES, keep: bool = False) -> None:
     """Start a local Ray instance now, importing ``preload`` meanwhile.
 
     Call it at the top of a script, before its heavy imports (which then find
@@ -57,6 +57,10 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
         cpu_slots: CPU device slots of the instance (``Session(cpu_slots=...)``).
         worker_nice: niceness of its worker processes (``Session(worker_nice=...)``).
         preload: modules to import while Ray starts.
+        keep: the instance outlives the sessions: each uses it and leaves it
+            running (for a script that runs several sessions one after the
+            other, which would otherwise start Ray for each, seconds every
+            time); :func:`~asyncflow.shutdown_ray` stops it.
     """
     global _unclaimed
     with _lock:
@@ -67,7 +71,7 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
         importer.start()
         try:
             init_ray(None, cpu_slots, worker_nice)
-            _unclaimed = True
+            _unclaimed = not keep
         finally:
             importer.join()  # no import half done when the script's own imports run
 

@@ -29,7 +29,7 @@ from asyncflow.train import read_metrics
 from process_tree import clean_env
 from tiny_runs import grpo_toml, save_model
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("no_shared_ray")]  # it joins clusters
 
 LABEL = "asyncflow-test"
 

@@ -152,7 +152,7 @@ def _restore_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+def nothing_starts(monkeypatch: pytest.MonkeyPatch, no_shared_ray: None) -> None:
     """Fail the test if the run gets as far as the trainer (SFT, Ray) or Ray itself."""
 
     def refuse(*args: object, **kwargs: object) -> None:

@@ -16,7 +16,6 @@ import signal
 import time
 
 import pytest
-import ray
 import torch
 
 import asyncflow as af
@@ -38,9 +37,8 @@ TIMINGS: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     model = str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session(collective_timeout_s=120)
     # One sequence per decode batch: 128 sequences per rank take seconds.
     slow_rollout = NativeRolloutConfig(max_batch_size=1)
@@ -58,7 +56,6 @@ def env(loop_thread, tmp_path_factory):
     problems = list(generate_splits(ArithmeticTaskConfig(train_size=64, eval_size=2)).train)
     yield loop_thread, session, roles, tok, problems
     loop_thread.run(session.close(), timeout=HANG_GUARD_S)
-    af.shutdown_ray()
     report = os.environ.get("ASYNCFLOW_FAULT_REPORT")
     if report:
         with open(report, "w") as f:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 
 import pytest
-import ray
 import torch
 
 import asyncflow as af
@@ -20,13 +19,11 @@ W = 4
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread):
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
+def env(loop_thread, shared_ray):
     session = af.Session()
     roles = loop_thread.run(_start(session))
     yield loop_thread, session, roles
     loop_thread.run(session.close())
-    af.shutdown_ray()
 
 
 async def _start(session: af.Session) -> af.Roles:

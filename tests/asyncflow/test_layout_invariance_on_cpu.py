@@ -32,6 +32,8 @@ from workers.roles import (
     UpdateConfig,
 )
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=1,

@@ -18,7 +18,7 @@ import pytest
 from process_tree import WatchedRun, clean_env, is_loopback
 from tiny_runs import grpo_toml, save_model
 
-pytestmark = pytest.mark.timeout(280)
+pytestmark = [pytest.mark.timeout(280), pytest.mark.usefixtures("no_shared_ray")]
 
 SIDE_POOL = '[placement]\nactor = { pool = "main" }\nreward = { pool = "side" }\n'
 

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
 from asyncflow.plan import Placement, oversubscribed, predict, profile, profile_placements
 from support import Sleeper
+
+pytestmark = pytest.mark.usefixtures("shared_ray")
 
 SLEEP_S = 0.2
 

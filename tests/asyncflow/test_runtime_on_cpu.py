@@ -36,7 +36,7 @@ C3 = ResourcePool(name="c3", devices=3)
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread):
+def env(loop_thread, no_shared_ray):
     # The dashboard serves ray.util.state, which the object-store check reads.
     ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=True, log_to_driver=False)
     session = af.Session()

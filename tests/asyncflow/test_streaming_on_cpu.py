@@ -35,9 +35,8 @@ LONG = SamplingParams(max_new_tokens=64, temperature=1.0, seed=11, ignore_eos=Tr
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     model = str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session(collective_timeout_s=120)
     roles = loop_thread.run(_start(session, {
         "actor": RoleSpec(cls=ActorWorker, pool=GEN, config=ActorConfig(model_dir=model)),
@@ -52,7 +51,6 @@ def env(loop_thread, tmp_path_factory):
     problems = list(generate_splits(ArithmeticTaskConfig(train_size=48, eval_size=2)).train)
     yield loop_thread, session, roles, prompt_batch(problems[:24], tok)
     loop_thread.run(session.close(), timeout=HANG_GUARD_S)
-    af.shutdown_ray()
 
 
 async def _start(session: af.Session, specs):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import ray
 import torch
 
 pytest.importorskip("vllm")
@@ -30,9 +29,8 @@ HANG_GUARD_S = 240
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     model = str(save_tiny_model(tmp_path_factory.mktemp("model"), TINY, seed=0))
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=False, log_to_driver=False)
     session = af.Session(collective_timeout_s=240)
     # Two sequences at a time: generation lasts long enough for the tail to migrate.
     rollout = VLLMRolloutConfig(kv_cache_bytes=64 << 20, max_num_seqs=2)
@@ -43,7 +41,6 @@ def env(loop_thread, tmp_path_factory):
     problems = list(generate_splits(ArithmeticTaskConfig(train_size=32, eval_size=2)).train)
     yield loop_thread, session, roles, prompt_batch(problems[:16], tok)
     loop_thread.run(session.close(), timeout=HANG_GUARD_S)
-    af.shutdown_ray()
 
 
 async def _start(session: af.Session, specs):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
 from asyncflow.tracing import check_spans, summarise, write_chrome_trace, write_timeline_png
 from support import Consumer, Producer, Sleeper
+
+pytestmark = pytest.mark.usefixtures("shared_ray")
 
 P2 = ResourcePool(name="p2", devices=2)
 C1 = ResourcePool(name="c1", devices=1)

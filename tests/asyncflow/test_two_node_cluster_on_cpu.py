@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from ray.cluster_utils import Cluster
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
 from support import Consumer, Producer, Sleeper, expected_x
+
+pytestmark = pytest.mark.usefixtures("no_shared_ray")  # it joins a cluster
 
 
 def test_pools_on_two_nodes_exchange_rows() -> None:

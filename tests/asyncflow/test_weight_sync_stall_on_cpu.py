@@ -28,6 +28,8 @@ from asyncflow.train._ahead import SamplesAhead
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker, RolloutWorker, RolloutWorkerConfig
 
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 MODEL = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
                         head_dim=32, num_hidden_layers=1)
 TIMEOUT_S = 5.0

@@ -15,6 +15,8 @@ from asyncflow.runtime._pool import worker_threads
 from channels import ConfigError
 from support import Sleeper
 
+pytestmark = pytest.mark.usefixtures("no_shared_ray")  # its sessions start Ray with their settings
+
 
 def test_default_threads_split_the_cores_and_follow_omp_num_threads() -> None:
     pool = af.ResourcePool(name="p", devices=2)
@@ -68,3 +70,24 @@ def test_a_session_takes_over_the_ray_instance_start_ray_started() -> None:
     finally:
         af.shutdown_ray()
     assert got == [{"nice": 5, "threads": 2}]
+
+
+def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
+    af.shutdown_ray()
+    af.start_ray(worker_nice=6, preload=(), keep=True)
+    gcs = ray.get_runtime_context().gcs_address
+
+    async def main() -> list[dict[str, int]]:
+        async with af.Session(worker_nice=0) as session:
+            roles = await session.spawn({"one": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="one", devices=1,
+                                                                                              threads=1))})
+            return await roles.one.process_settings()
+
+    try:
+        first = asyncio.run(asyncio.wait_for(main(), timeout=300))
+        assert ray.is_initialized() and ray.get_runtime_context().gcs_address == gcs, "the session left it running"
+        second = asyncio.run(asyncio.wait_for(main(), timeout=300))
+        assert ray.get_runtime_context().gcs_address == gcs
+    finally:
+        af.shutdown_ray()
+    assert first == second == [{"nice": 6, "threads": 1}], "the kept instance's settings, not the sessions'"

@@ -96,19 +96,12 @@ class Rank:
 
 
 @pytest.fixture(scope="module")
-def ray_env() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(ray_env: None) -> Any:
+def server(shared_ray: None) -> Any:
     return ray.remote(StoreServer).options(num_cpus=0).remote()
 
 
 @pytest.fixture(scope="module")
-def group(ray_env: None) -> Iterator[dict[str, Any]]:
+def group(shared_ray: None) -> Iterator[dict[str, Any]]:
     """Three ranks in a gloo group, with their listeners from before they joined it."""
     ranks = [Rank.remote() for _ in range(WORLD)]
     pids = ray.get([r.pid.remote() for r in ranks])
@@ -299,7 +292,7 @@ def test_add_to_text_value_fails_naming_key(ray_store: RayStore) -> None:
     ray_store.delete_key("text")
 
 
-def test_dead_store_actor_is_a_store_error(ray_env: None) -> None:
+def test_dead_store_actor_is_a_store_error(shared_ray: None) -> None:
     doomed = ray.remote(StoreServer).options(num_cpus=0).remote()
     store = RayStore(doomed, timedelta(seconds=10))
     store.set("k", b"v")

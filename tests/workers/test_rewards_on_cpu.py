@@ -28,16 +28,14 @@ def by_difficulty(prompts, completions, difficulty, solution, **columns):
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     tokenizer_dir = str(TOK.save_pretrained(tmp_path_factory.mktemp("tok")))
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 4}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
     rule = RuleRewardConfig(tokenizer_dir=tokenizer_dir, fn=[by_difficulty, "workers.rewards:exact_match"],
                             weights=[0.5, 2.0])
     roles = loop_thread.run(_start(session, rule))
     yield loop_thread, session, roles
     loop_thread.run(session.close())
-    af.shutdown_ray()
 
 
 async def _start(session: af.Session, rule: RuleRewardConfig) -> af.Roles:

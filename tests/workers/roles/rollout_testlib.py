@@ -42,9 +42,9 @@ def alternating_advantages(batch):
 @contextlib.contextmanager
 def actor_and_rollout(loop_thread: Any, model_dir: str, *, gen: ResourcePool,
                       rollout_layout: Layout | None = None) -> Iterator[tuple[af.Session, af.Roles]]:
-    """A Ray session with ``actor`` (t = 2 on :data:`POLICY`) and ``rollout`` (on
-    ``gen``, laid out as ``rollout_layout``), closed and Ray shut down on exit."""
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
+    """A session with ``actor`` (t = 2 on :data:`POLICY`) and ``rollout`` (on
+    ``gen``, laid out as ``rollout_layout``) on the Ray instance running (the
+    caller's ``shared_ray``), closed on exit."""
     session = af.Session()
 
     async def start() -> af.Roles:
@@ -61,7 +61,6 @@ def actor_and_rollout(loop_thread: Any, model_dir: str, *, gen: ResourcePool,
         yield session, loop_thread.run(start())
     finally:
         loop_thread.run(session.close())
-        af.shutdown_ray()
 
 
 async def updated_and_planned(session: af.Session, roles: af.Roles) -> tuple[af.DataFuture[Any], WeightSync]:

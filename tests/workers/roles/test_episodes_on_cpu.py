@@ -61,9 +61,8 @@ class Scripted:
 
 
 @pytest.fixture(scope="module")
-def setup(loop_thread: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def setup(loop_thread: Any, tmp_path_factory: pytest.TempPathFactory, shared_ray: None) -> Any:
     model_dir = str(save_tiny_hf_llama(tmp_path_factory.mktemp("policy"), seed=0))
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
     episodes = EpisodeConfig(env=Scripted, max_turns=3, max_tokens=160, timeout_s=2.0)
     specs = {
@@ -81,7 +80,6 @@ def setup(loop_thread: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     roles = loop_thread.run(start())
     yield loop_thread, session, roles, load_prompt_tokenizer(model_dir)
     loop_thread.run(session.close())
-    af.shutdown_ray()
 
 
 def _prompts(tokenizer: Any, uids: list[int]) -> dict[str, torch.Tensor]:

@@ -51,14 +51,12 @@ def fixed_advantages(batch):
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("policy"), TINY, seed=0))
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
     roles = loop_thread.run(_start(session, model_dir))
     yield loop_thread, session, roles, model_dir, tmp_path_factory.mktemp("export")
     loop_thread.run(session.close())
-    af.shutdown_ray()
 
 
 async def _start(session: af.Session, model_dir: str) -> af.Roles:

@@ -48,14 +48,12 @@ def fails_on_42(prompts: list[str], responses: list[str], answers: list[str]) ->
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("policy"), TINY, seed=0))
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
     session = af.Session()
     roles = loop_thread.run(_start(session, model_dir))
     yield loop_thread, session, roles, tmp_path_factory.mktemp("ckpt")
     loop_thread.run(session.close())
-    af.shutdown_ray()
 
 
 async def _start(session: af.Session, model_dir: str) -> af.Roles:

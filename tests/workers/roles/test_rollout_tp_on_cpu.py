@@ -30,7 +30,7 @@ SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("policy"), MODEL, seed=0))
     with actor_and_rollout(loop_thread, model_dir, gen=GEN, rollout_layout=Layout(t=2)) as (session, roles):
         yield loop_thread, session, roles, model_dir

@@ -26,7 +26,7 @@ GEN = ResourcePool(name="gen", devices=1)
 
 
 @pytest.fixture(scope="module")
-def env(loop_thread, tmp_path_factory):
+def env(loop_thread, tmp_path_factory, shared_ray):
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("policy"), MODEL, seed=0))
     with actor_and_rollout(loop_thread, model_dir, gen=GEN) as (session, roles):
         yield loop_thread, session, roles, model_dir

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ray
 import torch
 
 import asyncflow as af
@@ -68,15 +67,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_model(tmp_path_factory.mktemp("policy"), MODEL, seed=0))
 
 
-@pytest.fixture(scope="module")
-def ray_instance() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 8}, include_dashboard=False, log_to_driver=False)
-    yield
-    af.shutdown_ray()
-
-
 @pytest.fixture
-def env(loop_thread: LoopThread, ray_instance: None, model_dir: str) -> Iterator[tuple[LoopThread, Any, Any]]:
+def env(loop_thread: LoopThread, shared_ray: None, model_dir: str) -> Iterator[tuple[LoopThread, Any, Any]]:
     session = af.Session()
 
     async def start() -> Any:
