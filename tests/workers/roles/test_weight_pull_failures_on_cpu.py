@@ -61,6 +61,10 @@ RDT_ABORT = pytest.mark.xfail(strict=True, reason=(
     "reconnectable gloo groups"))
 """A known failure of the transport, kept running so that its fix shows."""
 
+RDT_ABORT_RACE = pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
+    "as RDT_ABORT; which of the two deaths is reported first is a race, which the actor's "
+    "sometimes wins (then the test passes); a hang or any other error still fails it"))
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -134,7 +138,7 @@ def test_a_rollout_rank_killed_mid_pull_is_named(env) -> None:
     assert elapsed < DEADLINE_S
 
 
-@RDT_ABORT
+@RDT_ABORT_RACE
 def test_an_actor_rank_killed_while_the_rollout_pulls_from_it_is_named(env) -> None:
     lt, session, roles = env
 
