@@ -42,6 +42,7 @@ from workers.engines._heads import CausalLMHead, ModelHead
 from workers.engines._memory import MemoryFootprint, measure_memory
 from workers.engines._micro_batches import (
     StepStats,
+    agreed_plan,
     collect_outputs,
     micro_batch,
     pad_outputs,
@@ -196,14 +197,15 @@ class TrainingEngine:
         self._require_resident("log_probs/values", optimizer=False)
         rows = check_batch(batch)
         batch = self._to_device(batch)
-        self._check_positions(batch)
+        plan = agreed_plan(self._planner, token_counts(batch), self.parallel)
+        self._check_positions(plan.longest)
         shape = (rows, batch["response_ids"].shape[1])
         results: dict[str, Tensor] = {}
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                for rows_idx in self._plan(batch):
+                for rows_idx in plan.micro_batches:
                     micro, dummy = micro_batch(batch, rows_idx)
                     with self._precision.context():
                         outputs = head(self.model, build_inputs(micro), entropy_grad=False)
@@ -248,11 +250,13 @@ class TrainingEngine:
             )
         check_batch(batch, loss_fn.required_fields)
         batch = self._to_device(batch)
-        self._check_positions(batch)
         aggregation = loss_fn.loss_agg or self.config.loss_aggregation
         mask = batch["response_mask"].to(torch.float32)
-        local_normaliser = aggregation.parts(mask, mask)[1].to(torch.float64).reshape(1)
-        normaliser = float(self.parallel.all_reduce_dp(local_normaliser).clamp(min=1.0))
+        # One collective agrees on the micro-batch count, sums the loss normaliser and
+        # finds the longest row.
+        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, aggregation.parts(mask, mask)[1])
+        self._check_positions(plan.longest)
+        normaliser = max(plan.total, 1.0)
         # FSDP averages gradients over DP ranks; scaling by dp_size turns that into the
         # sum of the ranks' parts of one global mean.
         scale = self.parallel.dp_size / normaliser
@@ -260,7 +264,7 @@ class TrainingEngine:
         self.model.train()
         optimizer.zero_grad(set_to_none=True)
         stats = StepStats(self.device)
-        for rows_idx in self._plan(batch):
+        for rows_idx in plan.micro_batches:
             micro, dummy = micro_batch(batch, rows_idx)
             # Only the forward runs under the precision context (autocast's rule: the
             # backward follows the forward's dtypes); the objective computes in float32.
@@ -355,25 +359,17 @@ class TrainingEngine:
         limit = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
-    def _check_positions(self, batch: Mapping[str, Tensor]) -> None:
-        # Collective (max over DP) so that every rank raises, or none does: a rank that
-        # raised alone would leave its peers waiting in the next collective.
+    def _check_positions(self, longest: int) -> None:
+        """Raise if the longest row over the data-parallel ranks (agreed on with the
+        plan) outgrows the model's positions: every rank raises, or none does (a rank
+        that raised alone would leave its peers waiting in the next collective)."""
         limit = self._position_limit()
-        if limit is None:
-            return
-        tokens = token_counts(batch)
-        longest = self.parallel.max_over_dp(int(tokens.max()) if tokens.numel() else 0, self.device)
-        if longest > limit:
+        if limit is not None and longest > limit:
             raise EngineConfigError(
                 f"a row has {longest} prompt + response tokens, but the model's "
                 f"max_position_embeddings is {limit}; shorten the prompts or lower "
                 "max_new_tokens so that prompt + response fits"
             )
-
-    def _plan(self, batch: Mapping[str, Tensor]) -> list[Tensor]:
-        return self._planner.plan(
-            token_counts(batch), agree=lambda n: self.parallel.max_over_dp(n, self.device)
-        )
 
     # --------------------------------------------------------- checkpoints, weights
 

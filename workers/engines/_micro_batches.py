@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from workers.engines._batch import dummy_row, pad_columns, select_rows
+from workers.engines._batch import MicroBatchPlanner, dummy_row, pad_columns, select_rows
 from workers.engines._parallel import Parallelism
 from workers.objectives import ModelOutputs
 
@@ -106,3 +106,42 @@ class StepStats:
         packed = torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
         loss, tokens, *sums = parallel.all_reduce_dp(packed).tolist()
         return {"loss": loss} | {n: s / max(tokens, 1.0) for n, s in zip(names, sums, strict=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreedPlan:
+    """A step's micro-batches and what the data-parallel ranks agreed on with them."""
+
+    micro_batches: list[Tensor]
+    """This rank's rows of each micro-batch (as many micro-batches on every rank)."""
+    total: float
+    """The ranks' ``local_sum`` summed (e.g. the loss normaliser)."""
+    longest: int
+    """The longest row's tokens over the ranks (prompt and response)."""
+
+
+def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelism,
+                local_sum: Tensor | None = None) -> AgreedPlan:
+    """The planner's micro-batches, their count agreed over the data-parallel ranks
+    together with ``local_sum``'s sum and the longest row, in one collective
+    (:meth:`Parallelism.sums_and_maxes_over_dp`).
+
+    Args:
+        planner: the engine's micro-batch planner.
+        tokens: this rank's token count per row.
+        parallel: the engine's parallelism (its data-parallel group).
+        local_sum: this rank's addend (a scalar); None: nothing to sum.
+    """
+    addend = (local_sum if local_sum is not None else torch.zeros(())).to(torch.float64).reshape(1)
+    longest = float(tokens.max()) if tokens.numel() else 0.0
+    agreed: list[tuple[Tensor, Tensor]] = []
+
+    def agree(count: int) -> int:
+        agreed.append(parallel.sums_and_maxes_over_dp(addend, addend.new_tensor([float(count), longest])))
+        return int(agreed[-1][1][0])
+
+    plan = planner.plan(tokens, agree=agree)
+    if not agreed:  # a planner that needed no agreement
+        agree(1)
+    sums, maxes = agreed[0]
+    return AgreedPlan(micro_batches=plan, total=float(sums[0]), longest=int(maxes[1]))

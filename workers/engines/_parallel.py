@@ -278,18 +278,29 @@ class Parallelism:
             dist.all_reduce(tensor, op=op, group=self._dp_group)
         return tensor
 
-    def max_over_dp(self, value: int, device: torch.device) -> int:
-        """The largest ``value`` over the data-parallel ranks.
+    def sums_and_maxes_over_dp(self, sums: Tensor, maxes: Tensor) -> tuple[Tensor, Tensor]:
+        """``sums`` summed and ``maxes`` maximised over the data-parallel ranks, in one
+        collective: each rank writes its values into its own row of a zeroed
+        ``[dp_size, n]`` float64 table, one all-reduce (sum) gives every rank the whole
+        table, and the rows are then summed and maximised locally, in rank order, so
+        every rank gets the same bits.
 
         Args:
-            value: this rank's value.
-            device: where the communication tensor lives.
+            sums: 1-D, this rank's addends (on this rank's device).
+            maxes: 1-D, this rank's candidates for the maxima (``-inf`` for none).
 
         Returns:
-            The maximum.
+            ``(sums, maxes)`` over the group, float64; the inputs as float64 without DP.
         """
-        holder = torch.tensor([value], dtype=torch.int64, device=device)
-        return int(self.all_reduce_dp(holder, dist.ReduceOp.MAX).item())
+        sums, maxes = sums.to(torch.float64), maxes.to(torch.float64)
+        if self._dp_group is None:
+            return sums, maxes
+        width = sums.numel()
+        table = torch.zeros(self.dp_size, width + maxes.numel(), dtype=torch.float64, device=sums.device)
+        table[self.dp_rank, :width] = sums
+        table[self.dp_rank, width:] = maxes
+        dist.all_reduce(table, group=self._dp_group)
+        return table[:, :width].sum(0), table[:, width:].amax(0)
 
     def counts_over_dp(self, value: int, device: torch.device) -> list[int]:
         """Every data-parallel rank's ``value``, in data-parallel rank order.

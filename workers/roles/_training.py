@@ -134,9 +134,7 @@ def dp_token_stats(engine: TrainingEngine, values: Mapping[str, Tensor],
         sums[i + 1] = picked.sum()
         if picked.numel():
             maxes[i] = picked.max()
-    parallel = engine.parallel
-    sums = parallel.all_reduce_dp(sums).cpu()
-    maxes = parallel.all_reduce_dp(maxes, dist.ReduceOp.MAX).cpu()
+    sums, maxes = (t.cpu() for t in engine.parallel.sums_and_maxes_over_dp(sums, maxes))
     count = float(sums[0])
     if count == 0:
         return {}

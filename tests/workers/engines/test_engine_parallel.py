@@ -7,11 +7,16 @@ that spawn can pickle them) and once in the test process; the results must agree
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from engines_testlib import (
     TinyValueModel,
     full_weights,
@@ -84,6 +89,23 @@ def _mesh_pp2():
     return init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
 
 
+@contextlib.contextmanager
+def _counted(module: Any, name: str) -> Iterator[list[object]]:
+    """Record each call of ``module.name`` (which still runs) while the block runs."""
+    calls: list[object] = []
+    real = getattr(module, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    setattr(module, name, counting)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
+
+
 def _fsdp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     rows = FSDP_ROWS[rank]
     batch = {k: v[rows] for k, v in make_batch().items()}
@@ -94,7 +116,11 @@ def _fsdp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     assert engine.parallel.replicated == (data_parallel == "replicate")
     result = _lm_run(engine, batch, steps=1)
     engine.save(out / "ckpt")
-    result["metrics"].append(engine.train_step(batch))
+    with _counted(dist, "all_reduce") as all_reduces:
+        result["metrics"].append(engine.train_step(batch))
+    result["all_reduces"] = len(all_reduces)
+    result["sums_and_maxes"] = engine.parallel.sums_and_maxes_over_dp(
+        torch.tensor([rank + 1.0, 0.25]), torch.tensor([float(rank), -math.inf]))
     result["weights"] = full_weights(engine)
     engine.export_hf(out / "hf")
 
@@ -176,6 +202,12 @@ def test_data_parallel_step_and_checkpoint_equal_single_process(tmp_path: Path, 
         for got_m, exp_m in zip(got["metrics"], expected["metrics"], strict=True):
             _assert_metrics_close(got_m, exp_m)
         _assert_weights_close(got["weights"], expected["weights"])
+        # One all-reduce agrees on the micro-batch count and sums the loss normaliser,
+        # one sums the metrics; a replicated model's gradients take a third (FSDP2
+        # reduce-scatters sharded ones without torch.distributed.all_reduce).
+        assert got["all_reduces"] == (3 if data_parallel == "replicate" else 2)
+        sums, maxes = got["sums_and_maxes"]
+        assert sums.tolist() == [3.0, 0.5] and maxes.tolist() == [1.0, -math.inf]
         # Resuming from the checkpoint replays the second step exactly.
         assert got["resumed_metrics"]["loss"] == got["metrics"][1]["loss"]
         assert got["resumed_metrics"]["grad_norm"] == got["metrics"][1]["grad_norm"]
