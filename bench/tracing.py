@@ -8,7 +8,11 @@ Run as ``python -m bench.tracing --json PATH``.
 - ``call_off_us`` / ``call_on_us``: a no-op call's round trip on Ray (one rank,
   awaited one after another), tracing off and on, alternating in one session
   (medians of ``--repeats`` batches of ``--calls`` calls); ``on_overhead_us`` is
-  their difference.
+  their difference;
+- ``ray_call_us``: Ray's own actor round trip in the same run, the floor under
+  ``call_off_us``: a no-op method of a plain Ray actor, awaited one call after
+  another from the same event loop, in batches alternating with the others;
+  ``call_off_over_ray`` is the ratio.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 import timeit
 from pathlib import Path
 from typing import Any
+
+import ray
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
@@ -49,26 +55,40 @@ def off_hooks_us(n: int = 1_000_000) -> float:
     return timeit.timeit(hooks, number=n) / n * 1e6
 
 
+class Plain:
+    """A plain Ray actor: what a call costs Ray alone."""
+
+    def noop(self) -> None:
+        """Nothing."""
+
+
 async def calls_us(*, calls: int, repeats: int) -> dict[str, Any]:
-    """No-op call round trips with tracing off and on, in one session."""
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    """No-op call round trips with tracing off and on, and Ray's own, in one session."""
+    times: dict[str, list[float]] = {"off": [], "on": [], "ray": []}
     async with af.Session() as session:
         roles = await session.spawn({"burner": RoleSpec(cls=Burner, pool=ResourcePool(name="p", devices=1))})
+        plain: Any = ray.remote(Plain).options(num_cpus=0).remote()  # type: ignore[attr-defined]
         for _ in range(20):
             await roles.burner.compute(0)
+            await plain.noop.remote()
         for _ in range(repeats):
-            for mode in ("off", "on"):
+            for mode in ("off", "on", "ray"):
                 if mode == "on":
                     await session.start_trace()
                 start = time.perf_counter()
                 for _ in range(calls):
-                    await roles.burner.compute(0)
+                    if mode == "ray":
+                        await plain.noop.remote()
+                    else:
+                        await roles.burner.compute(0)
                 times[mode].append((time.perf_counter() - start) / calls * 1e6)
                 if mode == "on":
                     session.stop_trace()
+        ray.kill(plain)
     af.shutdown_ray()
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    return {"call_off_us": off, "call_on_us": on, "on_overhead_us": on - off, "runs_us": times}
+    off, on, bare = (statistics.median(times[m]) for m in ("off", "on", "ray"))
+    return {"call_off_us": off, "call_on_us": on, "on_overhead_us": on - off, "ray_call_us": bare,
+            "call_off_over_ray": off / bare, "runs_us": times}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,8 +4,12 @@ Every shard a call produced is held by :class:`Lease` objects (one per future's
 metadata naming it). When the last lease goes, its finaliser runs, possibly in a
 garbage-collection pass on any thread, even inside code that holds a lock; so the
 finaliser only enqueues ``(worker, key)`` on a ``SimpleQueue`` (reentrant, no lock
-of ours) and asks the event loop to flush. The loop then sends one ``free`` per
-worker. Nothing else runs in a finaliser.
+of ours) and asks the event loop to flush. Nothing else runs in a finaliser.
+
+A free costs a round trip to the worker, as much as the call that made the shard.
+So the keys wait up to :data:`FREE_DELAY_S` for the next call to their worker,
+which takes them along (:meth:`ShardLedger.take`, the ``free`` argument of the
+transport's ``execute``); what no call took by then goes in one ``free`` per worker.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 Free = Callable[[int, Sequence[str]], Awaitable[Any]]
 """Frees shards ``keys`` on worker ``worker``."""
+
+FREE_DELAY_S = 0.02
+"""How long released keys wait for a call to their worker to take them along."""
 
 
 class Lease:
@@ -47,6 +54,7 @@ class ShardLedger:
         self._scheduled = False
         self._closed = False
         self._pending: set[asyncio.Future[Any]] = set()
+        self._waiting: dict[int, list[str]] = {}  # released, drained from the queue, not yet sent
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Free on ``loop`` (the session's event loop)."""
@@ -64,9 +72,15 @@ class ShardLedger:
             return
         self._scheduled = True
         try:
-            self._loop.call_soon_threadsafe(self._flush)
+            self._loop.call_soon_threadsafe(self._arm)
         except RuntimeError:  # the loop is closed: nothing left to free on
             pass
+
+    def take(self, worker: int) -> list[str]:
+        """The keys of ``worker`` released and not yet sent: the caller frees them
+        with its next message to that worker (from the loop's thread)."""
+        self._collect()
+        return self._waiting.pop(worker, [])
 
     def release_now(self, shards: Iterable[tuple[int, str | None]]) -> None:
         """Free shards no future will ever name (from the loop's thread)."""
@@ -74,19 +88,26 @@ class ShardLedger:
             if key is not None:
                 self.release(worker, key)
 
+    def _arm(self) -> None:
+        assert self._loop is not None
+        self._loop.call_later(FREE_DELAY_S, self._flush)
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                worker, key = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._waiting.setdefault(worker, []).append(key)
+
     def _flush(self) -> None:
         # Clear the flag before draining: a release that lands after the drain
         # started then schedules another flush instead of being missed.
         self._scheduled = False
         if self._closed:
             return
-        by_worker: dict[int, list[str]] = {}
-        while True:
-            try:
-                worker, key = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            by_worker.setdefault(worker, []).append(key)
+        self._collect()
+        by_worker, self._waiting = self._waiting, {}
         for worker, keys in by_worker.items():
             fut = asyncio.ensure_future(self._free(worker, keys))
             self._pending.add(fut)

@@ -74,10 +74,10 @@ class LocalTransport:
         return self.workers[p.worker].slice(p.key, p.lo, p.hi, p.fields)
 
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
-                      pieces: Sequence[Piece]) -> RankResult:
+                      pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
         def run() -> RankResult:
             fetched = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
-            return self.workers[worker].execute(spec, kwargs, transforms, *fetched)
+            return self.workers[worker].execute(spec, kwargs, transforms, *fetched, free=free)
         return await self._compute_on(worker, "execute", run)
 
     async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:

@@ -274,7 +274,9 @@ class Runtime:
     # ----- shard lifetime -----
 
     async def drain(self) -> None:
-        """Wait until every shard released so far is freed on its worker."""
+        """Wait until every shard released so far is freed on its worker (calls
+        that already returned finish their bookkeeping first, which may release more)."""
+        await asyncio.sleep(0)
         if self._ledger is not None:
             await self._ledger.drain()
 

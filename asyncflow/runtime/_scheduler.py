@@ -57,7 +57,7 @@ from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._streamcall import StreamedCall
 from asyncflow.runtime._tracer import Tracer
 from asyncflow.runtime._transport import Transport, WorkerGone
-from channels import Layout, MissingFieldError, Piece, plan_pull
+from channels import Layout, MissingFieldError, Piece, RankResult, plan_pull
 from workers import CallSpec, DataArg, StreamSpec
 
 logger = logging.getLogger(__name__)
@@ -355,6 +355,18 @@ class Scheduler:
 
     # ----- running one call -----
 
+    async def execute(self, worker: int, spec: bytes, kwargs: Any, transforms: Any,
+                      pieces: Sequence[Piece]) -> RankResult:
+        """One rank's part of a call, taking along the frees waiting for ``worker``;
+        if the part fails or is cancelled, they are released again (a free of a key
+        already gone is a no-op), so no shard is left behind."""
+        free = self.ledger.take(worker)
+        try:
+            return await self.transport.execute(worker, spec, kwargs, transforms, pieces, free=free)
+        except BaseException:
+            self.ledger.release_now((worker, key) for key in free)
+            raise
+
     async def _run(self, pool: PoolState, call: Call, lanes: list[int]) -> None:
         held = set(lanes)
 
@@ -384,7 +396,7 @@ class Scheduler:
                 await run.finish()
                 return
             started = time.monotonic()
-            tasks = [asyncio.ensure_future(self.transport.execute(w, spec, call.kwargs, transforms, pieces))
+            tasks = [asyncio.ensure_future(self.execute(w, spec, call.kwargs, transforms, pieces))
                      for w, (spec, pieces) in zip(workers, specs, strict=True)]
             await self.completion.await_ranks(pool, call, tasks, assignment, lanes, None, None)
             if call.rank_local:

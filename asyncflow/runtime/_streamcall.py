@@ -57,6 +57,11 @@ class Host(Protocol):
         """Run ``coro`` as a task the scheduler owns."""
         ...
 
+    async def execute(self, worker: int, spec: bytes, kwargs: Any, transforms: Any,
+                      pieces: Sequence[Piece]) -> RankResult:
+        """One rank's part of a call (with the frees waiting for ``worker``)."""
+        ...
+
 
 class StreamedCall:
     """The driver's side of one streamed call (see the module docstring)."""
@@ -91,7 +96,7 @@ class StreamedCall:
                                            for w in self._workers))
         for i, r in enumerate(receivers):
             self._pumps.append(self._sched.task(self._pump(i, r), f"asyncflow-stream-{self._call.label}-{i}"))
-        return [asyncio.ensure_future(t.execute(w, spec, self._call.kwargs, transforms, pieces))
+        return [asyncio.ensure_future(self._sched.execute(w, spec, self._call.kwargs, transforms, pieces))
                 for w, (spec, pieces) in zip(self._workers, specs, strict=True)]
 
     def rank_returned(self, i: int, result: RankResult) -> None:

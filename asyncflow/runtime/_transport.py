@@ -45,9 +45,10 @@ class Transport(Protocol):
     """What the scheduler needs from the workers (see the module docstring)."""
 
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
-                      pieces: Sequence[Piece]) -> RankResult:
+                      pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
         """Run one rank's part of a call; ``pieces`` not held by ``worker`` are
-        pulled straight from their producers.
+        pulled straight from their producers. ``free``: shards of ``worker`` that no
+        future names any more, dropped first (a ``free`` without a round trip of its own).
 
         Raises:
             RankError: the method raised.
@@ -148,10 +149,10 @@ class RayTransport:
         return RankError(text, getattr(e, "traceback_str", "") or str(e))
 
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
-                      pieces: Sequence[Piece]) -> RankResult:
+                      pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
         handles = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
         result: RankResult = await self._call(
-            worker, self._actors[worker].execute.remote(spec, kwargs, transforms, *handles))
+            worker, self._actors[worker].execute.remote(spec, kwargs, transforms, *handles, free=list(free)))
         return result
 
     async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:

@@ -308,3 +308,42 @@ def test_shards_are_freed_when_no_future_names_them() -> None:
 
 def _as_echo(batch):
     return {"idx": torch.zeros(batch.num_rows, dtype=torch.int64)}
+
+
+def test_a_dropped_futures_shards_are_freed_with_the_next_call_to_their_workers(monkeypatch) -> None:
+    """A free rides along with the next call to the shard's worker rather than costing
+    a round trip of its own; what no call takes goes on its own shortly after."""
+    from asyncflow.runtime import _ledger
+    from asyncflow.runtime._local import LocalTransport
+
+    standalone: list[list[str]] = []
+    real = LocalTransport.free
+
+    async def free(self, worker, keys):
+        standalone.append(list(keys))
+        return await real(self, worker, keys)
+
+    monkeypatch.setattr(LocalTransport, "free", free)
+
+    async def main(session, roles, src):
+        monkeypatch.setattr(_ledger, "FREE_DELAY_S", 3600.0)  # only a call (or a drain) frees
+        made = roles.producer.produce(src, width=W)
+        await made
+        del made
+        gc.collect()
+        again = roles.producer.produce(src, width=W)  # to the same four workers
+        await again
+        with_again = _shards(await session.store_stats(), "p4")  # drains what is left
+        rode_along = list(standalone)
+        monkeypatch.setattr(_ledger, "FREE_DELAY_S", 0.02)
+        del again
+        gc.collect()
+        await asyncio.sleep(0.5)  # no call to take them
+        alone = list(standalone)
+        return rode_along, with_again, alone, _shards(await session.store_stats(), "p4")
+
+    rode_along, with_again, alone, at_end = run(main)
+    assert rode_along == [], "the first call's shards went with the second call, none was left to drain"
+    assert with_again == 4 + 4  # the source's and the second call's, not the first's
+    assert sorted(len(keys) for keys in alone) == [1, 1, 1, 1], "one free per worker, sent by the timer"
+    assert at_end == 4

@@ -196,7 +196,8 @@ class WorkerProcess(ChannelHost):
 
     @ray.method(concurrency_group="compute")
     def execute(self, spec_bytes: bytes, kwargs: Mapping[str, Any],
-                transforms: Mapping[str, Sequence[BoundTransform]], *fetched: tuple[Packed, Mapping[str, torch.Tensor]]) -> RankResult:
+                transforms: Mapping[str, Sequence[BoundTransform]], *fetched: tuple[Packed, Mapping[str, torch.Tensor]],
+                free: Sequence[str] = ()) -> RankResult:
         """Run one role method on this rank's rows and store the rows it returns.
 
         Args:
@@ -207,11 +208,15 @@ class WorkerProcess(ChannelHost):
             fetched: the pieces of every data argument's plan that this worker
                 does not hold, as ``slices`` packed them: one per producer worker in
                 the order of ``pieces_by_worker`` (one transfer per producer).
+            free: shards no future names any more, dropped first (as :meth:`free`;
+                the driver sends them along instead of in a call of their own).
 
         Raises:
             RankError: the method (or a transform) raised; the pool's groups are
                 poisoned first so that peers waiting on this rank fail at once.
         """
+        if free:
+            self.store.free(free)
         spec = msgspec.msgpack.decode(spec_bytes, type=CallSpec)
         traced = Traced() if spec.trace else None
         try:
