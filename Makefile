@@ -52,8 +52,9 @@ tools: $(STAMP)
 TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
-# at a time on each (tests/conftest.py); about 15 minutes on the 2-core machine. It prints
-# how long it took in all (installing included) and pytest's share.
+# at a time on each (tests/conftest.py); 20 to 28 minutes on the 2-core machine, all of
+# it CPU-bound (the target is 15). It prints how long it took in all (installing
+# included) and pytest's share.
 START := $(shell date +%s)
 PYTEST_WORKERS ?= 2
 
