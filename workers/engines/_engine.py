@@ -197,7 +197,7 @@ class TrainingEngine:
         self._require_resident("log_probs/values", optimizer=False)
         rows = check_batch(batch)
         batch = self._to_device(batch)
-        plan = agreed_plan(self._planner, token_counts(batch), self.parallel)
+        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, torch.zeros((), device=self.device))
         self._check_positions(plan.longest)
         shape = (rows, batch["response_ids"].shape[1])
         results: dict[str, Tensor] = {}

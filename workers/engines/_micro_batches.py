@@ -121,7 +121,7 @@ class AgreedPlan:
 
 
 def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelism,
-                local_sum: Tensor | None = None) -> AgreedPlan:
+                local_sum: Tensor) -> AgreedPlan:
     """The planner's micro-batches, their count agreed over the data-parallel ranks
     together with ``local_sum``'s sum and the longest row, in one collective
     (:meth:`Parallelism.sums_and_maxes_over_dp`).
@@ -130,9 +130,10 @@ def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelis
         planner: the engine's micro-batch planner.
         tokens: this rank's token count per row.
         parallel: the engine's parallelism (its data-parallel group).
-        local_sum: this rank's addend (a scalar); None: nothing to sum.
+        local_sum: this rank's addend (a scalar), on the device the group's
+            collectives run on (the engine's: NCCL takes no CPU tensor).
     """
-    addend = (local_sum if local_sum is not None else torch.zeros(())).to(torch.float64).reshape(1)
+    addend = local_sum.to(torch.float64).reshape(1)
     longest = float(tokens.max()) if tokens.numel() else 0.0
     agreed: list[tuple[Tensor, Tensor]] = []
 
