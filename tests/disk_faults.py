@@ -3,8 +3,10 @@ for the tests of a run whose checkpoint or export cannot be written.
 
 On a pool of one process the reward runs in the actor's process, so a reward
 function can change what that process does: each of these scores like
-:func:`support.digit_share_reward` and, on its first call, makes one kind of write
-fail with ``OSError(ENOSPC)`` after writing part of its file, as a full disk does.
+:func:`support.digit_share_reward` and, on its first call, makes the next write of
+one kind fail with ``OSError(ENOSPC)`` after writing part of its file, as a full
+disk does. The write after it goes through (the disk was freed): a later session
+may reuse the process (``asyncflow.runtime._idle``).
 Only the writes into :data:`FAILING_CHECKPOINT` (or the final export's staging
 directory) fail, so the checkpoints before it are written as usual.
 """
@@ -44,6 +46,8 @@ def full_disk_for_shards(prompts: list[str], responses: list[str], answers: list
         def failing(self: Any, plan: Any, planner: Any) -> Any:
             if FAILING_CHECKPOINT in str(self.path):
                 (Path(self.path) / "__0_0.distcp").write_bytes(b"cut short")
+                FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+                _installed.discard("shards")
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a write() raises it: no file name
             return write_data(self, plan, planner)
 
@@ -63,6 +67,8 @@ def full_disk_for_export(prompts: list[str], responses: list[str], answers: list
             if Path(directory).name == FAILING_EXPORT:
                 weights = Path(directory) / "model.safetensors"
                 weights.write_bytes(b"cut short")
+                _actor.save_pretrained_here = save
+                _installed.discard("export")
                 raise enospc(weights)
             return save(model, directory, state_dict=state_dict)
 

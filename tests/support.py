@@ -100,6 +100,23 @@ class Sleeper(Role):
         return {"nice": os.nice(0), "threads": torch.get_num_threads()}
 
 
+class Probe(Role):
+    """Reports what a worker process carries from one session to the next."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.seen_before = hasattr(sys, "_asyncflow_probe")  # set by an earlier session's Probe
+        sys._asyncflow_probe = True  # type: ignore[attr-defined]
+
+    @register(protocol=OneToAll())
+    def report(self, *, env: str = "") -> dict[str, Any]:
+        """The process, a draw of torch's default generator, the session's process
+        group, whether a Probe lived here before, and variable ``env``."""
+        return {"pid": os.getpid(), "draw": torch.rand(2).tolist(), "world": torch.distributed.get_world_size(),
+                "rank": torch.distributed.get_rank(), "seen_before": self.seen_before,
+                "env": os.environ.get(env), "threads": torch.get_num_threads()}
+
+
 class Slow(Role):
     """Sleeps longer on one rank, then returns rows (a slow rank is not a failure)."""
 

@@ -10,6 +10,7 @@ re-exports the host's public names, which the control plane and role authors use
 
 from workers.host import (
     CONCURRENCY_GROUPS,
+    LIVE_ENV,
     Adopt,
     CallInfo,
     CallSpec,
@@ -37,8 +38,30 @@ from workers.host import (
 )
 
 __all__ = [
-    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallSpec", "Chunk", "DataArg", "Endpoint", "EngineLogs",
-    "FieldContract", "Finish", "Handoff", "RankError", "Role", "Step", "StoreServer", "StreamSpec", "Tail",
-    "WorkerContext", "WorkerProcess", "calling", "check_role_class", "endpoints", "engine_log_env",
-    "pieces_by_worker", "register",
+    "CONCURRENCY_GROUPS",
+    "LIVE_ENV",
+    "Adopt",
+    "CallInfo",
+    "CallSpec",
+    "Chunk",
+    "DataArg",
+    "Endpoint",
+    "EngineLogs",
+    "FieldContract",
+    "Finish",
+    "Handoff",
+    "RankError",
+    "Role",
+    "Step",
+    "StoreServer",
+    "StreamSpec",
+    "Tail",
+    "WorkerContext",
+    "WorkerProcess",
+    "calling",
+    "check_role_class",
+    "endpoints",
+    "engine_log_env",
+    "pieces_by_worker",
+    "register",
 ]

@@ -70,11 +70,12 @@ class Runtime:
                              for n, s in roles.items()})
         return self._roles
 
-    async def _stop(self) -> bool:
-        """Settle every call and finish pending frees; returns whether a pool broke."""
-        broken = False
+    async def _stop(self) -> tuple[bool, bool]:
+        """Settle every call and finish pending frees; returns whether a pool broke
+        and whether a call was still running on workers."""
+        broken = running = False
         if self._scheduler is not None:
-            await self._scheduler.close()
+            running = await self._scheduler.close()
             broken = any(p.broken is not None for p in self._scheduler.pools.values())
         if self._ledger is not None:
             try:  # let released shards' frees finish while the workers are still there
@@ -82,7 +83,7 @@ class Runtime:
             except TimeoutError:
                 pass
             self._ledger.close()
-        return broken
+        return broken, running
 
     @property
     def roles(self) -> Roles:

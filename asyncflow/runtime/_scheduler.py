@@ -228,11 +228,13 @@ class Scheduler:
             yield from pool.calls()
             yield from pool.running.values()
 
-    async def close(self) -> None:
-        """Stop the dispatchers; every call not finished fails with :class:`SessionClosedError`."""
+    async def close(self) -> bool:
+        """Stop the dispatchers; every call not finished fails with :class:`SessionClosedError`.
+        Returns whether a call was still running on workers (False when closed already)."""
         if self._closed:
-            return
+            return False
         self._closed = self.completion.closed = True
+        running = any(pool.running for pool in self.pools.values())
         unsettled = list(self._live())
         tasks = [*self._tasks, *self._jobs]
         for t in tasks:
@@ -245,6 +247,7 @@ class Scheduler:
         for pool in self.pools.values():
             pool.pending.clear()
             pool.running.clear()
+        return running
 
     # ----- the dispatcher -----
 

@@ -6,11 +6,10 @@
 
 The embedded default starts a local Ray instance sized to this machine, on the
 loopback interface, and shuts it down on exit; ``Session(address=...)`` (or
-``RAY_ADDRESS``) joins an existing cluster instead. This
-module only wires things together: pools and placement (``_pool``), worker
-processes (``workers``), the data-plane transport (``_transport``), the shard
-ledger (``_ledger``), the call loops (``_scheduler``) and the role proxies
-(``_proxy``).
+``RAY_ADDRESS``) joins an existing cluster instead. This module only wires things
+together: pools (``_pool``), the worker processes and their placement groups
+(``_workers``), the data-plane transport (``_transport``), the shard ledger
+(``_ledger``), the call loops (``_scheduler``) and the role proxies (``_proxy``).
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from asyncflow.runtime import _idle
 from asyncflow.runtime._errors import RemoteStageError, SessionClosedError
 from asyncflow.runtime._pool import (
     Node,
@@ -33,14 +31,14 @@ from asyncflow.runtime._pool import (
     check_placement,
     live_nodes,
     slot_resource,
-    worker_threads,
 )
 from asyncflow.runtime._proxy import Roles
 from asyncflow.runtime._ray_start import claim_started_instance, init_ray
 from asyncflow.runtime._runtime import Runtime
 from asyncflow.runtime._transport import RayTransport
+from asyncflow.runtime._workers import Workers
 from channels import AsyncflowError, ConfigError, Layout
-from workers import CONCURRENCY_GROUPS, StoreServer, WorkerProcess
+from workers import StoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +76,16 @@ class Session(Runtime):
         worker_env: environment variables of the worker processes, set when
             each starts (Ray's ``runtime_env``), on whichever node; a value may
             name the node's own variables as ``${NAME}``.
+        keep_workers: on a Ray instance that outlives the session, hand its
+            clean CPU workers to the next session of this driver instead of
+            ending them, and adopt those an earlier session left (seconds of
+            start-up saved per worker; see ``asyncflow.runtime._idle``).
     """
 
     def __init__(self, *, address: str | None = None, cpu_slots: int = 64, transport: Transport = "auto",
                  collective_timeout_s: float = 120.0, rendezvous_timeout_s: float = 300.0,
                  worker_nice: int = 0, placement_timeout_s: float = 120.0,
-                 worker_env: Mapping[str, str] | None = None) -> None:
+                 worker_env: Mapping[str, str] | None = None, keep_workers: bool = True) -> None:
         if transport not in ("auto", "gloo", "nccl", "object_store"):
             raise ConfigError(f"transport must be auto, gloo, nccl or object_store, got {transport!r}")
         for name, value in (("collective_timeout_s", collective_timeout_s),
@@ -100,12 +102,14 @@ class Session(Runtime):
         self._collective_timeout, self._rendezvous_timeout = collective_timeout_s, rendezvous_timeout_s
         self._placement_timeout = placement_timeout_s
         self._worker_env = dict(worker_env or {})
+        self._keep_workers = keep_workers
+        self._workers: Workers | None = None
+        self._rdt_group: Any = None
         self._started_ray = False
         self._actors: list[Any] = []
         self._actor_ids: list[str] = []
         self._nodes: dict[str, Node] = {}  # by node id: where the workers run
         self._actor_nodes: list[str] = []  # node id of each worker
-        self._placement_groups: list[Any] = []
         self._store: Any = None
         self._rdt: str | None = None
 
@@ -129,17 +133,17 @@ class Session(Runtime):
         if self._closed:
             return
         self._closed = True
-        broken = await self._stop()
-        if self._actors and self._rdt is not None and not broken:
+        broken, running = await self._stop()
+        if self._rdt_group is not None and not broken:
             try:
-                from ray.experimental.collective import destroy_all_collective_groups
-                destroy_all_collective_groups()
+                from ray.experimental.collective import destroy_collective_group
+                await asyncio.to_thread(destroy_collective_group, self._rdt_group)
             except Exception:  # workers may be dead already
-                logger.debug("destroying collective groups failed", exc_info=True)
-        for a in [*self._actors, *([self._store] if self._store is not None else [])]:
-            ray.kill(a, no_restart=True)
-        for pg in self._placement_groups:
-            remove_placement_group(pg)
+                logger.debug("destroying the collective group failed", exc_info=True)
+        if self._store is not None:
+            ray.kill(self._store, no_restart=True)
+        if self._workers is not None:
+            await self._workers.release(clean=not (broken or running or self._started_ray))
         if self._started_ray:
             shutdown_ray()
 
@@ -170,61 +174,16 @@ class Session(Runtime):
         nodes = live_nodes(ray.nodes())
         check_fits(pools, device, slot, nodes)
         self._nodes = {n.id: n for n in nodes}
-        ranks = await self._create_workers(pools, device, slot, _role_modules(roles))
+        self._workers = Workers(worker_env=self._worker_env, adopt=self._keep_workers,
+                                keep=self._keep_workers and not self._started_ray,
+                                placement_timeout_s=self._placement_timeout)
+        ranks = await self._workers.create(pools, device, slot, _role_modules(roles))
+        self._actors = self._workers.actors
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)
         await self._init_rdt(device)
         return self._start(RayTransport(self._actors, self._actor_ids, self._rdt), ranks, roles, layouts,
                            rank_local)
-
-    async def _create_workers(self, pools: list[ResourcePool], device: str, slot: str,
-                              preload: Mapping[str, tuple[str, ...]]) -> dict[str, list[int]]:
-        world = sum(p.devices for p in pools)
-        cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
-            WorkerProcess)
-        groups = {}
-        for pool in sorted(pools, key=lambda p: not p.labels):  # the pools with fewer nodes to go to first
-            groups[pool.name] = await self._place(pool, device, slot)
-        ranks: dict[str, list[int]] = {}
-        for pool in pools:
-            pg = groups[pool.name]
-            ranks[pool.name] = []
-            for rank in range(pool.devices):
-                opts: dict[str, Any] = {
-                    "num_cpus": 1 if slot == "CPU" else 0,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=rank),
-                    "resources": {**({slot: 1.0} if slot not in ("CPU", "GPU") else {}), **pool.resources},
-                }
-                if device == "cuda":
-                    opts["num_gpus"] = 1
-                if self._worker_env:
-                    opts["runtime_env"] = {"env_vars": self._worker_env}
-                ranks[pool.name].append(len(self._actors))
-                self._actors.append(cls.options(**opts).remote(
-                    index=len(self._actors), pool=pool.name, rank=rank, pool_size=pool.devices, world=world,
-                    device=device, num_threads=worker_threads(pool, world=world, device=device),
-                    preload=preload.get(pool.name, ())))
-        return ranks
-
-    async def _place(self, pool: ResourcePool, device: str, slot: str) -> PlacementGroup:
-        """Reserve ``pool``'s devices (a placement group), waiting at most
-        ``placement_timeout_s`` for devices that others hold now."""
-        labels = [dict(pool.labels)] * pool.devices if pool.labels else None
-        pg = placement_group([pool.bundle(device, slot)] * pool.devices, strategy=pool.strategy,
-                             bundle_label_selector=labels)
-        self._placement_groups.append(pg)
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(pg.ready().future()), self._placement_timeout)
-        except TimeoutError:
-            free = ray.available_resources()
-            raise ConfigError(
-                f"pool {pool.name!r} ({pool.devices} x {pool.bundle(device, slot)}"
-                f"{f' on nodes labelled {dict(pool.labels)}' if pool.labels else ''}) was not placed within "
-                f"{self._placement_timeout:g} s: the cluster has them, but not free together now (free: "
-                f"{', '.join(f'{k} {v:g}' for k, v in sorted(free.items()) if k in pool.bundle(device, slot))}"
-                "); other jobs may hold them, or a pool's ranks do not fit one node") from None
-        return pg
 
     def where(self, pool: str, rank: int) -> Node:
         """The node ``rank`` of ``pool`` runs on (its ``describe()``: ``node 1f3a2b4c
@@ -297,7 +256,7 @@ class Session(Runtime):
         from ray.experimental.collective import create_collective_group
 
         try:
-            await asyncio.to_thread(create_collective_group, self._actors, backend=backend[1])
+            self._rdt_group = await asyncio.to_thread(create_collective_group, self._actors, backend=backend[1])
             self._rdt = backend[0]
         except Exception as e:
             if choice != "auto":
@@ -344,7 +303,10 @@ def shutdown_ray() -> None:
     first use. No public API reaches it; ``ray.worker`` is Ray's own deprecation
     shim over its worker module, read here through the attribute that does not log
     a deprecation warning (a deliberate exception to our no-private-access rule).
+    Workers kept for later sessions (``asyncflow.runtime._idle``) end first.
     """
+    if ray.is_initialized():
+        _idle.forget()
     ray.shutdown()
     worker = getattr(getattr(ray, "worker", None), "_real_worker", None)
     global_worker = getattr(worker, "global_worker", None)

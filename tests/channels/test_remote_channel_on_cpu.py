@@ -366,4 +366,6 @@ def test_a_slow_consumer_keeps_at_most_capacity_items_buffered(owner: Any, loop_
     assert result["error"] is None
     assert max(result["used"]) <= 4
     growth = max(result["private"]) - result["private"][20]  # after warm-up
-    assert growth < 50 * MB, f"the owner grew by {growth / MB:.0f} MB while 200 MB went through"
+    # Kept items would grow it by about 200 MB; in busy full suites the growth
+    # without them measured 54 and 58 MB.
+    assert growth < 100 * MB, f"the owner grew by {growth / MB:.0f} MB while 200 MB went through"

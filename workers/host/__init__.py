@@ -14,7 +14,7 @@
 """
 
 from workers.host._call import CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
-from workers.host._engine_logs import EngineLogs, engine_log_env
+from workers.host._engine_logs import LIVE_ENV, EngineLogs, engine_log_env
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
 from workers.host._register import (
     CallInfo,
@@ -38,8 +38,34 @@ from workers.host._streaming import (
 from workers.host._worker import CONCURRENCY_GROUPS, WorkerProcess
 
 __all__ = [
-    "CONCURRENCY_GROUPS", "Adopt", "CallInfo", "CallSpec", "Chunk", "DataArg", "Endpoint", "EngineLogs",
-    "FieldContract", "Finish", "Handoff", "RankError", "Role", "Step", "StoreServer", "StreamMethod", "StreamSpec",
-    "Tail", "WorkerContext", "WorkerProcess", "calling", "check_role_class", "current_call", "endpoints",
-    "engine_log_env", "mesh_from_groups", "new_reconnectable_group", "pieces_by_worker", "register",
+    "CONCURRENCY_GROUPS",
+    "LIVE_ENV",
+    "Adopt",
+    "CallInfo",
+    "CallSpec",
+    "Chunk",
+    "DataArg",
+    "Endpoint",
+    "EngineLogs",
+    "FieldContract",
+    "Finish",
+    "Handoff",
+    "RankError",
+    "Role",
+    "Step",
+    "StoreServer",
+    "StreamMethod",
+    "StreamSpec",
+    "Tail",
+    "WorkerContext",
+    "WorkerProcess",
+    "calling",
+    "check_role_class",
+    "current_call",
+    "endpoints",
+    "engine_log_env",
+    "mesh_from_groups",
+    "new_reconnectable_group",
+    "pieces_by_worker",
+    "register",
 ]

@@ -58,6 +58,10 @@ LOG_FILE_ENV = "ASYNCFLOW_ENGINE_LOG"
 LEVEL_ENV = "ASYNCFLOW_LOG"
 """The environment variable holding the terminal's level name (``debug``, ``info``, ``warning``)."""
 
+LIVE_ENV = frozenset({LOG_FILE_ENV})
+"""The variables of a worker's environment it reads again when it joins another
+session (``WorkerProcess.rejoin``); it reads every other one once, when it starts."""
+
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
 _FILE_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
 
@@ -154,11 +158,15 @@ def engine_log_env(*, terminal_level: int, log_file: str | Path | None) -> dict[
 _routed: EngineLogs | None = None
 
 
-def route_from_environment(environ: Mapping[str, str] = os.environ) -> None:
+def route_from_environment(environ: Mapping[str, str] = os.environ, *, again: bool = False) -> None:
     """Route this process's engine logs as its environment says (:func:`engine_log_env`);
     nothing without :data:`LOG_FILE_ENV`. Idempotent: later calls re-install the
-    first call's routing (after a library re-configured its logger)."""
+    first call's routing (after a library re-configured its logger); ``again``
+    undoes it and reads the environment anew (a worker that joins another session)."""
     global _routed
+    if again and _routed is not None:
+        _routed.remove()
+        _routed = None
     if _routed is None:
         path = environ.get(LOG_FILE_ENV)
         if path is None:

@@ -21,12 +21,13 @@ device contract, written down in ``workers.host._rows``.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import itertools
 import logging
 import os
+import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -39,23 +40,18 @@ import torch.distributed as dist
 from channels import (
     CHANNEL_CONCURRENCY_GROUPS,
     Batch,
-    ChannelAddress,
     ChannelHost,
     Layout,
     Packed,
-    Piece,
     RankResult,
     ShardStore,
-    StoreStats,
     StreamItem,
-    open_remote_channel,
-    pack,
     unpack,
 )
 from workers.host import _groups, _meshes
 from workers.host._binding import bind_gloo_to_node
 from workers.host._call import CallSpec, RankError, ungroup
-from workers.host._engine_logs import route_from_environment
+from workers.host._engine_logs import LIVE_ENV, route_from_environment
 from workers.host._register import Endpoint, endpoints
 from workers.host._rendezvous import RayStore
 from workers.host._role import WorkerContext
@@ -67,10 +63,10 @@ from workers.host._rows import (
     check_writes,
     for_store,
     gather,
-    on_device,
     reports_rows,
     row_lengths,
 )
+from workers.host._serving import RowServer, StreamEnds
 from workers.host._streaming import StreamControl, StreamSink, drain, run_streamed
 
 logger = logging.getLogger(__name__)
@@ -80,8 +76,11 @@ CONCURRENCY_GROUPS = {"io": 4, "compute": 1, "watch": 1, **CHANNEL_CONCURRENCY_G
 
 MESH_DIMS = ("pp", "dp", "tp")
 
+_INITIAL_SEED = torch.initial_seed()
+"""The seed torch's default generator started with in this process."""
 
-class WorkerProcess(ChannelHost):
+
+class WorkerProcess(RowServer, StreamEnds, ChannelHost):
     """Hosts the roles of one rank of one pool. Created by the control plane with
     ``ray.remote(concurrency_groups=CONCURRENCY_GROUPS)``.
 
@@ -102,15 +101,28 @@ class WorkerProcess(ChannelHost):
     def __init__(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
                  device: str, num_threads: int, preload: Sequence[str] = ()) -> None:
         route_from_environment()  # before the engines log anything (the driver's worker_env says where)
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        self._alive = threading.Event()
+        self._streams_lock = threading.Lock()
+        self._env: dict[str, str | None] = {}  # what rejoin's env replaced, for leave
+        self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
+                   num_threads=num_threads, preload=preload)
+
+    def _join(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
+              num_threads: int, preload: Sequence[str]) -> None:
+        """Become one session's worker (the constructor's arguments)."""
         torch.set_num_threads(num_threads)
         self._preload: threading.Thread | None = None
-        if preload:
+        if preload := [name for name in preload if name not in sys.modules]:
             self._preload = threading.Thread(target=_import_quietly, args=(tuple(preload),),
                                              name="asyncflow-preload", daemon=True)
             self._preload.start()
         self.index, self.pool, self.rank = index, pool, rank
         self.pool_size, self.world = pool_size, world
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        self._forget()
+
+    def _forget(self) -> None:
+        """A session's state, empty."""
         self.store_device = torch.device("cpu")
         """Where the store keeps rows (see the module docstring); :meth:`use_transport`
         sets it."""
@@ -120,9 +132,7 @@ class WorkerProcess(ChannelHost):
         self._pool_group: Any = None
         self._meshes: dict[Layout, Any] = {}
         self._timeout = timedelta(seconds=600)
-        self._alive = threading.Event()
         self._streams: dict[int, tuple[StreamSink, StreamControl]] = {}
-        self._streams_lock = threading.Lock()
 
     # ----- set-up (default concurrency group, before any call) -----
 
@@ -132,6 +142,61 @@ class WorkerProcess(ChannelHost):
         node's cluster address."""
         context = ray.get_runtime_context()
         return os.getpid(), context.get_actor_id() or "", ray.util.get_node_ip_address(), context.get_node_id()
+
+    def rejoin(self, *, index: int, pool: str, rank: int, pool_size: int, world: int, num_threads: int,
+               preload: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+        """Become a worker of another session, after :meth:`leave`: the driver adopts
+        an idle process instead of starting one (see ``asyncflow.runtime._idle``).
+        The arguments are the constructor's (the driver adopts a process only for
+        the torch threads it has: a process whose thread count changed computes
+        differently in the last bits from a new one); ``env`` holds the variables of the new
+        session's ``worker_env`` this process reads after it started (where the
+        engine logs go, :data:`~workers.host._engine_logs.LIVE_ENV`)."""
+        for name, value in (env or {}).items():
+            self._env.setdefault(name, os.environ.get(name))
+            os.environ[name] = value
+        route_from_environment(again=True)
+        self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
+                   num_threads=num_threads, preload=preload)
+
+    @ray.method(concurrency_group="compute")
+    def leave(self) -> bool:
+        """Forget the session, so that another one can adopt this process
+        (:meth:`rejoin`) without paying for a start and the imports again: end the
+        watch call, close the streams and the roles (their ``close()``, where they
+        have one), drop the rows and the process groups, give back the environment
+        :meth:`rejoin` set, and reseed torch's default generator with the seed it started with.
+
+        The driver calls it after a session closed with no call running and no
+        pool broken. Returns False where the process is not fit to serve again: it
+        loaded vLLM, whose engines do not give everything back when they close.
+        """
+        self._alive.set()  # the closed session's watch call returns
+        self._alive = threading.Event()
+        with self._streams_lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for sink, _ in streams:
+            sink.close()
+        for role in self.roles.values():
+            close = getattr(role, "close", None)
+            if callable(close):
+                close()
+        self._forget()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # every group of the session, the reconnectable ones included
+        for name, value in self._env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._env.clear()
+        for name in LIVE_ENV:  # the closed session's log file, whichever session set it
+            os.environ.pop(name, None)
+        route_from_environment(again=True)
+        torch.set_default_dtype(torch.float32)
+        torch.manual_seed(_INITIAL_SEED)
+        gc.collect()
+        return "vllm" not in sys.modules
 
     def init_world(self, store: Any, *, node_ip: str, timeout_s: float, collective_timeout_s: float) -> None:
         """Join the session-wide process group (every worker of every pool).
@@ -302,84 +367,6 @@ class WorkerProcess(ChannelHost):
         return RankResult(rank=self.rank, worker=self.index, key=spec.out_key, num_rows=rows.num_rows,
                           fields=rows.field_specs(), row_lengths=row_lengths(endpoint, rows),
                           group_size=rows.group_size)
-
-    # ----- streams (io group: controls reach a method while it runs) -----
-
-    @ray.method(concurrency_group="io")
-    def open_stream(self, call_id: int, capacity: int) -> ChannelAddress[StreamItem]:
-        """Open the channel of streamed call ``call_id`` (before it runs); the
-        driver receives from the returned address."""
-        send, address = open_remote_channel(StreamItem, capacity)
-        self.attach_stream(call_id, send)
-        return address
-
-    def attach_stream(self, call_id: int, sink: StreamSink) -> None:
-        """Send streamed call ``call_id``'s items to ``sink`` (in-process workers)."""
-        with self._streams_lock:
-            self._streams[call_id] = (sink, StreamControl())
-
-    @ray.method(concurrency_group="io")
-    def stream_control(self, call_id: int, action: str, count: int = 0) -> bool:
-        """Long-tail migration of streamed call ``call_id``: ``"handoff"`` (give up
-        the unfinished work) or ``"expect"`` (``count`` tails will be delivered).
-        False: the call is over on this rank (or never streamed here)."""
-        with self._streams_lock:
-            entry = self._streams.get(call_id)
-        if entry is None:
-            return False
-        control = entry[1]
-        return control.handoff() if action == "handoff" else control.expect(count)
-
-    @ray.method(concurrency_group="io")
-    def stream_adopt(self, call_id: int, group_size: int, columns: Mapping[str, torch.Tensor] | None) -> None:
-        """Deliver one announced tail (None: its source had nothing left)."""
-        with self._streams_lock:
-            entry = self._streams.get(call_id)
-        if entry is not None:
-            entry[1].deliver(None if columns is None else on_device(Batch(columns, group_size=group_size), self.device))
-
-    # ----- data plane (io group: served while compute runs) -----
-
-    @ray.method(concurrency_group="io")
-    def slice(self, key: str, lo: int, hi: int, fields: Sequence[str] | None) -> dict[str, torch.Tensor]:
-        """Rows ``[lo, hi)`` of columns ``fields`` of shard ``key``. The driver calls
-        it with ``tensor_transport`` set so the tensors go straight to the consumer."""
-        return self.store.slice(key, lo, hi, fields)
-
-    @ray.method(concurrency_group="io")
-    def slice_to_host(self, key: str, lo: int, hi: int, fields: Sequence[str] | None) -> dict[str, torch.Tensor]:
-        """Rows ``[lo, hi)`` of columns ``fields`` of shard ``key`` as CPU tensors:
-        what the driver's ``fetch`` receives (through the object store)."""
-        return {name: t.cpu() for name, t in self.store.slice(key, lo, hi, fields).items()}
-
-    @ray.method(concurrency_group="io")
-    def slices(self, pieces: Sequence[Piece]) -> tuple[Packed, dict[str, torch.Tensor]]:
-        """Several pieces of this worker's shards, packed into one buffer per dtype
-        (``channels.pack``): one transfer, a few tensors (see ``slice``)."""
-        return pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces])
-
-    @ray.method(concurrency_group="io")
-    def put(self, key: str, columns: Mapping[str, torch.Tensor], group_size: int = 1) -> RankResult:
-        """Store rows handed in by the driver (``Session.put``), on the store device."""
-        batch = on_device(Batch(columns, group_size=group_size), self.store_device)
-        self.store.put(key, batch)
-        return RankResult(rank=self.rank, worker=self.index, key=key, num_rows=batch.num_rows,
-                          fields=batch.field_specs(), group_size=batch.group_size)
-
-    @ray.method(concurrency_group="io")
-    def free(self, keys: Sequence[str]) -> int:
-        """Drop shards no future names any more."""
-        return self.store.free(keys)
-
-    @ray.method(concurrency_group="io")
-    def stats(self) -> StoreStats:
-        """The store's counters."""
-        return self.store.stats()
-
-    @ray.method(concurrency_group="io")
-    def clock(self) -> float:
-        """This process's ``time.time()``: the driver aligns traced spans with it."""
-        return time.time()
 
     # ----- liveness (watch group) -----
 

@@ -1,0 +1,98 @@
+"""Worker processes kept between the sessions of one Ray instance.
+
+A worker process costs seconds before it serves its first call: Ray starts it,
+then it imports torch, transformers and the role modules (four to five seconds of
+CPU on a laptop core). A session on a Ray instance that outlives it
+(``asyncflow.start_ray(keep=True)``, a script's own ``ray.init``, a cluster) hands
+its clean CPU workers back here when it closes, and the next session of the
+driver adopts them instead of starting new ones: each worker forgets the old
+session first (``WorkerProcess.leave``) and joins the new one as if new
+(``WorkerProcess.rejoin``), with torch's default generator reseeded as it started.
+
+Which workers come back: those of a session that closed with no call running and
+no pool broken, whose ``leave`` answered in time and found them fit (a process
+that loaded vLLM is not). Any other worker ends with its session. A worker is
+adopted only on the node its pool's placement group reserved for it, with the
+torch threads it has, by a session whose ``worker_env`` differs from the one it
+started with at most in the variables the worker reads again when it joins
+(:data:`workers.LIVE_ENV`). GPU workers are not kept: Ray gives an actor its GPU
+when it starts it.
+
+Kept workers hold no Ray resources (the next session's placement group reserves
+them) but hold their memory: at most :data:`KEPT_WORKERS` per Ray connection.
+They end with the driver's connection (``ray.shutdown``), as every actor it
+created does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from workers import LIVE_ENV
+
+KEPT_WORKERS = 8
+"""The most idle workers one driver's Ray connection keeps."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What an idle worker must match to be adopted: where it runs, its device, its
+    torch threads (a process whose thread count changed computes differently in the
+    last bits from a new one) and the environment it started with (less
+    :data:`workers.LIVE_ENV`)."""
+
+    node: str
+    device: str
+    threads: int
+    env: frozenset[tuple[str, str]]
+
+    @staticmethod
+    def of(node: str, device: str, threads: int, worker_env: Mapping[str, str]) -> Fit:
+        return Fit(node, device, threads, frozenset((k, v) for k, v in worker_env.items() if k not in LIVE_ENV))
+
+
+_kept: dict[str, list[tuple[Fit, Any]]] = {}  # by Ray job id: the driver's connection
+
+
+def _connection() -> str:
+    return ray.get_runtime_context().get_job_id()
+
+
+def take(fit: Fit) -> Any | None:
+    """An idle worker that fits, no longer idle; None when there is none."""
+    kept = _kept.get(_connection(), [])
+    for i, (f, actor) in enumerate(kept):
+        if f == fit:
+            del kept[i]
+            return actor
+    return None
+
+
+def keep(fit: Fit, actor: Any) -> None:
+    """Keep ``actor`` (it left its session) for a later session; ends it when
+    :data:`KEPT_WORKERS` are kept already."""
+    kept = _kept.setdefault(_connection(), [])
+    if len(kept) >= KEPT_WORKERS:
+        ray.kill(actor, no_restart=True)
+        return
+    kept.append((fit, actor))
+
+
+def kept_count() -> int:
+    """How many idle workers this driver's Ray connection keeps now."""
+    return len(_kept.get(_connection(), [])) if ray.is_initialized() else 0
+
+
+def forget() -> None:
+    """End every kept worker and forget them (before ``ray.shutdown``)."""
+    for kept in _kept.values():
+        for _, actor in kept:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+    _kept.clear()
