@@ -10,10 +10,16 @@ import time
 _START = time.time()
 
 import asyncflow as af  # noqa: E402 (light: its names load on first use)
+from bench._e2e_placements import PLACEMENTS  # noqa: E402 (data only)
 
 if __name__ == "__main__":  # a run; bench.e2e imports this module for its names only
-    # Ray comes up while torch, transformers and the roles import (see asyncflow.start_ray).
-    af.start_ray()
+    # Ray comes up while torch, transformers and the roles import, and so do the
+    # placement's workers as soon as Ray is up (see asyncflow.start_ray).
+    import sys
+
+    _named = [a.split("=", 1)[1] if "=" in a else b for a, b in zip(sys.argv, [*sys.argv[1:], ""], strict=True)
+              if a.split("=", 1)[0] == "--placement"]
+    af.start_ray(workers=sum(PLACEMENTS.get(_named[-1] if _named else "one", ({}, {}))[0].values()))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -27,7 +33,7 @@ import torch  # noqa: E402
 
 from asyncflow.algos import GRPOConfig, PolicyConfig, SamplingConfig, grpo_step  # noqa: E402
 from asyncflow.tracing import summarise  # noqa: E402
-from bench._e2e_job import PLACEMENTS, E2EJob  # noqa: E402
+from bench._e2e_job import E2EJob  # noqa: E402
 from workers.engines import TrainingConfig  # noqa: E402
 from workers.rewards import RuleRewardConfig  # noqa: E402
 from workers.roles import (  # noqa: E402

@@ -18,14 +18,6 @@ import torch
 
 from workers.models import TinyModelConfig, save_tiny_model
 
-PLACEMENTS: dict[str, tuple[dict[str, int], dict[str, str]]] = {
-    "one": ({"main": 1}, {"actor": "main", "ref": "main", "reward": "main"}),
-    "dp2": ({"main": 2}, {"actor": "main", "ref": "main", "reward": "main"}),
-    "split": ({"policy": 1, "side": 1}, {"actor": "policy", "ref": "side", "reward": "side"}),
-}
-"""The placements that fit two cores: one 1-rank pool; one 2-rank pool (data
-parallel); the actor on one rank, reference and reward on the other."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class E2EJob:

@@ -4,7 +4,7 @@ Run as ``python -m bench.e2e --json PATH``. The workload (``bench._e2e_job``): a
 tiny random Llama, 16 prompts x 4 samples of exactly 32 tokens per step, KL to a
 reference at 0.04, one optimizer step per batch, a rule reward. asyncflow runs it
 with ``asyncflow.algos.grpo_step`` under each placement that fits two cores
-(``bench._e2e_job.PLACEMENTS``); when the optional ``compare`` extra (TRL)
+(``bench._e2e_placements.PLACEMENTS``); when the optional ``compare`` extra (TRL)
 is installed, TRL's ``GRPOTrainer`` runs it too. Every run is its own process
 (``python -m bench._e2e_asyncflow`` / ``bench._e2e_trl``), the frameworks
 alternating round by round, so both see the same machine. Per run: seconds per
@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.tracing import markdown_table
-from bench._e2e_job import PLACEMENTS, E2EJob
+from bench._e2e_job import E2EJob
+from bench._e2e_placements import PLACEMENTS
 
 FLOOR_RANKS = (1, 2)
 """The floor's runs: one process with every core's threads, two splitting the prompts."""

@@ -26,13 +26,15 @@ created does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers import LIVE_ENV
+from workers import CONCURRENCY_GROUPS, LIVE_ENV, WorkerProcess
 
 KEPT_WORKERS = 8
 """The most idle workers one driver's Ray connection keeps."""
@@ -47,11 +49,12 @@ class Fit:
 
     node: str
     device: str
-    threads: int
+    threads: int | None
+    """None: a worker started ahead of its session, which takes any count."""
     env: frozenset[tuple[str, str]]
 
     @staticmethod
-    def of(node: str, device: str, threads: int, worker_env: Mapping[str, str]) -> Fit:
+    def of(node: str, device: str, threads: int | None, worker_env: Mapping[str, str]) -> Fit:
         return Fit(node, device, threads, frozenset((k, v) for k, v in worker_env.items() if k not in LIVE_ENV))
 
 
@@ -62,14 +65,37 @@ def _connection() -> str:
     return ray.get_runtime_context().get_job_id()
 
 
+@functools.cache
+def worker_class() -> Any:
+    """``WorkerProcess`` as a Ray actor class."""
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
+        WorkerProcess)
+
+
 def take(fit: Fit) -> Any | None:
-    """An idle worker that fits, no longer idle; None when there is none."""
+    """An idle worker that fits, no longer idle (one that served a session before
+    one started ahead); None when there is none."""
     kept = _kept.get(_connection(), [])
-    for i, (f, actor) in enumerate(kept):
-        if f == fit:
-            del kept[i]
-            return actor
+    for ahead in (False, True):
+        for i, (f, actor) in enumerate(kept):
+            if f == fit or (ahead and f.threads is None and replace(f, threads=fit.threads) == fit):
+                del kept[i]
+                return actor
     return None
+
+
+def start_ahead(count: int, *, preload: Sequence[str], worker_env: Mapping[str, str] | None = None) -> None:
+    """Start ``count`` CPU workers on this node now, before any session, importing
+    ``preload`` meanwhile: the next session on this Ray connection adopts them
+    (with ``worker_env``'s environment) instead of starting its own."""
+    node = ray.get_runtime_context().get_node_id()
+    env = dict(worker_env or {})
+    opts: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    for _ in range(count):
+        keep(Fit.of(node, "cpu", None, env), worker_class().options(**opts).remote(
+            index=-1, pool="", rank=-1, pool_size=0, world=0, device="cpu", num_threads=None, preload=tuple(preload)))
 
 
 def keep(fit: Fit, actor: Any) -> None:

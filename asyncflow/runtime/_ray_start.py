@@ -11,7 +11,10 @@ transformers and the roles. :func:`start_ray` does both at once: it imports thos
 modules in a background thread while ``ray.init`` runs in the caller's thread (Ray
 must be initialised from the thread that uses it). The first
 :class:`~asyncflow.Session` without an ``address`` then takes that instance over
-as if it had started it. This module imports Ray and nothing heavier.
+as if it had started it; with ``workers``, it also starts that many worker
+processes as soon as Ray is up, which import while the script does, for the first
+session to adopt (``asyncflow.runtime._idle``). This module imports Ray and
+nothing heavier.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ _unclaimed = False  # a start_ray instance no session has taken over yet
 
 
 def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
-              preload: Sequence[str] = HEAVY_MODULES, keep: bool = False) -> None:
+              preload: Sequence[str] = HEAVY_MODULES, keep: bool = False, workers: int = 0) -> None:
     """Start a local Ray instance now, importing ``preload`` meanwhile.
 
     Call it at the top of a script, before its heavy imports (which then find
@@ -61,18 +64,27 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
             running (for a script that runs several sessions one after the
             other, which would otherwise start Ray for each, seconds every
             time); :func:`~asyncflow.shutdown_ray` stops it.
+        workers: CPU worker processes to start as soon as Ray is up, importing
+            ``preload`` too while the script imports: the first session adopts
+            them (with no ``worker_env``; see ``asyncflow.runtime._idle``)
+            instead of starting its own once it spawns. As many as its pools
+            have ranks: one more is a process that imports for nothing.
     """
     global _unclaimed
     with _lock:
         if ray.is_initialized():
             return
-        importer = threading.Thread(target=_import_quietly, args=(tuple(preload),),
+        if workers < 0:
+            raise ConfigError(f"start_ray(workers=...) must be >= 0, got {workers!r}")
+        ray_up = threading.Event()
+        importer = threading.Thread(target=_import_quietly, args=(tuple(preload), workers, ray_up),
                                     name="asyncflow-preload", daemon=True)
         importer.start()
         try:
             init_ray(None, cpu_slots, worker_nice)
             _unclaimed = not keep
         finally:
+            ray_up.set()
             importer.join()  # no import half done when the script's own imports run
 
 
@@ -85,8 +97,16 @@ def claim_started_instance() -> bool:
     return claimed
 
 
-def _import_quietly(modules: tuple[str, ...]) -> None:
+def _import_quietly(modules: tuple[str, ...], workers: int, ray_up: threading.Event) -> None:
+    """Import ``modules``; with ``workers``, first start that many workers ahead
+    once Ray is up (which imports the worker module: torch, Ray, ``channels``)."""
     # workers.host._worker has its twin; importing it from here would import torch first
+    if workers:
+        from asyncflow.runtime import _idle
+
+        ray_up.wait()
+        if ray.is_initialized():
+            _idle.start_ahead(workers, preload=modules)
     for name in modules:
         try:
             importlib.import_module(name)

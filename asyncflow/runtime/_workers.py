@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import (
 from asyncflow.runtime import _idle
 from asyncflow.runtime._pool import ResourcePool, worker_threads
 from channels import ConfigError
-from workers import CONCURRENCY_GROUPS, LIVE_ENV, WorkerProcess
+from workers import LIVE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +52,6 @@ class Workers:
         self._placement_timeout = placement_timeout_s
         self._fits: list[_idle.Fit | None] = []  # per worker: what it fits when kept
         self._placement_groups: list[PlacementGroup] = []
-        self._cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
-            WorkerProcess)
 
     async def create(self, pools: list[ResourcePool], device: str, slot: str,
                      preload: Mapping[str, tuple[str, ...]]) -> dict[str, list[int]]:
@@ -112,7 +110,7 @@ class Workers:
             opts["num_gpus"] = 1
         if self._env:
             opts["runtime_env"] = {"env_vars": self._env}
-        return self._cls.options(**opts).remote(**args, device=device)
+        return _idle.worker_class().options(**opts).remote(**args, device=device)
 
     async def _place(self, pool: ResourcePool, device: str, slot: str) -> PlacementGroup:
         """Reserve ``pool``'s devices (a placement group), waiting at most

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 import asyncflow as af
+from asyncflow.runtime import _idle
 from asyncflow.runtime._pool import worker_threads
 from channels import ConfigError
 from support import Sleeper
@@ -91,3 +92,22 @@ def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
     finally:
         af.shutdown_ray()
     assert first == second == [{"nice": 6, "threads": 1}], "the kept instance's settings, not the sessions'"
+
+
+def test_workers_started_with_ray_are_the_first_sessions() -> None:
+    af.shutdown_ray()
+    af.start_ray(preload=(), workers=2)
+    ahead = sorted(ray.get([actor.identity.remote() for _, actor in _idle._kept[_idle._connection()]]))
+
+    async def main() -> list[int]:
+        async with af.Session() as session:
+            roles = await session.spawn({"s": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="main", devices=2,
+                                                                                          threads=1))})
+            assert _idle.kept_count() == 0
+            return await roles.s.pid()
+
+    try:
+        pids = asyncio.run(asyncio.wait_for(main(), timeout=300))
+    finally:
+        af.shutdown_ray()
+    assert sorted(pids) == [pid for pid, *_ in ahead]

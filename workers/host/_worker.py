@@ -92,31 +92,36 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         world: workers in the session.
         device: ``"cpu"``, ``"cuda"`` (this process's first visible GPU) or another
             torch device type (in-process tests use a fake accelerator).
-        num_threads: torch intra-op threads (keeps pools from starving each other).
+        num_threads: torch intra-op threads (keeps pools from starving each other);
+            None: torch's default, for a worker started ahead of its session.
         preload: modules to import in the background from the start (the role
             classes' modules: their imports then overlap the process groups'
             rendezvous instead of following it).
     """
 
     def __init__(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
-                 device: str, num_threads: int, preload: Sequence[str] = ()) -> None:
+                 device: str, num_threads: int | None, preload: Sequence[str] = ()) -> None:
         route_from_environment()  # before the engines log anything (the driver's worker_env says where)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
         self._env: dict[str, str | None] = {}  # what rejoin's env replaced, for leave
+        self._preloads: list[threading.Thread] = []
         self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
                    num_threads=num_threads, preload=preload)
 
     def _join(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
-              num_threads: int, preload: Sequence[str]) -> None:
-        """Become one session's worker (the constructor's arguments)."""
-        torch.set_num_threads(num_threads)
-        self._preload: threading.Thread | None = None
+              num_threads: int | None, preload: Sequence[str]) -> None:
+        """Become one session's worker (the constructor's arguments; ``index`` -1
+        and no ``num_threads``: a worker started ahead of its session, which a
+        session adopts, see ``asyncflow.start_ray``)."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         if preload := [name for name in preload if name not in sys.modules]:
-            self._preload = threading.Thread(target=_import_quietly, args=(tuple(preload),),
-                                             name="asyncflow-preload", daemon=True)
-            self._preload.start()
+            thread = threading.Thread(target=_import_quietly, args=(tuple(preload), tuple(self._preloads)),
+                                      name="asyncflow-preload", daemon=True)
+            thread.start()
+            self._preloads.append(thread)
         self.index, self.pool, self.rank = index, pool, rank
         self.pool_size, self.world = pool_size, world
         self._forget()
@@ -216,11 +221,11 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, store=RayStore(store, timedelta(seconds=timeout_s)),
                                 rank=self.index, world_size=self.world, timeout=self._timeout)
-        if self._preload is not None:
-            # Done before add_role's arguments (the role classes) are unpickled: two
-            # threads importing one package at once can deadlock on its module locks.
-            self._preload.join()
-            self._preload = None
+        # Done before add_role's arguments (the role classes) are unpickled: two
+        # threads importing one package at once can deadlock on its module locks.
+        for thread in self._preloads:
+            thread.join()
+        self._preloads.clear()
 
     def build_groups(self, ranks: Sequence[int], layouts: Sequence[Layout]) -> None:
         """Create this pool's process group and a DeviceMesh per layout.
@@ -377,8 +382,11 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         self._alive.wait()
 
 
-def _import_quietly(modules: tuple[str, ...]) -> None:
-    """Import ``modules``; a failure is left for the real import to report."""
+def _import_quietly(modules: tuple[str, ...], after: tuple[threading.Thread, ...] = ()) -> None:
+    """Import ``modules`` once the threads ``after`` (earlier preloads) are done; a
+    failure is left for the real import to report."""
+    for thread in after:
+        thread.join()
     for name in modules:
         try:
             importlib.import_module(name)
