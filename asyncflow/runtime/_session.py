@@ -134,16 +134,18 @@ class Session(Runtime):
             return
         self._closed = True
         broken, running = await self._stop()
+        clean = not (broken or running or self._started_ray)
         if self._rdt_group is not None and not broken:
             try:
                 from ray.experimental.collective import destroy_collective_group
                 await asyncio.to_thread(destroy_collective_group, self._rdt_group)
             except Exception:  # workers may be dead already
                 logger.debug("destroying the collective group failed", exc_info=True)
+                clean = False  # a worker still in it could not join another session's
         if self._store is not None:
             ray.kill(self._store, no_restart=True)
         if self._workers is not None:
-            await self._workers.release(clean=not (broken or running or self._started_ray))
+            await self._workers.release(clean=clean)
         if self._started_ray:
             shutdown_ray()
 
