@@ -36,3 +36,7 @@ class Burner(Role):
         for _ in range(steps):
             a = torch.tanh(a @ a * 0.01)
         return {"start": start, "end": time.time()}
+
+    @register(protocol=OneToAll())
+    def noop(self) -> None:
+        """Nothing: what a call costs the runtime alone."""

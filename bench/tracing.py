@@ -69,7 +69,7 @@ async def calls_us(*, calls: int, repeats: int) -> dict[str, Any]:
         roles = await session.spawn({"burner": RoleSpec(cls=Burner, pool=ResourcePool(name="p", devices=1))})
         plain: Any = ray.remote(Plain).options(num_cpus=0).remote()  # type: ignore[attr-defined]
         for _ in range(20):
-            await roles.burner.compute(0)
+            await roles.burner.noop()
             await plain.noop.remote()
         for _ in range(repeats):
             for mode in ("off", "on", "ray"):
@@ -80,7 +80,7 @@ async def calls_us(*, calls: int, repeats: int) -> dict[str, Any]:
                     if mode == "ray":
                         await plain.noop.remote()
                     else:
-                        await roles.burner.compute(0)
+                        await roles.burner.noop()
                 times[mode].append((time.perf_counter() - start) / calls * 1e6)
                 if mode == "on":
                     session.stop_trace()

@@ -23,7 +23,7 @@ from asyncflow.runtime._proxy import Roles
 from asyncflow.runtime._runtime import Runtime
 from asyncflow.runtime._transport import BoundTransforms, WorkerGone
 from channels import Piece, RankResult, StoreStats, StreamItem, open_channel
-from workers import WorkerProcess, pieces_by_worker
+from workers import CallArgs, WorkerProcess, pieces_by_worker
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ class LocalTransport:
                       pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
         def run() -> RankResult:
             fetched = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
-            return self.workers[worker].execute(spec, kwargs, transforms, *fetched, free=free)
+            return self.workers[worker].execute(CallArgs(spec, kwargs, transforms, tuple(free)), *fetched)
         return await self._compute_on(worker, "execute", run)
 
     async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:

@@ -21,7 +21,7 @@ import ray
 import torch
 
 from channels import Piece, RankResult, StoreStats, open_receiver
-from workers import RankError, pieces_by_worker
+from workers import CallArgs, RankError, pieces_by_worker
 
 BoundTransforms = Mapping[str, Sequence[tuple[Any, Mapping[str, Any]]]]
 """Per data argument, its bound transforms as ``(fn, kwargs)`` pairs, applied where the
@@ -152,7 +152,7 @@ class RayTransport:
                       pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
         handles = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
         result: RankResult = await self._call(
-            worker, self._actors[worker].execute.remote(spec, kwargs, transforms, *handles, free=list(free)))
+            worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *handles))
         return result
 
     async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:

@@ -5,15 +5,15 @@
   concurrency groups, the rank's shard store);
 - :func:`register` and :class:`Role`: how a role class declares the methods the
   driver may call, and the :class:`WorkerContext` it is built with;
-- :class:`CallSpec` and :class:`RankError`: what one call carries to a rank and
-  what a failed one carries back;
+- :class:`CallSpec`, :class:`CallArgs` and :class:`RankError`: what one call
+  carries to a rank and what a failed one carries back;
 - the stream events (:class:`Chunk`, :class:`Tail`, ...) a streamed method yields;
 - the process groups and meshes of a pool (reconnectable after a failure) and the
   session's rendezvous over Ray;
 - where the engines' log records go (:class:`EngineLogs`).
 """
 
-from workers.host._call import CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
+from workers.host._call import CallArgs, CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
 from workers.host._engine_logs import LIVE_ENV, EngineLogs, engine_log_env
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
 from workers.host._register import (
@@ -41,6 +41,7 @@ __all__ = [
     "CONCURRENCY_GROUPS",
     "LIVE_ENV",
     "Adopt",
+    "CallArgs",
     "CallInfo",
     "CallSpec",
     "Chunk",

@@ -50,7 +50,7 @@ from channels import (
 )
 from workers.host import _groups, _meshes
 from workers.host._binding import bind_gloo_to_node
-from workers.host._call import CallSpec, RankError, ungroup
+from workers.host._call import CallArgs, CallSpec, RankError, ungroup
 from workers.host._engine_logs import LIVE_ENV, route_from_environment
 from workers.host._register import Endpoint, endpoints
 from workers.host._rendezvous import RayStore
@@ -265,26 +265,21 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
     # ----- compute -----
 
     @ray.method(concurrency_group="compute")
-    def execute(self, spec_bytes: bytes, kwargs: Mapping[str, Any],
-                transforms: Mapping[str, Sequence[BoundTransform]], *fetched: tuple[Packed, Mapping[str, torch.Tensor]],
-                free: Sequence[str] = ()) -> RankResult:
+    def execute(self, call: CallArgs, *fetched: tuple[Packed, Mapping[str, torch.Tensor]]) -> RankResult:
         """Run one role method on this rank's rows and store the rows it returns.
 
         Args:
-            spec_bytes: msgpack-encoded :class:`CallSpec`.
-            kwargs: the method's non-data arguments.
-            transforms: per data argument, ``(fn, kwargs)`` applied in order to the
-                pulled rows before the method sees them.
+            call: the call's spec, arguments, transforms and the shards to free
+                first (:class:`~workers.host._call.CallArgs`).
             fetched: the pieces of every data argument's plan that this worker
                 does not hold, as ``slices`` packed them: one per producer worker in
                 the order of ``pieces_by_worker`` (one transfer per producer).
-            free: shards no future names any more, dropped first (as :meth:`free`;
-                the driver sends them along instead of in a call of their own).
 
         Raises:
             RankError: the method (or a transform) raised; the pool's groups are
                 poisoned first so that peers waiting on this rank fail at once.
         """
+        spec_bytes, kwargs, transforms, free = call
         if free:
             self.store.free(free)
         spec = msgspec.msgpack.decode(spec_bytes, type=CallSpec)
