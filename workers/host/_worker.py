@@ -152,11 +152,13 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
                preload: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         """Become a worker of another session, after :meth:`leave`: the driver adopts
         an idle process instead of starting one (see ``asyncflow.runtime._idle``).
-        The arguments are the constructor's (the driver adopts a process only for
+
+        The arguments are the constructor's. The driver adopts a process only for
         the torch threads it has: a process whose thread count changed computes
-        differently in the last bits from a new one); ``env`` holds the variables of the new
-        session's ``worker_env`` this process reads after it started (where the
-        engine logs go, :data:`~workers.host._engine_logs.LIVE_ENV`)."""
+        differently in the last bits from a new one. ``env`` holds the variables
+        of the new session's ``worker_env`` this process reads after it started
+        (where the engine logs go, :data:`~workers.host._engine_logs.LIVE_ENV`).
+        """
         for name, value in (env or {}).items():
             self._env.setdefault(name, os.environ.get(name))
             os.environ[name] = value
@@ -170,7 +172,8 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         (:meth:`rejoin`) without paying for a start and the imports again: end the
         watch call, close the streams and the roles (their ``close()``, where they
         have one), drop the rows and the process groups, give back the environment
-        :meth:`rejoin` set, and reseed torch's default generator with the seed it started with.
+        :meth:`rejoin` set, and reseed torch's default generator with the seed it
+        started with.
 
         The driver calls it after a session closed with no call running and no
         pool broken. Returns False where the process is not fit to serve again: it
