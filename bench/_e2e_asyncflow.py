@@ -9,19 +9,26 @@ import time
 
 _START = time.time()
 
+import argparse  # noqa: E402
+
 import asyncflow as af  # noqa: E402 (light: its names load on first use)
 from bench._e2e_placements import PLACEMENTS  # noqa: E402 (data only)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bench._e2e_asyncflow")
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="one")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the pool's)")
+    return parser
+
 
 if __name__ == "__main__":  # a run; bench.e2e imports this module for its names only
     # Ray comes up while torch, transformers and the roles import, and so do the
     # placement's workers as soon as Ray is up (see asyncflow.start_ray).
-    import sys
+    af.start_ray(workers=sum(PLACEMENTS[_parser().parse_args().placement][0].values()))
 
-    _named = [a.split("=", 1)[1] if "=" in a else b for a, b in zip(sys.argv, [*sys.argv[1:], ""], strict=True)
-              if a.split("=", 1)[0] == "--placement"]
-    af.start_ray(workers=sum(PLACEMENTS.get(_named[-1] if _named else "one", ({}, {}))[0].values()))
-
-import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -110,12 +117,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threa
 
 def main(argv: list[str] | None = None) -> None:
     """Run one placement; print its record as JSON on the last line."""
-    parser = argparse.ArgumentParser(prog="bench._e2e_asyncflow")
-    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="one")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the pool's)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     record = asyncio.run(measure(E2EJob(), args.placement, steps=args.steps, warmup=args.warmup,
                                  threads=args.threads))
     print(json.dumps(record))

@@ -42,20 +42,19 @@ KEPT_WORKERS = 8
 
 @dataclass(frozen=True)
 class Fit:
-    """What an idle worker must match to be adopted: where it runs, its device, its
-    torch threads (a process whose thread count changed computes differently in the
-    last bits from a new one) and the environment it started with (less
+    """What an idle (CPU) worker must match to be adopted: where it runs, its torch
+    threads (a process whose thread count changed computes differently in the last
+    bits from a new one) and the environment it started with (less
     :data:`workers.LIVE_ENV`)."""
 
     node: str
-    device: str
     threads: int | None
     """None: a worker started ahead of its session, which takes any count."""
     env: frozenset[tuple[str, str]]
 
     @staticmethod
-    def of(node: str, device: str, threads: int | None, worker_env: Mapping[str, str]) -> Fit:
-        return Fit(node, device, threads, frozenset((k, v) for k, v in worker_env.items() if k not in LIVE_ENV))
+    def of(node: str, threads: int | None, worker_env: Mapping[str, str]) -> Fit:
+        return Fit(node, threads, frozenset((k, v) for k, v in worker_env.items() if k not in LIVE_ENV))
 
 
 _kept: dict[str, list[tuple[Fit, Any]]] = {}  # by Ray job id: the driver's connection
@@ -70,6 +69,16 @@ def worker_class() -> Any:
     """``WorkerProcess`` as a Ray actor class."""
     return ray.remote(concurrency_groups=CONCURRENCY_GROUPS, enable_tensor_transport=True)(  # type: ignore[call-overload]
         WorkerProcess)
+
+
+def start_keepable(node: str, worker_env: Mapping[str, str], args: Mapping[str, Any]) -> Any:
+    """A new CPU worker (``WorkerProcess(**args)``) that may outlive its session:
+    on ``node``, asking Ray for nothing (a placement group reserves its resources;
+    removing the group would end a worker inside it)."""
+    opts: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+    if worker_env:
+        opts["runtime_env"] = {"env_vars": dict(worker_env)}
+    return worker_class().options(**opts).remote(**args, device="cpu")
 
 
 def take(fit: Fit) -> Any | None:
@@ -90,12 +99,10 @@ def start_ahead(count: int, *, preload: Sequence[str], worker_env: Mapping[str, 
     (with ``worker_env``'s environment) instead of starting its own."""
     node = ray.get_runtime_context().get_node_id()
     env = dict(worker_env or {})
-    opts: dict[str, Any] = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-    if env:
-        opts["runtime_env"] = {"env_vars": env}
+    blank = {"index": -1, "pool": "", "rank": -1, "pool_size": 0, "world": 0, "num_threads": None,
+             "preload": tuple(preload)}
     for _ in range(count):
-        keep(Fit.of(node, "cpu", None, env), worker_class().options(**opts).remote(
-            index=-1, pool="", rank=-1, pool_size=0, world=0, device="cpu", num_threads=None, preload=tuple(preload)))
+        keep(Fit.of(node, None, env), start_keepable(node, env, blank))
 
 
 def keep(fit: Fit, actor: Any) -> None:

@@ -17,7 +17,6 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
 )
 
@@ -74,7 +73,7 @@ class Workers:
                     "index": len(self.actors), "pool": pool.name, "rank": rank, "pool_size": pool.devices,
                     "world": world, "num_threads": worker_threads(pool, world=world, device=device),
                     "preload": preload.get(pool.name, ())}
-                fit = _idle.Fit.of(nodes[rank], device, args["num_threads"], self._env) if fitting else None
+                fit = _idle.Fit.of(nodes[rank], args["num_threads"], self._env) if fitting else None
                 actor = _idle.take(fit) if fit is not None and self._adopt else None
                 if actor is not None:
                     joining.append((actor.rejoin.remote(**args, env=live_env), args, pool, pg))
@@ -93,19 +92,16 @@ class Workers:
 
     def _start(self, pool: ResourcePool, device: str, slot: str, pg: PlacementGroup, fit: _idle.Fit | None,
                args: Mapping[str, Any]) -> Any:
-        """A new worker for ``args["rank"]`` of ``pool``: in its bundle of ``pg``,
-        or, for a worker that may outlive the session (``fit`` and keeping), on the
-        bundle's node asking for nothing (the bundle holds its resources)."""
-        opts: dict[str, Any]
+        """A new worker for ``args["rank"]`` of ``pool``: one that may outlive the
+        session (``fit`` and keeping) on the bundle's node, else in its bundle of ``pg``."""
         if fit is not None and self._keep:
-            opts = {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(fit.node, soft=False)}
-        else:
-            opts = {
-                "num_cpus": 1 if slot == "CPU" else 0,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=args["rank"]),
-                "resources": {**({slot: 1.0} if slot not in ("CPU", "GPU") else {}), **pool.resources},
-            }
+            return _idle.start_keepable(fit.node, self._env, args)
+        opts: dict[str, Any] = {
+            "num_cpus": 1 if slot == "CPU" else 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=args["rank"]),
+            "resources": {**({slot: 1.0} if slot not in ("CPU", "GPU") else {}), **pool.resources},
+        }
         if device == "cuda":
             opts["num_gpus"] = 1
         if self._env:

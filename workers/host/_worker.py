@@ -105,7 +105,6 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
-        self._env: dict[str, str | None] = {}  # what rejoin's env replaced, for leave
         self._preloads: list[threading.Thread] = []
         self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
                    num_threads=num_threads, preload=preload)
@@ -159,9 +158,9 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         of the new session's ``worker_env`` this process reads after it started
         (where the engine logs go, :data:`~workers.host._engine_logs.LIVE_ENV`).
         """
-        for name, value in (env or {}).items():
-            self._env.setdefault(name, os.environ.get(name))
-            os.environ[name] = value
+        if unknown := sorted(set(env or {}) - LIVE_ENV):
+            raise ValueError(f"rejoin takes only {sorted(LIVE_ENV)} from the new session's environment, not {unknown}")
+        os.environ.update(env or {})
         route_from_environment(again=True)
         self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
                    num_threads=num_threads, preload=preload)
@@ -171,9 +170,9 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         """Forget the session, so that another one can adopt this process
         (:meth:`rejoin`) without paying for a start and the imports again: end the
         watch call, close the streams and the roles (their ``close()``, where they
-        have one), drop the rows and the process groups, give back the environment
-        :meth:`rejoin` set, and reseed torch's default generator with the seed it
-        started with.
+        have one), drop the rows and the process groups, unset the variables
+        :meth:`rejoin` may set (:data:`~workers.host._engine_logs.LIVE_ENV`), and
+        reseed torch's default generator with the seed it started with.
 
         The driver calls it after a session closed with no call running and no
         pool broken. Returns False where the process is not fit to serve again: it
@@ -192,12 +191,6 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         self._forget()
         if dist.is_initialized():
             dist.destroy_process_group()  # every group of the session, the reconnectable ones included
-        for name, value in self._env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        self._env.clear()
         for name in LIVE_ENV:  # the closed session's log file, whichever session set it
             os.environ.pop(name, None)
         route_from_environment(again=True)
