@@ -1,4 +1,4 @@
-"""The native engine's decode batch: rows that share one KV cache, and the two model calls.
+"""The native engine's dynamic decode batch: rows that share one growing KV cache.
 
 Rows stay right-aligned: each row's KV cache is ``[padding..., real tokens...]``, with
 an attention mask of zeros on the padding and positions counted over real tokens
@@ -6,7 +6,8 @@ only (``cumsum(mask) - 1``). That is the convention of :mod:`._types`, so the
 training engine's forward pass over ``prompt_ids ++ response_ids`` reproduces the
 log-probs the engine reports. :func:`prefill` builds a batch from token sequences,
 :func:`decode` extends every row by one token, and :class:`KVBatch` drops finished
-rows and merges batches.
+rows and merges batches. :class:`DynamicBatch` is the decode batch
+(:mod:`._decode_batch`) built on them: its rows' tokens kept in Python lists.
 """
 
 from __future__ import annotations
@@ -18,9 +19,81 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from ._lean_decode import LeanDecoder
+from ._decode_batch import Row, RunRules
+from ._lean_decode import LeanDecoder, lean_decoder
+from ._sampling import sample_tokens
 
-__all__ = ["KVBatch", "decode", "prefill"]
+__all__ = ["DynamicBatch", "KVBatch", "decode", "kv_layers", "prefill"]
+
+
+class DynamicBatch:
+    """The decode batch of the ``"dynamic"`` kind (:mod:`._decode_batch`): one
+    :class:`KVBatch`, stepped through the lean decoder where the model has one.
+
+    Args:
+        model: The causal LM sampled from.
+        rules: How rows sample and end.
+    """
+
+    def __init__(self, model: PreTrainedModel, rules: RunRules) -> None:
+        self._model = model
+        self._rules = rules
+        self._lean = lean_decoder(model)
+        self._running: KVBatch | None = None
+        self._rows: dict[int, Row] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def join(self, rows: list[Row]) -> list[Row]:
+        for row in rows:
+            self._rows[row.index] = row
+        fresh, logits = prefill(self._model, [row.prompt + row.response for row in rows],
+                                [row.index for row in rows], pad_token_id=self._rules.params.pad_token_id)
+        finished = self._advance(fresh, logits)
+        if self._running is None and len(fresh):
+            self._running = fresh
+        elif len(fresh):
+            assert self._running is not None
+            self._running.extend(fresh)
+        return finished
+
+    def decode(self) -> list[Row]:
+        running = self._running
+        if running is None or not len(running):
+            return []
+        finished = self._advance(running, decode(self._model, running, self._lean))
+        if not len(running):
+            self._running = None
+        return finished
+
+    def leave(self) -> list[Row]:
+        rows = list(self._rows.values())
+        self._rows.clear()
+        self._running = None
+        return rows
+
+    def _advance(self, batch: KVBatch, logits: torch.Tensor) -> list[Row]:
+        """Sample one token per row, record it, and drop the rows that finished."""
+        rows = [self._rows[index] for index in batch.indices]
+        tokens, logprobs = sample_tokens(
+            logits,
+            self._rules.params,
+            [row.seed for row in rows],
+            lengths=[len(row.response) for row in rows],
+            early_banned=self._rules.early_banned,
+        )
+        batch.next_tokens = tokens
+        finished, keep = [], []
+        for position, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
+            row.response.append(token)
+            row.logprobs.append(logprob)
+            if self._rules.ended(row.response, row.budget):
+                finished.append(self._rows.pop(row.index))
+            else:
+                keep.append(position)
+        batch.keep(keep)
+        return finished
 
 
 @dataclass(kw_only=True)
@@ -55,7 +128,7 @@ class KVBatch:
         self.mask = mask[:, start:]
         self.next_positions = self.next_positions.index_select(0, select)
         self.next_tokens = self.next_tokens.index_select(0, select)
-        for layer, keys, values in _kv_tensors(self.cache):
+        for layer, keys, values in kv_layers(self.cache):
             layer.keys = keys.index_select(0, select)[:, :, start:]
             layer.values = values.index_select(0, select)[:, :, start:]
 
@@ -67,7 +140,7 @@ class KVBatch:
         self.next_positions = torch.cat([self.next_positions, other.next_positions])
         self.next_tokens = torch.cat([self.next_tokens, other.next_tokens])
         for (layer, keys, values), (_, more_keys, more_values) in zip(
-            _kv_tensors(self.cache), _kv_tensors(other.cache), strict=True
+            kv_layers(self.cache), kv_layers(other.cache), strict=True
         ):
             layer.keys = torch.cat([_left_pad(keys, length), _left_pad(more_keys, length)])
             layer.values = torch.cat([_left_pad(values, length), _left_pad(more_values, length)])
@@ -129,7 +202,7 @@ def decode(model: PreTrainedModel, batch: KVBatch, lean: LeanDecoder | None = No
     batch.mask = torch.cat([batch.mask, ones], dim=1)
     if lean is not None:
         logits = lean.step(batch.next_tokens, batch.next_positions, batch.mask,
-                           [layer for layer, _, _ in _kv_tensors(batch.cache)])
+                           [layer for layer, _, _ in kv_layers(batch.cache)])
         batch.next_positions = batch.next_positions + 1
         return logits
     output = model(
@@ -143,7 +216,7 @@ def decode(model: PreTrainedModel, batch: KVBatch, lean: LeanDecoder | None = No
     return output.logits[:, -1, :].float()
 
 
-def _kv_tensors(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
+def kv_layers(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
     """Each layer of a full-attention cache with its keys and values ``[B, H, L, D]``."""
     entries = []
     for layer in cache.layers:

@@ -13,8 +13,11 @@ and ``generate_stream`` step such a run to its end.
 Unfinished samples leave a run as :class:`PartialSample` (``export``) and continue in
 another run, on this engine or another one (``admit``): their prompt and response so
 far are prefilled again, their random stream goes on where it stopped and their
-budget stays theirs. The run lives in :mod:`._native_run`, the KV cache layout in
-:mod:`._kv_batch`, the per-sample random streams in :mod:`._sampling`.
+budget stays theirs. The run lives in :mod:`._native_run`, its running rows in a
+decode batch (:mod:`._decode_batch`): a dynamic KV cache (:mod:`._kv_batch`, the CPU's)
+or a static one whose decode step is replayed as CUDA graphs (:mod:`._static_batch`,
+:mod:`._static_cache`, the default on CUDA); the per-sample random streams are in
+:mod:`._sampling`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ from transformers import PreTrainedModel
 from channels import ConfigError
 
 from ._bind import bind_parameters, release_parameters
+from ._decode_batch import DecodeBatch, RunRules
+from ._kv_batch import DynamicBatch
+from ._lean_decode import lean_decoder
 from ._native_run import NativeRun
+from ._static_batch import StaticBatch
+from ._static_cache import DecoderPool
 from ._stop import StopStrings, TextDecoder
 from ._types import (
     FinishedSample,
@@ -67,6 +75,18 @@ class NativeRolloutConfig:
     ``TrainingConfig.precision``: bfloat16 on a GPU, float32 on the CPU by default;
     a rollout role on its own pool takes the same rule from its device). The
     roles apply it when they build the engine; log-probs are float32 either way."""
+    decode: Literal["auto", "dynamic", "static"] = "auto"
+    """How decode steps keep the KV cache. ``"dynamic"``: a cache that grows with the
+    batch's longest row and is compacted as rows leave (cheap on the CPU, where a step
+    costs what it reads). ``"static"``: one cache preallocated for the run, a slot per
+    row, each step's attention masked to the slot's own tokens, and the samples'
+    bookkeeping on tensors; on CUDA its decode step is replayed as a CUDA graph
+    (``cuda_graphs``). ``"auto"``: static on a CUDA device for the models the lean
+    step supports (Llama, Qwen2), dynamic elsewhere. Tokens and log-probs mean the
+    same either way (equal up to float rounding)."""
+    cuda_graphs: bool = True
+    """With the static cache on CUDA, capture the decode step as one CUDA graph per
+    batch-size bucket and replay it (prefill stays eager); False runs it eagerly."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (
@@ -78,6 +98,10 @@ class NativeRolloutConfig:
             )
         if not isinstance(self.seed, int):
             raise ConfigError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
+        if self.decode not in ("auto", "dynamic", "static"):
+            raise ConfigError(f"NativeRolloutConfig.decode must be 'auto', 'dynamic' or 'static', got {self.decode!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"NativeRolloutConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"NativeRolloutConfig.dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 
@@ -124,6 +148,22 @@ class NativeRolloutEngine:
         self._weights_version = 0
         self._warned_cap = False
         self._released: dict[str, tuple[int, ...]] | None = None
+        self._decoders = self._static_decoders()
+
+    def _static_decoders(self) -> DecoderPool | None:
+        """The static decoders' pool where the config asks for the static cache (see
+        ``NativeRolloutConfig.decode``); None for the dynamic one."""
+        decode = self._config.decode
+        lean = lean_decoder(self._model) is not None
+        if decode == "static" and not lean:
+            raise ConfigError(
+                f"NativeRolloutConfig.decode='static' needs a Llama- or Qwen2-shaped model with default "
+                f"RoPE and SDPA attention; this one ({type(self._model).__name__}) decodes with "
+                "decode='dynamic' (or 'auto')"
+            )
+        if decode == "dynamic" or (decode == "auto" and (self._device.type != "cuda" or not lean)):
+            return None
+        return DecoderPool(self._model, graphs=self._config.cuda_graphs)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -251,7 +291,12 @@ class NativeRolloutEngine:
             assert self._tokenizer is not None  # _check_params refuses stop strings without one
             stop = StopStrings(self._tokenizer, params.stop, min_new_tokens=params.min_new_tokens)
         self._log_batch(len(prompt_lists))
-        run = NativeRun(self, params, seed, stop=stop, early_banned=self._early_banned(params))
+        rules = RunRules(params=params, stop=stop, early_banned=self._early_banned(params))
+        batch: DecodeBatch = (
+            DynamicBatch(self._model, rules) if self._decoders is None
+            else StaticBatch(self._model, rules, self._decoders, slots=self._config.max_batch_size)
+        )
+        run = NativeRun(self, rules, seed, batch)
         run.queue(
             [
                 run.row(index, prompt, [], [], budget)
@@ -319,6 +364,8 @@ class NativeRolloutEngine:
             ConfigError: a name is not a parameter, or a shape or dtype differs.
         """
         self._weights_version += 1
+        if self._decoders is not None:
+            self._decoders.clear()
         bound = bind_parameters(self._model, named_tensors, self._released or {})
         self._released = None
         return bound
@@ -326,6 +373,8 @@ class NativeRolloutEngine:
     def release_weights(self) -> None:
         """Drop the model's parameter memory; generating refuses until :meth:`bind_weights`."""
         self._weights_version += 1
+        if self._decoders is not None:
+            self._decoders.clear()  # the KV cache's memory goes with the weights'
         shapes = release_parameters(self._model)
         self._released = self._released or shapes
 

@@ -23,7 +23,7 @@ from channels import ConfigError
 
 from ._types import SamplingParams
 
-__all__ = ["pack_row_seed", "row_seed", "sample_tokens", "splitmix64", "unpack_row_seed"]
+__all__ = ["pack_row_seed", "row_seed", "sample_tokens", "signed_seeds", "splitmix64", "unpack_row_seed"]
 
 _MASK64 = (1 << 64) - 1
 _ROW_SEED_BYTES = 8
@@ -91,29 +91,35 @@ def splitmix64(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _uniforms(
-    seeds: Sequence[int | None], lengths: Sequence[int], dtype: torch.dtype, device: torch.device
+    seeds: Sequence[int | None] | torch.Tensor,
+    lengths: Sequence[int] | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     """Each row's uniform in ``[0, 1)`` for its token at position ``lengths[row]``."""
-    signed = []
-    for seed in seeds:
-        if seed is None:
+    if not isinstance(seeds, torch.Tensor):
+        if any(seed is None for seed in seeds):
             raise ValueError("sampling needs every row's row seed (None is for greedy only)")
-        signed.append(seed - (1 << 64) if seed >= 1 << 63 else seed)
-    bits = splitmix64(
-        torch.tensor(signed, dtype=torch.int64, device=device),
-        torch.tensor(lengths, dtype=torch.int64, device=device),
-    )
+        seeds = torch.tensor(signed_seeds([s for s in seeds if s is not None]), dtype=torch.int64, device=device)
+    if not isinstance(lengths, torch.Tensor):
+        lengths = torch.tensor(list(lengths), dtype=torch.int64, device=device)
+    bits = splitmix64(seeds, lengths)
     mantissa = 53 if dtype == torch.float64 else 24  # the bits a float in [0, 1) holds
     return _shift_right(bits, 64 - mantissa).to(dtype) * 2.0**-mantissa
+
+
+def signed_seeds(seeds: Sequence[int]) -> list[int]:
+    """Row seeds (in ``[0, 2**64)``) as the int64 values of their bits, for a tensor."""
+    return [seed - (1 << 64) if seed >= 1 << 63 else seed for seed in seeds]
 
 
 @torch.no_grad()
 def sample_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
-    seeds: Sequence[int | None],
+    seeds: Sequence[int | None] | torch.Tensor,
     *,
-    lengths: Sequence[int],
+    lengths: Sequence[int] | torch.Tensor,
     early_banned: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return it and its raw log-prob (temperature 1, unfiltered).
@@ -125,19 +131,18 @@ def sample_tokens(
     Args:
         logits: [rows, vocab] next-token logits.
         params: How to sample.
-        seeds: Each row's row seed (:func:`row_seed`; None when greedy).
-        lengths: Each row's response length before this token (its stream position).
+        seeds: Each row's row seed (:func:`row_seed`; None when greedy), or an int64
+            tensor of them (:func:`signed_seeds`) on ``logits``' device.
+        lengths: Each row's response length before this token (its stream position),
+            or an int64 tensor of them on ``logits``' device: then nothing waits for
+            the device (no value is read back), which a CUDA graph's step needs.
         early_banned: Token ids that rows shorter than ``params.min_new_tokens``
             cannot sample (EOS ids). The log-probs stay those of the unmasked
             logits, as vLLM's raw log-probs are taken before its logits processors.
     """
     raw_logprobs = F.log_softmax(logits, dim=-1)
     if params.min_new_tokens and early_banned:
-        short = torch.tensor([n < params.min_new_tokens for n in lengths], device=logits.device)
-        if bool(short.any()):
-            logits = logits.clone()
-            rows = short.nonzero()[:, 0]
-            logits[rows[:, None], torch.tensor(early_banned, device=logits.device)] = float("-inf")
+        logits = _ban_early(logits, params.min_new_tokens, early_banned, lengths)
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -146,6 +151,25 @@ def sample_tokens(
         dtype = torch.float32 if logits.device.type == "mps" else torch.float64
         tokens = _inverse_cdf(probs, _uniforms(seeds, lengths, dtype, logits.device))
     return tokens, raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _ban_early(
+    logits: torch.Tensor, min_new_tokens: int, banned: tuple[int, ...], lengths: Sequence[int] | torch.Tensor
+) -> torch.Tensor:
+    """``logits`` with ``banned`` masked out of the rows shorter than ``min_new_tokens``
+    (a copy when any is). Lengths on the host are looked at there; a tensor of them is
+    applied without reading it back."""
+    columns = torch.tensor(banned, device=logits.device)
+    if isinstance(lengths, torch.Tensor):
+        logits = logits.clone()
+        logits[:, columns] = logits[:, columns].masked_fill((lengths < min_new_tokens)[:, None], float("-inf"))
+        return logits
+    short = [row for row, n in enumerate(lengths) if n < min_new_tokens]
+    if not short:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(short, device=logits.device)[:, None], columns] = float("-inf")
+    return logits
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -159,13 +183,14 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = probs.to(uniforms.dtype).cumsum(dim=-1)
     targets = uniforms[:, None] * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
-    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
+    columns = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, columns, 0).amax(dim=-1)
     return torch.minimum(tokens, last)
 
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Sampling distribution after temperature, then top-k, then top-p."""
-    scores = logits / params.temperature
+    scores = logits / params.temperature if params.temperature != 1.0 else logits
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

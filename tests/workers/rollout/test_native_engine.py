@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 import msgspec
 import pytest
@@ -47,9 +48,18 @@ def model() -> PreTrainedModel:
     return build_tiny_model(TinyModelConfig(), seed=0)
 
 
+pytestmark = pytest.mark.usefixtures("decode")
+DECODE = "dynamic"
+"""The engines' KV cache (``NativeRolloutConfig.decode``): conftest's ``decode`` runs
+every test with both."""
+
+
+def _config(**settings: Any) -> NativeRolloutConfig:
+    return NativeRolloutConfig(decode=DECODE, **settings)
+
+
 def _engine(model: PreTrainedModel, max_batch_size: int = 32, seed: int = 0) -> NativeRolloutEngine:
-    config = NativeRolloutConfig(max_batch_size=max_batch_size, seed=seed)
-    return NativeRolloutEngine(model, config=config)
+    return NativeRolloutEngine(model, config=_config(max_batch_size=max_batch_size, seed=seed))
 
 
 def _reference_logprobs(model: PreTrainedModel, out: RolloutOutput) -> torch.Tensor:
@@ -106,9 +116,8 @@ def test_continuous_batching_matches_static_batching(model: PreTrainedModel) -> 
 def test_waiting_prompts_join_while_others_decode(model: PreTrainedModel) -> None:
     long_prompt, short_prompt, eos = _long_and_short(model)
     batch_sizes: list[int] = []
-    hook = model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]),
-        with_kwargs=True,
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda _module, args: batch_sizes.append(args[0].shape[0])
     )
     try:
         params = SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_id=eos)
@@ -493,11 +502,11 @@ def test_the_default_batch_is_sized_from_the_request_and_a_cap_that_splits_it_is
     hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: widths.append(args[0].shape[0]))
     try:
         with caplog.at_level(logging.INFO, logger="workers.rollout._native"):
-            uncapped = NativeRolloutEngine(model, config=NativeRolloutConfig()).generate(PROMPTS, params)
+            uncapped = NativeRolloutEngine(model, config=_config()).generate(PROMPTS, params)
             assert widths == [len(PROMPTS)] * 4  # one prefill and three decodes of every sample
             assert "7 samples decode in one batch (max_batch_size=None)" in caplog.text
             widths.clear()
-            capped = NativeRolloutEngine(model, config=NativeRolloutConfig(max_batch_size=3))
+            capped = NativeRolloutEngine(model, config=_config(max_batch_size=3))
             _assert_same(capped.generate(PROMPTS, params), uncapped)
             assert max(widths) == 3 and len(widths) > 4
             capped.generate(PROMPTS, params)

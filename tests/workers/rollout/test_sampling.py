@@ -164,3 +164,10 @@ def test_sampling_without_row_seeds_is_refused_and_greedy_needs_none() -> None:
     tokens, logprobs = sample_tokens(logits, greedy, [None], lengths=[0])
     assert tokens.tolist() == [1]
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[:, 1])
+
+
+
+def test_the_last_token_of_non_zero_probability_bounds_every_pick() -> None:
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.2, 0.0, 0.8, 0.0]])
+    near_one = torch.full((3,), 1.0 - 2**-53, dtype=torch.float64)
+    assert _inverse_cdf(probs, near_one).tolist() == [1, 3, 2]

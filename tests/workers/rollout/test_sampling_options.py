@@ -4,6 +4,7 @@ their validation (``SamplingParams`` and the algorithms' ``SamplingConfig``)."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import msgspec
 import pytest
@@ -50,8 +51,18 @@ def model() -> PreTrainedModel:
     return build_tiny_model(TinyModelConfig(), seed=0)
 
 
+pytestmark = pytest.mark.usefixtures("decode")
+DECODE = "dynamic"
+"""The engines' KV cache (``NativeRolloutConfig.decode``): conftest's ``decode`` runs
+every test with both."""
+
+
+def _config(**settings: Any) -> NativeRolloutConfig:
+    return NativeRolloutConfig(decode=DECODE, **settings)
+
+
 def _engine(model: PreTrainedModel, tokenizer: object = TOKENIZER) -> NativeRolloutEngine:
-    return NativeRolloutEngine(model, config=NativeRolloutConfig(max_batch_size=4), tokenizer=tokenizer)  # type: ignore[arg-type]
+    return NativeRolloutEngine(model, config=_config(max_batch_size=4), tokenizer=tokenizer)  # type: ignore[arg-type]
 
 
 def _responses(out: RolloutOutput) -> list[list[int]]:
@@ -198,7 +209,7 @@ def test_options_are_validated_naming_the_field(model: PreTrainedModel) -> None:
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     decoded = msgspec.json.decode(b'{"stop": ["a"], "min_new_tokens": 2}', type=SamplingParams)
     assert decoded.stop == ("a",) and decoded.min_new_tokens == 2
-    no_tokenizer = NativeRolloutEngine(model, config=NativeRolloutConfig())
+    no_tokenizer = NativeRolloutEngine(model, config=_config())
     with pytest.raises(ConfigError, match=r"stop.*tokenizer"):
         no_tokenizer.start(PROMPTS, SamplingParams(stop=["+"]))
 

@@ -1,0 +1,40 @@
+"""``python -m bench.generation --device cpu --engines ...`` on the tiny model: the
+engine comparison of the CUDA mode runs on the CPU without vLLM, and its JSON has the
+keys the bench promises. Timings are reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.generation import main
+
+ENGINES = ["native_eager", "hf_generate"]
+
+
+def test_the_engines_are_timed_and_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "generation.json"
+    main([
+        "--device", "cpu", "--model", "tiny", "--engines", ",".join(ENGINES), "--dtypes", "float32",
+        "--batches", "4", "--prompt-len", "8", "--new-tokens", "8", "--runs", "2", "--threads", "1",
+        "--json", str(out),
+    ])
+    setup = json.loads(out.read_text())
+    assert {"gpu", "torch", "transformers", "model", "parameters", "prompt_len", "new_tokens"} <= set(setup)
+    assert (setup["model"], setup["prompt_len"], setup["new_tokens"], setup["gpu"]) == ("tiny", 8, 8, None)
+    records = setup["results"]
+    assert [r["engine"] for r in records] == ENGINES
+    for r in records:
+        assert {"device", "dtype", "batch", "engine", "tokens_per_s", "ms_per_step", "seconds_runs", "warmup_s"} <= set(r)
+        assert (r["device"], r["dtype"], r["batch"], len(r["seconds_runs"])) == ("cpu", "float32", 4, 2)
+        assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["warmup_s"] > 0
+    assert records[1]["over_hf_generate"] == pytest.approx(1.0)
+    table = capsys.readouterr().out
+    assert all(engine in table for engine in ENGINES)
+
+
+def test_unknown_engines_are_refused_before_the_model_is_built() -> None:
+    with pytest.raises(ValueError, match="--engines must name some of native_graph"):
+        main(["--device", "cpu", "--model", "tiny", "--engines", "native_eager,vllm"])
