@@ -21,13 +21,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the pool's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the workload and its pools' device")
     return parser
 
 
 if __name__ == "__main__":  # a run; bench.e2e imports this module for its names only
     # Ray comes up while torch, transformers and the roles import, and so do the
-    # placement's workers as soon as Ray is up (see asyncflow.start_ray).
-    af.start_ray(workers=sum(PLACEMENTS[_parser().parse_args().placement][0].values()))
+    # placement's CPU workers as soon as Ray is up (see asyncflow.start_ray).
+    _args = _parser().parse_args()
+    af.start_ray(workers=sum(PLACEMENTS[_args.placement][0].values()) if _args.device == "cpu" else 0)
 
 import asyncio  # noqa: E402
 import json  # noqa: E402
@@ -63,8 +65,9 @@ def grpo_config(job: E2EJob) -> GRPOConfig:
 def role_specs(job: E2EJob, model_dir: str, placement: str, threads: int | None) -> dict[str, af.RoleSpec]:
     """The actor, reference and rule reward on ``placement``'s pools."""
     sizes, where = PLACEMENTS[placement]
-    pools = {name: af.ResourcePool(name=name, devices=n, threads=threads) for name, n in sizes.items()}
-    training = TrainingConfig(lr=job.lr, micro_batch_size=job.rows)
+    pools = {name: af.ResourcePool(name=name, devices=n, threads=threads, device=job.device)  # type: ignore[arg-type]
+             for name, n in sizes.items()}
+    training = TrainingConfig(lr=job.lr, micro_batch_size=job.micro_batch)
     built: dict[str, tuple[type, Any]] = {
         "actor": (ActorWorker, ActorConfig(model_dir=model_dir, training=training, seed=job.seed)),
         "ref": (ReferenceWorker, ReferenceConfig(model_dir=model_dir, training=training)),
@@ -105,7 +108,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threa
     summary = summarise(trace)
     median = statistics.median(times[warmup:])
     return {
-        "framework": "asyncflow", "placement": placement, "threads": threads,
+        "framework": "asyncflow", "placement": placement, "threads": threads, "device": job.device,
         "s_per_step": median, "tokens_per_s": job.tokens_per_step / median,
         "steps_s": times, "startup_s": marks,
         "stage_ms": {k: 1000 * v / steps for k, v in sorted(summary.stage_busy_s.items())},
@@ -118,7 +121,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threa
 def main(argv: list[str] | None = None) -> None:
     """Run one placement; print its record as JSON on the last line."""
     args = _parser().parse_args(argv)
-    record = asyncio.run(measure(E2EJob(), args.placement, steps=args.steps, warmup=args.warmup,
+    record = asyncio.run(measure(E2EJob.on(args.device), args.placement, steps=args.steps, warmup=args.warmup,
                                  threads=args.threads))
     print(json.dumps(record))
 

@@ -18,6 +18,25 @@ from typing import Any  # noqa: E402
 from bench._e2e_job import E2EJob, digit_reward  # noqa: E402
 
 
+def grpo_settings(job: E2EJob) -> dict[str, Any]:
+    """TRL ``GRPOConfig`` settings for ``job`` (besides the output directory and steps)."""
+    micro = min(job.micro_batch, job.rows)
+    return {
+        # one generation of every sample, then one optimizer step over micro-batches
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": job.rows // micro,
+        "num_generations": job.n, "max_completion_length": job.new_tokens,
+        "generation_kwargs": {"min_new_tokens": job.new_tokens}, "temperature": 1.0, "beta": job.kl_coef,
+        "learning_rate": job.lr, "num_iterations": 1, "logging_steps": 1, "report_to": [],
+        "save_strategy": "no", "seed": job.seed, "shuffle_dataset": False, "disable_tqdm": True,
+        "dataloader_num_workers": 0, "use_cpu": job.device == "cpu",
+        # On the CPU fp32 like asyncflow (bf16 matmuls are emulated on CPUs without
+        # AVX-512 BF16: 10x slower); on a GPU bf16 autocast, like asyncflow's default
+        # there. No recomputation on either side: gradient checkpointing saves memory
+        # this workload does not need and costs time.
+        "bf16": job.device == "cuda", "gradient_checkpointing": False,
+    }
+
+
 def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
     """Train ``warmup + steps`` GRPO steps with TRL; the record."""
     import torch
@@ -45,17 +64,8 @@ def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dic
         tokenizer.padding_side = "left"
         prompts = [tokenizer.decode(row, skip_special_tokens=True) for row in job.prompt_ids().tolist()]
         data = Dataset.from_dict({"prompt": prompts * (warmup + steps)})
-        args = GRPOConfig(
-            output_dir=os.path.join(tmp, "out"), per_device_train_batch_size=job.rows, num_generations=job.n,
-            max_completion_length=job.new_tokens, generation_kwargs={"min_new_tokens": job.new_tokens},
-            temperature=1.0, beta=job.kl_coef, learning_rate=job.lr, max_steps=warmup + steps, num_iterations=1,
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=job.seed, shuffle_dataset=False,
-            disable_tqdm=True, dataloader_num_workers=0,
-            # fp32 like asyncflow, and no recomputation: TRL's defaults (bf16 autocast,
-            # gradient checkpointing) save memory this workload does not need and cost
-            # time (bf16 matmuls are emulated on CPUs without AVX-512 BF16: 10x slower)
-            bf16=False, gradient_checkpointing=False,
-        )
+        args = GRPOConfig(output_dir=os.path.join(tmp, "out"), max_steps=warmup + steps,
+                          **grpo_settings(job))
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         reward: Any = digit_reward
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
@@ -63,7 +73,7 @@ def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dic
         marks["trainer_built"] = time.time() - _START
         trainer.train()
     median = statistics.median(times[warmup:])
-    return {"framework": "trl", "threads": threads if threads is not None else torch.get_num_threads(),
+    return {"framework": "trl", "device": job.device, "threads": threads if threads is not None else torch.get_num_threads(),
             "s_per_step": median, "tokens_per_s": job.tokens_per_step / median, "steps_s": times,
             "startup_s": marks}
 
@@ -74,8 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the workload's device")
     args = parser.parse_args(argv)
-    print(json.dumps(measure(E2EJob(), steps=args.steps, warmup=args.warmup, threads=args.threads)))
+    print(json.dumps(measure(E2EJob.on(args.device), steps=args.steps, warmup=args.warmup, threads=args.threads)))
 
 
 if __name__ == "__main__":

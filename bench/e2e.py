@@ -11,6 +11,10 @@ alternating round by round, so both see the same machine. Per run: seconds per
 step (the median of ``--steps`` after ``--warmup`` steps), generated tokens/s,
 asyncflow's per-stage milliseconds and where its start-up seconds went.
 
+``--device cuda`` runs the one-GPU workload (a random Qwen2.5-0.5B-shaped
+Llama, 64 prompts x 8 samples x 256 tokens, bf16; ``bench._e2e_job``) with every
+role on one GPU (placement ``one``) and TRL on the same GPU, without the floor.
+
 Each round also runs the workload in plain PyTorch with no framework
 (``bench._e2e_floor``: one process, and two processes splitting the prompts with
 one gradient all-reduce): about the fastest the eager arithmetic runs on this
@@ -66,9 +70,10 @@ def _burn() -> None:
 
 
 def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, threads: int | None,
-            trl: bool, load: int, floor: bool = True) -> dict[str, Any]:
+            trl: bool, load: int, floor: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Every placement (and TRL, and the floor) once per round, alternating; the record."""
     common = ["--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
+    sides = ["--device", device]
     floors = {f"floor_{ranks}": ranks for ranks in FLOOR_RANKS} if floor else {}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in [*placements, *(["trl"] if trl else []), *floors]}
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(load)]
@@ -77,16 +82,16 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
     try:
         for _ in range(rounds):
             for placement in placements:
-                runs[placement].append(run_one("bench._e2e_asyncflow", ["--placement", placement, *common]))
+                runs[placement].append(run_one("bench._e2e_asyncflow", ["--placement", placement, *common, *sides]))
             if trl:
-                runs["trl"].append(run_one("bench._e2e_trl", common))
+                runs["trl"].append(run_one("bench._e2e_trl", [*common, *sides]))
             for name, ranks in floors.items():
                 runs[name].append(run_one("bench._e2e_floor", ["--ranks", str(ranks), *common]))
     finally:
         for b in burners:
             b.terminate()
-    job = E2EJob()
-    record: dict[str, Any] = {"job": job.as_dict(), "rounds": rounds, "steps": steps, "warmup": warmup,
+    job = E2EJob.on(device)
+    record: dict[str, Any] = {"job": job.as_dict(), "device": device, "rounds": rounds, "steps": steps, "warmup": warmup,
                               "threads": threads, "load": load, "runs": runs}
     for name, got in runs.items():
         record[f"{name}_s_per_step"] = statistics.median(r["s_per_step"] for r in got)
@@ -132,12 +137,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the runs")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when it is installed")
     parser.add_argument("--no-floor", action="store_true", help="skip the plain-PyTorch floor")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the one-GPU workload, placement 'one', no floor")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda needs a CUDA GPU")
+        args.placement, args.no_floor = ["one"], True
     trl = not args.no_trl and importlib.util.find_spec("trl") is not None
     if not trl and not args.no_trl:
         print("TRL is not installed (pip install -e '.[compare]'): asyncflow only", file=sys.stderr)
     record = measure(args.placement or list(PLACEMENTS), rounds=args.rounds, steps=args.steps,
-                     warmup=args.warmup, threads=args.threads, trl=trl, load=args.load, floor=not args.no_floor)
+                     warmup=args.warmup, threads=args.threads, trl=trl, load=args.load, floor=not args.no_floor,
+                     device=args.device)
     print(table(record))
     if trl:
         print(f"\nasyncflow ({record['best_placement']}) / TRL tokens/s: {record['ratio']:.2f}x")

@@ -70,7 +70,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from bench.train_step import SHAPES
+from bench._shapes import SHAPES
 from workers.models import TinyModelConfig, build_tiny_model, save_tiny_model
 from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, RolloutOutput, SamplingParams
 

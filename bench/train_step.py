@@ -40,21 +40,10 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM
 
+from bench._shapes import SHAPES
 from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import TinyModelConfig, tiny_hf_config
 from workers.objectives import PolicyLoss
-
-SHAPES = {
-    "tiny": TinyModelConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=32, intermediate_size=352, vocab_size=2048),
-    "qwen2.5-0.5b": TinyModelConfig(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                                    num_key_value_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
-                                    rope_theta=1_000_000.0),
-    "qwen2.5-1.5b": TinyModelConfig(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                                    num_key_value_heads=2, head_dim=128, intermediate_size=8960, vocab_size=151936,
-                                    rope_theta=1_000_000.0, tie_word_embeddings=True),
-}
-"""The shapes ``--shape`` chooses from (see the module docstring)."""
 
 MODES: dict[str, dict[str, Any]] = {
     "fp32": {"precision": "fp32"},

@@ -96,3 +96,20 @@ def test_a_floor_rank_that_dies_fails_the_run_at_once() -> None:
     with pytest.raises(RuntimeError, match=r"exit codes \[3\]"):
         _wait_for_record(ctx.Queue(), [dead], timeout_s=60)
     assert time.monotonic() - started < 30
+
+
+def test_the_gpu_workload_is_the_issues_and_trl_accumulates_it_into_one_update() -> None:
+    from bench._e2e_job import E2EJob
+    from bench._e2e_trl import grpo_settings
+
+    job = E2EJob.on("cuda")
+    assert (job.prompts, job.n, job.new_tokens, job.rows) == (64, 8, 256, 512)
+    shape = job.model()
+    assert (shape.hidden_size, shape.num_hidden_layers, shape.vocab_size) == (896, 24, 151936)
+    assert shape.max_position_embeddings >= job.prompt_len + job.new_tokens
+    gpu = grpo_settings(job)
+    assert gpu["per_device_train_batch_size"] * gpu["gradient_accumulation_steps"] == job.rows
+    assert gpu["bf16"] and not gpu["use_cpu"] and not gpu["gradient_checkpointing"]
+    cpu = grpo_settings(E2EJob.on("cpu"))
+    assert (cpu["per_device_train_batch_size"], cpu["gradient_accumulation_steps"]) == (64, 1)
+    assert cpu["use_cpu"] and not cpu["bf16"]
