@@ -86,7 +86,10 @@ class NativeRolloutConfig:
     same either way (equal up to float rounding)."""
     cuda_graphs: bool = True
     """With the static cache on CUDA, capture the decode step as one CUDA graph per
-    batch-size bucket and replay it (prefill stays eager); False runs it eagerly."""
+    batch-size bucket and replay it (prefill stays eager); False runs it eagerly. An
+    engine whose weights are bound from outside (``bind_weights``: the hybrid engine,
+    new tensors at every transition) stops capturing after its first bind, as every
+    bind would capture again."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (
@@ -365,7 +368,7 @@ class NativeRolloutEngine:
         """
         self._weights_version += 1
         if self._decoders is not None:
-            self._decoders.clear()
+            self._decoders.clear(rebound=True)
         bound = bind_parameters(self._model, named_tensors, self._released or {})
         self._released = None
         return bound

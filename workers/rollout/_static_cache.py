@@ -18,19 +18,22 @@ arithmetic does not depend on how many rows are live. On CUDA the step of each b
 is captured once as a CUDA graph and replayed: one launch instead of a dozen kernels
 per layer. A graph reads the parameters where they are, so copying new weights into
 them keeps it valid; moving or rebinding them does not, and :class:`DecoderPool`
-drops a decoder whose parameters moved.
+drops a decoder whose parameters moved (and, once the weights are bound from outside,
+as the hybrid engine's are at every transition, stops capturing graphs).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 __all__ = ["DecoderPool", "StaticDecoder"]
+
+logger = logging.getLogger(__name__)
 
 _LENGTH_QUANTUM = 64
 """Cache lengths are rounded up to a multiple of this (aligned rows for SDPA's
@@ -64,6 +67,7 @@ class StaticDecoder:
         attention = self._layers[0].self_attn
         self._head_dim = int(attention.head_dim)
         self._kv_heads = int(model.config.num_key_value_heads)
+        self._heads = int(model.config.num_attention_heads)
         self.cache = torch.zeros((len(self._layers), 2, slots, self._kv_heads, self.length, self._head_dim),
                                  dtype=self.dtype, device=self.device)
         self.tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
@@ -154,24 +158,29 @@ class StaticDecoder:
         and the attention in the weights' dtype, so sampled log-probs are what the
         trainer computes again (a float32 model computes in float32 throughout)."""
         rows, count = tokens.shape
-        dtype = self.dtype
+        dtype, heads = self.dtype, self._heads
         x = self._embed(tokens).float()
-        cos, sin = self._rotary(x, positions)
-        attend = (self._columns[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, T, L]
+        cos, sin = (t[:, None] for t in self._rotary(x, positions))  # [n, 1, T, D]
+        # One additive mask for every layer (SDPA would convert a boolean one per call).
+        visible = self._columns[None, None, :] <= positions[:, :, None]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=x.device).masked_fill_(~visible, float("-inf"))[:, None]
         column = positions[:, None, :, None].expand(rows, self._kv_heads, count, self._head_dim)
         for number, layer in enumerate(self._layers):
             attn, mlp = layer.self_attn, layer.mlp
             keys, values = self.cache[number, 0, slots], self.cache[number, 1, slots]
-            h = layer.input_layernorm(x).to(dtype)
-            q = attn.q_proj(h).view(rows, count, -1, self._head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(rows, count, -1, self._head_dim).transpose(1, 2)
+            h = _rms_norm(x, layer.input_layernorm).to(dtype)
+            q = attn.q_proj(h).view(rows, count, -1, self._head_dim)
+            k = attn.k_proj(h).view(rows, count, -1, self._head_dim)
             v = attn.v_proj(h).view(rows, count, -1, self._head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys.scatter_(2, column, k.to(dtype))
+            # RoPE on the query and key heads at once (apply_rotary_pos_emb's arithmetic).
+            qk = torch.cat([q, k], dim=2).transpose(1, 2)
+            qk = (qk * cos + _rotate_half(qk) * sin).to(dtype)
+            q, k = qk[:, :heads], qk[:, heads:]
+            keys.scatter_(2, column, k)
             values.scatter_(2, column, v)
-            heads = self._attention(q.to(dtype), keys, values, attend, attn.scaling)
-            x = x + attn.o_proj(heads.transpose(1, 2).reshape(rows, count, -1))
-            h = layer.post_attention_layernorm(x).to(dtype)
+            out = self._attention(q, keys, values, bias, attn.scaling)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, count, -1))
+            h = _rms_norm(x, layer.post_attention_layernorm).to(dtype)
             x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
         return x
 
@@ -185,6 +194,16 @@ class StaticDecoder:
         grouped = q.reshape(rows, self._kv_heads, -1, dim)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attend, scale=scale)
         return out.reshape(rows, heads, 1, dim)
+
+
+def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """Llama's RMS norm of float32 ``x`` as one fused op and the weight's product (float32)."""
+    return norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def parameter_pointers(model: PreTrainedModel) -> tuple[int, ...]:
@@ -220,6 +239,20 @@ class DecoderPool:
         if self._idle is None or decoder.slots * decoder.length >= self._idle.slots * self._idle.length:
             self._idle = decoder
 
-    def clear(self) -> None:
-        """Drop the idle decoder (the parameters are about to move, or their memory to go)."""
+    @property
+    def graphs(self) -> bool:
+        """Whether the decoders lent from now on replay CUDA graphs."""
+        return self._graphs
+
+    def clear(self, *, rebound: bool = False) -> None:
+        """Drop the idle decoder (the parameters are about to move, or their memory to go).
+
+        ``rebound``: the parameters become tensors given from outside, new ones at each
+        bind (the hybrid engine's generation shards); graphs, which read them where
+        they were captured, would be captured again for every bind, so decoders run
+        their steps eagerly from now on."""
         self._idle = None
+        if rebound and self._graphs:
+            self._graphs = False
+            logger.info("native rollout: weights bound from outside (bind_weights); the static cache's decode "
+                        "steps run without CUDA graphs from now on (each bind would capture them again)")

@@ -122,7 +122,9 @@ def test_the_decoder_is_kept_between_runs_until_the_weights_move(model: PreTrain
     weights = [(name, tensor.clone()) for name, tensor in engine.model.named_parameters()]
     engine.release_weights()
     assert pool._idle is None  # the cache's memory goes with the weights'
+    assert pool.graphs  # (ignored on the CPU, which runs the steps eagerly anyway)
     engine.bind_weights(weights)
+    assert not pool.graphs, "bound weights are new tensors at every bind: no graph would be replayed twice"
     assert torch.equal(engine.generate(prompts, SAMPLED).response_ids, first.response_ids)
     assert pool._idle is not kept
 
