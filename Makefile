@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
 
-.PHONY: run test gpu-check smollm2 smollm2-tools tools bench docs lint typecheck clean-venv
+.PHONY: run test gpu-check gpu-bench smollm2 smollm2-tools tools bench docs lint typecheck clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,13 @@ GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) -m pytest -q -m gpu tests
 	$(GPU_PY) -m bench.gpu_check --json gpu-check.json
+
+# On a CUDA machine: the native engine's decode (graph / eager / transformers'
+# generate, bench.generation) and the one-GPU GRPO workload against TRL's
+# GRPOTrainer (bench.e2e; TRL comes with the compare extra), two rounds.
+gpu-bench:
+	$(GPU_PY) -m bench.generation --device cuda --json bench-generation-cuda.json
+	$(GPU_PY) -m bench.e2e --device cuda --rounds 2 --steps 3 --warmup 1 --json bench-e2e-cuda.json
 
 bench: $(STAMP)
 	$(PY) -m bench.transfer --json bench-transfer.json
