@@ -83,7 +83,9 @@ class NativeRolloutConfig:
     bookkeeping on tensors; on CUDA its decode step is replayed as a CUDA graph
     (``cuda_graphs``). ``"auto"``: static on a CUDA device for the models the lean
     step supports (Llama, Qwen2), dynamic elsewhere. Tokens and log-probs mean the
-    same either way (equal up to float rounding)."""
+    same either way (equal up to float rounding). The static cache (and its graphs)
+    stays allocated between runs, for the next one, until the engine's weights are
+    released (``release_weights``)."""
     cuda_graphs: bool = True
     """With the static cache on CUDA, capture the decode step as one CUDA graph per
     batch-size bucket and replay it (prefill stays eager); False runs it eagerly. An
