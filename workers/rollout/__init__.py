@@ -12,7 +12,8 @@ moving unfinished samples between engines as :class:`PartialSample`.
 vLLM is imported only when a :class:`VLLMRolloutEngine` is created.
 """
 
-from workers.rollout._native import NativeRolloutConfig, NativeRolloutEngine
+from workers.rollout._native import NativeRolloutEngine
+from workers.rollout._native_config import NativeRolloutConfig
 from workers.rollout._stop import TextDecoder, load_tokenizer
 from workers.rollout._types import (
     FinishedSample,

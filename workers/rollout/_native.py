@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -37,6 +35,7 @@ from ._bind import bind_parameters, release_parameters
 from ._decode_batch import DecodeBatch, RunRules
 from ._kv_batch import DynamicBatch
 from ._lean_decode import lean_decoder
+from ._native_config import NativeRolloutConfig
 from ._native_run import NativeRun
 from ._static_batch import StaticBatch
 from ._static_cache import DecoderPool
@@ -52,63 +51,9 @@ from ._types import (
     run_to_output,
 )
 
-__all__ = ["NativeRolloutConfig", "NativeRolloutEngine"]
+__all__ = ["NativeRolloutEngine"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class NativeRolloutConfig:
-    """Settings of a :class:`NativeRolloutEngine`."""
-
-    max_batch_size: int | None = None
-    """Most sequences decoding at once; waiting prompts join as rows finish. None
-    (the default): every sample of a request decodes in one batch, sized from the
-    request. A cap that splits a request into waves is logged (a warning, once per
-    engine), as is the batch a run chose (at INFO)."""
-    seed: int = 0
-    """Seed of the engine's generator, which draws a request's seed when
-    ``SamplingParams.seed`` is None."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """The dtype of the weights the engine samples from (and of its KV cache):
-    ``"auto"`` is the policy's training precision (the actor's
-    ``TrainingConfig.precision``: bfloat16 on a GPU, float32 on the CPU by default;
-    a rollout role on its own pool takes the same rule from its device). The
-    roles apply it when they build the engine; log-probs are float32 either way."""
-    decode: Literal["auto", "dynamic", "static"] = "auto"
-    """How decode steps keep the KV cache. ``"dynamic"``: a cache that grows with the
-    batch's longest row and is compacted as rows leave (cheap on the CPU, where a step
-    costs what it reads). ``"static"``: one cache preallocated for the run, a slot per
-    row, each step's attention masked to the slot's own tokens, and the samples'
-    bookkeeping on tensors; on CUDA its decode step is replayed as a CUDA graph
-    (``cuda_graphs``). ``"auto"``: static on a CUDA device for the models the lean
-    step supports (Llama, Qwen2), dynamic elsewhere. Tokens and log-probs mean the
-    same either way (equal up to float rounding). The static cache (and its graphs)
-    stays allocated between runs, for the next one, until the engine's weights are
-    released (``release_weights``)."""
-    cuda_graphs: bool = True
-    """With the static cache on CUDA, capture the decode step as one CUDA graph per
-    batch-size bucket and replay it (prefill stays eager); False runs it eagerly. An
-    engine whose weights are bound from outside (``bind_weights``: the hybrid engine,
-    new tensors at every transition) stops capturing after its first bind, as every
-    bind would capture again."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size is not None and (
-            not isinstance(self.max_batch_size, int) or isinstance(self.max_batch_size, bool) or self.max_batch_size < 1
-        ):
-            raise ConfigError(
-                f"NativeRolloutConfig.max_batch_size must be an int >= 1 or None (sized from the request), "
-                f"got {self.max_batch_size!r}"
-            )
-        if not isinstance(self.seed, int):
-            raise ConfigError(f"NativeRolloutConfig.seed must be an int, got {self.seed!r}")
-        if self.decode not in ("auto", "dynamic", "static"):
-            raise ConfigError(f"NativeRolloutConfig.decode must be 'auto', 'dynamic' or 'static', got {self.decode!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError(f"NativeRolloutConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"NativeRolloutConfig.dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
 
 
 class NativeRolloutEngine:
