@@ -195,9 +195,9 @@ class StaticBatch:
         movers = [slot for slot in range(live, len(self._slots)) if slot not in gone]
         if holes:
             assert self._decoder is not None
-            self._decoder.move(movers, holes)
-            sources = torch.tensor(movers, device=self._device)
-            self._columns.move(sources, torch.tensor(holes, device=self._device))
+            sources, targets = self._tensor(movers), self._tensor(holes)
+            self._decoder.move(sources, targets)
+            self._columns.move(sources, targets)
             for hole, mover in zip(holes, movers, strict=True):
                 self._slots[hole] = self._slots[mover]
         del self._slots[live:]

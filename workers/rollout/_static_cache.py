@@ -109,10 +109,9 @@ class StaticDecoder:
         last = torch.tensor([len(sequence) - 1 for sequence in sequences], device=self.device)
         return self._logits(hidden[torch.arange(len(sequences), device=self.device), last])
 
-    def move(self, sources: list[int], targets: list[int]) -> None:
-        """Copy slots ``sources`` to ``targets`` (cache, token and position)."""
-        source = torch.tensor(sources, device=self.device)
-        target = torch.tensor(targets, device=self.device)
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy slots ``source`` to ``target`` (index tensors on the decoder's device:
+        cache, token and position)."""
         self.cache.index_copy_(2, target, self.cache.index_select(2, source))
         self.tokens.index_copy_(0, target, self.tokens.index_select(0, source))
         self.positions.index_copy_(0, target, self.positions.index_select(0, source))
