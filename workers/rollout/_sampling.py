@@ -140,7 +140,7 @@ def sample_tokens(
             cannot sample (EOS ids). The log-probs stay those of the unmasked
             logits, as vLLM's raw log-probs are taken before its logits processors.
     """
-    raw_logprobs = F.log_softmax(logits, dim=-1)
+    raw = logits
     if params.min_new_tokens and early_banned:
         logits = _ban_early(logits, params.min_new_tokens, early_banned, lengths)
     if params.greedy:
@@ -150,7 +150,8 @@ def sample_tokens(
         # float64 CDFs where the device has them (MPS has not).
         dtype = torch.float32 if logits.device.type == "mps" else torch.float64
         tokens = _inverse_cdf(probs, _uniforms(seeds, lengths, dtype, logits.device))
-    return tokens, raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    # log_softmax at the picked tokens only (no [rows, vocab] tensor of log-probs).
+    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)
 
 
 def _ban_early(
@@ -172,20 +173,52 @@ def _ban_early(
     return logits
 
 
+_CHUNK = 256
+"""Tokens per chunk of the two-level inverse CDF (:func:`_inverse_cdf`)."""
+
+
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF exceeds it.
 
-    Probabilities need not sum to exactly 1 (the CDF is scaled by its total). A token
-    of probability 0 does not raise the CDF, so it is never the first to exceed the
-    target; rounding can put a target at the total, which then picks the last token of
-    non-zero probability.
+    The CDF is taken in two levels, in the uniforms' dtype: the sums of chunks of
+    :data:`_CHUNK` tokens and their running total pick the chunk the target falls in,
+    and that chunk's own running total picks the token, so no cumulative sum over the
+    whole vocabulary is written. Probabilities need not sum to exactly 1 (the target
+    is scaled by their total). A token of probability 0 does not raise a running
+    total, so it is never the first to exceed the target; where rounding puts the
+    target at or past a total, the pick is the last token that raised it.
     """
-    cdf = probs.to(uniforms.dtype).cumsum(dim=-1)
-    targets = uniforms[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
-    columns = torch.arange(probs.shape[-1], device=probs.device)
-    last = torch.where(probs > 0, columns, 0).amax(dim=-1)
-    return torch.minimum(tokens, last)
+    rows, vocab = probs.shape
+    dtype = uniforms.dtype
+    chunk_cdf = _chunk_sums(probs, dtype).cumsum(dim=-1)  # [rows, chunks]
+    targets = uniforms[:, None] * chunk_cdf[:, -1:]
+    chunk = _first_above(chunk_cdf, targets)  # [rows, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)
+    columns = chunk * _CHUNK + torch.arange(_CHUNK, device=probs.device)
+    inside = probs.gather(-1, columns.clamp(max=vocab - 1)).to(dtype).masked_fill(columns >= vocab, 0.0)
+    # The chunk's own running total from 0, so its small probabilities are not lost
+    # against a large total before it.
+    token = _first_above(inside.cumsum(dim=-1), targets - before)
+    return (chunk * _CHUNK + token).squeeze(-1)
+
+
+def _chunk_sums(probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's probability mass per chunk of :data:`_CHUNK` tokens (the last chunk
+    may be shorter), summed in ``dtype``."""
+    rows, vocab = probs.shape
+    whole = vocab // _CHUNK * _CHUNK
+    sums = probs[:, :whole].reshape(rows, -1, _CHUNK).sum(dim=-1, dtype=dtype)
+    if whole == vocab:
+        return sums
+    return torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True, dtype=dtype)], dim=-1)
+
+
+def _first_above(cdf: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose running total ``cdf`` exceeds ``targets`` ``[rows, 1]``,
+    at most the last index that raised the total (where rounding leaves none above)."""
+    first = torch.searchsorted(cdf, targets, right=True)
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)
+    return torch.minimum(first, last)
 
 
 def _filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -171,3 +171,16 @@ def test_the_last_token_of_non_zero_probability_bounds_every_pick() -> None:
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.2, 0.0, 0.8, 0.0]])
     near_one = torch.full((3,), 1.0 - 2**-53, dtype=torch.float64)
     assert _inverse_cdf(probs, near_one).tolist() == [1, 3, 2]
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 4096])
+def test_the_two_level_cdf_picks_what_one_cumulative_sum_over_the_vocabulary_picks(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(300, vocab, generator=generator) * 4, dim=-1)
+    probs[:100] = probs[:100].masked_fill(torch.rand(100, vocab, generator=generator) < 0.7, 0.0)
+    probs[:100, 0] += 1e-3  # no row without mass
+    uniforms = torch.rand(300, generator=generator, dtype=torch.float64)
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    assert _inverse_cdf(probs, uniforms).tolist() == expected.tolist()
+
