@@ -113,7 +113,7 @@ class NativeRolloutEngine:
             )
         if decode == "dynamic" or (decode == "auto" and (self._device.type != "cuda" or not lean)):
             return None
-        return DecoderPool(self._model, graphs=self._config.cuda_graphs)
+        return DecoderPool(self._model, graphs=self._config.cuda_graphs, compiled=self._config.compiles(self._device))
 
     @property
     def model(self) -> PreTrainedModel:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 from channels import ConfigError
 
@@ -46,6 +49,16 @@ class NativeRolloutConfig:
     new tensors at every transition) stops capturing after its first bind, as every
     bind would capture again."""
 
+    compile: bool | Literal["auto"] = "auto"
+    """With the static cache, compile its decode step with ``torch.compile`` (Inductor;
+    the batch dimension dynamic, so one compilation serves every bucket), which fuses
+    each layer's norms, rotary embedding and activations into a few kernels; the CUDA
+    graphs then replay the compiled kernels. The first run pays the compilation (tens
+    of seconds); so does a decoder built again after the weights moved. ``"auto"``:
+    on CUDA where Triton is installed, off elsewhere (a step on the CPU costs what it
+    reads, and compiling takes minutes there). A compilation that fails is logged and
+    the step runs uncompiled."""
+
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (
             not isinstance(self.max_batch_size, int) or isinstance(self.max_batch_size, bool) or self.max_batch_size < 1
@@ -60,5 +73,14 @@ class NativeRolloutConfig:
             raise ConfigError(f"NativeRolloutConfig.decode must be 'auto', 'dynamic' or 'static', got {self.decode!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"NativeRolloutConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if self.compile not in (True, False, "auto"):
+            raise ConfigError(f"NativeRolloutConfig.compile must be a bool or 'auto', got {self.compile!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"NativeRolloutConfig.dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether static decoders on ``device`` compile their step (see ``compile``)."""
+        if self.compile == "auto":
+            return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return self.compile
+

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from channels import ConfigError
 
@@ -188,7 +187,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     total, so it is never the first to exceed the target; where rounding puts the
     target at or past a total, the pick is the last token that raised it.
     """
-    rows, vocab = probs.shape
+    vocab = probs.shape[-1]
     dtype = uniforms.dtype
     chunk_cdf = _chunk_sums(probs, dtype).cumsum(dim=-1)  # [rows, chunks]
     targets = uniforms[:, None] * chunk_cdf[:, -1:]

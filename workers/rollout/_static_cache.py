@@ -16,10 +16,13 @@ Steps run over a bucket of rows (the next power of two, at most ``slots``); rows
 the live ones compute on whatever their slot holds and are ignored, so a batch's
 arithmetic does not depend on how many rows are live. On CUDA the step of each bucket
 is captured once as a CUDA graph and replayed: one launch instead of a dozen kernels
-per layer. A graph reads the parameters where they are, so copying new weights into
-them keeps it valid; moving or rebinding them does not, and :class:`DecoderPool`
+per layer. The step can also be compiled (``torch.compile``, the batch dimension
+dynamic), which fuses each layer's elementwise work into a few kernels; a graph then
+replays the compiled kernels. A graph reads the parameters where they are, so
+copying new weights into them keeps it valid; moving or rebinding them does not, and :class:`DecoderPool`
 drops a decoder whose parameters moved (and, once the weights are bound from outside,
-as the hybrid engine's are at every transition, stops capturing graphs).
+as the hybrid engine's are at every transition, stops capturing graphs and compiling,
+which each bind would do again).
 """
 
 from __future__ import annotations
@@ -54,9 +57,12 @@ class StaticDecoder:
         slots: Rows the cache holds.
         length: Tokens per row (prompt and response); rounded up to a multiple of 64.
         graphs: Replay the step as CUDA graphs (on a CUDA device only).
+        compiled: Compile the step with ``torch.compile`` (on its first call; if that
+            fails, the failure is logged and the step runs uncompiled).
     """
 
-    def __init__(self, model: PreTrainedModel, *, slots: int, length: int, graphs: bool) -> None:
+    def __init__(self, model: PreTrainedModel, *, slots: int, length: int, graphs: bool,
+                 compiled: bool = False) -> None:
         inner: Any = model.model
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
@@ -78,6 +84,7 @@ class StaticDecoder:
         self._graphs = graphs and self.device.type == "cuda"
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
+        self._run = _CompiledStep(self._step) if compiled else self._step
         self.pointers = parameter_pointers(model)
         """Where the parameters were when the decoder was built (its graphs read them there)."""
 
@@ -86,7 +93,7 @@ class StaticDecoder:
         return their next-token logits ``[rows, V]`` float32 (valid until the next step)."""
         bucket = bucket_of(rows, self.slots)
         if not self._graphs:
-            return self._step(bucket)[:rows]
+            return self._run(bucket)[:rows]
         captured = self._captured.get(bucket) or self._capture(bucket)
         captured[0].replay()
         return captured[1][:rows]
@@ -130,11 +137,11 @@ class StaticDecoder:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._step(bucket)  # writes the same columns the replay will
+            self._run(bucket)  # writes the same columns the replay will (and compiles)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(bucket)
+            logits = self._run(bucket)
         self._captured[bucket] = (graph, logits)
         return graph, logits
 
@@ -195,6 +202,25 @@ class StaticDecoder:
         return out.reshape(rows, heads, 1, dim)
 
 
+class _CompiledStep:
+    """A decoder's step compiled by ``torch.compile`` on its first call (the batch
+    dimension dynamic); if compiling fails, it logs why and runs the step as it is."""
+
+    def __init__(self, step: Any) -> None:
+        self._step = step
+        self._compiled: Any = torch.compile(step, dynamic=True)
+
+    def __call__(self, rows: int) -> torch.Tensor:
+        if self._compiled is not None:
+            try:
+                return self._compiled(rows)  # type: ignore[no-any-return]
+            except Exception as error:  # any compiler failure falls back
+                logger.warning("native rollout: compiling the static decode step failed (%s: %s); "
+                               "it runs uncompiled", type(error).__name__, error)
+                self._compiled = None
+        return self._step(rows)  # type: ignore[no-any-return]
+
+
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """Llama's RMS norm of float32 ``x`` as one fused op and the weight's product (float32)."""
     return norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon)
@@ -217,11 +243,13 @@ class DecoderPool:
     Args:
         model: The engine's model.
         graphs: Whether decoders replay CUDA graphs (``NativeRolloutConfig.cuda_graphs``).
+        compiled: Whether decoders compile their step (``NativeRolloutConfig.compile``).
     """
 
-    def __init__(self, model: PreTrainedModel, *, graphs: bool) -> None:
+    def __init__(self, model: PreTrainedModel, *, graphs: bool, compiled: bool = False) -> None:
         self._model = model
         self._graphs = graphs
+        self._compiled = compiled
         self._idle: StaticDecoder | None = None
 
     def lend(self, slots: int, length: int) -> StaticDecoder:
@@ -231,7 +259,7 @@ class DecoderPool:
             if idle.pointers == parameter_pointers(self._model):
                 return idle
         del idle  # its memory is free for the new one
-        return StaticDecoder(self._model, slots=slots, length=length, graphs=self._graphs)
+        return StaticDecoder(self._model, slots=slots, length=length, graphs=self._graphs, compiled=self._compiled)
 
     def give_back(self, decoder: StaticDecoder) -> None:
         """Keep ``decoder`` for the next run (its rows are garbage from now on)."""
@@ -243,15 +271,22 @@ class DecoderPool:
         """Whether the decoders lent from now on replay CUDA graphs."""
         return self._graphs
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoders lent from now on compile their step."""
+        return self._compiled
+
     def clear(self, *, rebound: bool = False) -> None:
         """Drop the idle decoder (the parameters are about to move, or their memory to go).
 
         ``rebound``: the parameters become tensors given from outside, new ones at each
         bind (the hybrid engine's generation shards); graphs, which read them where
-        they were captured, would be captured again for every bind, so decoders run
-        their steps eagerly from now on."""
+        they were captured, would be captured again for every bind, and a compiled
+        step compiled again for every new decoder, so decoders run their steps
+        eagerly and uncompiled from now on."""
         self._idle = None
-        if rebound and self._graphs:
-            self._graphs = False
+        if rebound and (self._graphs or self._compiled):
+            self._graphs = self._compiled = False
             logger.info("native rollout: weights bound from outside (bind_weights); the static cache's decode "
-                        "steps run without CUDA graphs from now on (each bind would capture them again)")
+                        "steps run without CUDA graphs or compiling from now on (each bind would capture and "
+                        "compile them again)")

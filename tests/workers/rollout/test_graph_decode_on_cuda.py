@@ -1,7 +1,7 @@
-"""The native engine's decode step as CUDA graphs (``decode="static"`` on CUDA): the
-same tokens and log-probs as the same step run eagerly, the dynamic cache's greedy
-tokens in fp32, and bf16 log-probs as close to the bf16 training engine's as exact
-arithmetic gets."""
+"""The native engine's decode step as CUDA graphs (``decode="static"`` on CUDA),
+compiled or not: the same tokens and log-probs as the same step run eagerly, the
+dynamic cache's (and the uncompiled step's) greedy tokens in fp32, and bf16 log-probs
+as close to the bf16 training engine's as exact arithmetic gets."""
 
 from __future__ import annotations
 
@@ -44,13 +44,16 @@ def _generate(model: PreTrainedModel, params: SamplingParams, **config: object) 
     return engine.generate(_prompts(0), params, max_new_tokens=_budgets(1))
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "uncompiled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_graph_replay_gives_the_eager_steps_tokens_and_logprobs(dtype: torch.dtype, temperature: float) -> None:
+def test_graph_replay_gives_the_eager_steps_tokens_and_logprobs(
+    dtype: torch.dtype, temperature: float, compiled: bool
+) -> None:
     model = _model(dtype)
     params = SamplingParams(max_new_tokens=64, temperature=temperature, seed=3)
-    graphs = _generate(model, params, decode="static", cuda_graphs=True)
-    eager = _generate(model, params, decode="static", cuda_graphs=False)
+    graphs = _generate(model, params, decode="static", cuda_graphs=True, compile=compiled)
+    eager = _generate(model, params, decode="static", cuda_graphs=False, compile=compiled)
     assert torch.equal(graphs.response_ids, eager.response_ids)
     assert torch.equal(graphs.logprobs, eager.logprobs)
     assert graphs.response_lengths.tolist() == _budgets(1)
@@ -65,6 +68,15 @@ def test_graph_decode_gives_the_dynamic_caches_greedy_tokens_in_fp32() -> None:
     torch.testing.assert_close(graphs.logprobs, dynamic.logprobs, atol=1e-4, rtol=0)
 
 
+def test_the_compiled_step_gives_the_uncompiled_steps_greedy_tokens_in_fp32() -> None:
+    model = _model(torch.float32)
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    compiled = _generate(model, params, decode="static", compile=True)
+    uncompiled = _generate(model, params, decode="static", compile=False)
+    assert torch.equal(compiled.response_ids, uncompiled.response_ids)
+    torch.testing.assert_close(compiled.logprobs, uncompiled.logprobs, atol=1e-4, rtol=0)
+
+
 def test_sampled_bf16_logprobs_are_as_close_to_the_training_engines_as_its_own_bf16_error() -> None:
     """The bf16 trainer is itself off the exact (fp32) log-probs by its rounding: a
     graph-decoded bf16 rollout is to be no further from it than that, and nearer than
@@ -74,13 +86,15 @@ def test_sampled_bf16_logprobs_are_as_close_to_the_training_engines_as_its_own_b
     rollout = copy.deepcopy(master).to(torch.bfloat16)
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=7)
     gaps = {}
-    for name, model, decode in [("graph", rollout, "static"), ("dynamic", rollout, "dynamic"),
-                                ("fp32", master, "static")]:
-        out = _generate(model, params, decode=decode)
+    for name, model, decode, compiled in [("graph", rollout, "static", True),
+                                          ("graph uncompiled", rollout, "static", False),
+                                          ("dynamic", rollout, "dynamic", False), ("fp32", master, "static", False)]:
+        out = _generate(model, params, decode=decode, compile=compiled)
         batch = {f: getattr(out, f).cuda() for f in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}
         expected, _ = training.log_probs(batch)
         gap = (out.logprobs.cuda() - expected)[batch["response_mask"].bool()].abs()
         gaps[name] = float(gap.mean())
         print(f"{name} decode vs bf16 training engine: mean |gap| {gap.mean():.2e}, max {gap.max():.2e}")
-    assert gaps["graph"] <= gaps["fp32"] * 1.05
-    assert gaps["graph"] < gaps["dynamic"]
+    for graph in ("graph", "graph uncompiled"):
+        assert gaps[graph] <= gaps["fp32"] * 1.05
+        assert gaps[graph] < gaps["dynamic"]

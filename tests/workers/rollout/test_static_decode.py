@@ -1,12 +1,16 @@
 """The native engine's static KV cache on the CPU (eager steps; the CUDA graphs are
 tested in test_graph_decode_on_cuda.py): the same samples as the dynamic cache while
 rows finish, move between slots, join mid-run and outgrow the cache, and a decoder
-reused across runs only while the weights stay where they were.
+reused across runs only while the weights stay where they were, and a step that
+fails to compile running uncompiled (compiling itself is tested on CUDA).
 
 test_native_engine.py and test_sampling_options.py run every one of their tests with
 both caches as well."""
 
 from __future__ import annotations
+
+import importlib.util
+import logging
 
 import pytest
 import torch
@@ -21,7 +25,7 @@ from workers.rollout import (
     PartialSample,
     SamplingParams,
 )
-from workers.rollout._static_cache import bucket_of
+from workers.rollout._static_cache import StaticDecoder, bucket_of
 
 torch.set_num_threads(1)
 
@@ -125,6 +129,7 @@ def test_the_decoder_is_kept_between_runs_until_the_weights_move(model: PreTrain
     assert pool.graphs  # (ignored on the CPU, which runs the steps eagerly anyway)
     engine.bind_weights(weights)
     assert not pool.graphs, "bound weights are new tensors at every bind: no graph would be replayed twice"
+    assert not pool.compiled
     assert torch.equal(engine.generate(prompts, SAMPLED).response_ids, first.response_ids)
     assert pool._idle is not kept
 
@@ -137,3 +142,35 @@ def test_static_decode_is_refused_for_a_model_the_step_does_not_reproduce() -> N
     assert _engine(lm, "auto")._decoders is None
     with pytest.raises(ConfigError, match="decode must be"):
         NativeRolloutConfig(decode="graph")  # type: ignore[arg-type]
+
+
+def test_a_step_that_fails_to_compile_runs_uncompiled_after_one_warning(
+    model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(step: object, **options: object) -> object:
+        def fail(rows: int) -> torch.Tensor:
+            raise RuntimeError("no compiler here")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    plain, compiled = (StaticDecoder(model, slots=4, length=32, graphs=False, compiled=flag) for flag in (False, True))
+    for decoder in (plain, compiled):
+        decoder.tokens[:] = torch.tensor([5, 6, 7, 8])
+        decoder.positions[:] = torch.tensor([0, 1, 2, 3])
+    with caplog.at_level(logging.WARNING, logger="workers.rollout._static_cache"):
+        for _ in range(2):
+            assert torch.equal(compiled.step(3), plain.step(3))
+    assert [r.getMessage() for r in caplog.records] == [
+        "native rollout: compiling the static decode step failed (RuntimeError: no compiler here); it runs uncompiled"
+    ]
+
+
+def test_compiling_is_on_by_default_on_cuda_with_triton_only() -> None:
+    config = NativeRolloutConfig()
+    assert not config.compiles(torch.device("cpu"))
+    assert config.compiles(torch.device("cuda")) == (importlib.util.find_spec("triton") is not None)
+    assert NativeRolloutConfig(compile=True).compiles(torch.device("cpu"))
+    assert not NativeRolloutConfig(compile=False).compiles(torch.device("cuda"))
+    with pytest.raises(ConfigError, match="compile must be a bool or 'auto'"):
+        NativeRolloutConfig(compile="yes")  # type: ignore[arg-type]
+
