@@ -15,10 +15,10 @@ update loads a full, differently seeded model into the running vLLM engine.
 
 **The engines** (``--device cuda``; ``--device cpu --engines ...`` runs them on the
 CPU), per batch size (``--batches``) and precision (``--dtypes``): ``native_graph``
-(``NativeRolloutConfig(decode="static")``: a static KV cache, the decode step compiled
-(``compile="auto"``: on CUDA with Triton) and replayed as a CUDA graph),
-``native_graph_uncompiled`` (the same, ``compile=False``), ``native_static_eager``
-(``cuda_graphs=False, compile=False``),
+(``NativeRolloutConfig(decode="static")``: a static KV cache, the decode step replayed
+as a CUDA graph), ``native_graph_compiled`` (the same with ``compile=True``: each
+layer's parts around attention compiled by ``torch.compile``), ``native_static_eager``
+(``cuda_graphs=False``),
 ``native_eager`` (``decode="dynamic"``: a growing KV cache) and ``hf_generate``
 (``model.generate(do_sample=True, temperature=1, top_k=0, top_p=1)`` as TRL's
 ``GRPOTrainer`` calls it, ``min_new_tokens`` fixing the length). Each engine's first
@@ -86,8 +86,8 @@ MODELS = {
 
 NATIVE_ENGINES: dict[str, dict[str, Any]] = {
     "native_graph": {"decode": "static", "cuda_graphs": True},
-    "native_graph_uncompiled": {"decode": "static", "cuda_graphs": True, "compile": False},
-    "native_static_eager": {"decode": "static", "cuda_graphs": False, "compile": False},
+    "native_graph_compiled": {"decode": "static", "cuda_graphs": True, "compile": True},
+    "native_static_eager": {"decode": "static", "cuda_graphs": False},
     "native_eager": {"decode": "dynamic"},
 }
 """The ``NativeRolloutConfig`` settings of each native engine."""

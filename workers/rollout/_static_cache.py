@@ -16,9 +16,10 @@ Steps run over a bucket of rows (the next power of two, at most ``slots``); rows
 the live ones compute on whatever their slot holds and are ignored, so a batch's
 arithmetic does not depend on how many rows are live. On CUDA the step of each bucket
 is captured once as a CUDA graph and replayed: one launch instead of a dozen kernels
-per layer. The step can also be compiled (``torch.compile``, the batch dimension
-dynamic), which fuses each layer's elementwise work into a few kernels; a graph then
-replays the compiled kernels. A graph reads the parameters where they are, so
+per layer. The step can also be compiled (``torch.compile``, sizes dynamic): each
+layer's parts before and after attention, which fuse its norms, rotary embedding and
+activation into a few kernels; compiled once, they serve every layer, bucket and
+decoder of a model's shape, and a graph then replays their kernels. A graph reads the parameters where they are, so
 copying new weights into them keeps it valid; moving or rebinding them does not, and :class:`DecoderPool`
 drops a decoder whose parameters moved (and, once the weights are bound from outside,
 as the hybrid engine's are at every transition, stops capturing graphs and compiling,
@@ -57,8 +58,8 @@ class StaticDecoder:
         slots: Rows the cache holds.
         length: Tokens per row (prompt and response); rounded up to a multiple of 64.
         graphs: Replay the step as CUDA graphs (on a CUDA device only).
-        compiled: Compile the step with ``torch.compile`` (on its first call; if that
-            fails, the failure is logged and the step runs uncompiled).
+        compiled: Compile the step's parts around attention with ``torch.compile`` (on
+            the first step; if that fails, it is logged and the step runs uncompiled).
     """
 
     def __init__(self, model: PreTrainedModel, *, slots: int, length: int, graphs: bool,
@@ -84,7 +85,7 @@ class StaticDecoder:
         self._graphs = graphs and self.device.type == "cuda"
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
-        self._run = _CompiledStep(self._step) if compiled else self._step
+        self._pieces = (_Compiled(_queries_keys_values), _Compiled(_attended)) if compiled else (None, None)
         self.pointers = parameter_pointers(model)
         """Where the parameters were when the decoder was built (its graphs read them there)."""
 
@@ -93,7 +94,7 @@ class StaticDecoder:
         return their next-token logits ``[rows, V]`` float32 (valid until the next step)."""
         bucket = bucket_of(rows, self.slots)
         if not self._graphs:
-            return self._run(bucket)[:rows]
+            return self._step(bucket)[:rows]
         captured = self._captured.get(bucket) or self._capture(bucket)
         captured[0].replay()
         return captured[1][:rows]
@@ -137,57 +138,52 @@ class StaticDecoder:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._run(bucket)  # writes the same columns the replay will (and compiles)
+            self._step(bucket)  # writes the same columns the replay will (and compiles)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._run(bucket)
+            logits = self._step(bucket)
         self._captured[bucket] = (graph, logits)
         return graph, logits
 
     def _step(self, rows: int) -> torch.Tensor:
         """The decode step of slots ``0..rows-1``: their logits ``[rows, V]`` float32."""
         with torch.no_grad():
-            hidden = self._forward(slice(0, rows), self.tokens[:rows, None], self.positions[:rows, None])
+            tokens, positions = self.tokens[:rows, None], self.positions[:rows, None]
+            hidden = self._forward(slice(0, rows), tokens, positions, self._pieces)
             return self._logits(hidden[:, -1])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self._head(self._norm(hidden).to(self.dtype))
         return logits.float()
 
-    def _forward(self, slots: slice, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, slots: slice, tokens: torch.Tensor, positions: torch.Tensor,
+                 pieces: tuple[Any, Any] = (None, None)) -> torch.Tensor:
         """Feed ``tokens`` ``[n, T]`` at ``positions`` into ``slots``; the last hidden
         states ``[n, T, H]`` float32.
 
+        Each layer is its part before attention (:func:`_queries_keys_values`), the
+        cache write and attention, and its part after (:func:`_attended`); ``pieces``
+        are those two parts compiled (the decode step's), or None for the plain ones.
         The arithmetic is that of a training engine's bf16 autocast over the same
         weights: the residual stream and the norms in float32, each matrix product
         and the attention in the weights' dtype, so sampled log-probs are what the
         trainer computes again (a float32 model computes in float32 throughout)."""
+        before, after = pieces[0] or _queries_keys_values, pieces[1] or _attended
         rows, count = tokens.shape
-        dtype, heads = self.dtype, self._heads
         x = self._embed(tokens).float()
         cos, sin = (t[:, None] for t in self._rotary(x, positions))  # [n, 1, T, D]
         # One additive mask for every layer (SDPA would convert a boolean one per call).
         visible = self._columns[None, None, :] <= positions[:, :, None]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=x.device).masked_fill_(~visible, float("-inf"))[:, None]
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=x.device)
+        bias = bias.masked_fill_(~visible, float("-inf"))[:, None]
         column = positions[:, None, :, None].expand(rows, self._kv_heads, count, self._head_dim)
         for number, layer in enumerate(self._layers):
-            attn, mlp = layer.self_attn, layer.mlp
             keys, values = self.cache[number, 0, slots], self.cache[number, 1, slots]
-            h = _rms_norm(x, layer.input_layernorm).to(dtype)
-            q = attn.q_proj(h).view(rows, count, -1, self._head_dim)
-            k = attn.k_proj(h).view(rows, count, -1, self._head_dim)
-            v = attn.v_proj(h).view(rows, count, -1, self._head_dim).transpose(1, 2)
-            # RoPE on the query and key heads at once (apply_rotary_pos_emb's arithmetic).
-            qk = torch.cat([q, k], dim=2).transpose(1, 2)
-            qk = (qk * cos + _rotate_half(qk) * sin).to(dtype)
-            q, k = qk[:, :heads], qk[:, heads:]
+            q, k, v = before(layer, x, cos, sin, self._heads, self._head_dim, self.dtype)
             keys.scatter_(2, column, k)
             values.scatter_(2, column, v)
-            out = self._attention(q, keys, values, bias, attn.scaling)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, count, -1))
-            h = _rms_norm(x, layer.post_attention_layernorm).to(dtype)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            x = after(layer, x, self._attention(q, keys, values, bias, layer.self_attn.scaling))
         return x
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor,
@@ -202,23 +198,50 @@ class StaticDecoder:
         return out.reshape(rows, heads, 1, dim)
 
 
-class _CompiledStep:
-    """A decoder's step compiled by ``torch.compile`` on its first call (the batch
-    dimension dynamic); if compiling fails, it logs why and runs the step as it is."""
+def _queries_keys_values(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                         head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's part before attention: the norm of the float32 residual ``x``
+    ``[n, T, H]`` and its queries ``[n, Hq, T, D]``, keys and values ``[n, Hkv, T, D]``
+    in ``dtype``, RoPE applied to the query and key heads at once
+    (``apply_rotary_pos_emb``'s arithmetic)."""
+    attn = layer.self_attn
+    rows, count = x.shape[0], x.shape[1]
+    h = _rms_norm(x, layer.input_layernorm).to(dtype)
+    q = attn.q_proj(h).view(rows, count, -1, head_dim)
+    k = attn.k_proj(h).view(rows, count, -1, head_dim)
+    v = attn.v_proj(h).view(rows, count, -1, head_dim).transpose(1, 2)
+    qk = torch.cat([q, k], dim=2).transpose(1, 2)
+    qk = (qk * cos + _rotate_half(qk) * sin).to(dtype)
+    return qk[:, :heads], qk[:, heads:], v
 
-    def __init__(self, step: Any) -> None:
-        self._step = step
-        self._compiled: Any = torch.compile(step, dynamic=True)
 
-    def __call__(self, rows: int) -> torch.Tensor:
+def _attended(layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A layer's part after attention: the residual ``x`` plus the output projection of
+    attention's ``out`` ``[n, Hq, T, D]``, plus the MLP of that one's norm."""
+    rows, count = x.shape[0], x.shape[1]
+    x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(rows, count, -1))
+    h = _rms_norm(x, layer.post_attention_layernorm).to(out.dtype)
+    mlp = layer.mlp
+    return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+
+class _Compiled:
+    """``fn`` compiled by ``torch.compile`` on its first call (sizes dynamic); if
+    compiling fails, it logs why and runs ``fn`` as it is from then on."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._compiled: Any = torch.compile(fn, dynamic=True)
+
+    def __call__(self, *args: Any) -> Any:
         if self._compiled is not None:
             try:
-                return self._compiled(rows)  # type: ignore[no-any-return]
+                return self._compiled(*args)
             except Exception as error:  # any compiler failure falls back
-                logger.warning("native rollout: compiling the static decode step failed (%s: %s); "
-                               "it runs uncompiled", type(error).__name__, error)
+                logger.warning("native rollout: compiling the static decode step's %s failed (%s: %s); "
+                               "it runs uncompiled", self._fn.__name__, type(error).__name__, error)
                 self._compiled = None
-        return self._step(rows)  # type: ignore[no-any-return]
+        return self._fn(*args)
 
 
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:

@@ -144,11 +144,11 @@ def test_static_decode_is_refused_for_a_model_the_step_does_not_reproduce() -> N
         NativeRolloutConfig(decode="graph")  # type: ignore[arg-type]
 
 
-def test_a_step_that_fails_to_compile_runs_uncompiled_after_one_warning(
+def test_a_step_that_fails_to_compile_runs_uncompiled_after_one_warning_per_part(
     model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken(step: object, **options: object) -> object:
-        def fail(rows: int) -> torch.Tensor:
+        def fail(*args: object) -> torch.Tensor:
             raise RuntimeError("no compiler here")
         return fail
 
@@ -161,14 +161,16 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_after_one_warning(
         for _ in range(2):
             assert torch.equal(compiled.step(3), plain.step(3))
     assert [r.getMessage() for r in caplog.records] == [
-        "native rollout: compiling the static decode step failed (RuntimeError: no compiler here); it runs uncompiled"
+        f"native rollout: compiling the static decode step's {part} failed (RuntimeError: no compiler here); "
+        "it runs uncompiled" for part in ("_queries_keys_values", "_attended")
     ]
 
 
-def test_compiling_is_on_by_default_on_cuda_with_triton_only() -> None:
-    config = NativeRolloutConfig()
-    assert not config.compiles(torch.device("cpu"))
-    assert config.compiles(torch.device("cuda")) == (importlib.util.find_spec("triton") is not None)
+def test_compiling_is_off_by_default_and_auto_compiles_on_cuda_with_triton_only() -> None:
+    assert not NativeRolloutConfig().compiles(torch.device("cuda"))
+    auto = NativeRolloutConfig(compile="auto")
+    assert not auto.compiles(torch.device("cpu"))
+    assert auto.compiles(torch.device("cuda")) == (importlib.util.find_spec("triton") is not None)
     assert NativeRolloutConfig(compile=True).compiles(torch.device("cpu"))
     assert not NativeRolloutConfig(compile=False).compiles(torch.device("cuda"))
     with pytest.raises(ConfigError, match="compile must be a bool or 'auto'"):
