@@ -5,11 +5,14 @@ finished) and hands the running ones to a decode batch, which prefills them, sam
 one token per row per step and says which rows finished:
 
 - :class:`~._kv_batch.DynamicBatch`: a KV cache as long as the longest row, grown by
-  each step and compacted as rows leave; the samples' tokens kept in Python lists.
-  What a step costs follows what it reads, which suits the CPU.
+  each step and compacted as rows leave. What a step costs follows what it reads,
+  which suits the CPU.
 - :class:`~._static_batch.StaticBatch`: a KV cache preallocated with one slot per row
   (:class:`~._static_cache.StaticDecoder`), its decode step replayed as a CUDA graph
-  on CUDA, and the samples' tokens, lengths and budgets kept on the device.
+  on CUDA.
+
+Both keep their rows' tokens, log-probs, lengths, budgets and row seeds on the
+device (:class:`~._row_book.RowBook`).
 
 Both give a sample the same tokens and log-probs (up to float rounding): its random
 stream is a function of its row seed and position only (:mod:`._sampling`).
@@ -48,9 +51,8 @@ class RunRules:
 class Row:
     """One sample of a run: its prompt, its response so far, its budget and its random stream.
 
-    While a :class:`~._static_batch.StaticBatch` runs the row, ``response`` and
-    ``logprobs`` hold what it carried in only; the batch fills them in when the row
-    finishes or leaves."""
+    While a decode batch runs the row, ``response`` and ``logprobs`` hold what it
+    carried in only; the batch fills them in when the row finishes or leaves."""
 
     index: int
     prompt: list[int]

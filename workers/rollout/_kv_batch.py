@@ -7,7 +7,8 @@ training engine's forward pass over ``prompt_ids ++ response_ids`` reproduces th
 log-probs the engine reports. :func:`prefill` builds a batch from token sequences,
 :func:`decode` extends every row by one token, and :class:`KVBatch` drops finished
 rows and merges batches. :class:`DynamicBatch` is the decode batch
-(:mod:`._decode_batch`) built on them: its rows' tokens kept in Python lists.
+(:mod:`._decode_batch`) built on them, its rows' bookkeeping on tensors
+(:mod:`._row_book`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from transformers.cache_utils import DynamicLayer
 
 from ._decode_batch import Row, RunRules
 from ._lean_decode import LeanDecoder, lean_decoder
-from ._sampling import sample_tokens
+from ._row_book import RowBook
 
 __all__ = ["DynamicBatch", "KVBatch", "decode", "kv_layers", "prefill"]
 
 
 class DynamicBatch:
     """The decode batch of the ``"dynamic"`` kind (:mod:`._decode_batch`): one
-    :class:`KVBatch`, stepped through the lean decoder where the model has one.
+    :class:`KVBatch`, stepped through the lean decoder where the model has one, its
+    rows' bookkeeping in a :class:`~._row_book.RowBook` in the same row order.
 
     Args:
         model: The causal LM sampled from.
@@ -40,59 +42,47 @@ class DynamicBatch:
         self._rules = rules
         self._lean = lean_decoder(model)
         self._running: KVBatch | None = None
-        self._rows: dict[int, Row] = {}
+        self._book = RowBook(rules, next(model.parameters()).device)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._book)
 
     def join(self, rows: list[Row]) -> list[Row]:
-        for row in rows:
-            self._rows[row.index] = row
         fresh, logits = prefill(self._model, [row.prompt + row.response for row in rows],
                                 [row.index for row in rows], pad_token_id=self._rules.params.pad_token_id)
-        finished = self._advance(fresh, logits)
-        if self._running is None and len(fresh):
+        if self._running is None:
             self._running = fresh
-        elif len(fresh):
-            assert self._running is not None
+        else:
             self._running.extend(fresh)
-        return finished
+        return self._advance(self._book.add(rows), logits)
 
     def decode(self) -> list[Row]:
         running = self._running
         if running is None or not len(running):
             return []
-        finished = self._advance(running, decode(self._model, running, self._lean))
-        if not len(running):
-            self._running = None
-        return finished
+        logits = decode(self._model, running, self._lean)
+        self._book.tick()
+        return self._advance(slice(0, len(running)), logits)
 
     def leave(self) -> list[Row]:
-        rows = list(self._rows.values())
-        self._rows.clear()
         self._running = None
-        return rows
+        return self._book.leave()
 
-    def _advance(self, batch: KVBatch, logits: torch.Tensor) -> list[Row]:
-        """Sample one token per row, record it, and drop the rows that finished."""
-        rows = [self._rows[index] for index in batch.indices]
-        tokens, logprobs = sample_tokens(
-            logits,
-            self._rules.params,
-            [row.seed for row in rows],
-            lengths=[len(row.response) for row in rows],
-            early_banned=self._rules.early_banned,
-        )
-        batch.next_tokens = tokens
-        finished, keep = [], []
-        for position, (row, token, logprob) in enumerate(zip(rows, tokens.tolist(), logprobs.tolist(), strict=True)):
-            row.response.append(token)
-            row.logprobs.append(logprob)
-            if self._rules.ended(row.response, row.budget):
-                finished.append(self._rows.pop(row.index))
-            else:
-                keep.append(position)
-        batch.keep(keep)
+    def _advance(self, rows: slice, logits: torch.Tensor) -> list[Row]:
+        """Sample one token for the batch's ``rows``, record it, and drop the rows that finished."""
+        running = self._running
+        assert running is not None
+        tokens, ended = self._book.sample(rows, logits)
+        running.next_tokens[rows] = tokens
+        if not ended:
+            return []
+        finished = self._book.finish(ended)
+        gone = set(ended)
+        kept = [row for row in range(len(running)) if row not in gone]
+        running.keep(kept)
+        self._book.keep(kept)
+        if not len(running):
+            self._running = None
         return finished
 
 
