@@ -56,56 +56,28 @@ machine are noisy; compare runs with the same load.
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
-import gc
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import transformers
-from transformers import PreTrainedModel
 
-from bench._shapes import SHAPES
-from workers.models import TinyModelConfig, build_tiny_model, save_tiny_model
-from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, RolloutOutput, SamplingParams
-
-MODELS = {
-    "small": TinyModelConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                             num_key_value_heads=8, head_dim=64, vocab_size=32000),
-    "qwen2.5-0.5b": SHAPES["qwen2.5-0.5b"],
-    "tiny": TinyModelConfig(),
-}
-"""The models ``--model`` chooses from (see the module docstring)."""
-
-NATIVE_ENGINES: dict[str, dict[str, Any]] = {
-    "native_graph": {"decode": "static", "cuda_graphs": True},
-    "native_graph_compiled": {"decode": "static", "cuda_graphs": True, "compile": True},
-    "native_static_eager": {"decode": "static", "cuda_graphs": False},
-    "native_eager": {"decode": "dynamic"},
-}
-"""The ``NativeRolloutConfig`` settings of each native engine."""
-
-ENGINES = (*NATIVE_ENGINES, "hf_generate")
-"""The engines ``--engines`` chooses from (see the module docstring)."""
-
-DTYPES = ("bfloat16", "float32")
-"""The precisions ``--dtypes`` chooses from."""
-
-_GIB = 2**30
-
-
-def _prompts(batch: int, *, vocab: int, seed: int, length: int | None = None) -> list[list[int]]:
-    """``batch`` prompts of ``length`` tokens (None: 8 to 16), starting with ``<bos>`` (id 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [length] * batch if length else torch.randint(8, 17, (batch,), generator=gen).tolist()
-    return [[1, *torch.randint(3, vocab, (n - 1,), generator=gen).tolist()] for n in lengths]
+from bench._decode_engines import (
+    DTYPES,
+    ENGINES,
+    MODELS,
+    check_full,
+    engines_table,
+    random_prompts,
+    run_engines,
+)
+from workers.models import build_tiny_model, save_tiny_model
+from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, SamplingParams
 
 
 def _seconds(fn: Callable[[], object]) -> float:
@@ -117,145 +89,6 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
     return time.perf_counter() - wall, time.process_time() - cpu
-
-
-def _synced_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Wall-clock seconds of ``fn()``, including the GPU work it queued."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
-def _check_full(out: RolloutOutput, new_tokens: int) -> None:
-    if not bool((out.response_lengths == new_tokens).all()):
-        raise RuntimeError(f"every row should generate {new_tokens} tokens with EOS ignored")
-
-
-def _engine_call(engine: str, lm: PreTrainedModel, prompts: list[list[int]], *, new_tokens: int) -> Callable[[], None]:
-    """One generate call of ``engine`` on ``prompts``, raising unless every row
-    generated ``new_tokens`` tokens (a comparison of ``len(prompts)`` numbers)."""
-    if engine in NATIVE_ENGINES:
-        config = NativeRolloutConfig(max_batch_size=len(prompts), **NATIVE_ENGINES[engine])
-        native = NativeRolloutEngine(lm, config=config)
-        params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_id=None, seed=0)
-        return lambda: _check_full(native.generate(prompts, params), new_tokens)
-    input_ids = torch.tensor(prompts, device=next(lm.parameters()).device)  # of one length: no padding
-    tokens = lm.generation_config
-    # min_new_tokens masks EOS until the last token, so every row runs to the end.
-    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": new_tokens,
-                "min_new_tokens": new_tokens, "pad_token_id": tokens.pad_token_id, "eos_token_id": tokens.eos_token_id}
-
-    def generate() -> None:
-        torch.manual_seed(0)
-        out = lm.generate(input_ids, attention_mask=torch.ones_like(input_ids), **sampling)  # type: ignore[operator]
-        if out.shape[1] != input_ids.shape[1] + new_tokens:
-            raise RuntimeError(f"every row should generate {new_tokens} tokens, got {out.shape[1] - input_ids.shape[1]}")
-
-    return generate
-
-
-def _time_engines(
-    lm: PreTrainedModel, prompts: list[list[int]], *, engines: Sequence[str], new_tokens: int, runs: int
-) -> list[dict[str, Any]]:
-    """Warm each engine up, then time ``runs`` rounds of one call per engine."""
-    device = next(lm.parameters()).device
-    cuda = device.type == "cuda"
-    calls = {engine: _engine_call(engine, lm, prompts, new_tokens=new_tokens) for engine in engines}
-    warmups = {}
-    for engine, call in calls.items():
-        before = torch.cuda.memory_allocated(device) / _GIB if cuda else None
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        warmup_s = _synced_seconds(call, device)
-        peak = torch.cuda.max_memory_allocated(device) / _GIB if cuda else None
-        warmups[engine] = {"warmup_s": warmup_s, "peak_memory_gib": peak, "memory_before_gib": before}
-    seconds: dict[str, list[float]] = {engine: [] for engine in calls}
-    for _ in range(runs):
-        for engine, call in calls.items():
-            seconds[engine].append(_synced_seconds(call, device))
-    del calls, call  # the engines, with their KV caches and graphs
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    hf_s = statistics.median(seconds["hf_generate"]) if "hf_generate" in seconds else None
-    return [
-        {
-            "engine": engine,
-            "tokens_per_s": len(prompts) * new_tokens / statistics.median(runs_s),
-            "ms_per_step": statistics.median(runs_s) / new_tokens * 1e3,
-            "over_hf_generate": None if hf_s is None else hf_s / statistics.median(runs_s),
-            "seconds_runs": runs_s,
-            **warmups[engine],
-        }
-        for engine, runs_s in seconds.items()
-    ]
-
-
-def run_engines(
-    *,
-    device: torch.device,
-    model: str,
-    batches: Sequence[int],
-    dtypes: Sequence[str],
-    engines: Sequence[str] = ENGINES,
-    prompt_len: int,
-    new_tokens: int,
-    runs: int,
-) -> dict[str, Any]:
-    """Time the engines of :data:`ENGINES` for every batch size and precision.
-
-    Args:
-        device: Where the model runs (``cuda``, or ``cpu`` for a check).
-        model: A key of :data:`MODELS`.
-        batches: Prompts per call, one measurement each.
-        dtypes: ``"bfloat16"`` and/or ``"float32"``, one measurement each.
-        engines: Which engines, in the order they alternate.
-        prompt_len: Tokens per prompt.
-        new_tokens: Tokens generated per prompt.
-        runs: Timed rounds (the median is reported).
-
-    Returns:
-        The setup (``gpu``, ``torch``, ``transformers``, ``model``, ``parameters``,
-        ``prompt_len``, ``new_tokens``, ``runs``) and ``results``: one record per
-        precision, batch size and engine.
-
-    Raises:
-        ValueError: For an unknown model, engine or precision, or sizes below 1.
-    """
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; choose one of {sorted(MODELS)}")
-    for name, given, known in (("engines", engines, ENGINES), ("dtypes", dtypes, DTYPES)):
-        if not given or set(given) - set(known):
-            raise ValueError(f"--{name} must name some of {', '.join(known)}; got {', '.join(given) or 'none'}")
-    if min(*batches, prompt_len, new_tokens, runs) < 1:
-        raise ValueError("--batches, --prompt-len, --new-tokens and --runs must be >= 1")
-    shape = MODELS[model]
-    shape = dataclasses.replace(shape, max_position_embeddings=max(shape.max_position_embeddings, prompt_len + new_tokens))
-    base = build_tiny_model(shape, seed=0)
-    results = []
-    for dtype in dtypes:
-        lm = copy.deepcopy(base)  # a copy in each precision: Module.to converts in place
-        lm.to(device, getattr(torch, dtype))  # type: ignore[arg-type]  # (transformers' @wraps hides self)
-        for batch in batches:
-            prompts = _prompts(batch, vocab=shape.resolved_vocab_size, seed=0, length=prompt_len)
-            for record in _time_engines(lm, prompts, engines=engines, new_tokens=new_tokens, runs=runs):
-                results.append({"device": str(device), "dtype": dtype, "batch": batch, **record})
-        del lm
-    return {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "model": model,
-        "parameters": sum(p.numel() for p in base.parameters()),
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "runs": runs,
-        "results": results,
-    }
 
 
 def run_vllm(
@@ -278,14 +111,14 @@ def run_vllm(
 
     torch.set_num_threads(threads)
     shape = MODELS[model]
-    prompts = _prompts(batch, vocab=shape.resolved_vocab_size, seed=0)
+    prompts = random_prompts(batch, vocab=shape.resolved_vocab_size, seed=0)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_token_id=None, seed=0)
     tokens = batch * new_tokens
     load_before = os.getloadavg()[0]
 
     lm = build_tiny_model(shape, seed=0).to(getattr(torch, dtype))
     native = NativeRolloutEngine(lm, config=NativeRolloutConfig(max_batch_size=batch))
-    _check_full(native.generate(prompts, params), new_tokens)
+    check_full(native.generate(prompts, params), new_tokens)
     native_before_vllm_s = _seconds(lambda: native.generate(prompts, params))
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -296,7 +129,7 @@ def run_vllm(
         startup_s = time.perf_counter() - start
         try:
             start = time.perf_counter()
-            _check_full(engine.generate(prompts, params), new_tokens)
+            check_full(engine.generate(prompts, params), new_tokens)
             warmup_s = time.perf_counter() - start
             native_runs, vllm_runs = [], []
             for _ in range(runs):
@@ -338,23 +171,6 @@ def run_vllm(
         "new_tokens": new_tokens,
         "runs": runs,
     }
-
-
-def _engines_table(setup: dict[str, Any]) -> str:
-    lines = [
-        f"model {setup['model']} ({setup['parameters'] / 1e6:.1f} M parameters) on {setup['gpu'] or 'cpu'}, "
-        f"torch {setup['torch']}, transformers {setup['transformers']}: {setup['prompt_len']}-token prompts, "
-        f"{setup['new_tokens']} new tokens, median of {setup['runs']} alternating rounds",
-        f"{'dtype':<9}{'batch':>6}  {'engine':<20}{'tokens/s':>10}{'ms/step':>9}{'vs hf':>8}{'warm-up s':>11}{'peak GiB':>10}",
-    ]
-    for r in setup["results"]:
-        over = "" if r["over_hf_generate"] is None else f"{r['over_hf_generate']:.2f}x"
-        peak = "" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
-        lines.append(
-            f"{r['dtype']:<9}{r['batch']:>6}  {r['engine']:<20}{r['tokens_per_s']:>10.0f}{r['ms_per_step']:>9.2f}"
-            f"{over:>8}{r['warmup_s']:>11.2f}{peak:>10}"
-        )
-    return "\n".join(lines)
 
 
 def _vllm_table(results: dict[str, Any]) -> str:
@@ -414,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
             engines=args.engines.split(",") if args.engines else ENGINES, prompt_len=args.prompt_len,
             new_tokens=args.new_tokens or (256 if cuda else 64), runs=args.runs or 3,
         )
-        print(_engines_table(results))
+        print(engines_table(results))
     else:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         results = run_vllm(
