@@ -144,13 +144,28 @@ def sample_tokens(
         logits = _ban_early(logits, params.min_new_tokens, early_banned, lengths)
     if params.greedy:
         tokens = logits.argmax(dim=-1)
+        normaliser = torch.logsumexp(raw, dim=-1)
     else:
-        probs = _filtered_probs(logits, params)
         # float64 CDFs where the device has them (MPS has not).
         dtype = torch.float32 if logits.device.type == "mps" else torch.float64
-        tokens = _inverse_cdf(probs, _uniforms(seeds, lengths, dtype, logits.device))
+        uniforms = _uniforms(seeds, lengths, dtype, logits.device)
+        if logits is raw and _samples_raw(params, raw.shape[-1]):
+            # The distribution is softmax(raw): its unnormalised weights pick the
+            # token, and their total is the log-probs' normaliser (no softmax pass).
+            peak = raw.amax(dim=-1, keepdim=True)
+            tokens, total = _inverse_cdf_and_total((raw - peak).exp_(), uniforms)
+            normaliser = peak.squeeze(-1) + total.log().to(raw.dtype)
+        else:
+            tokens = _inverse_cdf(_filtered_probs(logits, params), uniforms)
+            normaliser = torch.logsumexp(raw, dim=-1)
     # log_softmax at the picked tokens only (no [rows, vocab] tensor of log-probs).
-    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(raw, dim=-1)
+    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - normaliser
+
+
+def _samples_raw(params: SamplingParams, vocab: int) -> bool:
+    """Whether ``params`` sample from the model's own distribution (temperature 1,
+    neither top-k nor top-p)."""
+    return params.temperature == 1.0 and not 0 < params.top_k < vocab and params.top_p >= 1.0
 
 
 def _ban_early(
@@ -177,7 +192,13 @@ _CHUNK = 256
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF exceeds it.
+    """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)`` (:func:`_inverse_cdf_and_total`)."""
+    return _inverse_cdf_and_total(probs, uniforms)[0]
+
+
+def _inverse_cdf_and_total(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF exceeds
+    it; and each row's total probability (in the uniforms' dtype).
 
     The CDF is taken in two levels, in the uniforms' dtype: the sums of chunks of
     :data:`_CHUNK` tokens and their running total pick the chunk the target falls in,
@@ -198,7 +219,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # The chunk's own running total from 0, so its small probabilities are not lost
     # against a large total before it.
     token = _first_above(inside.cumsum(dim=-1), targets - before)
-    return (chunk * _CHUNK + token).squeeze(-1)
+    return (chunk * _CHUNK + token).squeeze(-1), chunk_cdf[:, -1]
 
 
 def _chunk_sums(probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -184,3 +184,24 @@ def test_the_two_level_cdf_picks_what_one_cumulative_sum_over_the_vocabulary_pic
     expected = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
     assert _inverse_cdf(probs, uniforms).tolist() == expected.tolist()
 
+
+
+def test_sampling_the_models_own_distribution_picks_what_the_filtered_path_picks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At temperature 1 without top-k/p the sampler skips the softmax (unnormalised
+    weights pick the token, their total gives the log-probs' normaliser): the same
+    tokens, and log-probs within float rounding, as the general path."""
+    from workers.rollout import _sampling
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 3000, generator=generator) * 4
+    seeds = [row_seed(9, i) for i in range(64)]
+    params = SamplingParams(max_new_tokens=POSITIONS, temperature=1.0, seed=9)
+    fast = [sample_tokens(logits, params, seeds, lengths=[k] * 64) for k in range(10)]
+    monkeypatch.setattr(_sampling, "_samples_raw", lambda *_: False)
+    general = [sample_tokens(logits, params, seeds, lengths=[k] * 64) for k in range(10)]
+    for (tokens, logprobs), (expected, expected_logprobs) in zip(fast, general, strict=True):
+        assert tokens.tolist() == expected.tolist()
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
