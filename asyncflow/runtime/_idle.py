@@ -106,10 +106,16 @@ def start_ahead(count: int, *, preload: Sequence[str], worker_env: Mapping[str, 
 
 
 def keep(fit: Fit, actor: Any) -> None:
-    """Keep ``actor`` (it left its session) for a later session; ends it when
-    :data:`KEPT_WORKERS` are kept already."""
+    """Keep ``actor`` (it left its session) for a later session; when
+    :data:`KEPT_WORKERS` are kept already, ends the one kept longest instead: the
+    next session is likelier to fit the newest (a script's or a test suite's
+    sessions in a row share their settings; old kept workers that fit none of them
+    would otherwise hold every place and have each later session start its own)."""
     kept = _kept.setdefault(_connection(), [])
-    if len(kept) >= KEPT_WORKERS:
+    while kept and len(kept) >= KEPT_WORKERS:
+        _, oldest = kept.pop(0)
+        ray.kill(oldest, no_restart=True)
+    if KEPT_WORKERS < 1:
         ray.kill(actor, no_restart=True)
         return
     kept.append((fit, actor))

@@ -96,5 +96,7 @@ def test_a_kept_worker_that_died_is_replaced_and_the_kept_ones_are_bounded(monke
 
     monkeypatch.setattr(_idle, "KEPT_WORKERS", 1)
     _idle.forget()
-    _reports()
+    last = _reports()
     assert _idle.kept_count() == 1
+    # The newest kept (the last to leave), the one kept longer ended: a later session fits the newest likelier.
+    assert _pids(_reports())[0] == _pids(last)[1]
