@@ -419,3 +419,16 @@ def ppo_role_specs(model_dir: str, policy: Any, scoring: Any = None, *, training
         "reward": RoleSpec(cls=RewardWorker, pool=scoring,
                            config=ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir))),
     }
+
+
+def config_file(tmp_path: Path, name: str) -> Path:
+    """Where a test's in-process ``asyncflow train`` run keeps its configuration file
+    ``name``.toml: in one directory for every test of this pytest process (beside
+    each test's ``tmp_path``), not in the test's own; its outputs stay in ``tmp_path``.
+    A run's workers get the config's directory on their ``PYTHONPATH``, and a session
+    adopts the workers an earlier one kept only for the same environment: runs whose
+    configs share a directory share worker processes (seconds of imports each) from
+    one test to the next. A config with a module beside it keeps its own directory."""
+    shared = tmp_path.parent / "configs"
+    shared.mkdir(exist_ok=True)
+    return shared / f"{tmp_path.name}-{name}.toml"

@@ -26,7 +26,7 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.train import read_metrics
-from support import wait_for_a_checkpoint
+from support import config_file, wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
@@ -96,7 +96,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _config(tmp: Path, model: str, name: str, *, steps: int = 3, staleness: int = 0,
             disaggregated: bool = True, partial: int = 0, max_new: int = 4, stop: tuple[str, ...] = ()) -> Path:
-    path = tmp / f"{name}.toml"
+    path = config_file(tmp, name)
     path.write_text(CONFIG.format(out=tmp / name, model=model, steps=steps, staleness=staleness, partial=partial,
                                   max_new=max_new, stop=json.dumps(list(stop)),
                                   more=DISAGGREGATED if disaggregated else ""))

@@ -17,7 +17,7 @@ import pytest
 from asyncflow.cli import main
 from asyncflow.train import load_config, read_metrics
 from channels import ConfigError
-from support import wait_for_a_checkpoint
+from support import config_file, wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
@@ -70,7 +70,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def _config(tmp: Path, model: str, *, steps: int, name: str, extra: str = "") -> Path:
-    path = tmp / f"{name}.toml"
+    path = config_file(tmp, name)
     path.write_text(CONFIG.format(out=tmp / name, model=model, steps=steps) + extra)
     return path
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncflow.cli import main
 from asyncflow.train import read_metrics
+from support import config_file
 from support_hf import save_tiny_hf_llama
 
 ROOT = Path(__file__).parents[2]
@@ -99,7 +100,7 @@ def test_own_model_data_and_reward_train(tmp_path: Path, model_dir: str, suffix:
                                          algorithm: str) -> None:
     train = _write(tmp_path / f"train{suffix}", _rows(12, chat=chat))
     held_out = _write(tmp_path / f"eval{suffix}", _rows(4, chat=chat, offset=100))
-    cfg = tmp_path / "run.toml"
+    cfg = config_file(tmp_path, "run")
     cfg.write_text(CONFIG.format(out=tmp_path / "out", model=model_dir, train=train, eval=held_out,
                                  prompt="prompt", algorithm=algorithm))
     export = "checkpoints" if algorithm == "ppo" else "end"
@@ -125,7 +126,7 @@ def test_a_resumed_run_draws_the_data_an_uninterrupted_one_does(tmp_path: Path, 
     held_out = _write(tmp_path / "eval.jsonl", _rows(4, chat=True, offset=100))
     runs = {}
     for name in ("full", "part"):
-        runs[name] = tmp_path / f"{name}.toml"
+        runs[name] = config_file(tmp_path, name)
         runs[name].write_text(CONFIG.format(out=tmp_path / name, model=model_dir, train=train, eval=held_out,
                                             prompt="prompt", algorithm="grpo"))
     assert main(["train", str(runs["full"]), "--no-progress", "--set", "train.steps=4"]) == 0
@@ -149,7 +150,7 @@ def test_a_csv_answer_len_arrives_as_text_so_the_reward_check_names_it(tmp_path:
     for name, offset in (("train", 0), ("eval", 100)):
         lines = ["prompt,answer,answer_len"] + [f"What is {i}?,{i},{len(str(i))}" for i in range(offset, offset + 8)]
         (tmp_path / f"{name}.csv").write_text("\n".join(lines) + "\n")
-    cfg = tmp_path / "run.toml"
+    cfg = config_file(tmp_path, "run")
     cfg.write_text(CONFIG.format(out=tmp_path / "out", model=model_dir, train=tmp_path / "train.csv",
                                  eval=tmp_path / "eval.csv", prompt="prompt", algorithm="grpo"))
     assert main(["train", str(cfg), "--no-progress"]) == 1

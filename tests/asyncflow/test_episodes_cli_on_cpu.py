@@ -16,7 +16,7 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.train import read_metrics
-from support import wait_for_a_checkpoint
+from support import config_file, wait_for_a_checkpoint
 from tiny_runs import save_model
 
 CONFIG = """
@@ -82,7 +82,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _config(tmp: Path, model: str, name: str, *, algorithm: str = "grpo", steps: int = 2, staleness: int = 0,
             disaggregated: bool = False, sleep_s: float = 0.0) -> Path:
-    path = tmp / f"{name}.toml"
+    path = config_file(tmp, name)
     path.write_text(CONFIG.format(out=tmp / name, model=model, steps=steps, staleness=staleness, algorithm=algorithm,
                                   sleep_s=sleep_s, more=DISAGGREGATED if disaggregated else ""))
     return path

@@ -13,6 +13,7 @@ from asyncflow.cli import main
 from asyncflow.train import load_config, read_metrics
 from asyncflow.train._roles import role_specs
 from channels import GenerationLayout, Layout
+from support import config_file
 from workers.models import TinyModelConfig, save_tiny_model
 
 TWO_HEADS = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
@@ -68,7 +69,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _config(tmp: Path, model: str, gen: str) -> Path:
-    path = tmp / "run.toml"
+    path = config_file(tmp, "run")
     path.write_text(CONFIG.format(out=tmp / "run", model=model, gen=gen))
     return path
 

@@ -17,6 +17,7 @@ import pytest
 from asyncflow.cli import main
 from asyncflow.train import CheckpointDir, read_metrics
 from disk_faults import FAILING_CHECKPOINT, FAILING_EXPORT, state_json_on_a_full_disk
+from support import config_file
 from tiny_runs import grpo_toml, save_model
 
 PLAIN = "support:digit_share_reward"
@@ -40,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _config(tmp: Path, model: str, *, out: Path, steps: int = 2, reward: str = PLAIN) -> Path:
-    path = tmp / "run.toml"
+    path = config_file(tmp, "run")
     path.write_text(grpo_toml(out, model, steps=steps, train={"checkpoint_every": 1},
                               more=f'[reward]\nfunction = "{reward}"\n'))
     return path
