@@ -111,13 +111,13 @@ def keep(fit: Fit, actor: Any) -> None:
     next session is likelier to fit the newest (a script's or a test suite's
     sessions in a row share their settings; old kept workers that fit none of them
     would otherwise hold every place and have each later session start its own)."""
-    kept = _kept.setdefault(_connection(), [])
-    while kept and len(kept) >= KEPT_WORKERS:
-        _, oldest = kept.pop(0)
-        ray.kill(oldest, no_restart=True)
     if KEPT_WORKERS < 1:
         ray.kill(actor, no_restart=True)
         return
+    kept = _kept.setdefault(_connection(), [])
+    while len(kept) >= KEPT_WORKERS:
+        _, oldest = kept.pop(0)
+        ray.kill(oldest, no_restart=True)
     kept.append((fit, actor))
 
 

@@ -86,11 +86,6 @@ class RowBook:
     def __len__(self) -> int:
         return len(self._entries)
 
-    @property
-    def rows(self) -> list[Row]:
-        """The running rows, in the book's order (their responses not up to date)."""
-        return [entry.row for entry in self._entries]
-
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows (at least: it grows by doubling)."""
         room = self._columns.lengths.shape[0]

@@ -19,11 +19,11 @@ is captured once as a CUDA graph and replayed: one launch instead of a dozen ker
 per layer. The step can also be compiled (``torch.compile``, sizes dynamic): each
 layer's parts before and after attention, which fuse its norms, rotary embedding and
 activation into a few kernels; compiled once, they serve every layer, bucket and
-decoder of a model's shape, and a graph then replays their kernels. A graph reads the parameters where they are, so
-copying new weights into them keeps it valid; moving or rebinding them does not, and :class:`DecoderPool`
-drops a decoder whose parameters moved (and, once the weights are bound from outside,
-as the hybrid engine's are at every transition, stops capturing graphs and compiling,
-which each bind would do again).
+decoder of a model's shape, and a graph then replays their kernels. A graph reads
+the parameters where they are, so copying new weights into them keeps it valid;
+moving or rebinding them does not, and :class:`DecoderPool` drops a decoder whose
+parameters moved (and, once the weights are bound from outside, as the hybrid
+engine's are at every transition, stops capturing graphs and compiling).
 """
 
 from __future__ import annotations
@@ -304,12 +304,12 @@ class DecoderPool:
 
         ``rebound``: the parameters become tensors given from outside, new ones at each
         bind (the hybrid engine's generation shards); graphs, which read them where
-        they were captured, would be captured again for every bind, and a compiled
-        step compiled again for every new decoder, so decoders run their steps
-        eagerly and uncompiled from now on."""
+        they were captured, would be captured again for every bind, so decoders run
+        their steps eagerly from now on, and uncompiled: the compiled parts were
+        never run on bound weights (views of outside buffers, whose layout may
+        differ from bind to bind and compile again)."""
         self._idle = None
         if rebound and (self._graphs or self._compiled):
             self._graphs = self._compiled = False
             logger.info("native rollout: weights bound from outside (bind_weights); the static cache's decode "
-                        "steps run without CUDA graphs or compiling from now on (each bind would capture and "
-                        "compile them again)")
+                        "steps run without CUDA graphs or compiling from now on (each bind would capture them again)")
