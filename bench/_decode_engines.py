@@ -34,7 +34,7 @@ MODELS = {
 
 NATIVE_ENGINES: dict[str, dict[str, Any]] = {
     "native_graph": {"decode": "static", "cuda_graphs": True},
-    "native_graph_compiled": {"decode": "static", "cuda_graphs": True, "compile": True},
+    "native_graph_uncompiled": {"decode": "static", "cuda_graphs": True, "compile": False},
     "native_static_eager": {"decode": "static", "cuda_graphs": False},
     "native_eager": {"decode": "dynamic"},
 }

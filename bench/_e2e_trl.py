@@ -1,5 +1,11 @@
 """The end-to-end workload through TRL's ``GRPOTrainer`` (the optional ``compare``
-extra), for ``bench.e2e``: ``python -m bench._e2e_trl`` prints one JSON record."""
+extra), for ``bench.e2e``: ``python -m bench._e2e_trl`` prints one JSON record.
+
+Its ``stage_ms`` (milliseconds per timed step) times the trainer's own methods
+(``STAGES``, device-synchronised around each call): ``generate`` (sampling),
+``reward`` (the reward function), ``log_prob`` (the rest of building the batch:
+mostly the reference's forward pass) and ``update`` (the forward and backward
+passes and the optimizer step)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -35,6 +42,42 @@ def grpo_settings(job: E2EJob) -> dict[str, Any]:
         # this workload does not need and costs time.
         "bf16": job.device == "cuda", "gradient_checkpointing": False,
     }
+
+
+STAGES = {"generate": "_generate_single_turn", "reward": "_calculate_rewards",
+          "batch": "_generate_and_score_completions", "step": "training_step"}
+"""The ``GRPOTrainer`` methods timed, by the name the breakdown derives its stages from."""
+
+
+def _time_stages(trainer: Any, step: Callable[[], int], spent: dict[int, dict[str, float]]) -> None:
+    """Wrap ``trainer``'s ``STAGES`` methods to add their seconds to ``spent[step()][name]``."""
+    import torch
+
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                row = spent.setdefault(step(), {})
+                row[name] = row.get(name, 0.0) + time.perf_counter() - start
+        return call
+
+    for name, attr in STAGES.items():
+        setattr(trainer, attr, timed(name, getattr(trainer, attr)))
+
+
+def stage_ms(spent: dict[int, dict[str, float]], steps: list[int]) -> dict[str, float]:
+    """Milliseconds per step of each stage over ``steps`` (see the module docstring)."""
+    def mean(name: str) -> float:
+        return 1000 * sum(spent.get(k, {}).get(name, 0.0) for k in steps) / len(steps)
+
+    return {"generate": mean("generate"), "reward": mean("reward"),
+            "log_prob": mean("batch") - mean("generate") - mean("reward"), "update": mean("step") - mean("batch")}
 
 
 def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
@@ -70,12 +113,14 @@ def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dic
         reward: Any = digit_reward
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tokenizer, callbacks=[_Clock()])
+        spent: dict[int, dict[str, float]] = {}
+        _time_stages(trainer, lambda: len(times), spent)
         marks["trainer_built"] = time.time() - _START
         trainer.train()
     median = statistics.median(times[warmup:])
     return {"framework": "trl", "device": job.device, "threads": threads if threads is not None else torch.get_num_threads(),
             "s_per_step": median, "tokens_per_s": job.tokens_per_step / median, "steps_s": times,
-            "startup_s": marks}
+            "startup_s": marks, "stage_ms": stage_ms(spent, list(range(warmup, warmup + steps)))}
 
 
 def main(argv: list[str] | None = None) -> None:

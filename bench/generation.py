@@ -15,9 +15,10 @@ update loads a full, differently seeded model into the running vLLM engine.
 
 **The engines** (``--device cuda``; ``--device cpu --engines ...`` runs them on the
 CPU), per batch size (``--batches``) and precision (``--dtypes``): ``native_graph``
-(``NativeRolloutConfig(decode="static")``: a static KV cache, the decode step replayed
-as a CUDA graph), ``native_graph_compiled`` (the same with ``compile=True``: each
-layer's parts around attention compiled by ``torch.compile``), ``native_static_eager``
+(``NativeRolloutConfig(decode="static")``: a static KV cache, each layer's parts
+around attention compiled by ``torch.compile`` where Triton is installed, the decode
+step replayed as a CUDA graph), ``native_graph_uncompiled`` (the same with
+``compile=False``), ``native_static_eager``
 (``cuda_graphs=False``),
 ``native_eager`` (``decode="dynamic"``: a growing KV cache) and ``hf_generate``
 (``model.generate(do_sample=True, temperature=1, top_k=0, top_p=1)`` as TRL's

@@ -51,6 +51,9 @@ def test_trl_side_and_the_ratio(tmp_path: Path) -> None:
     assert record["ratio"] == pytest.approx(record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"])
     (run,) = record["runs"]["trl"]
     assert run["framework"] == "trl" and len(run["steps_s"]) == 2
+    assert set(run["stage_ms"]) == {"generate", "reward", "log_prob", "update"}
+    assert all(ms > 0 for ms in run["stage_ms"].values()), run["stage_ms"]
+    assert sum(run["stage_ms"].values()) <= 1000 * run["steps_s"][1] * 1.01, "the stages are parts of the step"
 
 
 def test_the_floors_decode_samples_from_the_model() -> None:

@@ -49,16 +49,15 @@ class NativeRolloutConfig:
     new tensors at every transition) stops capturing after its first bind, as every
     bind would capture again."""
 
-    compile: bool | Literal["auto"] = False
+    compile: bool | Literal["auto"] = "auto"
     """With the static cache, compile each layer's parts before and after attention
     with ``torch.compile`` (Inductor, sizes dynamic: compiled once, they serve every
     layer, batch-size bucket and decoder of a model's shape), which fuses the norms,
     the rotary embedding and the activation into a few kernels; the CUDA graphs then
-    replay the compiled kernels. The first step pays the compilation. ``"auto"``: on
-    CUDA where Triton is installed, off elsewhere (on the CPU a step costs what it
-    reads, and compiling takes a minute). A compilation that fails is logged and the
-    step runs uncompiled. Off by default until its speed is measured on a GPU (a
-    compilation of the whole 24-layer step, the first design, took minutes)."""
+    replay the compiled kernels. The first step pays the compilation (seconds on a
+    GPU's host). ``"auto"`` (the default): on CUDA where Triton is installed, off
+    elsewhere (on the CPU a step costs what it reads, and compiling takes a minute).
+    A compilation that fails is logged and the step runs uncompiled."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (

@@ -166,9 +166,9 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_after_one_warning_per_part
     ]
 
 
-def test_compiling_is_off_by_default_and_auto_compiles_on_cuda_with_triton_only() -> None:
-    assert not NativeRolloutConfig().compiles(torch.device("cuda"))
-    auto = NativeRolloutConfig(compile="auto")
+def test_compiling_is_auto_by_default_on_cuda_with_triton_only() -> None:
+    auto = NativeRolloutConfig()
+    assert auto.compile == "auto"
     assert not auto.compiles(torch.device("cpu"))
     assert auto.compiles(torch.device("cuda")) == (importlib.util.find_spec("triton") is not None)
     assert NativeRolloutConfig(compile=True).compiles(torch.device("cpu"))
