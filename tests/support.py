@@ -87,6 +87,12 @@ class Sleeper(Role):
         return {"start": start, "end": time.time(), "pid": os.getpid()}
 
     @register(protocol=OneToAll())
+    def raise_after(self, seconds: float, message: str) -> None:
+        """Sleeps, then raises ``RuntimeError(message)``."""
+        time.sleep(seconds)
+        raise RuntimeError(message)
+
+    @register(protocol=OneToAll())
     def pid(self) -> int:
         return os.getpid()
 

@@ -3,6 +3,11 @@ its result: rows collected into one future, or the one error worth reporting
 (a rank's own error or a death before any peer failure; see ``_failures``); and
 what a worker process's death does to its pool.
 
+A rank whose peer process died often reports it first, as a broken connection
+(gloo's "Connection reset by peer"), before Ray reports the death: such an error
+waits up to :data:`DEATH_REPORT_GRACE_S` for a death, and the call fails with the
+death (:class:`WorkerDiedError`, naming the process that died) when one comes.
+
 The scheduler (``_scheduler``) decides which call runs where and when; once a
 call's ranks run, it hands them to :class:`CallCompletion`, which owns everything
 after: results, failures, timeouts and deaths.
@@ -19,18 +24,23 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 
 from asyncflow.runtime._calls import Call
-from asyncflow.runtime._errors import CallTimeoutError, WorkerDiedError
+from asyncflow.runtime._errors import CallTimeoutError, RemoteStageError, WorkerDiedError
 from asyncflow.runtime._failures import peer_error, primary_error, producer_of, settle
 from asyncflow.runtime._ledger import ShardLedger
 from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._transport import Transport, WorkerGone
 from channels import Collected, Layout, RankResult
+from workers import PEER_FAILURE_MESSAGES
 
 if TYPE_CHECKING:
     from asyncflow.runtime._lanes import PoolState
     from asyncflow.runtime._tracer import Tracer
 
 logger = logging.getLogger(__name__)
+
+DEATH_REPORT_GRACE_S = 5.0
+"""How long a rank's broken-connection error waits for Ray to report the death of
+the process behind it (see the module docstring)."""
 
 
 @dataclass(eq=False)
@@ -61,6 +71,10 @@ class CallCompletion:
         """Set while a trace is recording (the scheduler's ``tracer``)."""
         self.closed = False
         """The session is closing: deaths no longer break pools."""
+        self.deaths: list[WorkerDiedError] = []
+        """Each pool's death, in the order they were reported."""
+        self._death_reported = asyncio.Event()
+        """Set (and replaced) at each death: what a wait for the next one waits on."""
 
     # ----- deaths -----
 
@@ -86,6 +100,9 @@ class CallCompletion:
         err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
                               rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
         pool.died.set_result(err)
+        self.deaths.append(err)
+        self._death_reported.set()
+        self._death_reported = asyncio.Event()
         for call in pool.calls():
             settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
                                           cause=f"rank {rank}'s worker process died before the call ran",
@@ -103,6 +120,7 @@ class CallCompletion:
         Returns once every rank returned or the call failed, timed out or lost a
         worker."""
         ranks = _Ranks()
+        deaths_before = len(self.deaths)
         rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
         pending: set[asyncio.Future[Any]] = set(tasks)
         loop = asyncio.get_running_loop()
@@ -141,7 +159,13 @@ class CallCompletion:
                 self._poison_finished(pool, ranks, lanes)
                 primary = primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
                 if primary is not None and not call.result.done():
-                    call.result.set_exception(primary)
+                    try:
+                        primary = await self._death_behind(call, primary, deaths_before)
+                    except asyncio.CancelledError:
+                        self._abandon(pending)
+                        raise
+                    if not call.result.done():
+                        call.result.set_exception(primary)
         if not ranks.failures:
             if stream is None:
                 # Protocols index results by position in the layout they ran on.
@@ -152,9 +176,35 @@ class CallCompletion:
         if not call.result.done():
             best = (primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
                     or peer_error(call, pool.name, ranks.failures))
-            call.result.set_exception(best)
+            best = await self._death_behind(call, best, deaths_before)
+            if not call.result.done():
+                call.result.set_exception(best)
         if pool.broken is None:
             pool.needs_heal = True
+
+    async def _death_behind(self, call: Call, error: BaseException, deaths_before: int) -> BaseException:
+        """``error``, or the death behind it: a :class:`RemoteStageError` that says a
+        connection broke (:data:`workers.PEER_FAILURE_MESSAGES`) waits up to
+        :data:`DEATH_REPORT_GRACE_S` for a death reported since the call started
+        (``deaths_before`` deaths were reported before), and becomes that death."""
+        if isinstance(error, WorkerDiedError | CallTimeoutError) or not isinstance(error, RemoteStageError) \
+                or not any(m in error.cause for m in PEER_FAILURE_MESSAGES):
+            return error
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEATH_REPORT_GRACE_S
+        while len(self.deaths) == deaths_before and not self.closed:
+            reported = self._death_reported  # captured before the wait: no death goes unseen
+            try:
+                await asyncio.wait_for(reported.wait(), timeout=max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return error
+        if len(self.deaths) == deaths_before:
+            return error
+        d = self.deaths[deaths_before]
+        return WorkerDiedError(role=d.role, method=d.method, rank=d.rank, pool=d.pool,
+                               cause=f"its worker process died, and {call.label}'s rank {error.rank} of pool "
+                                     f"{error.pool!r} lost its connection to it ({error.cause.splitlines()[0]})",
+                               detail=d.detail)
 
     def _poison_finished(self, pool: PoolState, ranks: _Ranks, lanes: Sequence[int]) -> None:
         # A rank that returned cannot be in a collective any more: dropping its

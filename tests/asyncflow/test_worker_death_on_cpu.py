@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -42,6 +43,37 @@ def test_killed_worker_surfaces_quickly_naming_role_and_rank() -> None:
     assert "died" in str(err)
     assert elapsed < 30  # bounded by wait_for above; a hang would fail there
     assert len(still) == 1
+
+
+def test_a_lost_connection_is_reported_as_the_death_behind_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that reports a broken connection in gloo's words (its peer process
+    died) before Ray reports that death fails its call with the death, naming the
+    process that died; without a death, the same words stay the rank's own error."""
+    monkeypatch.setattr("asyncflow.runtime._completion.DEATH_REPORT_GRACE_S", 30.0)
+    reset = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer"
+
+    async def main():
+        async with af.Session(cpu_slots=8) as session:
+            roles = await session.spawn({"peer": RoleSpec(cls=Sleeper, pool=ResourcePool(name="a", devices=1)),
+                                         "gone": RoleSpec(cls=Sleeper, pool=ResourcePool(name="b", devices=1))})
+            (pid,) = await roles.gone.pid()
+            broken = roles.peer.raise_after(0.5, reset)
+            await asyncio.sleep(0.2)  # the call runs
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(af.WorkerDiedError) as died:
+                await asyncio.wait_for(broken, timeout=60)
+            monkeypatch.setattr("asyncflow.runtime._completion.DEATH_REPORT_GRACE_S", 0.5)
+            with pytest.raises(af.RemoteStageError) as own:
+                await asyncio.wait_for(roles.peer.raise_after(0.0, reset), timeout=60)
+            return died.value, own.value
+
+    died, own = asyncio.run(main())
+    assert (died.pool, died.rank) == ("b", 0)
+    assert re.search(r"its worker process died, and peer\.raise_after#\d+'s rank 0 of pool 'a' lost its connection "
+                     r"to it", str(died)), str(died)
+    assert "Connection reset by peer" in str(died)
+    assert not isinstance(own, af.WorkerDiedError)
+    assert (own.role, own.method, own.pool) == ("peer", "raise_after", "a") and "Connection reset by peer" in own.cause
 
 
 def test_a_role_that_fails_to_start_is_named() -> None:
