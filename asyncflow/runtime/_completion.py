@@ -29,7 +29,7 @@ from asyncflow.runtime._failures import peer_error, primary_error, producer_of, 
 from asyncflow.runtime._ledger import ShardLedger
 from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._transport import Transport, WorkerGone
-from channels import Collected, Layout, RankResult
+from channels import AsyncflowError, Collected, Layout, RankResult
 from workers import PEER_FAILURE_MESSAGES
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ class CallCompletion:
         if pool.broken is None:
             pool.needs_heal = True
 
-    async def _death_behind(self, call: Call, error: BaseException, deaths_before: int) -> BaseException:
+    async def _death_behind(self, call: Call, error: AsyncflowError, deaths_before: int) -> AsyncflowError:
         """``error``, or the death behind it: a :class:`RemoteStageError` that says a
         connection broke (:data:`workers.PEER_FAILURE_MESSAGES`) waits up to
         :data:`DEATH_REPORT_GRACE_S` for a death reported since the call started
