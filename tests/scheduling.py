@@ -21,13 +21,24 @@ from typing import Any
 
 import pytest
 
+OWN_RAY = "modules that stop the shared Ray instance"
 SHARED_WORKER = {
-    "tests/asyncflow/test_cluster_on_cpu.py": "ray clusters",
-    "tests/asyncflow/test_two_node_cluster_on_cpu.py": "ray clusters",
+    "tests/asyncflow/test_cluster_on_cpu.py": OWN_RAY,
+    "tests/asyncflow/test_two_node_cluster_on_cpu.py": OWN_RAY,
+    "tests/asyncflow/test_config.py": OWN_RAY,
+    "tests/asyncflow/test_loopback.py": OWN_RAY,
+    "tests/asyncflow/test_runtime_on_cpu.py": OWN_RAY,
+    "tests/asyncflow/test_worker_settings_on_cpu.py": OWN_RAY,
+    "tests/channels/test_remote_channel_on_cpu.py": OWN_RAY,
 }
 """Modules that pytest-xdist runs one after the other on one worker, by the name of
-what they share: each cluster's head writes /tmp/ray/ray_current_cluster and its
-agent wants Ray's default port."""
+what they share. Each of these modules stops the worker's shared Ray instance
+(``no_shared_ray``: it starts Ray with its own settings, or a cluster, or checks
+that nothing started), which the next module starts again without the workers
+the last one kept (conftest.py's ``shared_ray``): run together, they cost one
+restart instead of one each, and the other worker's instance lives through. The
+two cluster modules could not run side by side anyway: each cluster's head writes
+/tmp/ray/ray_current_cluster and its agent wants Ray's default port."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
