@@ -52,9 +52,9 @@ tools: $(STAMP)
 TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
-# at a time on each (tests/conftest.py); 18 to 25 minutes on the 2-core machine, all of
-# it CPU-bound (the target is 15). It prints how long it took in all (installing
-# included) and pytest's share.
+# at a time on each (tests/conftest.py and tests/scheduling.py); about 20 minutes on the
+# 2-core machine, all of it CPU-bound (the target is 15). It prints how long it took in
+# all (installing included) and pytest's share.
 START := $(shell date +%s)
 PYTEST_WORKERS ?= 2
 
