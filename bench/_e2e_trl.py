@@ -53,16 +53,16 @@ def _time_stages(trainer: Any, step: Callable[[], int], spent: dict[int, dict[st
     """Wrap ``trainer``'s ``STAGES`` methods to add their seconds to ``spent[step()][name]``."""
     import torch
 
+    sync: Callable[[], None] = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
     def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+                sync()
                 row = spent.setdefault(step(), {})
                 row[name] = row.get(name, 0.0) + time.perf_counter() - start
         return call

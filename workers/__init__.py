@@ -11,7 +11,6 @@ re-exports the host's public names, which the control plane and role authors use
 from workers.host import (
     CONCURRENCY_GROUPS,
     LIVE_ENV,
-    PEER_FAILURE_MESSAGES,
     Adopt,
     CallArgs,
     CallInfo,
@@ -42,7 +41,6 @@ from workers.host import (
 __all__ = [
     "CONCURRENCY_GROUPS",
     "LIVE_ENV",
-    "PEER_FAILURE_MESSAGES",
     "Adopt",
     "CallArgs",
     "CallInfo",

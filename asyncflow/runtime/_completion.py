@@ -4,9 +4,10 @@ its result: rows collected into one future, or the one error worth reporting
 what a worker process's death does to its pool.
 
 A rank whose peer process died often reports it first, as a broken connection
-(gloo's "Connection reset by peer"), before Ray reports the death: such an error
-waits up to :data:`DEATH_REPORT_GRACE_S` for a death, and the call fails with the
-death (:class:`WorkerDiedError`, naming the process that died) when one comes.
+(gloo's "Connection reset by peer": the worker marks it a peer failure), before Ray
+reports the death: a call whose ranks failed only that way waits up to
+:data:`DEATH_REPORT_GRACE_S` for a death, and fails with the death
+(:class:`WorkerDiedError`, naming the process that died) when one comes.
 
 The scheduler (``_scheduler``) decides which call runs where and when; once a
 call's ranks run, it hands them to :class:`CallCompletion`, which owns everything
@@ -29,8 +30,7 @@ from asyncflow.runtime._failures import peer_error, primary_error, producer_of, 
 from asyncflow.runtime._ledger import ShardLedger
 from asyncflow.runtime._resolved import Resolved
 from asyncflow.runtime._transport import Transport, WorkerGone
-from channels import AsyncflowError, Collected, Layout, RankResult
-from workers import PEER_FAILURE_MESSAGES
+from channels import Collected, Layout, RankResult
 
 if TYPE_CHECKING:
     from asyncflow.runtime._lanes import PoolState
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEATH_REPORT_GRACE_S = 5.0
-"""How long a rank's broken-connection error waits for Ray to report the death of
-the process behind it (see the module docstring)."""
+"""How long a call whose ranks failed only because of a peer waits for Ray to report
+the death of the process behind it (see the module docstring)."""
 
 
 @dataclass(eq=False)
@@ -71,7 +71,7 @@ class CallCompletion:
         """Set while a trace is recording (the scheduler's ``tracer``)."""
         self.closed = False
         """The session is closing: deaths no longer break pools."""
-        self.deaths: list[WorkerDiedError] = []
+        self._deaths: list[WorkerDiedError] = []
         """Each pool's death, in the order they were reported."""
         self._death_reported = asyncio.Event()
         """Set (and replaced) at each death: what a wait for the next one waits on."""
@@ -100,7 +100,7 @@ class CallCompletion:
         err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
                               rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
         pool.died.set_result(err)
-        self.deaths.append(err)
+        self._deaths.append(err)
         self._death_reported.set()
         self._death_reported = asyncio.Event()
         for call in pool.calls():
@@ -120,7 +120,7 @@ class CallCompletion:
         Returns once every rank returned or the call failed, timed out or lost a
         worker."""
         ranks = _Ranks()
-        deaths_before = len(self.deaths)
+        deaths_before = len(self._deaths)
         rank_of: dict[asyncio.Future[Any], int] = {t: r for r, t in enumerate(tasks)}
         pending: set[asyncio.Future[Any]] = set(tasks)
         loop = asyncio.get_running_loop()
@@ -159,13 +159,7 @@ class CallCompletion:
                 self._poison_finished(pool, ranks, lanes)
                 primary = primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
                 if primary is not None and not call.result.done():
-                    try:
-                        primary = await self._death_behind(call, primary, deaths_before)
-                    except asyncio.CancelledError:
-                        self._abandon(pending)
-                        raise
-                    if not call.result.done():
-                        call.result.set_exception(primary)
+                    call.result.set_exception(primary)
         if not ranks.failures:
             if stream is None:
                 # Protocols index results by position in the layout they ran on.
@@ -175,32 +169,27 @@ class CallCompletion:
         self._release(ranks.results.values())
         if not call.result.done():
             best = (primary_error(call, pool.name, ranks.failures, self._gone_error(pool, call, lanes))
-                    or peer_error(call, pool.name, ranks.failures))
-            best = await self._death_behind(call, best, deaths_before)
+                    or await self._death_behind(call, peer_error(call, pool.name, ranks.failures), deaths_before))
             if not call.result.done():
                 call.result.set_exception(best)
         if pool.broken is None:
             pool.needs_heal = True
 
-    async def _death_behind(self, call: Call, error: AsyncflowError, deaths_before: int) -> AsyncflowError:
-        """``error``, or the death behind it: a :class:`RemoteStageError` that says a
-        connection broke (:data:`workers.PEER_FAILURE_MESSAGES`) waits up to
-        :data:`DEATH_REPORT_GRACE_S` for a death reported since the call started
-        (``deaths_before`` deaths were reported before), and becomes that death."""
-        if isinstance(error, WorkerDiedError | CallTimeoutError) or not isinstance(error, RemoteStageError) \
-                or not any(m in error.cause for m in PEER_FAILURE_MESSAGES):
-            return error
+    async def _death_behind(self, call: Call, error: RemoteStageError, deaths_before: int) -> RemoteStageError:
+        """``error`` (every rank of ``call`` failed because of a peer), or the death
+        behind it: waits up to :data:`DEATH_REPORT_GRACE_S` for a death reported since
+        the call started (``deaths_before`` were reported before), and becomes it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DEATH_REPORT_GRACE_S
-        while len(self.deaths) == deaths_before and not self.closed:
+        while len(self._deaths) == deaths_before and not self.closed:
             reported = self._death_reported  # captured before the wait: no death goes unseen
             try:
                 await asyncio.wait_for(reported.wait(), timeout=max(0.0, deadline - loop.time()))
             except TimeoutError:
                 return error
-        if len(self.deaths) == deaths_before:
+        if len(self._deaths) == deaths_before:
             return error
-        d = self.deaths[deaths_before]
+        d = self._deaths[deaths_before]
         return WorkerDiedError(role=d.role, method=d.method, rank=d.rank, pool=d.pool,
                                cause=f"its worker process died, and {call.label}'s rank {error.rank} of pool "
                                      f"{error.pool!r} lost its connection to it ({error.cause.splitlines()[0]})",

@@ -45,7 +45,7 @@ def primary_error(call: Call, pool: str, failures: Mapping[int, BaseException],
     return None
 
 
-def peer_error(call: Call, pool: str, failures: Mapping[int, BaseException]) -> AsyncflowError:
+def peer_error(call: Call, pool: str, failures: Mapping[int, BaseException]) -> RemoteStageError:
     """The error to report when every rank failed only because of a peer (e.g. all
     timed out in a collective)."""
     rank = min(failures)

@@ -111,14 +111,11 @@ def keep(fit: Fit, actor: Any) -> None:
     next session is likelier to fit the newest (a script's or a test suite's
     sessions in a row share their settings; old kept workers that fit none of them
     would otherwise hold every place and have each later session start its own)."""
-    if KEPT_WORKERS < 1:
-        ray.kill(actor, no_restart=True)
-        return
     kept = _kept.setdefault(_connection(), [])
-    while len(kept) >= KEPT_WORKERS:
+    kept.append((fit, actor))
+    while len(kept) > KEPT_WORKERS:
         _, oldest = kept.pop(0)
         ray.kill(oldest, no_restart=True)
-    kept.append((fit, actor))
 
 
 def kept_count() -> int:

@@ -15,7 +15,6 @@
 
 from workers.host._call import CallArgs, CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
 from workers.host._engine_logs import LIVE_ENV, EngineLogs, engine_log_env
-from workers.host._groups import PEER_FAILURE_MESSAGES
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
 from workers.host._register import (
     CallInfo,
@@ -41,7 +40,6 @@ from workers.host._worker import CONCURRENCY_GROUPS, WorkerProcess
 __all__ = [
     "CONCURRENCY_GROUPS",
     "LIVE_ENV",
-    "PEER_FAILURE_MESSAGES",
     "Adopt",
     "CallArgs",
     "CallInfo",
