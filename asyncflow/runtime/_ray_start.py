@@ -38,8 +38,10 @@ offers ``cpu_slots`` of them. On a cluster whose nodes offer none (``ray start
 --resources='{"asyncflow_cpu_slot": 16}'`` would), a CPU rank takes one of Ray's
 ``CPU`` instead (``asyncflow.runtime._pool.slot_resource``)."""
 
-HEAVY_MODULES = ("torch", "transformers", "workers.roles")
-"""What :func:`start_ray` imports meanwhile by default: what a training script needs."""
+HEAVY_MODULES = ("torch", "transformers.modeling_utils", "workers.roles")
+"""What :func:`start_ray` imports meanwhile by default: what a training script and
+its workers need (the roles import transformers' model classes only where a model
+is built: a driver given a checkpoint directory never does)."""
 
 _lock = threading.Lock()
 _unclaimed = False  # a start_ray instance no session has taken over yet

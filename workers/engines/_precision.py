@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from workers.engines._errors import EngineConfigError
+
+if TYPE_CHECKING:  # FSDP's modules: a second to import, needed only where a model is sharded
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 PrecisionName = Literal["fp32", "bf16"]
 """A resolved precision: float32 throughout, or bfloat16 compute."""
@@ -79,6 +81,8 @@ class Precision:
         Returns:
             FSDP2's default: compute and reduce in the parameters' dtype.
         """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy()
 
     def context(self) -> AbstractContextManager[None]:
@@ -102,6 +106,8 @@ class ShardedMixedBF16(Precision):
         Returns:
             ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``.
         """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import Tensor
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from channels import ConfigError
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import, needed only by the workers
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_supported_checkpoint", "save_pretrained_here"]
 
@@ -37,6 +40,8 @@ def check_supported_checkpoint(path: Path) -> PretrainedConfig:
             f"{path} has no config.json; pass a local Hugging Face checkpoint directory "
             "(save_tiny_model writes one)"
         )
+    from transformers import AutoConfig
+
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(

@@ -12,25 +12,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
 from channels import ConfigError
 
 from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint, save_pretrained_here
 from ._tokenizer import CharTokenizer, CharTokenizerConfig
 from ._value_head import VALUE_HEAD_FILE, ValueModel, is_value_model_dir
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; imported where a model is built
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "TinyModelConfig",
@@ -157,7 +150,11 @@ def tiny_hf_config(config: TinyModelConfig) -> PretrainedConfig:
         dtype="float32",
     )
     if config.architecture == "qwen2":
+        from transformers import Qwen2Config
+
         return Qwen2Config(**common, use_sliding_window=False)
+    from transformers import LlamaConfig
+
     return LlamaConfig(**common)
 
 
@@ -174,6 +171,8 @@ def build_tiny_model(config: TinyModelConfig, *, seed: int = 0) -> PreTrainedMod
         A ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``.
     """
     hf_config = tiny_hf_config(config)
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
     model_class = Qwen2ForCausalLM if config.architecture == "qwen2" else LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -255,11 +254,15 @@ def load_model(
             f"{path} holds a value model ({VALUE_HEAD_FILE} or a sequence classifier); load "
             "it with kind='value' (as a critic, reward or cost model)"
         )
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     return model.eval()
 
 
 def _generation_config(hf_config: PretrainedConfig) -> GenerationConfig:
+    from transformers import GenerationConfig
+
     return GenerationConfig(
         bos_token_id=hf_config.bos_token_id,
         eos_token_id=hf_config.eos_token_id,

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
 from channels import ConfigError
 
@@ -99,6 +98,8 @@ def gguf_to_hf_dir(
 
 
 def _convert(source: Path, out: Path, key: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+
     parent, name = os.fspath(source.parent), source.name
     # dequantize=True: without it transformers may keep the weights in GGUF blocks
     # (when a matmul kernel is installed), which neither training nor vLLM can use.

@@ -18,21 +18,18 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import (
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    PretrainedConfig,
-    PreTrainedModel,
-)
 
 from channels import ConfigError
 
 from ._checkpoint import check_supported_checkpoint, save_pretrained_here
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; imported where a model is built
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["VALUE_HEAD_FILE", "ValueModel", "is_value_model_dir"]
 
@@ -141,6 +138,8 @@ class ValueModel(nn.Module):
         Raises:
             ValueError: If a directory's architecture is not supported.
         """
+        from transformers import PreTrainedModel
+
         if isinstance(source, PreTrainedModel):
             backbone = copy.deepcopy(_base_model(source))
         else:
@@ -192,6 +191,8 @@ class ValueModel(nn.Module):
                 f"{path} is a sequence classifier with num_labels={hf_config.num_labels}; a "
                 "reward, cost or critic model needs exactly one (a scalar score per sequence)"
             )
+        from transformers import AutoModelForSequenceClassification
+
         classifier = AutoModelForSequenceClassification.from_pretrained(
             path, local_files_only=True, dtype=torch.float32
         )
@@ -227,6 +228,8 @@ class ValueModel(nn.Module):
 
 
 def _load_backbone(path: Path) -> PreTrainedModel:
+    from transformers import AutoModel, AutoModelForCausalLM
+
     check_supported_checkpoint(path)
     if (path / VALUE_HEAD_FILE).is_file():
         return AutoModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
@@ -239,6 +242,8 @@ def _load_backbone(path: Path) -> PreTrainedModel:
 
 
 def _base_model(model: PreTrainedModel) -> PreTrainedModel:
+    from transformers import PreTrainedModel
+
     base = model.base_model
     if not isinstance(base, PreTrainedModel):
         raise ValueError(

@@ -14,12 +14,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
 
 from channels import ConfigError
 from workers.engines import PrecisionName
@@ -34,6 +33,9 @@ from workers.rollout import (
     VLLMRolloutEngine,
     load_tokenizer,
 )
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
+    from transformers import PreTrainedModel
 
 RolloutConfig = NativeRolloutConfig | VLLMRolloutConfig
 """A rollout engine's settings; the type selects the engine."""

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from ._decode_batch import Row, RunRules
 from ._lean_decode import LeanDecoder, lean_decoder
 from ._row_book import RowBook
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
+    from transformers import DynamicCache, PreTrainedModel
+    from transformers.cache_utils import DynamicLayer
 
 __all__ = ["DynamicBatch", "KVBatch", "decode", "kv_layers", "prefill"]
 
@@ -157,6 +160,8 @@ def prefill(
         The batch (its rows' ``next_tokens`` still to be sampled) and the logits of
         each row's next token, ``[B, V]`` float32.
     """
+    from transformers import DynamicCache
+
     device = next(model.parameters()).device
     length = max(len(sequence) for sequence in sequences)
     ids = torch.full((len(sequences), length), pad_token_id, dtype=torch.long)
@@ -208,6 +213,8 @@ def decode(model: PreTrainedModel, batch: KVBatch, lean: LeanDecoder | None = No
 
 def kv_layers(cache: DynamicCache) -> list[tuple[DynamicLayer, torch.Tensor, torch.Tensor]]:
     """Each layer of a full-attention cache with its keys and values ``[B, H, L, D]``."""
+    from transformers.cache_utils import DynamicLayer
+
     entries = []
     for layer in cache.layers:
         # The engine rejects non-full-attention models, so every layer is dynamic.

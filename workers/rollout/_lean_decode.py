@@ -13,13 +13,14 @@ models it accepts (test_lean_decode.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
-from transformers.cache_utils import DynamicLayer
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
+    from transformers import PreTrainedModel
+    from transformers.cache_utils import DynamicLayer
 
 __all__ = ["LeanDecoder", "lean_decoder"]
 
@@ -55,6 +56,9 @@ class LeanDecoder:
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self._apply_rotary = apply_rotary_pos_emb
         inner = model.model
         self._embed = inner.embed_tokens
         self._rotary = inner.rotary_emb
@@ -78,7 +82,7 @@ class LeanDecoder:
             q = attn.q_proj(h).view(rows, 1, -1, layer.head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(rows, 1, -1, layer.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(rows, 1, -1, layer.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = self._apply_rotary(q, k, cos, sin)
             cache.keys, cache.values = layer.append(cache, k, v)
             heads = F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=attend,
                                                    scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
 
 from channels import ConfigError
 
@@ -50,6 +50,9 @@ from ._types import (
     resolve_indices,
     run_to_output,
 )
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
+    from transformers import PreTrainedModel
 
 __all__ = ["NativeRolloutEngine"]
 

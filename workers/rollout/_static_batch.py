@@ -11,12 +11,16 @@ computes a bucket no larger than the live rows need.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
 
 from ._decode_batch import Row, RunRules
 from ._row_book import RowBook
 from ._static_cache import DecoderPool, StaticDecoder
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
+    from transformers import PreTrainedModel
 
 __all__ = ["StaticBatch"]
 

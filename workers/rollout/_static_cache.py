@@ -29,11 +29,13 @@ engine's are at every transition, stops capturing graphs and compiling).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
+    from transformers import PreTrainedModel
 
 __all__ = ["DecoderPool", "StaticDecoder"]
 
