@@ -46,13 +46,16 @@ smollm2-tools: $(STAMP)
 tools: $(STAMP)
 	$(VENV)/bin/asyncflow train examples/arith_tools.toml
 
+# The project's packages: what lint, the type check and the byte-compiling cover.
+PACKAGES := asyncflow channels workers hybrid_engine bench
+
 # TYPED_FIXTURE: an algorithm on typed role groups, checked with the mypy plugin
 # (tests/asyncflow/test_typed_roles.py checks it too, and that the plugin reports
 # the mistakes in tests/typing/typed_algo_bad.py).
 TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
-# at a time on each (tests/conftest.py and tests/scheduling.py); about 20 minutes on the
+# at a time on each (tests/conftest.py and tests/scheduling.py); 20 to 27 minutes on the
 # 2-core machine, all of it CPU-bound (the target is 15). mypy (one core for about two
 # minutes from a fresh clone) runs beside it, in the time the tests wait for Ray's
 # processes to start, and its report follows pytest's; either failing fails the target.
@@ -62,18 +65,18 @@ PYTEST_WORKERS ?= 2
 MYPY_LOG := $(VENV)/mypy.log
 
 test: $(STAMP)
-	$(PY) -m ruff check asyncflow channels workers hybrid_engine bench tests
-	@# Compiled once here: with PYTHONDONTWRITEBYTECODE set (as on CI machines) every
-	@# process the suite starts (hundreds: Ray workers, drivers) would compile what it
-	@# imports of these packages again, a fraction of a second of CPU each.
-	@$(PY) -m compileall -q asyncflow channels workers hybrid_engine bench
+	$(PY) -m ruff check $(PACKAGES) tests
+	@# Compiled once here: where PYTHONDONTWRITEBYTECODE is set (this machine's environment
+	@# sets it) every process the suite starts (hundreds: Ray workers, drivers) would
+	@# compile what it imports of these packages again, a fraction of a second of CPU each.
+	@$(PY) -m compileall -q $(PACKAGES)
 	@t=$$(date +%s); status=0; \
-	$(PY) -m mypy asyncflow channels workers hybrid_engine bench $(TYPED_FIXTURE) > $(MYPY_LOG) 2>&1 & types=$$!; \
+	$(PY) -m mypy $(PACKAGES) $(TYPED_FIXTURE) > $(MYPY_LOG) 2>&1 & types=$$!; \
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests \
 		|| status=$$?; \
 	now=$$(date +%s); \
 	wait $$types || status=$$?; \
-	echo "mypy asyncflow channels workers hybrid_engine bench $(TYPED_FIXTURE):"; cat $(MYPY_LOG); \
+	echo "mypy $(PACKAGES) $(TYPED_FIXTURE):"; cat $(MYPY_LOG); \
 	echo "make test: $$((now - $(START))) s in all, pytest $$((now - t)) s"; \
 	exit $$status
 
@@ -104,10 +107,10 @@ docs: $(STAMP)
 	$(PY) -m asyncflow.train._reference docs/config.md
 
 lint: $(STAMP)
-	$(PY) -m ruff check asyncflow workers channels hybrid_engine bench tests
+	$(PY) -m ruff check $(PACKAGES) tests
 
 typecheck: $(STAMP)
-	$(PY) -m mypy asyncflow workers channels hybrid_engine bench $(TYPED_FIXTURE)
+	$(PY) -m mypy $(PACKAGES) $(TYPED_FIXTURE)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -40,8 +40,8 @@ offers ``cpu_slots`` of them. On a cluster whose nodes offer none (``ray start
 
 HEAVY_MODULES = ("torch", "transformers.modeling_utils", "workers.roles")
 """What :func:`start_ray` imports meanwhile by default: what a training script and
-its workers need (the roles import transformers' model classes only where a model
-is built: a driver given a checkpoint directory never does)."""
+its workers need (importing the roles loads no transformers model class; building
+or loading a model does)."""
 
 _lock = threading.Lock()
 _unclaimed = False  # a start_ray instance no session has taken over yet

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from channels import ConfigError
 
-if TYPE_CHECKING:  # transformers' model classes: seconds to import, needed only by the workers
+if TYPE_CHECKING:  # transformers' model classes: seconds to import; imported where a model is built
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "check_supported_checkpoint", "save_pretrained_here"]

@@ -170,9 +170,9 @@ def build_tiny_model(config: TinyModelConfig, *, seed: int = 0) -> PreTrainedMod
     Returns:
         A ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``.
     """
-    hf_config = tiny_hf_config(config)
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
+    hf_config = tiny_hf_config(config)
     model_class = Qwen2ForCausalLM if config.architecture == "qwen2" else LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
