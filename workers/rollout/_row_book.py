@@ -71,11 +71,14 @@ class RowBook:
     Args:
         rules: How rows sample and end.
         device: Where the logits come from, and the bookkeeping lives.
+        compiled: Sample with the compiled sampler where it has one
+            (:func:`~._sampling.sample_tokens`' ``compiled``).
     """
 
-    def __init__(self, rules: RunRules, device: torch.device) -> None:
+    def __init__(self, rules: RunRules, device: torch.device, *, compiled: bool = False) -> None:
         self._rules = rules
         self._device = device
+        self._compiled = compiled
         self._columns = _Columns(0, rules.params.max_new_tokens, device)
         self._entries: list[_Entry] = []
         self._steps = 0
@@ -119,7 +122,7 @@ class RowBook:
         columns = self._columns
         lengths = columns.lengths[rows]
         tokens, logprobs = sample_tokens(logits, self._rules.params, columns.seeds[rows], lengths=lengths,
-                                         early_banned=self._rules.early_banned)
+                                         early_banned=self._rules.early_banned, compiled=self._compiled)
         columns.tokens[rows].scatter_(1, lengths[:, None], tokens[:, None])
         columns.logprobs[rows].scatter_(1, lengths[:, None], logprobs[:, None])
         lengths += 1

@@ -13,13 +13,14 @@ another engine, on any kind of device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from channels import ConfigError
 
+from ._compiled import Compiled
 from ._types import SamplingParams
 
 __all__ = ["pack_row_seed", "row_seed", "sample_tokens", "signed_seeds", "splitmix64", "unpack_row_seed"]
@@ -120,6 +121,7 @@ def sample_tokens(
     *,
     lengths: Sequence[int] | torch.Tensor,
     early_banned: tuple[int, ...] = (),
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return it and its raw log-prob (temperature 1, unfiltered).
 
@@ -138,6 +140,9 @@ def sample_tokens(
         early_banned: Token ids that rows shorter than ``params.min_new_tokens``
             cannot sample (EOS ids). The log-probs stay those of the unmasked
             logits, as vLLM's raw log-probs are taken before its logits processors.
+        compiled: Sample from the model's own distribution (temperature 1, neither
+            top-k nor top-p) with that path compiled by ``torch.compile``
+            (:func:`_sample_raw`; on its first call, and uncompiled if that fails).
     """
     raw = logits
     if params.min_new_tokens and early_banned:
@@ -150,16 +155,34 @@ def sample_tokens(
         dtype = torch.float32 if logits.device.type == "mps" else torch.float64
         uniforms = _uniforms(seeds, lengths, dtype, logits.device)
         if logits is raw and _samples_raw(params, raw.shape[-1]):
-            # The distribution is softmax(raw): its unnormalised weights pick the
-            # token, and their total is the log-probs' normaliser (no softmax pass).
-            peak = raw.amax(dim=-1, keepdim=True)
-            tokens, total = _inverse_cdf_and_total((raw - peak).exp_(), uniforms)
-            normaliser = peak.squeeze(-1) + total.log().to(raw.dtype)
-        else:
-            tokens = _inverse_cdf(_filtered_probs(logits, params), uniforms)
-            normaliser = torch.logsumexp(raw, dim=-1)
+            sample_raw = _COMPILED_SAMPLE_RAW if compiled else _sample_raw
+            return sample_raw(raw, uniforms)  # type: ignore[no-any-return]
+        tokens = _inverse_cdf(_filtered_probs(logits, params), uniforms)
+        normaliser = torch.logsumexp(raw, dim=-1)
     # log_softmax at the picked tokens only (no [rows, vocab] tensor of log-probs).
     return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - normaliser
+
+
+def _sample_raw(raw: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` from the model's own distribution, ``softmax(raw)``.
+
+    The unnormalised weights ``exp(raw - max)`` pick the token (:func:`_pick`) and
+    their total is the log-probs' normaliser, so no softmax is taken. The weights
+    are only summed per chunk, and the picked chunk's computed again from ``raw``:
+    compiled, the maximum and the chunk sums are two reads of the logits, and no
+    ``[rows, vocab]`` tensor is written."""
+    peak = raw.amax(dim=-1, keepdim=True)
+
+    def weights_at(columns: torch.Tensor) -> torch.Tensor:
+        return (raw.gather(-1, columns) - peak).exp()
+
+    weights = (raw - peak).exp_()  # only summed: compiled, never written
+    tokens, total = _pick(_chunk_sums(weights, uniforms.dtype), weights_at, uniforms, vocab=raw.shape[-1])
+    normaliser = peak.squeeze(-1) + total.log().to(raw.dtype)
+    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - normaliser
+
+
+_COMPILED_SAMPLE_RAW = Compiled(_sample_raw, "the sampler of the model's own distribution")
 
 
 def _samples_raw(params: SamplingParams, vocab: int) -> bool:
@@ -192,45 +215,53 @@ _CHUNK = 256
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)`` (:func:`_inverse_cdf_and_total`)."""
-    return _inverse_cdf_and_total(probs, uniforms)[0]
+    """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF over
+    ``probs`` ``[rows, vocab]`` exceeds it (:func:`_pick`)."""
+    def weights_at(columns: torch.Tensor) -> torch.Tensor:
+        return probs.gather(-1, columns)
+
+    return _pick(_chunk_sums(probs, uniforms.dtype), weights_at, uniforms, vocab=probs.shape[-1])[0]
 
 
-def _inverse_cdf_and_total(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pick(
+    chunk_sums: torch.Tensor, weights_at: Callable[[torch.Tensor], torch.Tensor], uniforms: torch.Tensor, *,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF exceeds
-    it; and each row's total probability (in the uniforms' dtype).
+    it; and each row's total weight (in the uniforms' dtype).
 
-    The CDF is taken in two levels, in the uniforms' dtype: the sums of chunks of
-    :data:`_CHUNK` tokens and their running total pick the chunk the target falls in,
-    and that chunk's own running total picks the token, so no cumulative sum over the
-    whole vocabulary is written. Probabilities need not sum to exactly 1 (the target
-    is scaled by their total). A token of probability 0 does not raise a running
-    total, so it is never the first to exceed the target; where rounding puts the
-    target at or past a total, the pick is the last token that raised it.
+    The CDF is taken in two levels, in the uniforms' dtype: the weights' sums over
+    chunks of :data:`_CHUNK` tokens (``chunk_sums`` ``[rows, chunks]``,
+    :func:`_chunk_sums`) and their running total pick the chunk the target falls in,
+    and that chunk's own running total picks the token (``weights_at(columns)``: the
+    weights at ``columns`` ``[rows, _CHUNK]``, all below ``vocab``), so no cumulative sum over the whole
+    vocabulary is written. Weights need not sum to 1 (the target is scaled by their
+    total). A token of weight 0 does not raise a running total, so it is never the
+    first to exceed the target; where rounding puts the target at or past a total,
+    the pick is the last token that raised it.
     """
-    vocab = probs.shape[-1]
     dtype = uniforms.dtype
-    chunk_cdf = _chunk_sums(probs, dtype).cumsum(dim=-1)  # [rows, chunks]
+    chunk_cdf = chunk_sums.cumsum(dim=-1)  # [rows, chunks]
     targets = uniforms[:, None] * chunk_cdf[:, -1:]
     chunk = _first_above(chunk_cdf, targets)  # [rows, 1]
     before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)
-    columns = chunk * _CHUNK + torch.arange(_CHUNK, device=probs.device)
-    inside = probs.gather(-1, columns.clamp(max=vocab - 1)).to(dtype).masked_fill(columns >= vocab, 0.0)
-    # The chunk's own running total from 0, so its small probabilities are not lost
+    columns = chunk * _CHUNK + torch.arange(_CHUNK, device=chunk.device)
+    inside = weights_at(columns.clamp(max=vocab - 1)).to(dtype).masked_fill(columns >= vocab, 0.0)
+    # The chunk's own running total from 0, so its small weights are not lost
     # against a large total before it.
     token = _first_above(inside.cumsum(dim=-1), targets - before)
     return (chunk * _CHUNK + token).squeeze(-1), chunk_cdf[:, -1]
 
 
-def _chunk_sums(probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Each row's probability mass per chunk of :data:`_CHUNK` tokens (the last chunk
-    may be shorter), summed in ``dtype``."""
-    rows, vocab = probs.shape
+def _chunk_sums(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's weight per chunk of :data:`_CHUNK` tokens (the last chunk may be
+    shorter), summed in ``dtype``."""
+    rows, vocab = weights.shape
     whole = vocab // _CHUNK * _CHUNK
-    sums = probs[:, :whole].reshape(rows, -1, _CHUNK).sum(dim=-1, dtype=dtype)
+    sums = weights[:, :whole].reshape(rows, -1, _CHUNK).sum(dim=-1, dtype=dtype)
     if whole == vocab:
         return sums
-    return torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True, dtype=dtype)], dim=-1)
+    return torch.cat([sums, weights[:, whole:].sum(dim=-1, keepdim=True, dtype=dtype)], dim=-1)
 
 
 def _first_above(cdf: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ class StaticBatch:
         self._min_slots = slots or 0
         self._device = next(model.parameters()).device
         self._decoder: StaticDecoder | None = None
-        self._book = RowBook(rules, self._device)
+        self._book = RowBook(rules, self._device, compiled=decoders.compiled)
 
     def __len__(self) -> int:
         return len(self._book)

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ._compiled import Compiled
+
 if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
     from transformers import PreTrainedModel
 
@@ -87,7 +89,11 @@ class StaticDecoder:
         self._graphs = graphs and self.device.type == "cuda"
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
-        self._pieces = (_Compiled(_queries_keys_values), _Compiled(_attended)) if compiled else (None, None)
+        self._pieces = (
+            (Compiled(_queries_keys_values, "the static decode step's part before attention"),
+             Compiled(_attended, "the static decode step's part after attention"))
+            if compiled else (None, None)
+        )
         self.pointers = parameter_pointers(model)
         """Where the parameters were when the decoder was built (its graphs read them there)."""
 
@@ -225,25 +231,6 @@ def _attended(layer: Any, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     h = _rms_norm(x, layer.post_attention_layernorm).to(out.dtype)
     mlp = layer.mlp
     return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-
-
-class _Compiled:
-    """``fn`` compiled by ``torch.compile`` on its first call (sizes dynamic); if
-    compiling fails, it logs why and runs ``fn`` as it is from then on."""
-
-    def __init__(self, fn: Any) -> None:
-        self._fn = fn
-        self._compiled: Any = torch.compile(fn, dynamic=True)
-
-    def __call__(self, *args: Any) -> Any:
-        if self._compiled is not None:
-            try:
-                return self._compiled(*args)
-            except Exception as error:  # any compiler failure falls back
-                logger.warning("native rollout: compiling the static decode step's %s failed (%s: %s); "
-                               "it runs uncompiled", self._fn.__name__, type(error).__name__, error)
-                self._compiled = None
-        return self._fn(*args)
 
 
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:

@@ -6,6 +6,7 @@ as close to the bf16 training engine's as exact arithmetic gets."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers import PreTrainedModel
 from workers.engines import TrainingConfig, TrainingEngine
 from workers.models import TinyModelConfig, build_tiny_model
 from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, RolloutOutput, SamplingParams
+from workers.rollout._sampling import row_seed, sample_tokens, signed_seeds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -98,3 +100,22 @@ def test_sampled_bf16_logprobs_are_as_close_to_the_training_engines_as_its_own_b
     for graph in ("graph", "graph uncompiled"):
         assert gaps[graph] <= gaps["fp32"] * 1.05
         assert gaps[graph] < gaps["dynamic"]
+
+
+@pytest.mark.parametrize("rows", [256, 100, 3])
+def test_the_compiled_sampler_picks_the_plain_ones_tokens_at_a_real_vocabulary(
+    rows: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sampler of the model's own distribution, compiled (the decode step's on
+    CUDA), picks the plain one's tokens with the same log-probs, at any batch size
+    (sizes dynamic), without falling back."""
+    logits = torch.randn(rows, 151936, generator=torch.Generator().manual_seed(rows)).cuda() * 3
+    seeds = torch.tensor(signed_seeds([row_seed(4, i) for i in range(rows)]), device="cuda")
+    lengths = torch.arange(rows, device="cuda")
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=4)
+    with caplog.at_level(logging.WARNING, logger="workers.rollout._compiled"):
+        tokens, logprobs = sample_tokens(logits, params, seeds, lengths=lengths, compiled=True)
+    expected, expected_logprobs = sample_tokens(logits, params, seeds, lengths=lengths)
+    assert not caplog.records
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)

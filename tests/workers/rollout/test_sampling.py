@@ -4,6 +4,8 @@ determinism and the row seeds that migrated samples carry."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from workers.rollout._sampling import (
     pack_row_seed,
     row_seed,
     sample_tokens,
+    signed_seeds,
     splitmix64,
     unpack_row_seed,
 )
@@ -205,3 +208,36 @@ def test_sampling_the_models_own_distribution_picks_what_the_filtered_path_picks
         assert tokens.tolist() == expected.tolist()
         torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-5, rtol=0)
         torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+def test_the_compiled_sampler_falls_back_to_the_plain_one_after_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``compiled=True`` goes through ``torch.compile`` (really compiled on CUDA:
+    test_graph_decode_on_cuda.py); a compiler that fails leaves the same tokens and
+    log-probs, after one warning."""
+    from workers.rollout import _compiled, _sampling
+
+    calls = []
+
+    def broken(fn: object, **options: object) -> object:
+        calls.append(fn)
+
+        def fail(*args: object) -> torch.Tensor:
+            raise RuntimeError("no compiler here")
+
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(_sampling, "_COMPILED_SAMPLE_RAW", _compiled.Compiled(_sampling._sample_raw, "the sampler"))
+    logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    seeds, lengths = torch.tensor(signed_seeds([row_seed(3, i) for i in range(32)])), torch.arange(32)
+    with caplog.at_level(logging.WARNING, logger="workers.rollout._compiled"):
+        for _ in range(2):
+            got = sample_tokens(logits, SAMPLED, seeds, lengths=lengths, compiled=True)
+            expected = sample_tokens(logits, SAMPLED, seeds, lengths=lengths)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert calls == [_sampling._sample_raw]
+    assert [r.getMessage() for r in caplog.records] == [
+        "native rollout: compiling the sampler failed (RuntimeError: no compiler here); it runs uncompiled"
+    ]

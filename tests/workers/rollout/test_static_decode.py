@@ -157,12 +157,12 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_after_one_warning_per_part
     for decoder in (plain, compiled):
         decoder.tokens[:] = torch.tensor([5, 6, 7, 8])
         decoder.positions[:] = torch.tensor([0, 1, 2, 3])
-    with caplog.at_level(logging.WARNING, logger="workers.rollout._static_cache"):
+    with caplog.at_level(logging.WARNING, logger="workers.rollout._compiled"):
         for _ in range(2):
             assert torch.equal(compiled.step(3), plain.step(3))
     assert [r.getMessage() for r in caplog.records] == [
-        f"native rollout: compiling the static decode step's {part} failed (RuntimeError: no compiler here); "
-        "it runs uncompiled" for part in ("_queries_keys_values", "_attended")
+        f"native rollout: compiling the static decode step's part {part} attention failed "
+        "(RuntimeError: no compiler here); it runs uncompiled" for part in ("before", "after")
     ]
 
 
