@@ -132,7 +132,7 @@ def run_mode(
     config = TrainingConfig(lr=1e-6, micro_batch_size=micro_batch, **MODES[mode])
     engine = TrainingEngine(model, config=config, loss=PolicyLoss())
     batch = synthetic_rows(rows=rows, tokens=tokens, vocab=shape.resolved_vocab_size)
-    batch["old_logprobs"] = engine.log_probs(batch)[0].cpu()
+    batch["old_logprobs"] = engine.log_probs(batch, entropy=False)[0].cpu()
     engine.train_step(batch)  # warm-up: allocator, kernels, AdamW's state
     _sync(device)
     start = time.perf_counter()

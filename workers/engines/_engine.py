@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -151,15 +152,27 @@ class TrainingEngine:
 
     # ----------------------------------------------------------------- forward only
 
+    @overload
     def log_probs(
-        self, batch: Mapping[str, Tensor], *, temperature: float = 1.0
-    ) -> tuple[Tensor, Tensor]:
+        self, batch: Mapping[str, Tensor], *, temperature: float = 1.0, entropy: Literal[True] = True
+    ) -> tuple[Tensor, Tensor]: ...
+
+    @overload
+    def log_probs(
+        self, batch: Mapping[str, Tensor], *, temperature: float = 1.0, entropy: Literal[False]
+    ) -> tuple[Tensor, None]: ...
+
+    def log_probs(
+        self, batch: Mapping[str, Tensor], *, temperature: float = 1.0, entropy: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """Log-probs and entropy of the response tokens, without gradients.
 
         Args:
             batch: sequence fields (``prompt_ids``, ``prompt_mask``, ``response_ids``,
                 ``response_mask``); may have 0 rows.
             temperature: divides the logits (1.0 = the rollout engines' raw log-probs).
+            entropy: also compute the entropy (False: None in its place, and one pass
+                over the logits fewer).
 
         Returns:
             ``(logprobs, entropy)``, float32 ``[B, R]`` on the engine's device, 0 on padding.
@@ -174,9 +187,9 @@ class TrainingEngine:
                 f"log_probs needs an engine built with head=CausalLMHead(), this one has "
                 f"{type(self.head).__name__}"
             )
-        head = dataclasses.replace(self.head, temperature=temperature, with_entropy=True)
+        head = dataclasses.replace(self.head, temperature=temperature, with_entropy=entropy)
         outputs = self._infer(batch, head)
-        return outputs.require("logprobs"), outputs.require("entropy")
+        return outputs.require("logprobs"), outputs.require("entropy") if entropy else None
 
     def values(self, batch: Mapping[str, Tensor]) -> Tensor:
         """Value predictions for the response positions, without gradients.

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from workers.engines._batch import SequenceInputs
 from workers.engines._errors import EngineConfigError
-from workers.objectives import ModelOutputs, entropy_from_logits, logprobs_from_logits
+from workers.objectives import ModelOutputs, logprobs_and_entropy_from_logits, logprobs_from_logits
 
 
 class ModelHead(Protocol):
@@ -93,15 +93,15 @@ class CausalLMHead:
         logits = out.logits if hasattr(out, "logits") else out
         logits = logits[:, -(width + 1) : -1]
         with _float32_math(logits):
-            logprobs = logprobs_from_logits(
-                logits, inputs.response_ids, temperature=self.temperature, chunk_size=self.chunk_size
-            )
-            entropy = None
-            if self.with_entropy:
-                source = logits if entropy_grad else logits.detach()
-                entropy = entropy_from_logits(
-                    source, temperature=self.temperature, chunk_size=self.chunk_size
+            if not self.with_entropy:
+                logprobs = logprobs_from_logits(
+                    logits, inputs.response_ids, temperature=self.temperature, chunk_size=self.chunk_size
                 )
+                return ModelOutputs(logprobs=logprobs)
+            logprobs, entropy = logprobs_and_entropy_from_logits(
+                logits, inputs.response_ids, temperature=self.temperature, chunk_size=self.chunk_size,
+                entropy_grad=entropy_grad,
+            )
         return ModelOutputs(logprobs=logprobs, entropy=entropy)
 
 

@@ -29,8 +29,8 @@ from workers.objectives._advantages import (
 from workers.objectives._losses import (
     KLEstimator,
     LossAggregation,
-    entropy_from_logits,
     kl_k3,
+    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     masked_whiten,
 )
@@ -50,7 +50,8 @@ from workers.objectives._policy_losses import OffPolicyCorrection
 
 __all__ = [
     "BEHAVIOUR_LOGPROBS", "ROW_INDEX", "STALE_TOKENS", "KLEstimator", "LossAggregation", "LossFn", "LossTerms",
-    "ModelOutputs", "NLLLoss", "OffPolicyCorrection", "OnPolicy", "PolicyLoss", "ValueLoss", "entropy_from_logits",
-    "fold_kl_into_rewards", "gae_advantages", "grpo_advantages", "kl_k3", "lagrangian_advantages", "leave_one_out_advantages",
-    "logprobs_from_logits", "masked_whiten", "overlong_penalties", "remax_advantages", "scores_to_token_rewards",
+    "ModelOutputs", "NLLLoss", "OffPolicyCorrection", "OnPolicy", "PolicyLoss", "ValueLoss", "fold_kl_into_rewards",
+    "gae_advantages", "grpo_advantages", "kl_k3", "lagrangian_advantages", "leave_one_out_advantages",
+    "logprobs_and_entropy_from_logits", "logprobs_from_logits", "masked_whiten", "overlong_penalties",
+    "remax_advantages", "scores_to_token_rewards",
 ]

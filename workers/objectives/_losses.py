@@ -162,32 +162,39 @@ def logprobs_from_logits(
     return torch.cat(parts).reshape(labels.shape)
 
 
-def entropy_from_logits(
-    logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = 1024
-) -> Tensor:
-    """Entropy of ``softmax(logits / temperature)`` at every position.
+def logprobs_and_entropy_from_logits(
+    logits: Tensor, labels: Tensor, *, temperature: float = 1.0, chunk_size: int | None = 1024,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Log-probabilities of ``labels`` (as :func:`logprobs_from_logits`) and the entropy
+    of ``softmax(logits / temperature)`` at every position, in one pass per chunk.
 
-    Uses ``H = logsumexp(z) - sum(softmax(z) * z)`` chunk by chunk (see
-    :func:`logprobs_from_logits` for the memory behaviour).
+    Each chunk of rows is upcast once and its ``logsumexp`` taken once for both: the
+    entropy is ``lse - sum(p * z)`` with ``p = exp(z - lse)``.
 
     Args:
-        logits: ``[..., V]``.
+        logits: ``[..., V]`` in any float dtype.
+        labels: ``[...]`` integer token ids, the shape of ``logits`` without ``V``.
         temperature: divides the logits.
-        chunk_size: rows per chunk; None or 0 for one chunk.
+        chunk_size: rows (flattened leading dims) per chunk; None or 0 for one chunk.
+        entropy_grad: keep the entropy's autograd graph (an entropy bonus needs it);
+            False computes it from detached logits.
 
     Returns:
-        float32 ``[...]`` entropies in nats.
+        float32 ``[...]`` log-probabilities and float32 ``[...]`` entropies in nats.
     """
     vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    parts = []
-    for lo, hi in _row_chunks(flat.shape[0], chunk_size):
-        chunk = flat[lo:hi].float()
+    flat_logits, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1)
+    logprobs, entropies = [], []
+    for lo, hi in _row_chunks(flat_labels.shape[0], chunk_size):
+        chunk = flat_logits[lo:hi].float()
         if temperature != 1.0:
             chunk = chunk / temperature
-        probs = torch.softmax(chunk, dim=-1)
-        parts.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(dim=-1))
-    return torch.cat(parts).reshape(logits.shape[:-1])
+        lse = torch.logsumexp(chunk, dim=-1)
+        logprobs.append(chunk.gather(-1, flat_labels[lo:hi, None]).squeeze(-1) - lse)
+        z, z_lse = (chunk, lse) if entropy_grad else (chunk.detach(), lse.detach())
+        entropies.append(z_lse - ((z - z_lse[:, None]).exp() * z).sum(dim=-1))
+    return torch.cat(logprobs).reshape(labels.shape), torch.cat(entropies).reshape(labels.shape)
 
 
 # -------------------------------------------------------------------- KL estimators

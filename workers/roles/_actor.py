@@ -355,7 +355,7 @@ class ActorWorker(TrainedRole):
         fields = (*F.SEQUENCE, *(f for f in loss.required_fields if f != F.OLD_LOGPROBS), *stale_fields)
         require_fields(batch, fields, where="actor.update")
         if schedule.epochs * schedule.mini_batches > 1:
-            old, _ = self.engine.log_probs(batch)
+            old, _ = self.engine.log_probs(batch, entropy=False)
             with_old = {**batch, F.OLD_LOGPROBS: old}
             return rollout_consistency(with_old, self.engine) | run_updates(
                 self.engine, with_old, loss=loss, fields=(*fields, F.OLD_LOGPROBS), schedule=schedule,

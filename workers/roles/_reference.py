@@ -88,5 +88,5 @@ class ReferenceWorker(Role):
         Returns:
             ``ref_logprobs``: float32 ``[R]``, raw (temperature 1), 0 on padding.
         """
-        logprobs, _ = self.engine.log_probs(batch)
+        logprobs, _ = self.engine.log_probs(batch, entropy=False)
         return {F.REF_LOGPROBS: logprobs}

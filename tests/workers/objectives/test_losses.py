@@ -14,8 +14,8 @@ from workers.objectives import (
     LossAggregation,
     ModelOutputs,
     PolicyLoss,
-    entropy_from_logits,
     kl_k3,
+    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     masked_whiten,
 )
@@ -122,8 +122,17 @@ def test_logprobs_and_entropy_match_log_softmax_with_gradients() -> None:
         (g_ref,) = torch.autograd.grad(ref.sum(), logits)
         (g_got,) = torch.autograd.grad(got.sum(), logits)
         torch.testing.assert_close(g_got, g_ref)
-        ent = entropy_from_logits(logits, temperature=temperature, chunk_size=4)
+        both, ent = logprobs_and_entropy_from_logits(logits, labels, temperature=temperature, chunk_size=4)
+        torch.testing.assert_close(both, ref)
         torch.testing.assert_close(ent, -(ref_lsm.exp() * ref_lsm).sum(-1))
+        (g_both,) = torch.autograd.grad((both + ent).sum(), logits)
+        lsm = torch.log_softmax(logits / temperature, -1)  # (the graph above is spent)
+        expected = lsm.gather(-1, labels[..., None]).squeeze(-1) - (lsm.exp() * lsm).sum(-1)
+        (g_ref_both,) = torch.autograd.grad(expected.sum(), logits)
+        torch.testing.assert_close(g_both, g_ref_both)
+        _, detached = logprobs_and_entropy_from_logits(logits, labels, temperature=temperature, entropy_grad=False)
+        assert not detached.requires_grad
+        torch.testing.assert_close(detached, ent.detach())
 
 
 @settings(max_examples=25, deadline=None)
