@@ -234,7 +234,7 @@ def _pick(
     chunks of :data:`_CHUNK` tokens (``chunk_sums`` ``[rows, chunks]``,
     :func:`_chunk_sums`) and their running total pick the chunk the target falls in,
     and that chunk's own running total picks the token (``weights_at(columns)``: the
-    weights at ``columns`` ``[rows, _CHUNK]``, all below ``vocab``), so no cumulative sum over the whole
+    weights at ``columns`` ``[rows, min(_CHUNK, vocab)]``, all below ``vocab``), so no cumulative sum over the whole
     vocabulary is written. Weights need not sum to 1 (the target is scaled by their
     total). A token of weight 0 does not raise a running total, so it is never the
     first to exceed the target; where rounding puts the target at or past a total,
@@ -245,7 +245,7 @@ def _pick(
     targets = uniforms[:, None] * chunk_cdf[:, -1:]
     chunk = _first_above(chunk_cdf, targets)  # [rows, 1]
     before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)
-    columns = chunk * _CHUNK + torch.arange(_CHUNK, device=chunk.device)
+    columns = chunk * _CHUNK + torch.arange(min(_CHUNK, vocab), device=chunk.device)  # one chunk: the vocabulary
     inside = weights_at(columns.clamp(max=vocab - 1)).to(dtype).masked_fill(columns >= vocab, 0.0)
     # The chunk's own running total from 0, so its small weights are not lost
     # against a large total before it.
