@@ -39,6 +39,9 @@ def test_log_probs_equal_direct_forward_gather() -> None:
     assert entropy.shape == logprobs.shape
     assert (entropy[batch["response_mask"] == 0] == 0).all()
     assert (entropy[batch["response_mask"] == 1] > 0).all()
+    alone, none = engine.log_probs(batch, temperature=0.6, entropy=False)  # the reference's call
+    assert none is None
+    assert torch.equal(alone, logprobs)
 
 
 def test_values_read_positions_before_each_response_token() -> None:
