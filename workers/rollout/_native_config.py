@@ -54,10 +54,12 @@ class NativeRolloutConfig:
     with ``torch.compile`` (Inductor, sizes dynamic: compiled once, they serve every
     layer, batch-size bucket and decoder of a model's shape), which fuses the norms,
     the rotary embedding and the activation into a few kernels; the CUDA graphs then
-    replay the compiled kernels. The first step pays the compilation (seconds on a
-    GPU's host). ``"auto"`` (the default): on CUDA where Triton is installed, off
-    elsewhere (on the CPU a step costs what it reads, and compiling takes a minute).
-    A compilation that fails is logged and the step runs uncompiled."""
+    replay the compiled kernels. Sampling from the model's own distribution
+    (temperature 1, neither top-k nor top-p) is compiled too: two reads of the
+    logits. The first step pays the compilation (seconds on a GPU's host). ``"auto"``
+    (the default): on CUDA where Triton is installed, off elsewhere (on the CPU a
+    step costs what it reads, and compiling takes a minute). A compilation that
+    fails is logged and the step runs uncompiled."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and (
