@@ -21,8 +21,8 @@ from bench._shapes import SHAPES
 from workers.models import TinyModelConfig, build_tiny_model
 from workers.rollout import NativeRolloutConfig, NativeRolloutEngine, RolloutOutput, SamplingParams
 
-__all__ = ["DTYPES", "ENGINES", "MODELS", "NATIVE_ENGINES", "check_full", "engines_table", "random_prompts",
-           "run_engines"]
+__all__ = ["DTYPES", "ENGINES", "MODELS", "NATIVE_ENGINES", "check_full", "engines_table", "profile_table",
+           "random_prompts", "run_engines"]
 
 MODELS = {
     "small": TinyModelConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -95,10 +95,35 @@ def _engine_call(engine: str, lm: PreTrainedModel, prompts: list[list[int]], *, 
     return generate
 
 
+def _kernel_profile(call: Callable[[], None], device: torch.device, *, new_tokens: int, top: int) -> dict[str, Any]:
+    """Where one call's time goes: ``torch.profiler`` over ``call()``, each kernel's
+    (on the CPU: each operator's) own time and calls per decode step (the prefill
+    spread over the steps, as ``ms_per_step``), the ``top`` largest and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def own_us(event: Any) -> float:
+        return float(event.self_device_time_total if cuda else event.self_cpu_time_total)
+
+    events = sorted((e for e in prof.key_averages() if own_us(e) > 0), key=own_us, reverse=True)
+    return {
+        "total_ms_per_step": sum(own_us(e) for e in events) / 1e3 / new_tokens,
+        "top": [{"name": e.key, "ms_per_step": own_us(e) / 1e3 / new_tokens, "calls_per_step": e.count / new_tokens}
+                for e in events[:top]],
+    }
+
+
 def _time_engines(
-    lm: PreTrainedModel, prompts: list[list[int]], *, engines: Sequence[str], new_tokens: int, runs: int
+    lm: PreTrainedModel, prompts: list[list[int]], *, engines: Sequence[str], new_tokens: int, runs: int,
+    profile: int = 0,
 ) -> list[dict[str, Any]]:
-    """Warm each engine up, then time ``runs`` rounds of one call per engine."""
+    """Warm each engine up, then time ``runs`` rounds of one call per engine; with
+    ``profile``, one more call per engine under the profiler (its ``profile``)."""
     device = next(lm.parameters()).device
     cuda = device.type == "cuda"
     calls = {engine: _engine_call(engine, lm, prompts, new_tokens=new_tokens) for engine in engines}
@@ -114,6 +139,8 @@ def _time_engines(
     for _ in range(runs):
         for engine, call in calls.items():
             seconds[engine].append(_synced_seconds(call, device))
+    profiles = {engine: _kernel_profile(call, device, new_tokens=new_tokens, top=profile)
+                for engine, call in calls.items()} if profile else {}
     del calls, call  # the engines, with their KV caches and graphs
     gc.collect()
     if cuda:
@@ -127,6 +154,7 @@ def _time_engines(
             "over_hf_generate": None if hf_s is None else hf_s / statistics.median(runs_s),
             "seconds_runs": runs_s,
             **warmups[engine],
+            **({"profile": profiles[engine]} if engine in profiles else {}),
         }
         for engine, runs_s in seconds.items()
     ]
@@ -142,6 +170,7 @@ def run_engines(
     prompt_len: int,
     new_tokens: int,
     runs: int,
+    profile: int = 0,
 ) -> dict[str, Any]:
     """Time the engines of :data:`ENGINES` for every batch size and precision.
 
@@ -154,6 +183,8 @@ def run_engines(
         prompt_len: Tokens per prompt.
         new_tokens: Tokens generated per prompt.
         runs: Timed rounds (the median is reported).
+        profile: With N > 0, one more call per engine under ``torch.profiler``:
+            its N largest kernels (on the CPU: operators) by own time per decode step.
 
     Returns:
         The setup (``gpu``, ``torch``, ``transformers``, ``model``, ``parameters``,
@@ -179,7 +210,8 @@ def run_engines(
         lm.to(device, getattr(torch, dtype))  # type: ignore[arg-type]  # (transformers' @wraps hides self)
         for batch in batches:
             prompts = random_prompts(batch, vocab=shape.resolved_vocab_size, seed=0, length=prompt_len)
-            for record in _time_engines(lm, prompts, engines=engines, new_tokens=new_tokens, runs=runs):
+            for record in _time_engines(lm, prompts, engines=engines, new_tokens=new_tokens, runs=runs,
+                                        profile=profile):
                 results.append({"device": str(device), "dtype": dtype, "batch": batch, **record})
         del lm
     return {
@@ -193,6 +225,20 @@ def run_engines(
         "runs": runs,
         "results": results,
     }
+
+
+def profile_table(setup: dict[str, Any]) -> str:
+    """Each profiled engine's largest kernels per decode step (``--profile``)."""
+    lines = []
+    for r in setup["results"]:
+        if "profile" not in r:
+            continue
+        profile = r["profile"]
+        lines.append(f"{r['engine']} ({r['dtype']}, batch {r['batch']}): {profile['total_ms_per_step']:.3f} ms of "
+                     "kernels per step")
+        lines += [f"  {k['ms_per_step']:8.3f} ms {k['calls_per_step']:7.1f} calls  {k['name'][:90]}"
+                  for k in profile["top"]]
+    return "\n".join(lines)
 
 
 def engines_table(setup: dict[str, Any]) -> str:

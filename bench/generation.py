@@ -29,7 +29,10 @@ call every engine once in turn, so that drift hits all alike, each call between
 milliseconds per decode step (seconds over new tokens: the prefill is spread over the
 steps), the speed over ``hf_generate``'s, and ``torch.cuda.max_memory_allocated``
 during the warm-up call beside what was allocated before it (the weights, and what
-engines warmed earlier keep).
+engines warmed earlier keep). ``--profile N`` adds one more call per engine under
+``torch.profiler`` and reports where a step's time goes: the total and the N largest
+kernels (on the CPU: operators) by their own time and calls per decode step (JSON:
+each record's ``profile``, ``total_ms_per_step`` and ``top``).
 
 The model (``--model``): ``small`` (the CPU default) is a Llama with a real model's
 proportions scaled down to what two CPU cores generate with in seconds (hidden 512,
@@ -74,6 +77,7 @@ from bench._decode_engines import (
     MODELS,
     check_full,
     engines_table,
+    profile_table,
     random_prompts,
     run_engines,
 )
@@ -218,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="the engines' tokens per prompt (128)")
     parser.add_argument("--new-tokens", type=int, help="tokens per prompt (64 on cpu, 256 on cuda)")
     parser.add_argument("--runs", type=int, help="timed calls per engine (5 against vLLM, else 3)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="the engines' N largest kernels per decode step, from one more call each (0: none)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -229,9 +235,11 @@ def main(argv: list[str] | None = None) -> None:
             device=device, model=args.model or ("qwen2.5-0.5b" if cuda else "small"),
             batches=[int(b) for b in args.batches.split(",")], dtypes=args.dtypes.split(","),
             engines=args.engines.split(",") if args.engines else ENGINES, prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens or (256 if cuda else 64), runs=args.runs or 3,
+            new_tokens=args.new_tokens or (256 if cuda else 64), runs=args.runs or 3, profile=args.profile,
         )
         print(engines_table(results))
+        if args.profile:
+            print(profile_table(results))
     else:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         results = run_vllm(

@@ -38,3 +38,20 @@ def test_the_engines_are_timed_and_written(tmp_path: Path, capsys: pytest.Captur
 def test_unknown_engines_are_refused_before_the_model_is_built() -> None:
     with pytest.raises(ValueError, match="--engines must name some of native_graph"):
         main(["--device", "cpu", "--model", "tiny", "--engines", "native_eager,vllm"])
+
+
+def test_the_profile_says_where_a_step_goes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "generation.json"
+    main([
+        "--device", "cpu", "--model", "tiny", "--engines", "native_eager", "--dtypes", "float32", "--batches", "4",
+        "--prompt-len", "8", "--new-tokens", "8", "--runs", "1", "--threads", "1", "--profile", "5",
+        "--json", str(out),
+    ])
+    (record,) = json.loads(out.read_text())["results"]
+    profile = record["profile"]
+    assert 0 < len(profile["top"]) <= 5
+    assert all(k["name"] and k["ms_per_step"] > 0 and k["calls_per_step"] > 0 for k in profile["top"])
+    assert [k["ms_per_step"] for k in profile["top"]] == sorted((k["ms_per_step"] for k in profile["top"]), reverse=True)
+    assert sum(k["ms_per_step"] for k in profile["top"]) <= profile["total_ms_per_step"] * (1 + 1e-9)
+    assert "aten::" in " ".join(k["name"] for k in profile["top"])  # the CPU's operators
+    assert "ms of kernels per step" in capsys.readouterr().out
