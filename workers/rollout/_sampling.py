@@ -217,6 +217,7 @@ _CHUNK = 256
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF over
     ``probs`` ``[rows, vocab]`` exceeds it (:func:`_pick`)."""
+
     def weights_at(columns: torch.Tensor) -> torch.Tensor:
         return probs.gather(-1, columns)
 
@@ -234,9 +235,9 @@ def _pick(
     chunks of :data:`_CHUNK` tokens (``chunk_sums`` ``[rows, chunks]``,
     :func:`_chunk_sums`) and their running total pick the chunk the target falls in,
     and that chunk's own running total picks the token (``weights_at(columns)``: the
-    weights at ``columns`` ``[rows, min(_CHUNK, vocab)]``, all below ``vocab``), so no cumulative sum over the whole
-    vocabulary is written. Weights need not sum to 1 (the target is scaled by their
-    total). A token of weight 0 does not raise a running total, so it is never the
+    weights at ``columns`` ``[rows, min(_CHUNK, vocab)]``, all below ``vocab``), so
+    no cumulative sum over the whole vocabulary is written. Weights need not sum to
+    1 (the target is scaled by their total). A token of weight 0 does not raise a running total, so it is never the
     first to exceed the target; where rounding puts the target at or past a total,
     the pick is the last token that raised it.
     """
