@@ -16,7 +16,7 @@ one full-batch step would.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -127,9 +127,18 @@ def _identity(tensor: Tensor) -> Tensor:
 # ------------------------------------------------------------------ log-probs, entropy
 
 
-def _row_chunks(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    size = n if not chunk_size or chunk_size <= 0 else chunk_size
-    return [(lo, min(lo + size, n)) for lo in range(0, max(n, 1), max(size, 1))]
+def _scaled_chunks(
+    logits: Tensor, labels: Tensor, temperature: float, chunk_size: int | None
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """``logits / temperature`` as float32 chunks of rows ``[n, V]`` (the leading dims
+    flattened; ``chunk_size`` rows each, None or 0 for one chunk), with their labels ``[n]``."""
+    vocab = logits.shape[-1]
+    flat_logits, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1)
+    rows = flat_labels.shape[0]
+    size = rows if not chunk_size or chunk_size <= 0 else chunk_size
+    for lo in range(0, max(rows, 1), max(size, 1)):
+        chunk = flat_logits[lo : lo + size].float()
+        yield (chunk / temperature if temperature != 1.0 else chunk), flat_labels[lo : lo + size]
 
 
 def logprobs_from_logits(
@@ -150,15 +159,8 @@ def logprobs_from_logits(
     Returns:
         float32 ``[...]`` log-probabilities.
     """
-    vocab = logits.shape[-1]
-    flat_logits, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1)
-    parts = []
-    for lo, hi in _row_chunks(flat_labels.shape[0], chunk_size):
-        chunk = flat_logits[lo:hi].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        picked = chunk.gather(-1, flat_labels[lo:hi, None]).squeeze(-1)
-        parts.append(picked - torch.logsumexp(chunk, dim=-1))
+    parts = [chunk.gather(-1, picked[:, None]).squeeze(-1) - torch.logsumexp(chunk, dim=-1)
+             for chunk, picked in _scaled_chunks(logits, labels, temperature, chunk_size)]
     return torch.cat(parts).reshape(labels.shape)
 
 
@@ -183,15 +185,10 @@ def logprobs_and_entropy_from_logits(
     Returns:
         float32 ``[...]`` log-probabilities and float32 ``[...]`` entropies in nats.
     """
-    vocab = logits.shape[-1]
-    flat_logits, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1)
     logprobs, entropies = [], []
-    for lo, hi in _row_chunks(flat_labels.shape[0], chunk_size):
-        chunk = flat_logits[lo:hi].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
+    for chunk, picked in _scaled_chunks(logits, labels, temperature, chunk_size):
         lse = torch.logsumexp(chunk, dim=-1)
-        logprobs.append(chunk.gather(-1, flat_labels[lo:hi, None]).squeeze(-1) - lse)
+        logprobs.append(chunk.gather(-1, picked[:, None]).squeeze(-1) - lse)
         z, z_lse = (chunk, lse) if entropy_grad else (chunk.detach(), lse.detach())
         entropies.append(z_lse - ((z - z_lse[:, None]).exp() * z).sum(dim=-1))
     return torch.cat(logprobs).reshape(labels.shape), torch.cat(entropies).reshape(labels.shape)

@@ -19,7 +19,7 @@ class Compiled:
 
     Args:
         fn: The function.
-        what: What it is, for the log line (``"the static decode step's _attended"``).
+        what: What it is, for the log line (``"the sampler of the model's own distribution"``).
     """
 
     def __init__(self, fn: Callable[..., Any], what: str) -> None:
