@@ -1,8 +1,9 @@
 """Packing many small column sets into a few flat tensors for one transfer.
 
-Ray Direct Transport moves every tensor of a result separately; the pieces a
-consumer pulls from one producer (one per micro-batch and column after a stream)
-would each cost a round of the collective. :func:`pack` flattens them into one
+A transfer between workers (over gloo, ``workers.host._pulls``, or Ray Direct
+Transport over NCCL) moves every tensor separately; the pieces a consumer pulls
+from one producer (one per micro-batch and column after a stream) would each cost
+a message. :func:`pack` flattens them into one
 contiguous buffer per dtype, :func:`unpack` restores views of the originals on
 the receiving side.
 """

@@ -3,9 +3,11 @@
 The scheduler plans calls from metadata alone and talks to workers only through a
 :class:`Transport`: run a method on a rank (its rows pulled peer to peer), store
 rows, fetch rows to the driver, free shards, poison and heal a rank's groups, and
-learn of a worker's death. :class:`RayTransport` does this with Ray actors and Ray
-Direct Transport; ``asyncflow.runtime._local.LocalTransport`` does it in-process for unit
-tests of the scheduler without Ray.
+learn of a worker's death. :class:`RayTransport` does this with Ray actors: rows
+go worker to worker over the session's gloo process group on the CPU
+(``workers.host._pulls``) and by Ray Direct Transport over NCCL on GPUs;
+``asyncflow.runtime._local.LocalTransport`` does it in-process for unit tests of
+the scheduler without Ray.
 
 Failures reach the scheduler in two forms only: :class:`~workers.RankError` (the
 method raised on the rank) and :class:`WorkerGone` (a worker process died: the
@@ -14,6 +16,8 @@ callee, or a producer the callee pulled rows from).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -21,7 +25,10 @@ import ray
 import torch
 
 from channels import Piece, RankResult, StoreStats, open_receiver
-from workers import CallArgs, RankError, pieces_by_worker
+from workers import PULL_TAGS, CallArgs, Pull, RankError, pieces_by_worker
+
+BLAME_S = 10.0
+"""Seconds a consumer's failed receive waits to learn whether its producer died."""
 
 BoundTransforms = Mapping[str, Sequence[tuple[Any, Mapping[str, Any]]]]
 """Per data argument, its bound transforms as ``(fn, kwargs)`` pairs, applied where the
@@ -111,13 +118,17 @@ class RayTransport:
     Args:
         actors: worker actor handles by session-wide index.
         actor_ids: their Ray actor ids (hex), to name a dead producer.
-        rdt: ``"gloo"``/``"nccl"`` for Ray Direct Transport, None for the object store.
+        rdt: ``"gloo"``: a call's rows go worker to worker over the session's
+            process group (``workers.host._pulls``; migrated tails by Ray Direct
+            Transport over gloo); ``"nccl"``: by Ray Direct Transport; None: through
+            the object store.
     """
 
     def __init__(self, actors: Sequence[Any], actor_ids: Sequence[str], rdt: str | None) -> None:
         self._actors = list(actors)
         self._index = {a: i for i, a in enumerate(actor_ids)}
         self._rdt = rdt
+        self._tags = itertools.count()
 
     def _slice(self, p: Piece) -> Any:
         method = self._actors[p.worker].slice
@@ -150,10 +161,37 @@ class RayTransport:
 
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
                       pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
-        handles = [self._slices(w, group) for w, group in pieces_by_worker(pieces, worker).items()]
-        result: RankResult = await self._call(
-            worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *handles))
+        groups = pieces_by_worker(pieces, worker)
+        if self._rdt != "gloo":
+            handles = [self._slices(w, group) for w, group in groups.items()]
+            result: RankResult = await self._call(
+                worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *handles))
+            return result
+        pulls = []
+        for w, group in groups.items():
+            tag = next(self._tags) % (2**31 // PULL_TAGS) * PULL_TAGS
+            self._actors[w].send_slices.remote(worker, tag, list(group))
+            pulls.append(Pull(w, tag))
+        try:
+            result = await self._call(
+                worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *pulls))
+        except RankError as e:
+            if e.peer_failure and pulls:
+                await self._blame_producers([p.source for p in pulls])
+            raise
         return result
+
+    async def _blame_producers(self, workers: Sequence[int]) -> None:
+        """Raise :class:`WorkerGone` for the first of ``workers`` that died (a
+        consumer's receive fails when its producer dies mid-transfer), if Ray
+        says so within :data:`BLAME_S`."""
+        checks = [asyncio.ensure_future(self._call(w, self._actors[w].clock.remote())) for w in workers]
+        done, pending = await asyncio.wait(checks, timeout=BLAME_S)
+        for task in pending:
+            task.cancel()
+        for task in checks:
+            if task in done and isinstance(task.exception(), WorkerGone):
+                raise task.exception()  # type: ignore[misc]
 
     async def put(self, worker: int, key: str, columns: Mapping[str, torch.Tensor], group_size: int) -> RankResult:
         result: RankResult = await self._call(worker, self._actors[worker].put.remote(key, columns, group_size))

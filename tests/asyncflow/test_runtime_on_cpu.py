@@ -64,7 +64,7 @@ def _received(stats, pool):
     return [s.bytes_received for p, _, s in stats if p == pool]
 
 
-def test_transport_is_rdt_over_gloo(env) -> None:
+def test_rows_move_over_gloo(env) -> None:
     _, session, _ = env
     assert session.transport == "gloo"
 

@@ -16,6 +16,7 @@
 from workers.host._call import CallArgs, CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
 from workers.host._engine_logs import LIVE_ENV, EngineLogs, engine_log_env
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
+from workers.host._pulls import PULL_TAGS, Pull, RowsUnavailableError
 from workers.host._register import (
     CallInfo,
     Endpoint,
@@ -40,6 +41,7 @@ from workers.host._worker import CONCURRENCY_GROUPS, WorkerProcess
 __all__ = [
     "CONCURRENCY_GROUPS",
     "LIVE_ENV",
+    "PULL_TAGS",
     "Adopt",
     "CallArgs",
     "CallInfo",
@@ -51,8 +53,10 @@ __all__ = [
     "FieldContract",
     "Finish",
     "Handoff",
+    "Pull",
     "RankError",
     "Role",
+    "RowsUnavailableError",
     "Step",
     "StoreServer",
     "StreamMethod",

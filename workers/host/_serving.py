@@ -23,6 +23,7 @@ from channels import (
     open_remote_channel,
     pack,
 )
+from workers.host._pulls import Sender
 from workers.host._rows import on_device
 from workers.host._streaming import StreamControl, StreamSink
 
@@ -33,6 +34,7 @@ class RowServer:
 
     store: ShardStore
     store_device: torch.device
+    sender: Sender
     rank: int
     index: int
 
@@ -53,6 +55,13 @@ class RowServer:
         """Several pieces of this worker's shards, packed into one buffer per dtype
         (``channels.pack``): one transfer, a few tensors (see ``slice``)."""
         return pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces])
+
+    @ray.method(concurrency_group="io")
+    def send_slices(self, dst: int, tag: int, pieces: Sequence[Piece]) -> None:
+        """Post several pieces of this worker's shards, packed as ``slices``
+        packs them, to worker ``dst`` over the session's process group
+        (``workers.host._pulls``); returns once posted, not once received."""
+        self.sender.send(dst, tag, lambda: pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces]))
 
     @ray.method(concurrency_group="io")
     def put(self, key: str, columns: Mapping[str, torch.Tensor], group_size: int = 1) -> RankResult:

@@ -52,6 +52,7 @@ from workers.host import _groups, _meshes
 from workers.host._binding import bind_gloo_to_node
 from workers.host._call import CallArgs, CallSpec, RankError, ungroup
 from workers.host._engine_logs import LIVE_ENV, route_from_environment
+from workers.host._pulls import Pull, Sender, receive
 from workers.host._register import Endpoint, endpoints
 from workers.host._rendezvous import RayStore
 from workers.host._role import WorkerContext
@@ -131,6 +132,9 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         """Where the store keeps rows (see the module docstring); :meth:`use_transport`
         sets it."""
         self.store = ShardStore()
+        if hasattr(self, "sender"):
+            self.sender.close()
+        self.sender = Sender()
         self.roles: dict[str, Any] = {}
         self._endpoints: dict[str, dict[str, Endpoint[Any, Any]]] = {}
         self._pool_group: Any = None
@@ -261,29 +265,34 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
     # ----- compute -----
 
     @ray.method(concurrency_group="compute")
-    def execute(self, call: CallArgs, *fetched: tuple[Packed, Mapping[str, torch.Tensor]]) -> RankResult:
+    def execute(self, call: CallArgs, *fetched: tuple[Packed, Mapping[str, torch.Tensor]] | Pull) -> RankResult:
         """Run one role method on this rank's rows and store the rows it returns.
 
         Args:
             call: the call's spec, arguments, transforms and the shards to free
                 first (:class:`~workers.host._call.CallArgs`).
             fetched: the pieces of every data argument's plan that this worker
-                does not hold, as ``slices`` packed them: one per producer worker in
-                the order of ``pieces_by_worker`` (one transfer per producer).
+                does not hold, as ``slices`` packed them, or a :class:`Pull` of
+                what ``send_slices`` sends: one per producer worker in the order
+                of ``pieces_by_worker`` (one transfer per producer). Pulls are
+                received first, whatever fails after, so that no producer's send
+                waits for a receive that never comes.
 
         Raises:
             RankError: the method (or a transform) raised; the pool's groups are
                 poisoned first so that peers waiting on this rank fail at once.
         """
         spec_bytes, kwargs, transforms, free = call
-        if free:
-            self.store.free(free)
-        spec = msgspec.msgpack.decode(spec_bytes, type=CallSpec)
-        traced = Traced() if spec.trace else None
+        traced: Traced | None = None
         try:
+            received = receive(fetched)
+            if free:
+                self.store.free(free)
+            spec = msgspec.msgpack.decode(spec_bytes, type=CallSpec)
+            traced = Traced() if spec.trace else None
             plans = [a.plan for a in spec.data_args if a.plan is not None]
             pieces = ungroup([p for plan in plans for p in plan.pieces], self.index,
-                             [unpack(layout, buffers) for layout, buffers in fetched])
+                             [unpack(layout, buffers) for layout, buffers in received])
             result = self._execute(spec, kwargs, transforms, pieces, traced)
         except Exception as e:
             peer = _groups.is_peer_failure(e)

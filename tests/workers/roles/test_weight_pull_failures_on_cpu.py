@@ -53,19 +53,6 @@ DEADLINE_S = 60.0
 HANG_GUARD_S = 240.0
 
 
-RDT_ABORT = pytest.mark.xfail(strict=True, reason=(
-    "Ray 2.60's direct transport over gloo cannot abort a failed transfer: "
-    "ray/experimental/rdt/rdt_manager.py::_abort_transport ray.kill()s both the sending and the receiving "
-    "actor and destroys the session's collective group, so a death mid-transfer takes its peer with it "
-    "(the peer's death is reported first) and later transfers fail; own issue: pull over asyncflow's "
-    "reconnectable gloo groups"))
-"""A known failure of the transport, kept running so that its fix shows."""
-
-RDT_ABORT_RACE = pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
-    "as RDT_ABORT; which of the two deaths is reported first is a race, which the actor's "
-    "sometimes wins (then the test passes); a hang or any other error still fails it"))
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_model(tmp_path_factory.mktemp("policy"), MODEL, seed=0))
@@ -138,7 +125,6 @@ def test_a_rollout_rank_killed_mid_pull_is_named(env) -> None:
     assert elapsed < DEADLINE_S
 
 
-@RDT_ABORT_RACE
 def test_an_actor_rank_killed_while_the_rollout_pulls_from_it_is_named(env) -> None:
     lt, session, roles = env
 
@@ -153,14 +139,14 @@ def test_an_actor_rank_killed_while_the_rollout_pulls_from_it_is_named(env) -> N
     assert elapsed < DEADLINE_S
 
 
-@RDT_ABORT
 def test_a_rollout_rank_killed_mid_pull_breaks_only_its_own_pool(env) -> None:
     lt, session, roles = env
 
     async def main():
         await _kill_mid_pull(session, roles, GEN.name, 0)
         # Anything the death would still do to other processes happens within
-        # moments (Ray checks failed transfers every second); give it time to.
+        # moments (Ray's direct transport, which rows no longer take on the CPU,
+        # killed both ends of a failed transfer a second later); give it time to.
         await asyncio.sleep(5.0)
         weights = await asyncio.wait_for(roles.actor.weights().fetch(), DEADLINE_S)
         src = await session.put({"idx": torch.arange(8)}, pool=PROD)
