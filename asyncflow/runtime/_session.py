@@ -61,9 +61,10 @@ class Session(Runtime):
             this machine, or the one ``asyncflow.start_ray`` started.
         cpu_slots: CPU device slots the embedded instance offers (worker
             processes, not cores).
-        transport: how rows move between workers: ``"auto"`` (Ray Direct
-            Transport over gloo on CPU, NCCL on GPU, the object store when that is
-            unavailable), or one of them explicitly.
+        transport: how rows move between workers: ``"auto"`` (over the
+            session's gloo process group on CPU, by Ray Direct Transport over
+            NCCL on GPU, the object store when that is unavailable), or one of
+            them explicitly.
         collective_timeout_s: timeout of the pools' collectives. Only a rank that
             hangs meets it: a rank that fails releases its peers at once.
         rendezvous_timeout_s: how long workers wait for each other when groups form.
@@ -104,7 +105,7 @@ class Session(Runtime):
         self._worker_env = dict(worker_env or {})
         self._keep_workers = keep_workers
         self._workers: Workers | None = None
-        self._rdt_group: Any = None
+        self._rdt_group: Any = None  # Ray Direct Transport's NCCL group (GPU workers)
         self._started_ray = False
         self._actors: list[Any] = []
         self._actor_ids: list[str] = []
@@ -252,19 +253,21 @@ class Session(Runtime):
         choice = self._transport_choice
         if choice == "object_store":
             return
-        backend = {"cpu": ("gloo", "torch_gloo"), "cuda": ("nccl", "nccl")}[device]
-        if choice not in ("auto", backend[0]):
-            raise ConfigError(f"transport {choice!r} does not work on {device}; use auto or {backend[0]}")
-        from ray.experimental.collective import create_collective_group
+        backend = {"cpu": "gloo", "cuda": "nccl"}[device]
+        if choice not in ("auto", backend):
+            raise ConfigError(f"transport {choice!r} does not work on {device}; use auto or {backend}")
+        if backend == "gloo":  # the session's own process group (workers.host._pulls): nothing to set up
+            self._rdt = backend
+        else:
+            from ray.experimental.collective import create_collective_group
 
-        try:
-            self._rdt_group = await asyncio.to_thread(create_collective_group, self._actors, backend=backend[1])
-            self._rdt = backend[0]
-        except Exception as e:
-            if choice != "auto":
-                raise
-            logger.warning("Ray Direct Transport (%s) unavailable, rows go through the object store: %s",
-                           backend[0], e)
+            try:
+                self._rdt_group = await asyncio.to_thread(create_collective_group, self._actors, backend="nccl")
+                self._rdt = backend
+            except Exception as e:
+                if choice != "auto":
+                    raise
+                logger.warning("Ray Direct Transport (nccl) unavailable, rows go through the object store: %s", e)
         # The stores keep rows where the transport takes them from (CUDA for NCCL).
         await asyncio.gather(*(a.use_transport.remote(self._rdt) for a in self._actors))
 

@@ -118,10 +118,9 @@ class RayTransport:
     Args:
         actors: worker actor handles by session-wide index.
         actor_ids: their Ray actor ids (hex), to name a dead producer.
-        rdt: ``"gloo"``: a call's rows go worker to worker over the session's
-            process group (``workers.host._pulls``; migrated tails by Ray Direct
-            Transport over gloo); ``"nccl"``: by Ray Direct Transport; None: through
-            the object store.
+        rdt: ``"gloo"``: rows go worker to worker over the session's process
+            group (``workers.host._pulls``); ``"nccl"``: by Ray Direct Transport;
+            None: through the object store.
     """
 
     def __init__(self, actors: Sequence[Any], actor_ids: Sequence[str], rdt: str | None) -> None:
@@ -167,11 +166,7 @@ class RayTransport:
             result: RankResult = await self._call(
                 worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *handles))
             return result
-        pulls = []
-        for w, group in groups.items():
-            tag = next(self._tags) % (2**31 // PULL_TAGS) * PULL_TAGS
-            self._actors[w].send_slices.remote(worker, tag, list(group))
-            pulls.append(Pull(w, tag))
+        pulls = [self._send(w, worker, group) for w, group in groups.items()]
         try:
             result = await self._call(
                 worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *pulls))
@@ -180,6 +175,12 @@ class RayTransport:
                 await self._blame_producers([p.source for p in pulls])
             raise
         return result
+
+    def _send(self, source: int, dst: int, pieces: Sequence[Piece]) -> Pull:
+        """Have worker ``source`` send ``pieces`` to worker ``dst``; what ``dst`` receives them by."""
+        tag = next(self._tags) % (2**31 // PULL_TAGS) * PULL_TAGS
+        self._actors[source].send_slices.remote(dst, tag, list(pieces))
+        return Pull(source, tag)
 
     async def _blame_producers(self, workers: Sequence[int]) -> None:
         """Raise :class:`WorkerGone` for the first of ``workers`` that died (a
@@ -230,8 +231,15 @@ class RayTransport:
         return ok
 
     async def stream_adopt(self, worker: int, call_id: int, piece: Piece | None, group_size: int) -> None:
-        rows = None if piece is None else self._slice(piece)  # a target is never its own source
-        await self._call(worker, self._actors[worker].stream_adopt.remote(call_id, group_size, rows))
+        rows: Any = None  # a target is never its own source
+        if piece is not None:
+            rows = self._send(piece.worker, worker, [piece]) if self._rdt == "gloo" else self._slice(piece)
+        try:
+            await self._call(worker, self._actors[worker].stream_adopt.remote(call_id, group_size, rows))
+        except RankError:
+            if isinstance(rows, Pull):
+                await self._blame_producers([rows.source])
+            raise
 
 
 def _first_lines(text: str, n: int = 6) -> str:

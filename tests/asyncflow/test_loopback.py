@@ -9,6 +9,7 @@ it runs (tests/process_tree.py).
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -73,6 +74,8 @@ def test_a_bench_module_listens_on_loopback_only() -> None:
     run = WatchedRun([sys.executable, "-m", "bench.tracing", "--calls", "20", "--repeats", "1"], env=clean_env())
     assert run.wait(timeout_s=240) == 0, run.output[-3000:]
     _check_loopback(run)
+    for key in ("call_off_us", "ray_call_us", "pull_call_us", "local_call_us", "pull_over_local"):
+        assert re.search(rf'"{key}": [0-9.]+', run.output), (key, run.output[-3000:])
 
 
 def test_a_script_with_a_session_listens_on_loopback_only(tmp_path: Path) -> None:

@@ -22,8 +22,9 @@ from channels import (
     StreamItem,
     open_remote_channel,
     pack,
+    unpack,
 )
-from workers.host._pulls import Sender
+from workers.host._pulls import Pull, Sender, receive
 from workers.host._rows import on_device
 from workers.host._streaming import StreamControl, StreamSink
 
@@ -121,8 +122,12 @@ class StreamEnds:
         return control.handoff() if action == "handoff" else control.expect(count)
 
     @ray.method(concurrency_group="io")
-    def stream_adopt(self, call_id: int, group_size: int, columns: Mapping[str, torch.Tensor] | None) -> None:
-        """Deliver one announced tail (None: its source had nothing left)."""
+    def stream_adopt(self, call_id: int, group_size: int, columns: Mapping[str, torch.Tensor] | Pull | None) -> None:
+        """Deliver one announced tail (None: its source had nothing left), sent by
+        Ray Direct Transport or by its source worker (a :class:`Pull`)."""
+        if isinstance(columns, Pull):
+            (packed, buffers), = receive([columns])
+            columns = unpack(packed, buffers)[0]
         with self._streams_lock:
             entry = self._streams.get(call_id)
         if entry is not None:

@@ -5,8 +5,9 @@ Three Ray concurrency groups keep the process responsive:
 - ``compute`` (one thread): role methods run one at a time, in the order the
   driver submits them; so do ``poison`` and ``heal``, which touch the pool's
   process groups only while no role method runs.
-- ``io``: serving slices of stored rows, storing rows, freeing shards, statistics,
-  so a consumer can pull rows this worker produced while it computes.
+- ``io``: sending slices of stored rows to the workers that pull them
+  (``workers.host._pulls``), storing rows, freeing shards, statistics, so a
+  consumer can pull rows this worker produced while it computes.
 - ``watch`` (one thread): a call that never returns while the process lives; the
   driver learns of the process's death from Ray when it fails.
 
