@@ -76,7 +76,7 @@ async def calls_us(*, calls: int, repeats: int) -> dict[str, Any]:
                                      "sink": RoleSpec(cls=Sink, pool=consumer)})
         plain: Any = ray.remote(Plain).options(num_cpus=0).remote()  # type: ignore[attr-defined]
         remote = roles.payload.produce(await session.put({"idx": torch.arange(16)}, pool=producers), width=64)
-        local = roles.payload.produce(await session.put({"idx": torch.arange(16)}, pool=consumer), width=64)
+        local = await session.put({"x": torch.ones(16, 64)}, pool=consumer)
         for future in (remote, local):
             got = await roles.sink.take(future)
             if got["rows"] != 16:
