@@ -156,7 +156,7 @@ class RayTransport:
         if isinstance(cause, ray.exceptions.RayActorError):  # an argument's producer died
             return WorkerGone(self._index.get(cause.actor_id or "", -1), _first_lines(str(cause)))
         text = f"{type(cause).__name__}: {cause}" if cause is not None else type(e).__name__
-        return RankError(text, getattr(e, "traceback_str", "") or str(e))
+        return _NotRun(text, getattr(e, "traceback_str", "") or str(e))
 
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
                       pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
@@ -166,21 +166,31 @@ class RayTransport:
             result: RankResult = await self._call(
                 worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *handles))
             return result
-        pulls = [self._send(w, worker, group) for w, group in groups.items()]
+        # The call is submitted before the sends: if its arguments cannot be
+        # serialized, no send waits for a receive that never comes.
+        pulls = [Pull(w, self._tag()) for w in groups]
+        ref = self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *pulls)
+        for pull, group in zip(pulls, groups.values(), strict=True):
+            self._actors[pull.source].send_slices.remote(worker, pull.tag, list(group))
         try:
-            result = await self._call(
-                worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *pulls))
+            result = await self._call(worker, ref)
+        except _NotRun:  # the rank never received its rows (its arguments failed to load): it takes them now
+            self._actors[worker].drop_pulls.remote(pulls)
+            raise
         except RankError as e:
             if e.peer_failure and pulls:
                 await self._blame_producers([p.source for p in pulls])
             raise
         return result
 
+    def _tag(self) -> int:
+        return next(self._tags) % (2**31 // PULL_TAGS) * PULL_TAGS
+
     def _send(self, source: int, dst: int, pieces: Sequence[Piece]) -> Pull:
         """Have worker ``source`` send ``pieces`` to worker ``dst``; what ``dst`` receives them by."""
-        tag = next(self._tags) % (2**31 // PULL_TAGS) * PULL_TAGS
-        self._actors[source].send_slices.remote(dst, tag, list(pieces))
-        return Pull(source, tag)
+        pull = Pull(source, self._tag())
+        self._actors[source].send_slices.remote(dst, pull.tag, list(pieces))
+        return pull
 
     async def _blame_producers(self, workers: Sequence[int]) -> None:
         """Raise :class:`WorkerGone` for the first of ``workers`` that died (a
@@ -240,6 +250,13 @@ class RayTransport:
             if isinstance(rows, Pull):
                 await self._blame_producers([rows.source])
             raise
+
+
+class _NotRun(RankError):
+    """A worker's task raised something other than a :class:`~workers.RankError`
+    (a :class:`~workers.RankError` to the scheduler). From ``execute``, whose body
+    wraps every error in one, it means the task failed before its body ran (e.g.
+    its arguments did not load), so before the rank received its rows."""
 
 
 def _first_lines(text: str, n: int = 6) -> str:

@@ -6,6 +6,7 @@ and 3 ranks, with more roles sharing those pools.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import ipaddress
 import resource
@@ -96,6 +97,39 @@ def test_reshard_4_to_n_keeps_order_values_and_moves_only_needed_bytes(env, cons
     row_bytes = 8 + 4 * width  # idx int64 + x float32[width]
     assert moved == [k * row_bytes for k in rows]
     assert torch.equal(out["rank"], torch.repeat_interleave(torch.arange(ranks), torch.tensor(rows)))
+
+
+def _fail_to_load() -> None:
+    raise RuntimeError("this argument does not load on a worker")
+
+
+class _Unloadable:
+    """An argument that pickles on the driver and fails to unpickle on a worker
+    (by reference to this module, which this module's workers cannot import; or
+    where they can, by raising)."""
+
+    def __reduce__(self):
+        return (_fail_to_load, ())
+
+
+def test_a_call_whose_arguments_do_not_load_leaves_no_send_waiting(env) -> None:
+    """The consumer never ran, so never received the rows sent to it: it takes
+    them afterwards, every producer's sends end, and the next pull works."""
+    lt, session, roles = env
+
+    async def main():
+        src = await session.put({"idx": torch.arange(12)}, pool=P4)
+        made = roles.producer.produce(src, width=8)
+        with pytest.raises(af.RemoteStageError, match=r"faulty\.boom failed on rank \d of pool 'c3'"):
+            await roles.faulty.boom(made, on_rank=_Unloadable())
+        deadline = time.monotonic() + 60
+        while sum(await asyncio.gather(*(session.worker("p4", r).pending_sends.remote() for r in range(4)))):
+            assert time.monotonic() < deadline, "a producer's send still waits for its receiver"
+            await asyncio.sleep(0.1)
+        return await roles.consumer3.echo(made).fetch()
+
+    out = lt.run(main())
+    assert torch.equal(out["idx"], torch.arange(12))
 
 
 def test_token_balanced_split_keeps_groups_and_returns_rows_in_order(env) -> None:

@@ -20,6 +20,7 @@ serving (Ray's direct transport kills both ends).
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -123,16 +124,26 @@ class Sender:
                 self._count -= 1
 
 
-def receive(fetched: Sequence[Any]) -> list[tuple[Packed, dict[str, torch.Tensor]]]:
+_posted: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)
+"""The latest pulls this process started to receive, as (source, tag)."""
+_posted_lock = threading.Lock()
+
+
+def receive(fetched: Sequence[Any], *, unless_begun: bool = False) -> list[tuple[Packed, dict[str, torch.Tensor]]]:
     """Each :class:`Pull` of ``fetched`` received (all at once), other items as
     they are: per item, a layout and its buffers (see :func:`channels.unpack`).
+    ``unless_begun``: skip the pulls this process began to receive already (a
+    pull is received once; its sender sends once).
 
     Raises:
         RowsUnavailableError: a producer could not send its rows.
         RuntimeError: a producer died mid-transfer (gloo's "Connection closed by
             peer" or the like: ``workers.host._groups.PEER_FAILURE_MESSAGES``).
     """
-    pulls = [(i, f) for i, f in enumerate(fetched) if isinstance(f, Pull)]
+    with _posted_lock:
+        pulls = [(i, f) for i, f in enumerate(fetched)
+                 if isinstance(f, Pull) and not (unless_begun and (f.source, f.tag) in _posted)]
+        _posted.extend((f.source, f.tag) for _, f in pulls)
     if not pulls:
         return list(fetched)
     preludes = [torch.empty(_PRELUDE, dtype=torch.int64) for _ in pulls]

@@ -4,6 +4,7 @@ produced while it runs the next call), and the controls of its streamed calls.""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,8 @@ from channels import (
 from workers.host._pulls import Pull, Sender, receive
 from workers.host._rows import on_device
 from workers.host._streaming import StreamControl, StreamSink
+
+logger = logging.getLogger(__name__)
 
 
 class RowServer:
@@ -63,6 +66,21 @@ class RowServer:
         packs them, to worker ``dst`` over the session's process group
         (``workers.host._pulls``); returns once posted, not once received."""
         self.sender.send(dst, tag, lambda: pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces]))
+
+    @ray.method(concurrency_group="io")
+    def drop_pulls(self, pulls: Sequence[Pull]) -> None:
+        """Receive and drop the rows of a call that failed before it received
+        them (those it began to receive are skipped), so that their senders'
+        sends end."""
+        try:
+            receive(pulls, unless_begun=True)
+        except Exception as e:  # a sender that died or could not send: nothing is left waiting
+            logger.debug("dropping pulls: %s", e)
+
+    @ray.method(concurrency_group="io")
+    def pending_sends(self) -> int:
+        """Sends of rows posted and not yet handed over."""
+        return self.sender.pending()
 
     @ray.method(concurrency_group="io")
     def put(self, key: str, columns: Mapping[str, torch.Tensor], group_size: int = 1) -> RankResult:
