@@ -112,7 +112,7 @@ class Session(Runtime):
         self._nodes: dict[str, Node] = {}  # by node id: where the workers run
         self._actor_nodes: list[str] = []  # node id of each worker
         self._store: Any = None
-        self._rdt: str | None = None
+        self._rows_by: str | None = None
 
     # ----- lifecycle -----
 
@@ -153,7 +153,7 @@ class Session(Runtime):
     @property
     def transport(self) -> str:
         """How rows move between workers: ``"gloo"``, ``"nccl"`` or ``"object_store"``."""
-        return self._rdt or "object_store"
+        return self._rows_by or "object_store"
 
     # ----- spawning -----
 
@@ -184,8 +184,8 @@ class Session(Runtime):
         self._actors = self._workers.actors
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)
-        await self._init_rdt(device)
-        return self._start(RayTransport(self._actors, self._actor_ids, self._rdt), ranks, roles, layouts,
+        await self._init_transport(device)
+        return self._start(RayTransport(self._actors, self._actor_ids, self._rows_by), ranks, roles, layouts,
                            rank_local)
 
     def where(self, pool: str, rank: int) -> Node:
@@ -249,7 +249,7 @@ class Session(Runtime):
             local[name] = local[name] & methods if name in local else methods
         return local
 
-    async def _init_rdt(self, device: str) -> None:
+    async def _init_transport(self, device: str) -> None:
         choice = self._transport_choice
         if choice == "object_store":
             return
@@ -257,19 +257,19 @@ class Session(Runtime):
         if choice not in ("auto", backend):
             raise ConfigError(f"transport {choice!r} does not work on {device}; use auto or {backend}")
         if backend == "gloo":  # the session's own process group (workers.host._pulls): nothing to set up
-            self._rdt = backend
+            self._rows_by = backend
         else:
             from ray.experimental.collective import create_collective_group
 
             try:
                 self._rdt_group = await asyncio.to_thread(create_collective_group, self._actors, backend="nccl")
-                self._rdt = backend
+                self._rows_by = backend
             except Exception as e:
                 if choice != "auto":
                     raise
                 logger.warning("Ray Direct Transport (nccl) unavailable, rows go through the object store: %s", e)
         # The stores keep rows where the transport takes them from (CUDA for NCCL).
-        await asyncio.gather(*(a.use_transport.remote(self._rdt) for a in self._actors))
+        await asyncio.gather(*(a.use_transport.remote(self._rows_by) for a in self._actors))
 
     def worker(self, pool: str, rank: int) -> Any:
         """The Ray actor handle of ``rank`` of ``pool`` (for tests and tools)."""

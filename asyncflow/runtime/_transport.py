@@ -118,27 +118,27 @@ class RayTransport:
     Args:
         actors: worker actor handles by session-wide index.
         actor_ids: their Ray actor ids (hex), to name a dead producer.
-        rdt: ``"gloo"``: rows go worker to worker over the session's process
+        rows_by: ``"gloo"``: rows go worker to worker over the session's process
             group (``workers.host._pulls``); ``"nccl"``: by Ray Direct Transport;
             None: through the object store.
     """
 
-    def __init__(self, actors: Sequence[Any], actor_ids: Sequence[str], rdt: str | None) -> None:
+    def __init__(self, actors: Sequence[Any], actor_ids: Sequence[str], rows_by: str | None) -> None:
         self._actors = list(actors)
         self._index = {a: i for i, a in enumerate(actor_ids)}
-        self._rdt = rdt
+        self._rows_by = rows_by
         self._tags = itertools.count()
 
     def _slice(self, p: Piece) -> Any:
         method = self._actors[p.worker].slice
-        if self._rdt is not None:
-            method = method.options(tensor_transport=self._rdt)
+        if self._rows_by is not None:
+            method = method.options(tensor_transport=self._rows_by)
         return method.remote(p.key, p.lo, p.hi, p.fields)
 
     def _slices(self, worker: int, pieces: Sequence[Piece]) -> Any:
         method = self._actors[worker].slices
-        if self._rdt is not None:
-            method = method.options(tensor_transport=self._rdt)
+        if self._rows_by is not None:
+            method = method.options(tensor_transport=self._rows_by)
         return method.remote(list(pieces))
 
     async def _call(self, worker: int, ref: Any) -> Any:
@@ -161,7 +161,7 @@ class RayTransport:
     async def execute(self, worker: int, spec: bytes, kwargs: Mapping[str, Any], transforms: BoundTransforms,
                       pieces: Sequence[Piece], free: Sequence[str] = ()) -> RankResult:
         groups = pieces_by_worker(pieces, worker)
-        if self._rdt != "gloo":
+        if self._rows_by != "gloo":
             handles = [self._slices(w, group) for w, group in groups.items()]
             result: RankResult = await self._call(
                 worker, self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *handles))
@@ -171,7 +171,7 @@ class RayTransport:
         pulls = [Pull(w, self._tag()) for w in groups]
         ref = self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *pulls)
         for pull, group in zip(pulls, groups.values(), strict=True):
-            self._actors[pull.source].send_slices.remote(worker, pull.tag, list(group))
+            self._post(pull, worker, group)
         try:
             result = await self._call(worker, ref)
         except _NotRun:  # the rank never received its rows (its arguments failed to load): it takes them now
@@ -186,11 +186,10 @@ class RayTransport:
     def _tag(self) -> int:
         return next(self._tags) % (2**31 // PULL_TAGS) * PULL_TAGS
 
-    def _send(self, source: int, dst: int, pieces: Sequence[Piece]) -> Pull:
-        """Have worker ``source`` send ``pieces`` to worker ``dst``; what ``dst`` receives them by."""
-        pull = Pull(source, self._tag())
-        self._actors[source].send_slices.remote(dst, pull.tag, list(pieces))
-        return pull
+    def _post(self, pull: Pull, dst: int, pieces: Sequence[Piece]) -> None:
+        """Have worker ``pull.source`` send ``pieces`` to worker ``dst``, which
+        receives them by ``pull``."""
+        self._actors[pull.source].send_slices.remote(dst, pull.tag, list(pieces))
 
     async def _blame_producers(self, workers: Sequence[int]) -> None:
         """Raise :class:`WorkerGone` for the first of ``workers`` that died (a
@@ -242,8 +241,11 @@ class RayTransport:
 
     async def stream_adopt(self, worker: int, call_id: int, piece: Piece | None, group_size: int) -> None:
         rows: Any = None  # a target is never its own source
-        if piece is not None:
-            rows = self._send(piece.worker, worker, [piece]) if self._rdt == "gloo" else self._slice(piece)
+        if piece is not None and self._rows_by == "gloo":
+            rows = Pull(piece.worker, self._tag())
+            self._post(rows, worker, [piece])
+        elif piece is not None:
+            rows = self._slice(piece)
         try:
             await self._call(worker, self._actors[worker].stream_adopt.remote(call_id, group_size, rows))
         except RankError:

@@ -31,7 +31,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from channels import Packed, TransportError
+from channels import Packed, TransportError, dtype_name
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
@@ -88,7 +88,7 @@ class Sender:
             packed, buffers = rows()
             if unknown := [d for d, b in buffers.items() if b.dtype not in _CODES]:
                 raise TypeError(f"columns of dtype {', '.join(unknown)} cannot be sent (known: "
-                                f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)})")
+                                f"{', '.join(dtype_name(d) for d in DTYPES)})")
             tensors = [b.contiguous().reshape(-1) for b in buffers.values()]
             sizes = [x for t in tensors for x in (_CODES[t.dtype], t.numel())]
             header, length = _encoder.encode(packed), 1
@@ -161,7 +161,7 @@ def receive(fetched: Sequence[Any], *, unless_begun: bool = False) -> list[tuple
         if length < 0:
             raise RowsUnavailableError(f"worker {f.source} could not send the rows: {body.numpy().tobytes().decode()}")
         packed = _decoder.decode(body.numpy().tobytes())
-        out[i] = (packed, {str(t.dtype).removeprefix("torch."): t for t in buffers})
+        out[i] = (packed, {dtype_name(t.dtype): t for t in buffers})
     return out
 
 

@@ -58,14 +58,17 @@ class RowServer:
     def slices(self, pieces: Sequence[Piece]) -> tuple[Packed, dict[str, torch.Tensor]]:
         """Several pieces of this worker's shards, packed into one buffer per dtype
         (``channels.pack``): one transfer, a few tensors (see ``slice``)."""
-        return pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces])
+        return self._packed(pieces)
 
     @ray.method(concurrency_group="io")
     def send_slices(self, dst: int, tag: int, pieces: Sequence[Piece]) -> None:
         """Post several pieces of this worker's shards, packed as ``slices``
         packs them, to worker ``dst`` over the session's process group
         (``workers.host._pulls``); returns once posted, not once received."""
-        self.sender.send(dst, tag, lambda: pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces]))
+        self.sender.send(dst, tag, lambda: self._packed(pieces))
+
+    def _packed(self, pieces: Sequence[Piece]) -> tuple[Packed, dict[str, torch.Tensor]]:
+        return pack([self.store.slice(p.key, p.lo, p.hi, p.fields) for p in pieces])
 
     @ray.method(concurrency_group="io")
     def drop_pulls(self, pulls: Sequence[Pull]) -> None:

@@ -108,6 +108,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
         self._preloads: list[threading.Thread] = []
+        self.sender = Sender()
         self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
                    num_threads=num_threads, preload=preload)
 
@@ -133,8 +134,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         """Where the store keeps rows (see the module docstring); :meth:`use_transport`
         sets it."""
         self.store = ShardStore()
-        if hasattr(self, "sender"):
-            self.sender.close()
+        self.sender.close()  # its waits end with the session's process group
         self.sender = Sender()
         self.roles: dict[str, Any] = {}
         self._endpoints: dict[str, dict[str, Endpoint[Any, Any]]] = {}
@@ -284,7 +284,6 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
                 poisoned first so that peers waiting on this rank fail at once.
         """
         spec_bytes, kwargs, transforms, free = call
-        traced: Traced | None = None
         try:
             received = receive(fetched)
             if free:
