@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from torch import Tensor
 
 from channels import Layout
@@ -112,9 +112,7 @@ def run_ranks(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
     """Run the module-level ``fn(rank, out_dir)`` on ``world`` processes joined by gloo."""
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    mp.set_forkserver_preload(["torch", "reshard_testlib", "hybrid_engine", "workers.host._meshes"])
-    mp.start_processes(_rank_main, args=(world, str(tmp), fn, str(out)), nprocs=world,
-                       start_method="forkserver", join=True)
+    start_ranks(_rank_main, (world, str(tmp), fn, str(out)), world)
     return out
 
 

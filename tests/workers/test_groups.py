@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -95,11 +95,7 @@ def _run(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Forked from a server that imported these once (spawning would re-import per rank).
-    mp.set_forkserver_preload(["torch", "transformers", "workers.engines", "workers.models",
-                               "workers.host._groups", "torch.distributed.checkpoint", __name__])
-    mp.start_processes(_rank_main, args=(world, port, fn, str(tmp)), nprocs=world,
-                       start_method="forkserver", join=True)
+    start_ranks(_rank_main, (world, port, fn, str(tmp)), world)
     return tmp
 
 

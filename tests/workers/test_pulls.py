@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 
 from channels import Packed, pack, unpack
 from workers import PULL_TAGS, Pull, RowsUnavailableError
@@ -34,8 +34,7 @@ def _run(world: int, fn: Callable[[int], None]) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.set_forkserver_preload(["torch", "workers.host._pulls", __name__])
-    mp.start_processes(_rank_main, args=(world, port, fn), nprocs=world, start_method="forkserver", join=True)
+    start_ranks(_rank_main, (world, port, fn), world)
 
 
 def _rows(rank: int, n: int) -> dict[str, torch.Tensor]:

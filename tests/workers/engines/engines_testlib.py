@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
@@ -117,15 +117,5 @@ def run_ranks(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
     """
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    # A fork server imports torch and transformers once per test session and forks the
-    # ranks from there; spawning would import them again in every rank (~5 s each on
-    # this 2-core machine).
-    mp.set_forkserver_preload(["torch", "transformers", "engines_testlib", "workers.engines"])
-    mp.start_processes(
-        _worker,
-        args=(world, str(tmp), fn, str(out)),
-        nprocs=world,
-        start_method="forkserver",
-        join=True,
-    )
+    start_ranks(_worker, (world, str(tmp), fn, str(out)), world)
     return out

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 
 from channels import Layout
 from workers import WorkerContext
@@ -94,7 +94,5 @@ def run_ranks(world: int, fn: Callable[[int, Path], None], tmp: Path) -> Path:
     ``out_dir``."""
     out = tmp / "out"
     out.mkdir(exist_ok=True)
-    mp.set_forkserver_preload(["torch", "transformers", "roles_testlib", "workers.roles"])
-    mp.start_processes(_rank_main, args=(world, str(tmp), fn, str(out)), nprocs=world,
-                       start_method="forkserver", join=True)
+    start_ranks(_rank_main, (world, str(tmp), fn, str(out)), world)
     return out

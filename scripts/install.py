@@ -1,0 +1,81 @@
+"""``pip install`` / ``pip uninstall`` for the Makefile, done by uv when it is there.
+
+uv installs the same packages as pip three times faster on two cores (it unpacks
+and byte-compiles in parallel): about a minute instead of three for ``make``'s
+first install. It does not read pip's configuration, so this passes pip's
+(``pip config list``: files and ``PIP_*`` variables) on as uv's options: the index,
+extra indexes, find-links locations, constraint files and CA bundle, with pip's
+rule for several indexes (the best version across all of them). Without uv in this
+interpreter's environment it runs pip itself.
+
+Usage: ``python scripts/install.py install|uninstall ARGS...`` (ARGS as for pip).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+UV_OPTION = {
+    "index-url": "--index-url",
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraint",
+}
+"""pip's configuration keys that change what gets installed, and uv's options for them."""
+
+
+SECTION_RANK = {"global": 0, "install": 1, ":env:": 2}
+"""Which setting wins where ``pip config list`` names a key more than once: the
+``[install]`` section over ``[global]``, a ``PIP_*`` variable over both (pip merges
+its files itself, later over earlier, before it lists them)."""
+
+
+def pip_config(listed: str) -> dict[str, list[str]]:
+    """pip's effective setting of each key in :data:`UV_OPTION` and ``cert``, from
+    what ``pip config list`` printed (``section.key='value'`` lines). A value that
+    lists several (``extra-index-url``) is split."""
+    found: dict[str, tuple[int, str]] = {}
+    for line in listed.splitlines():
+        name, _, value = line.partition("=")
+        section, _, key = name.rpartition(".")
+        rank = SECTION_RANK.get(section)
+        if rank is not None and (key in UV_OPTION or key == "cert") and rank >= found.get(key, (-1, ""))[0]:
+            found[key] = (rank, value.strip().strip("'\""))
+    return {key: value.split() for key, (_, value) in found.items()}
+
+
+def uv_command(action: str, args: list[str], config: dict[str, list[str]]) -> tuple[list[str], dict[str, str]]:
+    """The uv command line and environment that do what ``pip ACTION ARGS`` would
+    under pip's configuration ``config`` (:func:`pip_config`)."""
+    uv = [str(Path(sys.executable).with_name("uv"))]
+    command = [*uv, "pip", action, "--python", sys.executable]
+    env = dict(os.environ)
+    if action == "install":
+        command += ["--compile-bytecode", "--index-strategy", "unsafe-best-match"]
+        for key, option in UV_OPTION.items():
+            for value in config.get(key, []):
+                command += [option, value]
+        if config.get("cert"):
+            env["SSL_CERT_FILE"] = config["cert"][0]
+    quiet = [arg for arg in args if arg in ("--quiet", "-q")][:1]  # uv's one level is pip's two
+    return command + quiet + [arg for arg in args if arg not in ("--quiet", "-q")], env
+
+
+def main(argv: list[str]) -> int:
+    action, *args = argv
+    if action not in ("install", "uninstall"):
+        raise SystemExit(f"scripts/install.py: install or uninstall, not {action!r}")
+    if shutil.which("uv", path=str(Path(sys.executable).parent)) is None:
+        return subprocess.call([sys.executable, "-m", "pip", action, *args])
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                            check=True).stdout
+    command, env = uv_command(action, [arg for arg in args if arg != "-y"], pip_config(listed))
+    return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,56 @@
+"""scripts/install.py hands pip's configuration to uv: the same indexes, find-links
+locations, constraints and CA bundle, with pip's precedence."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "install.py"
+spec = importlib.util.spec_from_file_location("install_script", SCRIPT)
+assert spec is not None and spec.loader is not None
+install = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(install)
+
+LISTED = """\
+:env:.default-timeout='180'
+:env:.find-links='/opt/wheels'
+global.cert='/etc/ssl/certs/ca.crt'
+global.constraint='/etc/pip/constraints.txt'
+global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'
+global.find-links='/ignored/by/env'
+global.index-url='https://mirror.example/simple'
+install.index-url='https://install.example/simple'
+download.constraint='/not/for/install.txt'
+"""
+
+
+def test_the_effective_setting_of_each_key_is_taken() -> None:
+    assert install.pip_config(LISTED) == {
+        "find-links": ["/opt/wheels"],  # PIP_FIND_LINKS over the file's
+        "cert": ["/etc/ssl/certs/ca.crt"],
+        "constraint": ["/etc/pip/constraints.txt"],  # [download] is not pip install's
+        "extra-index-url": ["file:///opt/a/simple", "file:///opt/b/simple"],
+        "index-url": ["https://install.example/simple"],  # [install] over [global]
+    }
+
+
+def test_uv_installs_with_pips_settings_and_rules() -> None:
+    command, env = install.uv_command("install", ["--quiet", "--no-deps", "pkg==1"], install.pip_config(LISTED))
+    assert command[1:5] == ["pip", "install", "--python", sys.executable]
+    assert command[-3:] == ["--quiet", "--no-deps", "pkg==1"] and command.count("--quiet") == 1
+    pairs = list(itertools.pairwise(command))
+    for pair in [("--index-strategy", "unsafe-best-match"), ("--index-url", "https://install.example/simple"),
+                 ("--extra-index-url", "file:///opt/a/simple"), ("--extra-index-url", "file:///opt/b/simple"),
+                 ("--find-links", "/opt/wheels"), ("--constraint", "/etc/pip/constraints.txt")]:
+        assert pair in pairs, pair
+    assert "--compile-bytecode" in command  # every process of the suite imports compiled modules
+    assert env["SSL_CERT_FILE"] == "/etc/ssl/certs/ca.crt"
+
+
+def test_uninstall_takes_no_index_options() -> None:
+    command, _ = install.uv_command("uninstall", ["--quiet", "torchvision"], install.pip_config(LISTED))
+    assert command[1:3] == ["pip", "uninstall"] and command[-2:] == ["--quiet", "torchvision"]
+    assert not any(arg.startswith("--index") or arg == "--find-links" for arg in command)
