@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("shared_ray")
 
 SLEEP_S = 0.4
 """Long enough that the runtime's per-call costs on a busy 2-core machine (tens of ms)
-stay small beside it: the prediction is checked to 10 %."""
+stay small beside it."""
 
 
 class _Steps:
@@ -54,5 +54,7 @@ def test_profile_fits_costs_and_the_overlapped_steps(loop_thread) -> None:
     assert found.traces["packed"][0].pools == {"core0": 1, "core1": 1}
     assert 0.0 <= found.oversubscription <= 0.3  # 3 sleeping processes on 2 cores: hardly slower
     one = profile_placements(SleepJob.roles, 2, cores=2)["1"]
-    # Sleeps take no core, so the model without core sharing reproduces the run.
-    assert abs(predict(found, one, cores=None).step_s / overlapped - 1) < 0.1
+    # Sleeps take no core, so the model without core sharing reproduces the run: to
+    # within the runtime's per-call costs on a busy machine (the same 0.15 s as the
+    # costs above; a model that serialised the pools would be off by 2 * SLEEP_S).
+    assert abs(predict(found, one, cores=None).step_s - overlapped) < 0.15
