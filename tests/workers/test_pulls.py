@@ -18,7 +18,7 @@ from ranks import start_ranks
 from channels import Packed, pack, unpack
 from workers import PULL_TAGS, Pull, RowsUnavailableError
 from workers.host._groups import is_peer_failure
-from workers.host._pulls import Sender, receive
+from workers.host._pulls import INLINE_BYTES, Sender, receive
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable[[int], None]) -> None:
@@ -75,6 +75,34 @@ def _two_producers_ranks(rank: int) -> None:
 
 def test_two_producers_send_every_dtype_to_one_consumer_in_any_order() -> None:
     _run(3, _two_producers_ranks)
+
+
+# ----- one message or several: transfers on both sides of INLINE_BYTES -----
+
+SIZES = (1, 1_000, 2_500, 40_000)
+"""Rows per transfer: 1_000 rows of ``_rows`` (23 bytes each) take 23 KB (one
+message), 2_500 58 KB (one message, near the limit), 40_000 920 KB (the prelude, then
+the header and the buffers)."""
+
+
+def _sizes_ranks(rank: int) -> None:
+    if rank == 0:
+        sender = Sender()
+        for k, n in enumerate(SIZES):
+            sender.send(1, k * PULL_TAGS, lambda n=n: pack([_rows(0, n)]))
+        while sender.pending():
+            time.sleep(0.01)
+        return
+    got = receive([Pull(0, k * PULL_TAGS) for k in reversed(range(len(SIZES)))])
+    for (layout, buffers), n in zip(got, reversed(SIZES), strict=True):
+        assert _equal(unpack(layout, buffers)[0], _rows(0, n)), n
+    big = sum(b.numel() * b.element_size() for b in pack([_rows(0, SIZES[-1])])[1].values())
+    near = sum(b.numel() * b.element_size() for b in pack([_rows(0, SIZES[-2])])[1].values())
+    assert near < INLINE_BYTES < big, "the cases lie on both sides of the limit"
+
+
+def test_transfers_of_one_message_and_of_several_arrive_whole_side_by_side() -> None:
+    _run(2, _sizes_ranks)
 
 
 # ----- a producer that cannot pack its rows: the consumer raises its message -----
