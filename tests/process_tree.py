@@ -48,6 +48,16 @@ class Listener:
         return f"{self.process} on {self.ip}:{self.port}"
 
 
+def _label(p: psutil.Process, name: str) -> str:
+    """The process as a failure should name it: its name when first seen, and its
+    command line now (a Ray worker, "python" when it starts, retitles itself
+    ``ray::<Class>.<method>`` once it serves)."""
+    try:
+        return f"{name} (pid {p.pid}: {' '.join(p.cmdline())[:120]})"
+    except psutil.Error:
+        return f"{name} (pid {p.pid})"
+
+
 class WatchedRun:
     """``cmd`` started now; a thread samples its process tree every ``poll_s``
     (every process seen, every listening TCP socket and bound UDP socket) and
@@ -84,7 +94,7 @@ class WatchedRun:
                     self.seen.setdefault(p.pid, p)
                     for c in p.net_connections(kind="inet"):
                         if c.status == psutil.CONN_LISTEN or (c.type == 2 and c.laddr):  # SOCK_DGRAM bound
-                            self.listeners.add(Listener(name, c.laddr.ip, c.laddr.port))
+                            self.listeners.add(Listener(_label(p, name), c.laddr.ip, c.laddr.port))
                 except psutil.Error:
                     continue
             time.sleep(self._poll_s)

@@ -1,4 +1,5 @@
-"""Worker processes kept between the sessions of one Ray instance.
+"""Worker processes (and a rendezvous store server) kept between the sessions of
+one Ray instance.
 
 A worker process costs seconds before it serves its first call: Ray starts it,
 then it imports torch, transformers and the role modules (four to five seconds of
@@ -22,6 +23,10 @@ Kept workers hold no Ray resources (the next session's placement group reserves
 them) but hold their memory: at most :data:`KEPT_WORKERS` per Ray connection.
 They end with the driver's connection (``ray.shutdown``), as every actor it
 created does.
+
+The session's rendezvous store server (``workers.StoreServer``, half a second of
+CPU to start) comes back on the same terms, emptied (``StoreServer.reset``): one
+per Ray connection, which the next session takes wherever its workers run.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class Fit:
 
 
 _kept: dict[str, list[tuple[Fit, Any]]] = {}  # by Ray job id: the driver's connection
+_kept_stores: dict[str, Any] = {}  # by Ray job id: a rendezvous store server (workers.StoreServer)
 
 
 def _connection() -> str:
@@ -118,6 +124,20 @@ def keep(fit: Fit, actor: Any) -> None:
         ray.kill(oldest, no_restart=True)
 
 
+def keep_store(store: Any) -> None:
+    """Keep a session's rendezvous store server (reset: it holds no key) for this
+    Ray connection's next session, in place of one kept before."""
+    old = _kept_stores.pop(_connection(), None)
+    if old is not None:
+        ray.kill(old, no_restart=True)
+    _kept_stores[_connection()] = store
+
+
+def take_store() -> Any | None:
+    """The kept rendezvous store server, no longer kept; None when there is none."""
+    return _kept_stores.pop(_connection(), None) if ray.is_initialized() else None
+
+
 def kept_count() -> int:
     """How many idle workers this driver's Ray connection keeps now."""
     return len(_kept.get(_connection(), [])) if ray.is_initialized() else 0
@@ -125,10 +145,10 @@ def kept_count() -> int:
 
 def forget() -> None:
     """End every kept worker and forget them (before ``ray.shutdown``)."""
-    for kept in _kept.values():
-        for _, actor in kept:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+    for actor in [a for kept in _kept.values() for _, a in kept] + list(_kept_stores.values()):
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
     _kept.clear()
+    _kept_stores.clear()

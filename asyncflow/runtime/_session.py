@@ -78,9 +78,10 @@ class Session(Runtime):
             each starts (Ray's ``runtime_env``), on whichever node; a value may
             name the node's own variables as ``${NAME}``.
         keep_workers: on a Ray instance that outlives the session, hand its
-            clean CPU workers to the next session of this driver instead of
-            ending them, and adopt those an earlier session left (seconds of
-            start-up saved per worker; see ``asyncflow.runtime._idle``).
+            clean CPU workers and its rendezvous store server to the next
+            session of this driver instead of ending them, and adopt those an
+            earlier session left (seconds of start-up saved per worker; see
+            ``asyncflow.runtime._idle``).
     """
 
     def __init__(self, *, address: str | None = None, cpu_slots: int = 64, transport: Transport = "auto",
@@ -143,10 +144,10 @@ class Session(Runtime):
             except Exception:  # workers may be dead already
                 logger.debug("destroying the collective group failed", exc_info=True)
                 clean = False  # a worker still in it could not join another session's
-        if self._store is not None:
-            ray.kill(self._store, no_restart=True)
         if self._workers is not None:
             await self._workers.release(clean=clean)
+        if self._store is not None:  # after the workers left their groups (their last use of it)
+            await _hand_back_store(self._store, clean=clean and self._keep_workers)
         if self._started_ray:
             shutdown_ray()
 
@@ -225,7 +226,8 @@ class Session(Runtime):
         identities = await asyncio.gather(*(a.identity.remote() for a in self._actors))
         self._actor_ids = [aid for _, aid, _, _ in identities]
         self._actor_nodes = [node for *_, node in identities]
-        self._store = ray.remote(StoreServer).options(num_cpus=0).remote()  # type: ignore[attr-defined]
+        kept = await _kept_store() if self._keep_workers else None
+        self._store = kept or ray.remote(StoreServer).options(num_cpus=0).remote()  # type: ignore[attr-defined]
         await asyncio.gather(*(
             a.init_world.remote(self._store, node_ip=ip, timeout_s=self._rendezvous_timeout,
                                 collective_timeout_s=self._collective_timeout)
@@ -275,6 +277,38 @@ class Session(Runtime):
         """The Ray actor handle of ``rank`` of ``pool`` (for tests and tools)."""
         assert self._scheduler is not None
         return self._actors[self._scheduler.pools[pool].workers[rank]]
+
+
+STORE_ANSWER_S = 10.0
+"""How long a kept rendezvous store server has to answer before it is replaced."""
+
+
+async def _kept_store() -> Any | None:
+    """The rendezvous store server the driver's last session left (``_idle``), if it
+    still answers, empty."""
+    store = _idle.take_store()
+    if store is None:
+        return None
+    try:
+        if await asyncio.wait_for(store.reset.remote(), STORE_ANSWER_S):
+            return store
+    except (ray.exceptions.RayError, TimeoutError):
+        logger.debug("the kept rendezvous store did not answer", exc_info=True)
+    ray.kill(store, no_restart=True)
+    return None
+
+
+async def _hand_back_store(store: Any, *, clean: bool) -> None:
+    """Keep a clean session's store server for the next session once it emptied
+    (no rank waits in it); end it otherwise."""
+    if clean:
+        try:
+            if await asyncio.wait_for(store.reset.remote(), STORE_ANSWER_S):
+                _idle.keep_store(store)
+                return
+        except (ray.exceptions.RayError, TimeoutError):
+            logger.debug("the rendezvous store did not empty", exc_info=True)
+    ray.kill(store, no_restart=True)
 
 
 def _role_start_error(role: str, pool: str, rank: int, e: ray.exceptions.RayTaskError) -> AsyncflowError:

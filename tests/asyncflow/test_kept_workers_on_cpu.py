@@ -100,3 +100,34 @@ def test_a_kept_worker_that_died_is_replaced_and_the_kept_ones_are_bounded(monke
     assert _idle.kept_count() == 1
     # The newest kept (the last to leave), the one kept longer ended: a later session fits the newest likelier.
     assert _pids(_reports())[0] == _pids(last)[1]
+
+
+def test_the_next_session_takes_the_rendezvous_store_over_emptied() -> None:
+    """A clean session's rendezvous store server serves the next session, holding
+    none of the old keys; a session closed in a call ends its own."""
+
+    async def session_store(*, keep: bool = True, leave_a_call: bool = False) -> tuple[str, bool]:
+        async with af.Session(keep_workers=keep) as session:
+            roles = await session.spawn({"s": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(
+                name="main", devices=2, threads=1))})
+            store = session._store
+            left = await store.check.remote(["left/behind"])  # by the session before
+            await store.set.remote("left/behind", b"x")
+            assert await store.num_keys.remote() > 1, "the ranks' rendezvous used it"
+            if leave_a_call:
+                roles.s.work(seconds=60)
+                await asyncio.sleep(0.5)
+            return store._actor_id.hex(), left
+
+    def run(**kw: bool) -> tuple[str, bool]:
+        return asyncio.run(asyncio.wait_for(session_store(**kw), timeout=300))
+
+    first, _ = run()
+    second, left = run()
+    assert second == first and not left, "the same server, emptied"
+    third, _ = run(keep=False)
+    assert third != first, "a session that keeps nothing starts its own"
+    fourth, left = run(leave_a_call=True)
+    assert fourth == first and not left
+    fifth, _ = run()
+    assert fifth != fourth, "the server of a session closed in a call ended with it"

@@ -285,6 +285,26 @@ def test_waiters_wake_on_set_and_deleted_keys_wait_again(server: Any) -> None:
         ray.get(server.delete_key.remote(key))
 
 
+def test_reset_forgets_every_key_but_not_while_a_rank_waits(shared_ray: None) -> None:
+    """What a session hands the next one (asyncflow.runtime._idle): an empty store;
+    a store somebody still waits in is not reset (it is not handed on)."""
+    server = ray.remote(StoreServer).options(num_cpus=0).remote()
+    ray.get([server.set.remote("a", b"1"), server.add.remote("n", 2)])
+    waiting = server.get.remote("b", 20.0)
+    ray.wait([waiting], timeout=0.3)
+    assert ray.get(server.reset.remote()) is False
+    assert ray.get(server.num_keys.remote()) == 2, "nothing forgotten while a rank waits"
+    ray.get(server.set.remote("b", b"2"))
+    assert ray.get(waiting, timeout=10) == b"2"
+    assert ray.get(server.reset.remote()) is True
+    assert ray.get(server.num_keys.remote()) == 0
+    again = server.get.remote("b", 20.0)  # a key set before the reset is waited for again
+    assert not ray.wait([again], timeout=0.3)[0]
+    ray.get(server.set.remote("b", b"3"))
+    assert ray.get(again, timeout=10) == b"3"
+    ray.kill(server)
+
+
 def test_add_to_text_value_fails_naming_key(ray_store: RayStore) -> None:
     ray_store.set("text", b"abc")
     with pytest.raises(dist.DistStoreError, match=r"add\('text'\).*not a counter"):

@@ -7,7 +7,7 @@ for as long as the session runs. Here the key-value store lives in a Ray actor
 ``torch.distributed.Store`` whose operations are Ray actor calls, so the rendezvous
 travels over Ray's own (authenticated) channels and opens no port of its own::
 
-    server = ray.remote(StoreServer).options(num_cpus=0).remote()   # driver, one per session
+    server = ray.remote(StoreServer).options(num_cpus=0).remote()   # driver, one per session at a time
     # in each worker:
     bind_gloo_to_node(ray.util.get_node_ip_address())   # workers.host._binding
     dist.init_process_group("gloo", store=RayStore(server, timeout), rank=r, world_size=n)

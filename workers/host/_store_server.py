@@ -1,6 +1,7 @@
 """The rendezvous store's server: a key-value store with ``TCPStore``'s semantics,
-run as an async Ray actor (one per session; :mod:`workers.host._rendezvous` is its
-client and the module that explains the rendezvous).
+run as an async Ray actor (one per session at a time, kept for the next one after a
+clean close; :mod:`workers.host._rendezvous` is its client and the module that
+explains the rendezvous).
 
 Its actor process imports nothing but this module: the class is pickled by value
 (``ray.cloudpickle.register_pickle_by_value`` below) and uses only the standard
@@ -27,8 +28,9 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class StoreServer:
     """The key-value store of one session's rendezvous, run as an async Ray actor.
 
-    Created once per session by the driver with
-    ``ray.remote(StoreServer).options(num_cpus=0, ...)``. Its methods are
+    Created by the driver with ``ray.remote(StoreServer).options(num_cpus=0, ...)``
+    for a session, or taken over from the driver's last session once
+    :meth:`reset`. Its methods are
     coroutines, so waiting callers (one per rank in a rendezvous) wait together on
     the actor's event loop; Ray runs up to ``max_concurrency`` (1000 by default
     for async actors) at a time, which bounds how many ranks can wait at once.
@@ -48,6 +50,7 @@ class StoreServer:
         # One event per key somebody waits for, set once the key exists. A deleted
         # key's event is dropped (it was set), so later waiters get a fresh one.
         self._arrived: dict[str, asyncio.Event] = {}
+        self._waiting = 0
 
     # ----- writes -----
 
@@ -150,6 +153,15 @@ class StoreServer:
         """How many keys the store holds."""
         return len(self._data)
 
+    async def reset(self) -> bool:
+        """Forget every key, for the next session to use this server as new; False
+        (and nothing forgotten) while a caller still waits for a key."""
+        if self._waiting:
+            return False
+        self._data.clear()
+        self._arrived.clear()
+        return True
+
     # ----- internals -----
 
     def _store(self, key: str, value: bytes) -> None:
@@ -159,6 +171,7 @@ class StoreServer:
             event.set()
 
     async def _wait_for(self, keys: Sequence[str], timeout_s: float, op: str) -> None:
+        self._waiting += 1
         try:
             async with asyncio.timeout(timeout_s):
                 # A woken key can be deleted again before this coroutine runs:
@@ -174,3 +187,5 @@ class StoreServer:
                 f"{op}: keys {missing} were not set within {timeout_s:g} s (the rendezvous "
                 "timeout); a rank that should have set them is late, gone, or in another session"
             ) from None
+        finally:
+            self._waiting -= 1
