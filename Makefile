@@ -59,8 +59,8 @@ PACKAGES := asyncflow channels workers hybrid_engine bench
 TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
-# at a time on each (tests/conftest.py and tests/scheduling.py); 20 to 27 minutes on the
-# 2-core machine, all of it CPU-bound (the target is 15). mypy (one core for about two
+# at a time on each (tests/conftest.py and tests/scheduling.py); 19 to 25 minutes in all
+# on the 2-core machine, installing included, all of it CPU-bound (the target is 15). mypy (one core for about two
 # minutes from a fresh clone) runs beside it, in the time the tests wait for Ray's
 # processes to start, and its report follows pytest's; either failing fails the target.
 # It prints how long it took in all (installing included) and pytest's share.
