@@ -71,9 +71,12 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"scripts/install.py: install or uninstall, not {action!r}")
     if shutil.which("uv", path=str(Path(sys.executable).parent)) is None:
         return subprocess.call([sys.executable, "-m", "pip", action, *args])
-    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                            check=True).stdout
-    command, env = uv_command(action, [arg for arg in args if arg != "-y"], pip_config(listed))
+    config = {}
+    if action == "install":  # uninstalling reads no index
+        listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                                check=True).stdout
+        config = pip_config(listed)
+    command, env = uv_command(action, [arg for arg in args if arg != "-y"], config)
     return subprocess.call(command, env=env)
 
 

@@ -25,8 +25,9 @@ They end with the driver's connection (``ray.shutdown``), as every actor it
 created does.
 
 The session's rendezvous store server (``workers.StoreServer``, half a second of
-CPU to start) comes back on the same terms, emptied (``StoreServer.reset``): one
-per Ray connection, which the next session takes wherever its workers run.
+CPU to start) comes back on the same terms: one per Ray connection, which the next
+session takes wherever its workers run, once it emptied (``StoreServer.reset``,
+which a server some rank still waits in refuses: that one is replaced).
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def keep(fit: Fit, actor: Any) -> None:
 
 
 def keep_store(store: Any) -> None:
-    """Keep a session's rendezvous store server (reset: it holds no key) for this
-    Ray connection's next session, in place of one kept before."""
+    """Keep a session's rendezvous store server for this Ray connection's next
+    session, in place of one kept before."""
     old = _kept_stores.pop(_connection(), None)
     if old is not None:
         ray.kill(old, no_restart=True)

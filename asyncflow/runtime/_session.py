@@ -146,8 +146,10 @@ class Session(Runtime):
                 clean = False  # a worker still in it could not join another session's
         if self._workers is not None:
             await self._workers.release(clean=clean)
-        if self._store is not None:  # after the workers left their groups (their last use of it)
-            await _hand_back_store(self._store, clean=clean and self._keep_workers)
+        if self._store is not None and clean and self._keep_workers:
+            _idle.keep_store(self._store)  # emptied when the next session takes it (_kept_store)
+        elif self._store is not None:
+            ray.kill(self._store, no_restart=True)
         if self._started_ray:
             shutdown_ray()
 
@@ -284,8 +286,8 @@ STORE_ANSWER_S = 10.0
 
 
 async def _kept_store() -> Any | None:
-    """The rendezvous store server the driver's last session left (``_idle``), if it
-    still answers, empty."""
+    """The rendezvous store server the driver's last session left (``_idle``),
+    emptied, if it answers and no rank still waits in it; None otherwise."""
     store = _idle.take_store()
     if store is None:
         return None
@@ -296,19 +298,6 @@ async def _kept_store() -> Any | None:
         logger.debug("the kept rendezvous store did not answer", exc_info=True)
     ray.kill(store, no_restart=True)
     return None
-
-
-async def _hand_back_store(store: Any, *, clean: bool) -> None:
-    """Keep a clean session's store server for the next session once it emptied
-    (no rank waits in it); end it otherwise."""
-    if clean:
-        try:
-            if await asyncio.wait_for(store.reset.remote(), STORE_ANSWER_S):
-                _idle.keep_store(store)
-                return
-        except (ray.exceptions.RayError, TimeoutError):
-            logger.debug("the rendezvous store did not empty", exc_info=True)
-    ray.kill(store, no_restart=True)
 
 
 def _role_start_error(role: str, pool: str, rank: int, e: ray.exceptions.RayTaskError) -> AsyncflowError:

@@ -116,11 +116,12 @@ class Sender:
         prelude = torch.zeros(_PRELUDE, dtype=torch.int64)
         prelude[:2 + len(sizes)] = torch.tensor([length * len(header), len(tensors), *sizes], dtype=torch.int64)
         messages = [prelude, torch.frombuffer(bytearray(header), dtype=torch.uint8), *tensors]
-        starts, end = _offsets([t.numel() * t.element_size() for t in messages])
+        nbytes = [t.numel() * t.element_size() for t in messages]
+        starts, end = _offsets(nbytes)
         if end <= INLINE_BYTES:
             blob = torch.zeros(end, dtype=torch.uint8)
-            for start, t in zip(starts, messages, strict=True):
-                blob[start:start + t.numel() * t.element_size()] = t.view(torch.uint8)
+            for start, n, t in zip(starts, nbytes, messages, strict=True):
+                blob[start:start + n] = t.view(torch.uint8)
             messages = [blob]
         works = [dist.isend(t, dst, tag=tag + i) for i, t in enumerate(messages)]
         with self._lock:
