@@ -4,6 +4,7 @@ by the runtime tests (pickled by value so Ray workers need not import this file)
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import subprocess
 import sys
@@ -115,12 +116,15 @@ class Probe(Role):
         sys._asyncflow_probe = True  # type: ignore[attr-defined]
 
     @register(protocol=OneToAll())
-    def report(self, *, env: str = "") -> dict[str, Any]:
+    def report(self, *, env: str = "", module: str = "") -> dict[str, Any]:
         """The process, a draw of torch's default generator, the session's process
-        group, whether a Probe lived here before, and variable ``env``."""
+        group, whether a Probe lived here before, variable ``env``, the variables
+        Ray's runtime environment set, and whether ``module`` is importable."""
         return {"pid": os.getpid(), "draw": torch.rand(2).tolist(), "world": torch.distributed.get_world_size(),
                 "rank": torch.distributed.get_rank(), "seen_before": self.seen_before,
-                "env": os.environ.get(env), "threads": torch.get_num_threads()}
+                "env": os.environ.get(env), "threads": torch.get_num_threads(),
+                "ray_env": sorted(ray.get_runtime_context().runtime_env.get("env_vars") or {}),
+                "module": module and importlib.util.find_spec(module) is not None}
 
 
 class Slow(Role):

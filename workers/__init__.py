@@ -12,6 +12,7 @@ from workers.host import (
     CONCURRENCY_GROUPS,
     LIVE_ENV,
     PULL_TAGS,
+    STARTUP_ENV,
     Adopt,
     CallArgs,
     CallInfo,
@@ -39,12 +40,14 @@ from workers.host import (
     engine_log_env,
     pieces_by_worker,
     register,
+    split_env,
 )
 
 __all__ = [
     "CONCURRENCY_GROUPS",
     "LIVE_ENV",
     "PULL_TAGS",
+    "STARTUP_ENV",
     "Adopt",
     "CallArgs",
     "CallInfo",
@@ -72,4 +75,5 @@ __all__ = [
     "engine_log_env",
     "pieces_by_worker",
     "register",
+    "split_env",
 ]

@@ -75,8 +75,9 @@ class Session(Runtime):
         placement_timeout_s: how long :meth:`spawn` waits for a pool's devices
             when the cluster has them but others hold them now.
         worker_env: environment variables of the worker processes, set when
-            each starts (Ray's ``runtime_env``), on whichever node; a value may
-            name the node's own variables as ``${NAME}``.
+            each starts, on whichever node (Ray's ``runtime_env``; asyncflow's own,
+            ``workers.STARTUP_ENV``, by the worker's constructor, half a second
+            sooner); a value may name the node's own variables as ``${NAME}``.
         keep_workers: on a Ray instance that outlives the session, hand its
             clean CPU workers and its rendezvous store server to the next
             session of this driver instead of ending them, and adopt those an

@@ -104,9 +104,7 @@ class Workers:
         }
         if device == "cuda":
             opts["num_gpus"] = 1
-        if self._env:
-            opts["runtime_env"] = {"env_vars": self._env}
-        return _idle.worker_class().options(**opts).remote(**args, device=device)
+        return _idle.start_worker(opts, self._env, args, device=device)
 
     async def _place(self, pool: ResourcePool, device: str, slot: str) -> PlacementGroup:
         """Reserve ``pool``'s devices (a placement group), waiting at most

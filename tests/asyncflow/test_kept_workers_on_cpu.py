@@ -15,7 +15,7 @@ import pytest
 import asyncflow as af
 from asyncflow.runtime import _idle
 from support import Probe, Sleeper
-from workers.host._engine_logs import LOG_FILE_ENV
+from workers.host._engine_logs import LEVEL_ENV, LOG_FILE_ENV
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
 
@@ -85,6 +85,27 @@ def test_only_the_log_file_may_differ_between_the_sessions_a_worker_serves(tmp_p
     third = _reports(ask=LOG_FILE_ENV)
     assert _pids(first) == _pids(second) == _pids(third)
     assert [r["env"] for r in first + second + third] == [a, a, b, b, None, None]
+
+
+def test_a_worker_sets_asyncflows_own_variables_itself_and_ray_the_others(tmp_path: Path) -> None:
+    (tmp_path / "probe_module_beside.py").write_text("VALUE = 1\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}${{PYTHONPATH}}", LEVEL_ENV: "info", "PROBE_SETTING": "1"}
+
+    async def main() -> list[list[dict[str, Any]]]:
+        async with af.Session(worker_env=env) as session:
+            roles = await session.spawn(_probe())
+            return [await roles.probe.report(env=name, module="probe_module_beside")
+                    for name in ("PYTHONPATH", LEVEL_ENV, "PROBE_SETTING")]
+
+    path, level, setting = asyncio.run(asyncio.wait_for(main(), timeout=300))
+    assert [r["env"] for r in level + setting] == ["info", "info", "1", "1"]
+    # ${PYTHONPATH} is the worker's own (the suite's), as Ray's runtime_env expands it
+    assert all(r["env"].startswith(f"{tmp_path}{os.pathsep}") and "$" not in r["env"] for r in path), path
+    assert [r["module"] for r in path] == [True, True], "a PYTHONPATH the worker set itself imports"
+    assert [r["ray_env"] for r in path] == [["PROBE_SETTING"]] * 2, "only the other variable went by Ray"
+
+    alone = _reports(env={LEVEL_ENV: "info"})
+    assert [r["ray_env"] for r in alone] == [[], []], "asyncflow's own variables alone: no runtime_env at all"
 
 
 def test_a_kept_worker_that_died_is_replaced_and_the_kept_ones_are_bounded(monkeypatch) -> None:

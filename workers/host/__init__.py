@@ -14,7 +14,8 @@
 """
 
 from workers.host._call import CallArgs, CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
-from workers.host._engine_logs import LIVE_ENV, EngineLogs, engine_log_env
+from workers.host._engine_logs import EngineLogs, engine_log_env
+from workers.host._environment import LIVE_ENV, STARTUP_ENV, split_env
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
 from workers.host._pulls import PULL_TAGS, Pull, RowsUnavailableError
 from workers.host._register import (
@@ -42,6 +43,7 @@ __all__ = [
     "CONCURRENCY_GROUPS",
     "LIVE_ENV",
     "PULL_TAGS",
+    "STARTUP_ENV",
     "Adopt",
     "CallArgs",
     "CallInfo",
@@ -73,4 +75,5 @@ __all__ = [
     "new_reconnectable_group",
     "pieces_by_worker",
     "register",
+    "split_env",
 ]

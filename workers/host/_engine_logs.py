@@ -58,10 +58,6 @@ LOG_FILE_ENV = "ASYNCFLOW_ENGINE_LOG"
 LEVEL_ENV = "ASYNCFLOW_LOG"
 """The environment variable holding the terminal's level name (``debug``, ``info``, ``warning``)."""
 
-LIVE_ENV = frozenset({LOG_FILE_ENV})
-"""The variables of a worker's environment it reads again when it joins another
-session (``WorkerProcess.rejoin``); it reads every other one once, when it starts."""
-
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
 _FILE_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
 

@@ -52,7 +52,8 @@ from channels import (
 from workers.host import _groups, _meshes
 from workers.host._binding import bind_gloo_to_node
 from workers.host._call import CallArgs, CallSpec, RankError, ungroup
-from workers.host._engine_logs import LIVE_ENV, route_from_environment
+from workers.host._engine_logs import route_from_environment
+from workers.host._environment import LIVE_ENV, set_env
 from workers.host._pulls import Pull, Sender, receive
 from workers.host._register import Endpoint, endpoints
 from workers.host._rendezvous import RayStore
@@ -99,10 +100,15 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         preload: modules to import in the background from the start (the role
             classes' modules: their imports then overlap the process groups'
             rendezvous instead of following it).
+        env: the session's ``worker_env`` variables this process sets itself, before
+            anything else (:data:`~workers.host._environment.STARTUP_ENV`; Ray's
+            ``runtime_env`` set any other before the process started).
     """
 
     def __init__(self, *, index: int, pool: str, rank: int, pool_size: int, world: int,
-                 device: str, num_threads: int | None, preload: Sequence[str] = ()) -> None:
+                 device: str, num_threads: int | None, preload: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        set_env(env or {})
         route_from_environment()  # before the engines log anything (the driver's worker_env says where)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self._alive = threading.Event()
@@ -161,7 +167,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         the torch threads it has: a process whose thread count changed computes
         differently in the last bits from a new one. ``env`` holds the variables
         of the new session's ``worker_env`` this process reads after it started
-        (where the engine logs go, :data:`~workers.host._engine_logs.LIVE_ENV`).
+        (where the engine logs go, :data:`~workers.host._environment.LIVE_ENV`).
         """
         if unknown := sorted(set(env or {}) - LIVE_ENV):
             raise ValueError(f"rejoin takes only {sorted(LIVE_ENV)} from the new session's environment, not {unknown}")
@@ -176,7 +182,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         (:meth:`rejoin`) without paying for a start and the imports again: end the
         watch call, close the streams and the roles (their ``close()``, where they
         have one), drop the rows and the process groups, unset the variables
-        :meth:`rejoin` may set (:data:`~workers.host._engine_logs.LIVE_ENV`), and
+        :meth:`rejoin` may set (:data:`~workers.host._environment.LIVE_ENV`), and
         reseed torch's default generator with the seed it started with.
 
         The driver calls it after a session closed with no call running and no
