@@ -23,6 +23,7 @@ import torch
 from channels import ConfigError
 
 from ._checkpoint import SUPPORTED_ARCHITECTURES, save_pretrained_here
+from ._gguf_header import read_metadata
 
 __all__ = ["GGUF_STAMP_FILE", "GgufModel", "gguf_to_hf_dir", "read_gguf_header", "smollm2_gguf"]
 
@@ -88,6 +89,8 @@ def gguf_to_hf_dir(
         return out
     _check_writable(out, key)
     read_gguf_header(source, key=key)
+    if importlib.util.find_spec("gguf") is None:  # transformers reads the tensors with it
+        raise ConfigError(f"{key}: converting GGUF files needs the 'gguf' package (pip install 'gguf>=0.10')")
     out.mkdir(parents=True, exist_ok=True)
     # Written before the conversion and completed after it: a conversion that died
     # half-way leaves an incomplete stamp, and the next call converts again.
@@ -139,23 +142,19 @@ class GgufModel(NamedTuple):
 
 def read_gguf_header(file: str | os.PathLike[str], *, key: str = "model.gguf") -> GgufModel:
     """Check that ``file`` is a GGUF file of an architecture the engines run, reading
-    only its header (no weights are dequantised).
+    only its header's scalars (no weights, no vocabulary: ``_gguf_header``).
 
     Raises:
-        ConfigError: naming ``key``: the file is missing, not GGUF, of another
-            architecture, or the ``gguf`` package is not installed.
+        ConfigError: naming ``key``: the file is missing, not GGUF (versions 2
+            and 3), or of another architecture.
     """
     source = Path(file).expanduser()
     _check_gguf_file(source, key)
     try:
-        import gguf
-    except ImportError as error:
-        raise ConfigError(
-            f"{key}: reading GGUF files needs the 'gguf' package (pip install 'gguf>=0.10')"
-        ) from error
-    try:
-        fields = gguf.GGUFReader(source).fields
-        architecture = str(fields["general.architecture"].contents())
+        fields = read_metadata(source)
+        architecture = fields["general.architecture"]
+        if not isinstance(architecture, str):
+            raise ValueError(f"general.architecture is {architecture!r}, not a string")
     except (KeyError, ValueError) as error:
         raise ConfigError(
             f"{key}: {os.fspath(source)!r} has no readable general.architecture: {error}"
@@ -165,12 +164,11 @@ def read_gguf_header(file: str | os.PathLike[str], *, key: str = "model.gguf") -
             f"{key}: {os.fspath(source)!r} holds a {architecture!r} model; the engines run "
             f"{SUPPORTED_ARCHITECTURES} (GGUF general.architecture)"
         )
-    head_count = fields.get(f"{architecture}.attention.head_count")
-    if head_count is None:
+    heads = fields.get(f"{architecture}.attention.head_count")
+    if not isinstance(heads, int):
         raise ConfigError(f"{key}: {os.fspath(source)!r} has no {architecture}.attention.head_count")
-    heads = int(head_count.contents())
     kv = fields.get(f"{architecture}.attention.head_count_kv")
-    return GgufModel(architecture, heads, int(kv.contents()) if kv is not None else heads)
+    return GgufModel(architecture, heads, kv if isinstance(kv, int) else heads)
 
 
 def _check_gguf_file(source: Path, key: str) -> None:
