@@ -60,7 +60,7 @@ smollm2-tools: $(STAMP)
 tools: $(STAMP)
 	$(VENV)/bin/asyncflow train examples/arith_tools.toml
 
-# The project's packages: what lint, the type check and the byte-compiling cover.
+# The project's packages: what lint and the type check cover.
 PACKAGES := asyncflow channels workers hybrid_engine bench
 
 # TYPED_FIXTURE: an algorithm on typed role groups, checked with the mypy plugin
