@@ -31,7 +31,7 @@ LIVE_ENV = frozenset({LOG_FILE_ENV})
 """The variables of a worker's environment it reads again when it joins another
 session (``WorkerProcess.rejoin``); it reads every other one once, when it starts."""
 
-_UNSET = re.compile(r"\$\{[A-Za-z0-9_]+\}")
+_UNSET = re.compile(r"\$\{[A-Z0-9_]+\}")  # as Ray matches an unset one
 
 
 def split_env(worker_env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
