@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 	# Byte-compiled once here: the modules a run imports (a few thousand of torch, Ray,
 	# transformers, vLLM and ours; all of site-packages would take 85 s of CPU).
 	$(INSTALL) warm torch ray transformers.modeling_utils vllm asyncflow.cli asyncflow.train workers.roles \
-		workers.rollout bench
+		workers.rollout
 	@touch $(STAMP)
 
 run: $(STAMP)

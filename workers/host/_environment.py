@@ -41,16 +41,19 @@ def split_env(worker_env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, 
     return own, {k: v for k, v in worker_env.items() if k not in STARTUP_ENV}
 
 
-def set_env(env: Mapping[str, str]) -> None:
+def set_env(env: Mapping[str, str], *, allowed: frozenset[str] = STARTUP_ENV) -> None:
     """Set ``env`` in this process as Ray's ``runtime_env`` would have before it
     started: ``${NAME}`` stands for the variable's value here (nothing when unset);
     a ``PYTHONPATH``'s directories also join ``sys.path``, ahead of the others.
+    ``allowed``: the variables it may set now (:data:`LIVE_ENV` when a kept worker
+    joins another session).
 
     Raises:
-        ValueError: a variable not in :data:`STARTUP_ENV` (only Ray can set it in time).
+        ValueError: a variable not in ``allowed`` (the process read it already,
+            or only Ray can set it in time).
     """
-    if unknown := sorted(set(env) - STARTUP_ENV):
-        raise ValueError(f"a worker sets only {sorted(STARTUP_ENV)} itself, not {unknown}")
+    if unknown := sorted(set(env) - allowed):
+        raise ValueError(f"a worker sets only {sorted(allowed)} itself here, not {unknown}")
     for name, value in env.items():
         os.environ[name] = _UNSET.sub("", os.path.expandvars(value))
     if "PYTHONPATH" in env:

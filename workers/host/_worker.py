@@ -169,9 +169,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         of the new session's ``worker_env`` this process reads after it started
         (where the engine logs go, :data:`~workers.host._environment.LIVE_ENV`).
         """
-        if unknown := sorted(set(env or {}) - LIVE_ENV):
-            raise ValueError(f"rejoin takes only {sorted(LIVE_ENV)} from the new session's environment, not {unknown}")
-        os.environ.update(env or {})
+        set_env(env or {}, allowed=LIVE_ENV)
         route_from_environment(again=True)
         self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
                    num_threads=num_threads, preload=preload)

@@ -19,6 +19,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable
+from typing import Any
 
 _SCALARS: dict[int, struct.Struct] = {
     0: struct.Struct("<B"), 1: struct.Struct("<b"), 2: struct.Struct("<H"), 3: struct.Struct("<h"),
@@ -76,10 +77,13 @@ class _Header:
                 out[key] = self._value(kind)
         return out
 
-    def _take(self, fmt: struct.Struct) -> int:
+    def _unpack(self, fmt: struct.Struct) -> Any:
         (value,) = fmt.unpack_from(self._data, self._at)
         self._at += fmt.size
-        return int(value)
+        return value
+
+    def _take(self, fmt: struct.Struct) -> int:
+        return int(self._unpack(fmt))
 
     def _string(self) -> str:
         n = self._take(_U64)
@@ -96,9 +100,7 @@ class _Header:
         fmt = _SCALARS.get(kind)
         if fmt is None:
             raise GgufHeaderError(f"unknown value type {kind}")
-        (value,) = fmt.unpack_from(self._data, self._at)
-        self._at += fmt.size
-        return value  # type: ignore[no-any-return]
+        return self._unpack(fmt)
 
     def _skip_array(self) -> None:
         kind, n = self._take(_U32), self._take(_U64)

@@ -4,8 +4,10 @@ own reader and writer."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from gguf_files import write_gguf
 
 from workers.models import read_gguf_header, smollm2_gguf
 from workers.models._gguf_header import GgufHeaderError, read_metadata
@@ -13,8 +15,7 @@ from workers.models._gguf_header import GgufHeaderError, read_metadata
 gguf = pytest.importorskip("gguf")
 
 
-def _written(path: Path) -> Path:
-    writer = gguf.GGUFWriter(path, arch="llama")
+def _fields(writer: Any) -> None:
     writer.add_uint32("llama.attention.head_count", 9)
     writer.add_int64("some.int64", -(2**40))
     writer.add_float32("some.float", 0.5)
@@ -24,11 +25,10 @@ def _written(path: Path) -> Path:
     writer.add_array("tokenizer.ggml.scores", [0.1, 0.2, 0.3])
     writer.add_array("nested", [[1, 2], [3]])
     writer.add_uint8("after.arrays", 7)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+
+def _written(path: Path) -> Path:
+    return write_gguf(path, "llama", _fields)
 
 
 def test_scalars_are_read_and_arrays_stepped_over(tmp_path: Path) -> None:

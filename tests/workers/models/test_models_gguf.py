@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_files import write_gguf
 
 from channels import ConfigError
 from workers.models import gguf_to_hf_dir, load_model, smollm2_gguf
@@ -15,15 +16,6 @@ from workers.models._gguf import GGUF_STAMP_FILE
 torch.set_num_threads(1)
 
 
-def _gguf_with_architecture(path: Path, architecture: str) -> Path:
-    """A header-only GGUF file (no tensors) declaring ``architecture``."""
-    gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(path, arch=architecture)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def test_a_missing_file_is_named_with_its_key(tmp_path: Path) -> None:
@@ -40,13 +32,13 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_architecture_the_engines_cannot_run_is_refused(tmp_path: Path) -> None:
-    file = _gguf_with_architecture(tmp_path / "gpt2.gguf", "gpt2")
+    file = write_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ConfigError, match=r"model\.gguf: .* holds a 'gpt2' model; the engines run"):
         gguf_to_hf_dir(file, tmp_path / "out")
 
 
 def test_a_directory_with_foreign_files_is_not_overwritten(tmp_path: Path) -> None:
-    file = _gguf_with_architecture(tmp_path / "llama.gguf", "llama")
+    file = write_gguf(tmp_path / "llama.gguf", "llama")
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
