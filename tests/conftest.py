@@ -28,8 +28,7 @@ import torch
 import asyncflow as af
 import fake_device
 import support
-from scheduling import (  # noqa: F401 (pytest finds hooks and fixtures here)
-    _alone_or_together,
+from scheduling import (  # noqa: F401 (pytest finds hooks here)
     pytest_collection_modifyitems,
     pytest_xdist_make_scheduler,
 )

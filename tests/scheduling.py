@@ -1,22 +1,16 @@
 """Which test module runs when, and beside which, under ``make test``'s two
 pytest-xdist workers (``-n 2 --dist loadfile``; tests/conftest.py imports these
-hooks and fixtures, and they do nothing without xdist but order the modules).
+hooks, and they do nothing without xdist but order the modules).
 
 - Each module is one unit of work: its module-scoped Ray instance and session
   start once. The modules :data:`SHARED_WORKER` groups run one after the other on
   one worker.
-- Units are handed out in the collection's order, which puts the modules marked
-  ``alone`` first, then those holding ``slow`` tests, so that the two workers end
-  close together.
-- A module marked ``alone`` (its tests need the machine to themselves) runs while
-  no other module does.
+- Units are handed out in the collection's order, which puts the modules holding
+  ``slow`` tests first, so that the two workers end close together.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -42,15 +36,10 @@ two cluster modules could not run side by side anyway: each cluster's head write
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules marked ``alone`` first (under pytest-xdist the other worker
-    waits while one runs: best before it has started a long module), then those
-    holding ``slow`` tests, so that two workers end close together; the order is
-    otherwise the collection's."""
-    def marked(name: str) -> set[str]:
-        return {_module(item.nodeid) for item in items if item.get_closest_marker(name)}
-
-    alone, slow = marked("alone"), marked("slow")
-    items.sort(key=lambda item: (_module(item.nodeid) not in alone, _module(item.nodeid) not in slow))
+    """The modules holding ``slow`` tests first, so that two workers end close
+    together; the order is otherwise the collection's."""
+    slow = {_module(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _module(item.nodeid) not in slow)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it, never called
@@ -71,26 +60,3 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _alone_or_together(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Under pytest-xdist, a module marked ``alone`` runs while no other module
-    does: it waits for the modules running to end, and none starts until it ended
-    (a readers-writer lock over files the run's workers share; the turnstile gives
-    the waiting ``alone`` module the next turn). Without xdist, nothing to do."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield
-        return
-    alone = request.node.get_closest_marker("alone") is not None
-    shared = tmp_path_factory.getbasetemp().parent  # one per run, above each worker's own
-    with open(shared / "modules.turnstile", "a") as turnstile, open(shared / "modules.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)

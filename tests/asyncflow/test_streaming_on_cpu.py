@@ -22,9 +22,6 @@ from workers.rollout import NativeRolloutConfig, SamplingParams
 
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
-# alone: the tail migrates only while both generating ranks go at one pace.
-pytestmark = pytest.mark.alone
-
 GEN = ResourcePool(name="gen", devices=2)
 INF = ResourcePool(name="inf", devices=1)
 TOY = ResourcePool(name="toy", devices=2)
@@ -107,14 +104,17 @@ def test_actor_tail_migrates_between_ranks_with_identical_rows(env) -> None:
     async def main():
         src = await session.put(prompts, pool=GEN)
         whole = await roles.slow_actor.generate(src, n=4, params=LONG).fetch()
-        opts = StreamOptions(micro_batch=4, migrate=24, targets=1)
+        # 96 samples, 48 a rank. At 40 left, neither rank can have finished unless
+        # the other did at most 8 while it did 48: the tail migrates whatever else
+        # runs on the machine.
+        opts = StreamOptions(micro_batch=4, migrate=40, targets=1)
         rollout = roles.slow_actor.generate(src, n=4, params=LONG, stream=opts)
         scored = roles.scorer.score(rollout.map(value_of_length))  # rank-local on the actor's pool
         merged = await collect(merge(rollout.map(value_of_length), scored)).fetch()
         return whole, merged, await rollout.report()
 
     whole, merged, report = _guarded(lt, main())
-    assert report.migrated > 0 and report.targets and report.threshold == 24, report
+    assert report.migrated > 0 and report.targets and report.threshold == 40, report
     for k in ("response_ids", "response_mask", "prompt_ids"):
         assert torch.equal(whole[k], merged[k]), k
     # Re-prefilled samples' log-probs differ from decoded ones by float rounding only.
