@@ -22,6 +22,7 @@ from typing import Any, Literal
 import ray
 
 from asyncflow.runtime import _idle
+from asyncflow.runtime._control import Control, connect
 from asyncflow.runtime._errors import RemoteStageError, SessionClosedError
 from asyncflow.runtime._pool import (
     Node,
@@ -115,6 +116,7 @@ class Session(Runtime):
         self._actor_nodes: list[str] = []  # node id of each worker
         self._store: Any = None
         self._rows_by: str | None = None
+        self._controls: list[Control] = []
 
     # ----- lifecycle -----
 
@@ -137,6 +139,8 @@ class Session(Runtime):
             return
         self._closed = True
         broken, running = await self._stop()
+        for control in self._controls:
+            control.close()
         clean = not (broken or running or self._started_ray)
         if self._rdt_group is not None and not broken:
             try:
@@ -189,8 +193,8 @@ class Session(Runtime):
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)
         await self._init_transport(device)
-        return self._start(RayTransport(self._actors, self._actor_ids, self._rows_by), ranks, roles, layouts,
-                           rank_local)
+        return self._start(RayTransport(self._actors, self._actor_ids, self._rows_by, self._controls), ranks,
+                           roles, layouts, rank_local)
 
     def where(self, pool: str, rank: int) -> Node:
         """The node ``rank`` of ``pool`` runs on (its ``describe()``: ``node 1f3a2b4c
@@ -261,8 +265,9 @@ class Session(Runtime):
         backend = {"cpu": "gloo", "cuda": "nccl"}[device]
         if choice not in ("auto", backend):
             raise ConfigError(f"transport {choice!r} does not work on {device}; use auto or {backend}")
-        if backend == "gloo":  # the session's own process group (workers.host._pulls): nothing to set up
+        if backend == "gloo":  # the session's own process group (workers.host._pulls)
             self._rows_by = backend
+            self._controls = await connect(self._actors)  # calls without a Ray task each
         else:
             from ray.experimental.collective import create_collective_group
 

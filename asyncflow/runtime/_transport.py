@@ -24,8 +24,9 @@ from typing import Any, Protocol
 import ray
 import torch
 
+from asyncflow.runtime._control import ConnectionLost, Control
 from channels import Piece, RankResult, StoreStats, open_receiver
-from workers import PULL_TAGS, CallArgs, Pull, RankError, pieces_by_worker
+from workers import PULL_TAGS, CallArgs, NotRun, Pull, RankError, pieces_by_worker
 
 BLAME_S = 10.0
 """Seconds a consumer's failed receive waits to learn whether its producer died."""
@@ -121,10 +122,15 @@ class RayTransport:
         rows_by: ``"gloo"``: rows go worker to worker over the session's process
             group (``workers.host._pulls``); ``"nccl"``: by Ray Direct Transport;
             None: through the object store.
+        controls: the workers' control connections, by index
+            (``asyncflow.runtime._control``): ``execute`` and ``send_slices`` go
+            on them, without a Ray task each; none: both are Ray calls.
     """
 
-    def __init__(self, actors: Sequence[Any], actor_ids: Sequence[str], rows_by: str | None) -> None:
+    def __init__(self, actors: Sequence[Any], actor_ids: Sequence[str], rows_by: str | None,
+                 controls: Sequence[Control] = ()) -> None:
         self._actors = list(actors)
+        self._controls = list(controls)
         self._index = {a: i for i, a in enumerate(actor_ids)}
         self._rows_by = rows_by
         self._tags = itertools.count()
@@ -169,11 +175,16 @@ class RayTransport:
         # The call is submitted before the sends: if its arguments cannot be
         # serialized, no send waits for a receive that never comes.
         pulls = [Pull(w, self._tag()) for w in groups]
-        ref = self._actors[worker].execute.remote(CallArgs(spec, kwargs, transforms, tuple(free)), *pulls)
+        args = CallArgs(spec, kwargs, transforms, tuple(free))
+        control = self._controls[worker] if self._controls else None
+        if control is not None and not control.lost:
+            answer = self._answer(worker, control.execute(args, pulls))
+        else:
+            answer = self._call(worker, self._actors[worker].execute.remote(args, *pulls))
         for pull, group in zip(pulls, groups.values(), strict=True):
             self._post(pull, worker, group)
         try:
-            result = await self._call(worker, ref)
+            result = await answer
         except _NotRun:  # the rank never received its rows (its arguments failed to load): it takes them now
             self._actors[worker].drop_pulls.remote(pulls)
             raise
@@ -183,13 +194,25 @@ class RayTransport:
             raise
         return result
 
+    async def _answer(self, worker: int, fut: asyncio.Future[Any]) -> Any:
+        """What a call on ``worker``'s control connection returned, its errors as
+        :meth:`_call` raises them."""
+        try:
+            return await fut
+        except NotRun as e:
+            raise _NotRun(e.text, e.traceback_str) from None
+        except ConnectionLost as e:
+            raise WorkerGone(worker, str(e)) from None
+
     def _tag(self) -> int:
         return next(self._tags) % (2**31 // PULL_TAGS) * PULL_TAGS
 
     def _post(self, pull: Pull, dst: int, pieces: Sequence[Piece]) -> None:
         """Have worker ``pull.source`` send ``pieces`` to worker ``dst``, which
         receives them by ``pull``."""
-        self._actors[pull.source].send_slices.remote(dst, pull.tag, list(pieces))
+        control = self._controls[pull.source] if self._controls else None
+        if control is None or not control.send_slices(dst, pull.tag, pieces):
+            self._actors[pull.source].send_slices.remote(dst, pull.tag, list(pieces))
 
     async def _blame_producers(self, workers: Sequence[int]) -> None:
         """Raise :class:`WorkerGone` for the first of ``workers`` that died (a

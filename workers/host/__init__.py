@@ -6,7 +6,9 @@
 - :func:`register` and :class:`Role`: how a role class declares the methods the
   driver may call, and the :class:`WorkerContext` it is built with;
 - :class:`CallSpec`, :class:`CallArgs` and :class:`RankError`: what one call
-  carries to a rank and what a failed one carries back;
+  carries to a rank and what a failed one carries back; :class:`ControlWire`: the
+  frames of the session's control connection to the worker, which carries calls
+  without a Ray task each (:class:`NotRun`: a call whose arguments did not load);
 - the stream events (:class:`Chunk`, :class:`Tail`, ...) a streamed method yields;
 - the process groups and meshes of a pool (reconnectable after a failure) and the
   session's rendezvous over Ray;
@@ -14,6 +16,7 @@
 """
 
 from workers.host._call import CallArgs, CallSpec, DataArg, RankError, StreamSpec, pieces_by_worker
+from workers.host._control import ControlWire, NotRun
 from workers.host._engine_logs import EngineLogs, engine_log_env
 from workers.host._environment import LIVE_ENV, STARTUP_ENV, split_env
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
@@ -49,12 +52,14 @@ __all__ = [
     "CallInfo",
     "CallSpec",
     "Chunk",
+    "ControlWire",
     "DataArg",
     "Endpoint",
     "EngineLogs",
     "FieldContract",
     "Finish",
     "Handoff",
+    "NotRun",
     "Pull",
     "RankError",
     "Role",

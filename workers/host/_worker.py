@@ -52,6 +52,7 @@ from channels import (
 from workers.host import _groups, _meshes
 from workers.host._binding import bind_gloo_to_node
 from workers.host._call import CallArgs, CallSpec, RankError, ungroup
+from workers.host._control import ControlHost
 from workers.host._engine_logs import route_from_environment
 from workers.host._environment import LIVE_ENV, set_env
 from workers.host._pulls import Pull, Sender, receive
@@ -83,7 +84,7 @@ _INITIAL_SEED = torch.initial_seed()
 """The seed torch's default generator started with in this process."""
 
 
-class WorkerProcess(RowServer, StreamEnds, ChannelHost):
+class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
     """Hosts the roles of one rank of one pool. Created by the control plane with
     ``ray.remote(concurrency_groups=CONCURRENCY_GROUPS)``.
 
@@ -113,6 +114,9 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
+        self._compute = threading.Lock()
+        """Held by a method of the compute group while it runs: ``execute`` runs on
+        the control connection's thread too (``workers.host._control``)."""
         self._preloads: list[threading.Thread] = []
         self.sender = Sender()
         self._join(index=index, pool=pool, rank=rank, pool_size=pool_size, world=world,
@@ -187,6 +191,11 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         pool broken. Returns False where the process is not fit to serve again: it
         loaded vLLM, whose engines do not give everything back when they close.
         """
+        self.close_control()
+        with self._compute:
+            return self._leave()
+
+    def _leave(self) -> bool:
         self._alive.set()  # the closed session's watch call returns
         self._alive = threading.Event()
         with self._streams_lock:
@@ -287,6 +296,10 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
             RankError: the method (or a transform) raised; the pool's groups are
                 poisoned first so that peers waiting on this rank fail at once.
         """
+        with self._compute:
+            return self._execute_call(call, fetched)
+
+    def _execute_call(self, call: CallArgs, fetched: Sequence[Any]) -> RankResult:
         spec_bytes, kwargs, transforms, free = call
         try:
             received = receive(fetched)
@@ -359,12 +372,14 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost):
         """Drop the pool's group connections (peers blocked on this rank fail now).
 
         The driver calls it on every rank that finished a failed call."""
-        _meshes.poison_all()
+        with self._compute:
+            _meshes.poison_all()
 
     @ray.method(concurrency_group="compute")
     def heal(self, epoch: int) -> None:
         """Reconnect the pool's groups; collective over the pool (same ``epoch``)."""
-        _meshes.heal_all(epoch)
+        with self._compute:
+            _meshes.heal_all(epoch)
 
     def _result(self, spec: CallSpec, endpoint: Endpoint[Any, Any], out: Any) -> RankResult:
         rows = as_rows(out)

@@ -1,0 +1,133 @@
+"""The driver's end of a worker's control connection (``workers.host._control``):
+``execute`` and ``send_slices`` as frames on one TCP connection per worker, with
+no Ray task each. A CPU session opens one per worker once its roles are up
+(:func:`connect`); :class:`~asyncflow.runtime._transport.RayTransport` sends on it.
+
+Answers arrive in the event loop's own callbacks (an :class:`asyncio.Protocol`),
+which settle the waiting futures directly: no task, no thread hop. When the
+connection closes under a call, the call fails with
+:class:`~asyncflow.runtime._transport.WorkerGone` after :data:`GONE_GRACE_S`,
+unless Ray has reported the process's death by then (the session's ``watch``
+calls), which names what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from workers import ControlWire, NotRun
+
+GONE_GRACE_S = 10.0
+"""How long calls on a closed connection wait for Ray to report why before failing."""
+
+HEAD = ControlWire.HEAD_BYTES
+
+CONNECT_S = 60.0
+"""How long connecting to the workers may take in all."""
+
+
+class ConnectionLost(Exception):
+    """The control connection to a worker closed while a call waited on it."""
+
+
+class Control(asyncio.Protocol):
+    """One worker's control connection (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._numbers = itertools.count()
+        self.lost = False
+        self._closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= HEAD:
+            length, kind, request = ControlWire.read_head(bytes(buffer[:HEAD]))
+            end = HEAD + length
+            if len(buffer) < end:
+                return
+            body = bytes(buffer[HEAD:end])
+            del buffer[:end]
+            fut = self._waiting.pop(request, None)
+            if kind != ControlWire.ANSWER or fut is None or fut.done():
+                continue
+            try:
+                ok, value = ray.cloudpickle.loads(body)
+            except Exception as e:
+                fut.set_exception(NotRun(f"the worker's answer could not be loaded: {type(e).__name__}: {e}", ""))
+                continue
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        waiting, self._waiting = self._waiting, {}
+        if self._closing:  # the session's end: nothing waits for these any more
+            _fail(list(waiting.values()))
+        elif waiting:
+            asyncio.get_running_loop().call_later(GONE_GRACE_S, _fail, list(waiting.values()))
+
+    def execute(self, call: Any, fetched: Sequence[Any]) -> asyncio.Future[Any]:
+        """Run ``execute(call, *fetched)`` on the worker; a future of its result
+        (raising :class:`~workers.RankError`, :class:`NotRun` or
+        :class:`ConnectionLost`)."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.lost or self._transport is None:
+            fut.set_exception(ConnectionLost("the control connection is closed"))
+            return fut
+        request = next(self._numbers)
+        data = ControlWire.frame(ControlWire.EXECUTE, request, (call, tuple(fetched)))  # raises for an unpicklable argument
+        self._waiting[request] = fut
+        self._transport.write(data)
+        return fut
+
+    def send_slices(self, dst: int, tag: int, pieces: Sequence[Any]) -> bool:
+        """Have the worker post ``pieces`` to worker ``dst`` (its ``send_slices``);
+        False when the connection is closed (send another way)."""
+        if self.lost or self._transport is None:
+            return False
+        self._transport.write(ControlWire.frame(ControlWire.SEND, 0, (dst, tag, list(pieces))))
+        return True
+
+    def close(self) -> None:
+        """Close the connection (the worker's end closes with it)."""
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _fail(futures: list[asyncio.Future[Any]]) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_exception(ConnectionLost("the control connection closed"))
+
+
+async def connect(actors: Sequence[Any]) -> list[Control]:
+    """Open a control connection to each worker (``WorkerProcess.open_control``)."""
+    tokens = [secrets.token_bytes(32) for _ in actors]
+    addresses = await asyncio.gather(*(a.open_control.remote(t) for a, t in zip(actors, tokens, strict=True)))
+    loop = asyncio.get_running_loop()
+
+    async def one(address: tuple[str, int], token: bytes) -> Control:
+        transport, control = await loop.create_connection(Control, *address)
+        transport.write(token)
+        return control
+
+    return list(await asyncio.wait_for(asyncio.gather(*(one(tuple(a), t) for a, t in zip(addresses, tokens,
+                                                                                          strict=True))), CONNECT_S))
+
