@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +27,10 @@ from workers import ControlWire, NotRun
 GONE_GRACE_S = 10.0
 """How long calls on a closed connection wait for Ray to report why before failing."""
 
+logger = logging.getLogger(__name__)
+
 HEAD = ControlWire.HEAD_BYTES
+"""The bytes of a frame's head."""
 
 CONNECT_S = 60.0
 """How long connecting to the workers may take in all."""
@@ -118,16 +122,25 @@ def _fail(futures: list[asyncio.Future[Any]]) -> None:
 
 
 async def connect(actors: Sequence[Any]) -> list[Control]:
-    """Open a control connection to each worker (``WorkerProcess.open_control``)."""
+    """Open a control connection to each worker (``WorkerProcess.open_control``),
+    in the workers' order; none at all (the calls go by Ray, as before) where one
+    cannot be opened, with a warning saying why."""
     tokens = [secrets.token_bytes(32) for _ in actors]
     addresses = await asyncio.gather(*(a.open_control.remote(t) for a, t in zip(actors, tokens, strict=True)))
     loop = asyncio.get_running_loop()
+    opened: dict[int, Control] = {}
 
-    async def one(address: tuple[str, int], token: bytes) -> Control:
-        transport, control = await loop.create_connection(Control, *address)
-        transport.write(token)
-        return control
+    async def one(i: int) -> None:
+        transport, control = await loop.create_connection(Control, *addresses[i])
+        transport.write(tokens[i])
+        opened[i] = control
 
-    return list(await asyncio.wait_for(asyncio.gather(*(one(tuple(a), t) for a, t in zip(addresses, tokens,
-                                                                                          strict=True))), CONNECT_S))
-
+    try:
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(actors)))), CONNECT_S)
+    except (OSError, TimeoutError) as e:
+        logger.warning("the workers' control connections could not be opened (%s: %s); calls go by Ray tasks, "
+                       "about a millisecond more each", type(e).__name__, e)
+        for control in opened.values():
+            control.close()
+        return []
+    return [opened[i] for i in range(len(actors))]

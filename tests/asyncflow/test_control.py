@@ -155,3 +155,28 @@ def test_a_lost_connection_fails_the_calls_waiting_on_it(monkeypatch: pytest.Mon
         worker.gate.set()
         server.close()
     assert waited < 10
+
+
+def test_connect_falls_back_to_ray_calls_when_a_worker_cannot_be_reached(caplog: pytest.LogCaptureFixture) -> None:
+    """One worker listening, one whose address answers nothing: no connection is
+    kept (calls go by Ray for every worker), and a warning says why."""
+    worker = Worker()
+    server = _server(worker)
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        nowhere = s.getsockname()
+
+    class Actor:
+        def __init__(self, address: tuple[str, int]) -> None:
+            self.open_control = self
+            self.address = address
+
+        async def remote(self, token: bytes) -> tuple[str, int]:
+            return self.address
+
+    try:
+        controls = asyncio.run(_control.connect([Actor(server.address), Actor(nowhere)]))
+    finally:
+        server.close()
+    assert controls == []
+    assert "calls go by Ray tasks" in caplog.text
