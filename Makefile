@@ -69,7 +69,7 @@ PACKAGES := asyncflow channels workers hybrid_engine bench
 TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
-# at a time on each (tests/conftest.py and tests/scheduling.py); 15 to 19 minutes in all
+# at a time on each (tests/conftest.py and tests/scheduling.py); 15 to 18 minutes in all
 # on the 2-core machine, installing included, all of it CPU-bound (the target is 15). mypy (one core for about two
 # minutes from a fresh clone) runs beside it, in the time the tests wait for Ray's
 # processes to start, and its report follows pytest's; either failing fails the target.
