@@ -24,13 +24,10 @@ import ray
 
 from workers import ControlWire, NotRun
 
-GONE_GRACE_S = 10.0
-"""How long calls on a closed connection wait for Ray to report why before failing."""
-
 logger = logging.getLogger(__name__)
 
-HEAD = ControlWire.HEAD_BYTES
-"""The bytes of a frame's head."""
+GONE_GRACE_S = 10.0
+"""How long calls on a closed connection wait for Ray to report why before failing."""
 
 CONNECT_S = 60.0
 """How long connecting to the workers may take in all."""
@@ -56,17 +53,17 @@ class Control(asyncio.Protocol):
         self._transport = transport
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
+        buffer, head = self._buffer, ControlWire.HEAD_BYTES
         buffer += data
-        while len(buffer) >= HEAD:
-            length, kind, request = ControlWire.read_head(bytes(buffer[:HEAD]))
-            end = HEAD + length
+        while len(buffer) >= head:
+            length, kind, request = ControlWire.read_head(buffer)
+            end = head + length
             if len(buffer) < end:
                 return
-            body = bytes(buffer[HEAD:end])
+            body = bytes(buffer[head:end])
             del buffer[:end]
-            fut = self._waiting.pop(request, None)
-            if kind != ControlWire.ANSWER or fut is None or fut.done():
+            fut = self._waiting.pop(request, None) if kind == ControlWire.ANSWER else None
+            if fut is None or fut.done():
                 continue
             try:
                 ok, value = ray.cloudpickle.loads(body)

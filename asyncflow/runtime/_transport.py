@@ -3,8 +3,10 @@
 The scheduler plans calls from metadata alone and talks to workers only through a
 :class:`Transport`: run a method on a rank (its rows pulled peer to peer), store
 rows, fetch rows to the driver, free shards, poison and heal a rank's groups, and
-learn of a worker's death. :class:`RayTransport` does this with Ray actors: rows
-go worker to worker over the session's gloo process group on the CPU
+learn of a worker's death. :class:`RayTransport` does this with Ray actors (on
+the CPU, a call and its producers' sends go on each worker's control connection
+instead, ``asyncflow.runtime._control``): rows go worker to worker over the
+session's gloo process group on the CPU
 (``workers.host._pulls``) and by Ray Direct Transport over NCCL on GPUs;
 ``asyncflow.runtime._local.LocalTransport`` does it in-process for unit tests of
 the scheduler without Ray.
@@ -176,8 +178,8 @@ class RayTransport:
         # serialized, no send waits for a receive that never comes.
         pulls = [Pull(w, self._tag()) for w in groups]
         args = CallArgs(spec, kwargs, transforms, tuple(free))
-        control = self._controls[worker] if self._controls else None
-        if control is not None and not control.lost:
+        control = self._control(worker)
+        if control is not None:
             answer = self._answer(worker, control.execute(args, pulls))
         else:
             answer = self._call(worker, self._actors[worker].execute.remote(args, *pulls))
@@ -193,6 +195,11 @@ class RayTransport:
                 await self._blame_producers([p.source for p in pulls])
             raise
         return result
+
+    def _control(self, worker: int) -> Control | None:
+        """``worker``'s control connection while it is open; None: call by Ray."""
+        control = self._controls[worker] if self._controls else None
+        return None if control is None or control.lost else control
 
     async def _answer(self, worker: int, fut: asyncio.Future[Any]) -> Any:
         """What a call on ``worker``'s control connection returned, its errors as
@@ -210,7 +217,7 @@ class RayTransport:
     def _post(self, pull: Pull, dst: int, pieces: Sequence[Piece]) -> None:
         """Have worker ``pull.source`` send ``pieces`` to worker ``dst``, which
         receives them by ``pull``."""
-        control = self._controls[pull.source] if self._controls else None
+        control = self._control(pull.source)
         if control is None or not control.send_slices(dst, pull.tag, pieces):
             self._actors[pull.source].send_slices.remote(dst, pull.tag, list(pieces))
 

@@ -47,6 +47,7 @@ ACCEPT_S = 120.0
 """How long the listener waits for the driver's connection."""
 
 _HEAD = struct.Struct("<QBQ")  # the length of what follows it, the kind, the request number
+_KIND_AND_REQUEST = _HEAD.size - 8  # counted in the length
 
 
 class NotRun(Exception):
@@ -73,13 +74,14 @@ class ControlWire:
     def frame(kind: int, request: int, obj: Any) -> bytes:
         """One frame: ``obj`` pickled by Ray's pickler (by value where Ray would)."""
         body = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return _HEAD.pack(len(body) + 9, kind, request) + body
+        return _HEAD.pack(len(body) + _KIND_AND_REQUEST, kind, request) + body
 
     @staticmethod
-    def read_head(head: bytes) -> tuple[int, int, int]:
-        """A frame's head: the pickle's length, the kind and the request number."""
-        length, kind, request = _HEAD.unpack(head)
-        return length - 9, kind, request
+    def read_head(data: bytes | bytearray) -> tuple[int, int, int]:
+        """The head at the start of ``data``: the pickle's length, the kind and the
+        request number."""
+        length, kind, request = _HEAD.unpack_from(data)
+        return length - _KIND_AND_REQUEST, kind, request
 
 
 class ControlServer:
@@ -169,8 +171,8 @@ class ControlServer:
         try:
             data = ControlWire.frame(ControlWire.ANSWER, request, (ok, value))
         except Exception as e:  # an unpicklable result or error: say so instead
-            data = ControlWire.frame(ControlWire.ANSWER, request, (False, NotRun(f"the answer could not be pickled: {e}",
-                                                         traceback.format_exc())))
+            error = NotRun(f"the answer could not be pickled: {e}", traceback.format_exc())
+            data = ControlWire.frame(ControlWire.ANSWER, request, (False, error))
         conn = self._conn
         if conn is None:
             return

@@ -16,8 +16,6 @@ from workers.models._gguf import GGUF_STAMP_FILE
 torch.set_num_threads(1)
 
 
-
-
 def test_a_missing_file_is_named_with_its_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.gguf_file: GGUF file .*nothing\.gguf.* does not exist"):
         gguf_to_hf_dir(tmp_path / "nothing.gguf", tmp_path / "out", key="model.gguf_file")
