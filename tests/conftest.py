@@ -111,6 +111,10 @@ def _start_shared_ray() -> None:
             else:
                 os.environ[name] = value
     _shared["gcs"] = ray.get_runtime_context().gcs_address
+    # Its log monitor forwards the workers' output to a driver that does not read
+    # it (log_to_driver=False), scanning the session's log files ten times a second:
+    # about 2% of a core for as long as the instance lives, which is the whole run.
+    ray._private.worker._global_node.kill_log_monitor()
 
 
 def _stop_ray() -> None:

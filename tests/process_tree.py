@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +59,53 @@ def _label(p: psutil.Process, name: str) -> str:
         return f"{name} (pid {p.pid})"
 
 
+_TABLES = {"tcp": socket.AF_INET, "tcp6": socket.AF_INET6, "udp": socket.AF_INET, "udp6": socket.AF_INET6}
+_TCP_LISTEN = "0A"
+
+
+def _bound_sockets() -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket and bound UDP socket of this network namespace,
+    by inode: ``(ip, port)``. The kernel's tables are read once a sweep (psutil's
+    ``Process.net_connections`` reads all of them again for each process: in a
+    sweep of a run's fifteen processes, most of the watching thread's CPU)."""
+    found: dict[int, tuple[str, int]] = {}
+    for table, family in _TABLES.items():
+        try:
+            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            (ip, port), state, inode = fields[1].split(":"), fields[3], int(fields[9])
+            if (table.startswith("tcp") and state != _TCP_LISTEN) or int(port, 16) == 0:
+                continue
+            found[inode] = (_address(ip, family), int(port, 16))
+    return found
+
+
+def _address(hex_ip: str, family: int) -> str:
+    """An address as /proc/net's tables write it: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_ip)
+    return socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds open."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
 class WatchedRun:
     """``cmd`` started now; a thread samples its process tree every ``poll_s``
     (every process seen, every listening TCP socket and bound UDP socket) and
@@ -88,13 +136,13 @@ class WatchedRun:
                 tree = [self._root, *self._root.children(recursive=True)]
             except psutil.Error:
                 break
+            bound = _bound_sockets()
             for p in tree:
                 try:
                     name = self._names.setdefault(p.pid, p.name())
                     self.seen.setdefault(p.pid, p)
-                    for c in p.net_connections(kind="inet"):
-                        if c.status == psutil.CONN_LISTEN or (c.type == 2 and c.laddr):  # SOCK_DGRAM bound
-                            self.listeners.add(Listener(_label(p, name), c.laddr.ip, c.laddr.port))
+                    for inode in _socket_inodes(p.pid) & bound.keys():
+                        self.listeners.add(Listener(_label(p, name), *bound[inode]))
                 except psutil.Error:
                     continue
             time.sleep(self._poll_s)
