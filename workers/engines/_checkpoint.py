@@ -1,4 +1,5 @@
-"""Checkpoints and weight export of a training engine, collective over a named process group.
+"""RNG states, write errors and weight export of a training engine, collective over a
+named process group.
 
 One implementation serves every caller, each naming the group the call is collective
 over: :class:`TrainingEngine` (the default group when it has a mesh), the roles (their
@@ -6,10 +7,10 @@ pool's group: the session's default group spans every pool, whose other workers 
 not taking part) and :class:`MegatronTrainingEngine` (its RNG states). ``None`` means
 no distribution: one process holding the whole model.
 
-- :func:`save_checkpoint` / :func:`load_checkpoint` use torch.distributed.checkpoint:
-  each rank writes its own shards and a checkpoint loads into any layout of the same
-  model; the optimizer step and each rank's RNG states (torch, Python, CUDA and any
-  named generators) travel with it, so a resumed run continues exactly.
+- :mod:`workers.engines._dcp` saves and loads checkpoints with
+  torch.distributed.checkpoint, with each rank's RNG states (:func:`save_rng`,
+  :func:`load_rng`) beside them; it is imported on first use (DCP's import costs
+  half a second of CPU that a process which never checkpoints need not pay).
 - :func:`export_hf` gathers full tensors with :func:`named_full_weights`; one writer
   rank writes an ordinary Hugging Face directory.
 """
@@ -20,20 +21,15 @@ import contextlib
 import os
 import random
 import re
-import warnings
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import SavePlan, SavePlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
-from torch.futures import Future
 
 from workers.engines._errors import EngineConfigError
 
@@ -84,8 +80,7 @@ def os_error_behind(error: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError):
             return e
-        if isinstance(e, dcp.CheckpointException):
-            todo += [failure for failure, _ in e.failures.values()]
+        todo += _dcp_failures(e)
         todo += [x for x in (e.__cause__, e.__context__) if x is not None]
         if (found := _RUST_OS_ERROR.search(str(e))) is not None:
             code = int(found.group(1))
@@ -93,8 +88,17 @@ def os_error_behind(error: BaseException) -> OSError | None:
     return None
 
 
+def _dcp_failures(error: BaseException) -> list[BaseException]:
+    """The ranks' errors when ``error`` is DCP's ``CheckpointException`` (none can
+    be while DCP is not imported), else none."""
+    dcp = sys.modules.get("torch.distributed.checkpoint")
+    if dcp is None or not isinstance(error, dcp.CheckpointException):
+        return []
+    return [failure for failure, _ in error.failures.values()]
+
+
 @contextlib.contextmanager
-def _os_errors() -> Iterator[None]:
+def os_errors() -> Iterator[None]:
     """A failed write raises the ``OSError`` behind it (see :func:`os_error_behind`),
     with errno, wherever the library hid it."""
     try:
@@ -104,35 +108,6 @@ def _os_errors() -> Iterator[None]:
         if cause is None or cause is e:
             raise
         raise cause from e
-
-
-class _FileSystemWriter(dcp.FileSystemWriter):
-    """DCP's file writer, whose failed write raises the ``OSError`` behind it: DCP
-    sends each rank's error to every rank pickled, which would drop the ``OSError``
-    that torch.save keeps only as the context of its ``RuntimeError``."""
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with _os_errors():
-            return super().write_data(plan, planner)
-
-
-@contextlib.contextmanager
-def _dcp_call() -> Iterator[None]:
-    """Around a ``dcp.save`` or ``dcp.load``: the error of the first rank that failed
-    (the ``OSError`` behind it, when there is one) instead of DCP's
-    ``CheckpointException``, a ``BaseException`` that callers catching
-    ``Exception`` (a worker's call) would let through."""
-    # Without a group DCP warns that it assumes a single process, which is exactly
-    # the intent of a call with group=None.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            yield
-        except dcp.CheckpointException as e:
-            error = os_error_behind(e) or e.failures[min(e.failures)][0]
-            if not isinstance(error, Exception):
-                raise
-            raise error from e
 
 
 def _rng_file(path: str | os.PathLike[str], group: dist.ProcessGroup | None) -> Path:
@@ -197,94 +172,6 @@ def load_rng(
             generator.set_state(saved[name])
 
 
-def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
-    # DCP's state-dict helpers take any number of optimizers; none for inference only.
-    return [] if optimizer is None else [optimizer]
-
-
-def save_checkpoint(
-    path: str | os.PathLike[str],
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    step: int,
-    group: dist.ProcessGroup | None,
-    generators: Generators | None = None,
-) -> None:
-    """Write model, optimizer, step and this rank's RNG states under ``path``.
-
-    Collective over ``group``: every rank calls it with the same ``path``.
-
-    Args:
-        path: checkpoint directory (created; shared by the group's ranks).
-        model: the (parallelised) model.
-        optimizer: its optimizer; None for an inference-only model (no optimizer state).
-        step: optimizer steps taken so far.
-        group: the group spanning the model's ranks; None for one process.
-        generators: the caller's own generators, saved with the RNG states.
-    """
-    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
-    state = {
-        "model": model_state,
-        "optim": optim_state,
-        "engine": {"step": torch.tensor(step, dtype=torch.int64)},
-    }
-    with _dcp_call():
-        dcp.save(
-            state,
-            storage_writer=_FileSystemWriter(path),
-            process_group=group,
-            no_dist=group is None,
-        )
-    save_rng(path, group=group, generators=generators)
-
-
-def load_checkpoint(
-    path: str | os.PathLike[str],
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    group: dist.ProcessGroup | None,
-    generators: Generators | None = None,
-) -> int:
-    """Load what :func:`save_checkpoint` wrote into ``model`` and ``optimizer`` in place.
-
-    Collective over ``group``, like :func:`save_checkpoint`; the layout may differ from
-    the one that saved. RNG states are restored when the checkpoint has this rank's.
-
-    Args:
-        path: checkpoint directory.
-        model: the model, already parallelised.
-        optimizer: its optimizer, or None (the checkpoint's optimizer state is then
-            not read).
-        group: the group spanning the model's ranks; None for one process.
-        generators: the caller's generators, restored in place.
-
-    Returns:
-        The step stored in the checkpoint.
-
-    Raises:
-        EngineConfigError: if ``path`` is not a checkpoint directory.
-    """
-    if not (Path(path) / ".metadata").exists():
-        raise EngineConfigError(
-            f"no checkpoint at {os.fspath(path)!r} (no .metadata file); pass a directory "
-            "written by save / save_checkpoint"
-        )
-    optimizers = _optimizers(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizers)
-    step = torch.tensor(0, dtype=torch.int64)
-    state = {"model": model_state, "optim": optim_state, "engine": {"step": step}}
-    # dcp.load fills the tensors of ``state`` in place (``step`` included).
-    with _dcp_call():
-        dcp.load(
-            state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None
-        )
-    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
-    load_rng(path, group=group, generators=generators)
-    return int(step)
-
-
 def _save_pretrained(model: nn.Module) -> ExportWriter:
     save_pretrained = getattr(model, "save_pretrained", None)
     if not callable(save_pretrained):
@@ -337,7 +224,7 @@ def export_hf(
     if is_writer:
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        with _os_errors():
+        with os_errors():
             write(state, out)
     if group is not None:
         dist.barrier(group=group)

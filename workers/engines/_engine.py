@@ -399,7 +399,9 @@ class TrainingEngine:
             EngineConfigError: if the engine is offloaded (call :meth:`reload`).
         """
         self._require_resident("save", optimizer=True)
-        _checkpoint.save_checkpoint(
+        from workers.engines import _dcp  # DCP loads on first use (see its docstring)
+
+        _dcp.save_checkpoint(
             path,
             model=self.model,
             optimizer=self.optimizer,
@@ -422,7 +424,9 @@ class TrainingEngine:
                 offloaded (call :meth:`reload`).
         """
         self._require_resident("load", optimizer=True)
-        self._step = _checkpoint.load_checkpoint(
+        from workers.engines import _dcp
+
+        self._step = _dcp.load_checkpoint(
             path,
             model=self.model,
             optimizer=self.optimizer,

@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
 
-from workers.engines._checkpoint import export_hf, os_error_behind, save_checkpoint
+from workers.engines._checkpoint import export_hf, os_error_behind
+from workers.engines._dcp import save_checkpoint
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
