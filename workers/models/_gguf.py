@@ -12,11 +12,14 @@ same file reuses the directory instead of converting again.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -104,11 +107,13 @@ def _convert(source: Path, out: Path, key: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
     parent, name = os.fspath(source.parent), source.name
-    # dequantize=True: without it transformers may keep the weights in GGUF blocks
-    # (when a matmul kernel is installed), which neither training nor vLLM can use.
-    model = AutoModelForCausalLM.from_pretrained(
-        parent, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
+    with _one_read_per_file():
+        # dequantize=True: without it transformers may keep the weights in GGUF blocks
+        # (when a matmul kernel is installed), which neither training nor vLLM can use.
+        model = AutoModelForCausalLM.from_pretrained(
+            parent, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
     if model.config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(
             f"{key}: transformers loads {os.fspath(source)!r} as a {model.config.model_type!r} "
@@ -120,7 +125,6 @@ def _convert(source: Path, out: Path, key: str) -> None:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
     generation = model.generation_config
     if generation is None or generation.eos_token_id is None:
         generation = GenerationConfig(bos_token_id=model.config.bos_token_id,
@@ -130,6 +134,37 @@ def _convert(source: Path, out: Path, key: str) -> None:
     save_pretrained_here(model, out)
     generation.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def _one_read_per_file() -> Iterator[None]:
+    """For one conversion, the ``gguf`` package hands transformers one reader per
+    file and one tensor-name map per architecture.
+
+    transformers reads a file with a new ``gguf.GGUFReader`` for the config, the
+    weights and the tokenizer (each reader parses every string of the vocabulary
+    and its merges), and builds ``gguf.get_tensor_name_map`` again for each module
+    of the model. Both are pure functions of the file and of the architecture
+    (docs/benchmarks.md has what they cost). The two names are restored when the
+    conversion ends; it runs on the driver, before any session, so nothing else
+    reads a GGUF file meanwhile.
+    """
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def one_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.cache(name_map)  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
 
 
 class GgufModel(NamedTuple):
