@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -146,25 +147,30 @@ def _one_read_per_file() -> Iterator[None]:
     and its merges), and builds ``gguf.get_tensor_name_map`` again for each module
     of the model. Both are pure functions of the file and of the architecture
     (docs/benchmarks.md has what they cost). The two names are restored when the
-    conversion ends; it runs on the driver, before any session, so nothing else
-    reads a GGUF file meanwhile.
+    conversion ends, and conversions in one process take turns, so that each
+    restores what it replaced.
     """
     import gguf
 
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], Any] = {}
+    with _CONVERTING:
+        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple[str, str], Any] = {}
 
-    def one_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = reader_class(path, mode)  # type: ignore[arg-type]
-        return readers[key]
+        def one_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = reader_class(path, mode)  # type: ignore[arg-type]
+            return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.cache(name_map)  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
+        gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.cache(name_map)  # type: ignore[assignment,misc]
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
+
+
+_CONVERTING = threading.Lock()
+"""Held by the conversion whose reader and name map the ``gguf`` package hands out."""
 
 
 class GgufModel(NamedTuple):

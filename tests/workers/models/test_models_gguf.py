@@ -11,7 +11,7 @@ from gguf_files import write_gguf
 
 from channels import ConfigError
 from workers.models import gguf_to_hf_dir, load_model, smollm2_gguf
-from workers.models._gguf import GGUF_STAMP_FILE
+from workers.models._gguf import GGUF_STAMP_FILE, _one_read_per_file
 
 torch.set_num_threads(1)
 
@@ -43,6 +43,22 @@ def test_a_directory_with_foreign_files_is_not_overwritten(tmp_path: Path) -> No
     with pytest.raises(ConfigError, match=rf"did not write \(no {GGUF_STAMP_FILE}\)"):
         gguf_to_hf_dir(file, out)
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_a_conversion_reads_each_file_once_and_restores_the_gguf_package(tmp_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    file = write_gguf(tmp_path / "llama.gguf", "llama")
+    other = write_gguf(tmp_path / "other.gguf", "llama")
+    arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == "llama")
+    with pytest.raises(RuntimeError, match="inside"), _one_read_per_file():
+        reader = gguf.GGUFReader(file)
+        assert isinstance(reader, reader_class) and gguf.GGUFReader(str(file)) is reader
+        assert gguf.GGUFReader(other) is not reader
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map), "restored, even after an error"
+    assert gguf.GGUFReader(file) is not gguf.GGUFReader(file)
 
 
 def test_smollm2_gguf_is_found_without_importing_the_package() -> None:
