@@ -114,6 +114,7 @@ def _start_shared_ray() -> None:
     # Its log monitor forwards the workers' output to a driver that does not read
     # it (log_to_driver=False), scanning the session's log files ten times a second:
     # about 2% of a core for as long as the instance lives, which is the whole run.
+    # Ray has no public switch for it; its node object stops it.
     ray._private.worker._global_node.kill_log_monitor()
 
 

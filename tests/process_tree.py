@@ -76,10 +76,11 @@ def _bound_sockets() -> dict[int, tuple[str, int]]:
             continue
         for row in rows:
             fields = row.split()
-            (ip, port), state, inode = fields[1].split(":"), fields[3], int(fields[9])
-            if (table.startswith("tcp") and state != _TCP_LISTEN) or int(port, 16) == 0:
+            ip, port_hex = fields[1].split(":")
+            port, state, inode = int(port_hex, 16), fields[3], int(fields[9])
+            if (table.startswith("tcp") and state != _TCP_LISTEN) or port == 0:
                 continue
-            found[inode] = (_address(ip, family), int(port, 16))
+            found[inode] = (_address(ip, family), port)
     return found
 
 

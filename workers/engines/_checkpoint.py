@@ -9,8 +9,8 @@ no distribution: one process holding the whole model.
 
 - :mod:`workers.engines._dcp` saves and loads checkpoints with
   torch.distributed.checkpoint, with each rank's RNG states (:func:`save_rng`,
-  :func:`load_rng`) beside them; it is imported on first use (DCP's import costs
-  half a second of CPU that a process which never checkpoints need not pay).
+  :func:`load_rng`) beside them; it is imported on first use, so that a process
+  that never checkpoints does not import DCP.
 - :func:`export_hf` gathers full tensors with :func:`named_full_weights`; one writer
   rank writes an ordinary Hugging Face directory.
 """

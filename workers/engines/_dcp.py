@@ -4,8 +4,8 @@ model). Each rank writes its own shards and a checkpoint loads into any layout o
 the same model; the optimizer step and each rank's RNG states (torch, Python, CUDA
 and any named generators) travel with it, so a resumed run continues exactly.
 
-The engines import this module when they first save or load: DCP's import costs
-about half a second of CPU.
+The engines import this module when they first save or load, so that a process
+that never checkpoints does not import DCP.
 """
 
 from __future__ import annotations

@@ -137,6 +137,10 @@ def _convert(source: Path, out: Path, key: str) -> None:
     tokenizer.save_pretrained(out)
 
 
+_CONVERTING = threading.Lock()
+"""Held by the conversion whose reader and name map the ``gguf`` package hands out."""
+
+
 @contextlib.contextmanager
 def _one_read_per_file() -> Iterator[None]:
     """For one conversion, the ``gguf`` package hands transformers one reader per
@@ -167,10 +171,6 @@ def _one_read_per_file() -> Iterator[None]:
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
-
-
-_CONVERTING = threading.Lock()
-"""Held by the conversion whose reader and name map the ``gguf`` package hands out."""
 
 
 class GgufModel(NamedTuple):
