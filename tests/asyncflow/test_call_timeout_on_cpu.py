@@ -53,7 +53,9 @@ def test_a_pull_from_a_stalled_producer_fails_naming_the_producer() -> None:
     """The producer's process is stopped (``SIGSTOP``) after making its rows: the
     consumer's pull never completes, and its ``timeout_s`` ends it."""
     async def main():
-        async with af.Session(cpu_slots=8) as session:
+        # Workers of its own: a test that stops a process takes none another module
+        # used (see test_weight_sync_stall_on_cpu.py).
+        async with af.Session(cpu_slots=8, keep_workers=False) as session:
             roles = await session.spawn({
                 "producer": RoleSpec(cls=Producer, pool=ResourcePool(name="prod", devices=1)),
                 "consumer": RoleSpec(cls=Consumer, pool=ResourcePool(name="cons", devices=1))})
