@@ -76,7 +76,7 @@ TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
 # at a time on each (tests/conftest.py and tests/scheduling.py), all of it CPU-bound on
-# the 2-core machine: 892 to 1043 s in all as measured over the last three clean runs
+# the 2-core machine: 892 to 1053 s in all as measured over the last four clean runs
 # (the same tree within two hours: the machine's speed drifts; the target is 15
 # minutes). mypy (one core for about a minute from a fresh clone) starts first,
 # beside the byte-compiling of $(WARMED) on the other core, and its report follows
