@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -242,6 +243,16 @@ def wait_for_a_checkpoint(proc: subprocess.Popen[str], checkpoints: Path, stderr
             pytest.fail(f"no checkpoint within {timeout_s:.0f} s (exit {proc.returncode}); stderr:\n"
                         f"{stderr.read_text()[-4000:]}")
         time.sleep(0.2)
+
+
+def stop_process(pid: int, *, timeout_s: float = 10) -> None:
+    """Stop process ``pid`` (``SIGSTOP``) and wait until it is reported stopped."""
+    process = psutil.Process(pid)
+    process.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while process.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout_s:g} s"
+        time.sleep(0.001)
 
 
 Listener = tuple[str, int]

@@ -18,7 +18,7 @@ import torch
 
 import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
-from support import Consumer, Producer, Sleeper
+from support import Consumer, Producer, Sleeper, stop_process
 
 GUARD_S = 120.0
 """Only guards against a hang."""
@@ -63,7 +63,7 @@ def test_a_pull_from_a_stalled_producer_fails_naming_the_producer() -> None:
             rows = roles.producer.produce(src, width=16)
             await rows
             pid, *_ = await session.worker("prod", 0).identity.remote()
-            os.kill(pid, signal.SIGSTOP)
+            stop_process(pid)
             try:
                 started = time.monotonic()
                 with pytest.raises(af.CallTimeoutError) as info:

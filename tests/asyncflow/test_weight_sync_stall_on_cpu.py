@@ -16,7 +16,6 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ import asyncflow as af
 from asyncflow import ResourcePool, RoleSpec
 from asyncflow.algos import SamplingConfig, WeightSync
 from asyncflow.train._ahead import SamplesAhead
+from support import stop_process
 from workers.models import TinyModelConfig, save_tiny_model
 from workers.roles import ActorConfig, ActorWorker, RolloutWorker, RolloutWorkerConfig
 
@@ -40,15 +40,6 @@ GUARD_S = 180.0
 async def _pid(session: af.Session, pool: str) -> int:
     pid, *_ = await session.worker(pool, 0).identity.remote()
     return int(pid)
-
-
-def _stop(pid: int) -> None:
-    """Stop process ``pid`` (``SIGSTOP``) and wait until the kernel reports it stopped."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
-        assert time.monotonic() < deadline, f"process {pid} did not stop within 10 s"
-        time.sleep(0.001)
 
 
 async def _load_started(session: af.Session) -> None:
@@ -91,11 +82,11 @@ def test_a_stalled_weight_pull_ends_the_waiting_step_naming_both_ends(tmp_path) 
             await first.rows
             await ahead.pending[2].rows
             rollout_pid, actor_pid = await _pid(session, "gen"), await _pid(session, "train")
-            _stop(rollout_pid)
+            stop_process(rollout_pid)
             try:
                 await ahead.for_step(2)  # queues version 1's loads (bucket by bucket), then batch 3
                 await _load_started(session)  # the actor has published: the first bucket's call runs
-                _stop(actor_pid)
+                stop_process(actor_pid)
                 os.kill(rollout_pid, signal.SIGCONT)
                 started = time.monotonic()
                 with pytest.raises(af.CallTimeoutError) as info:
