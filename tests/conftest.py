@@ -27,6 +27,7 @@ import torch
 
 import asyncflow as af
 import fake_device
+import forked_workers
 import support
 from scheduling import (  # noqa: F401 (pytest finds hooks here)
     pytest_collection_modifyitems,
@@ -62,6 +63,8 @@ def loop_thread():
 
 _shared: dict[str, str] = {}
 """The shared Ray instance's GCS address while this process runs it."""
+_forks: list[forked_workers.Server] = []
+"""The fork server of the shared Ray instance's workers, while it runs."""
 
 
 def _shared_is_up() -> bool:
@@ -99,11 +102,15 @@ def _start_shared_ray() -> None:
     tests = Path(__file__).parent
     path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": path}  # the raylet's, so the workers'
+    server = forked_workers.start(env)
+    _forks.append(server)
+    env[forked_workers.ENV] = server.path
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={af.CPU_SLOT: 64},
-                 include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        with forked_workers.raylet_starts_stubs():
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={af.CPU_SLOT: 64},
+                     include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     finally:
         for name, value in before.items():
             if value is None:
@@ -122,6 +129,8 @@ def _stop_ray() -> None:
     _shared.clear()
     if ray.is_initialized():
         af.shutdown_ray()
+    while _forks:
+        _forks.pop().close()
 
 
 @pytest.fixture(scope="module", autouse=True)
