@@ -78,7 +78,9 @@ def shared_ray() -> Iterator[None]:
     and a stop cost seconds of both cores each. Their sessions (``asyncflow.Session``,
     in-process ``asyncflow train`` runs) find it running, use it and leave it
     running (their ``cpu_slots`` and ``worker_nice`` unused). It starts as asyncflow
-    starts its own (every listener on loopback, 64 CPU slots, no dashboard); its
+    starts its own (every listener on loopback, 64 CPU slots, no dashboard), but
+    its worker processes are forks of a server that imported torch and
+    transformers once (forked_workers.py: seconds of CPU saved per worker); its
     workers' output stays in their log files, not interleaved with what a test
     reads; and its workers can import the tests' modules (support's reward functions): the
     repository, then tests/, on their path (whatever a run's working directory,

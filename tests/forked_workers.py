@@ -36,6 +36,8 @@ import time
 
 ENV = "ASYNCFLOW_TEST_FORKSERVER"
 """The server's socket path, in the environment the raylet gives its workers."""
+STUB_ENV = "ASYNCFLOW_TEST_FORKSERVER_STUB"
+"""A forked worker's stub's pid, in the worker's environment."""
 
 PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils")
 """What the server imports before it forks: torch, which every worker imports, and
@@ -164,7 +166,6 @@ def _serve(path: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(sys.stdin, selectors.EVENT_READ, "owner")
-    print("ready", flush=True)
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the stub's connection)
     while True:
         for key, _ in sel.select():
@@ -185,7 +186,8 @@ def _serve(path: str) -> None:
                 if pid == 0:
                     sel.close()
                     listener.close()
-                    for _, (_, other) in children.items():
+                    for pidfd, (_, other) in children.items():
+                        os.close(pidfd)
                         other.close()
                     conn.close()
                     _become_worker(worker, request, fds)  # never returns: the worker's SystemExit ends the process
@@ -219,6 +221,7 @@ def _become_worker(worker: str, request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ[STUB_ENV] = str(request["stub"])
     ignored = set(request["ignored"])
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
@@ -269,6 +272,7 @@ class Server:
         self._proc = proc
 
     def close(self) -> None:
+        import shutil
         import subprocess
 
         proc = self._proc
@@ -280,10 +284,7 @@ class Server:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
 def start(env: dict[str, str]) -> Server:
@@ -295,7 +296,7 @@ def start(env: dict[str, str]) -> Server:
 
     path = os.path.join(tempfile.mkdtemp(prefix="afforks"), "sock")
     proc = subprocess.Popen([sys.executable, __file__, "--serve", path], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, env={**os.environ, **env})
+                            env={**os.environ, **env})
     return Server(path, proc)
 
 
