@@ -14,9 +14,11 @@ libraries once, and each worker is a fork of it:
   worker ends, with the worker's exit status; the signals it can catch it passes
   on to the worker.
 - The **server** (:func:`start`, ``python forked_workers.py --serve SOCKET``) forks a
-  child per stub, which takes on the stub's environment and streams, becomes the
-  leader of a session of its own (as the raylet's workers are) and runs Ray's
-  ``default_worker.py`` as ``__main__``, as a new process would. The worker
+  child per stub, which takes on the stub's environment and streams, leads a
+  process group of its own in the driver's session (as the raylet's workers do:
+  with the kernel's autogroups a session of its own would be scheduled apart from
+  the other processes) and runs Ray's ``default_worker.py`` as ``__main__``, as
+  a new process would. The worker
   registers with the raylet under its own pid, which is what Ray (and the tests)
   signal and kill. A worker whose stub dies without ending it (``SIGKILL``) ends too.
 
@@ -217,7 +219,7 @@ def _become_worker(worker: str, request: dict, fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    os.setsid()
+    os.setpgid(0, 0)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

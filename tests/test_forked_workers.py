@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("shared_ray")
 @ray.remote(num_cpus=0)
 class Probe:
     def facts(self) -> dict:
-        return {"pid": os.getpid(), "parent": os.getppid(), "session": os.getsid(0),
+        return {"pid": os.getpid(), "parent": os.getppid(), "group": os.getpgid(0), "session": os.getsid(0),
                 "stub": int(os.environ[forked_workers.STUB_ENV]), "job": os.environ["RAY_JOB_ID"],
                 "torch_loaded": "torch" in sys.modules, "argv0": sys.argv[0]}
 
@@ -42,11 +42,12 @@ def _started_probe() -> tuple[object, dict]:
     return probe, ray.get(probe.facts.remote(), timeout=120)
 
 
-def test_a_worker_is_a_fork_of_the_server_in_a_session_of_its_own_running_rays_script() -> None:
+def test_a_worker_is_a_fork_of_the_server_leading_its_own_group_running_rays_script() -> None:
     probe, facts = _started_probe()
     server = psutil.Process(facts["parent"])
     assert "--serve" in server.cmdline() and server.cmdline()[1].endswith("forked_workers.py")
-    assert facts["session"] == facts["pid"]  # its own session, as the raylet's workers are
+    # a process group of its own in the driver's session, as the raylet's workers
+    assert facts["group"] == facts["pid"] and facts["session"] == os.getsid(0)
     assert facts["torch_loaded"] and facts["argv0"].endswith("default_worker.py")
     stub = psutil.Process(facts["stub"])
     assert stub.cmdline()[1].endswith("forked_workers.py") and "--serve" not in stub.cmdline()
