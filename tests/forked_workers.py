@@ -28,6 +28,7 @@ as Ray's own script would. The server ends when its owner closes its stdin.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,11 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import subprocess
 
 ENV = "ASYNCFLOW_TEST_FORKSERVER"
 """The server's socket path, in the environment the raylet gives its workers."""
@@ -71,7 +77,7 @@ def _send(sock: socket.socket, obj: object, fds: list[int] | None = None) -> Non
         sock.sendall(header + data)
 
 
-def _recv(sock: socket.socket, with_fds: int = 0) -> tuple[object, list[int]] | None:
+def _recv(sock: socket.socket, with_fds: int = 0) -> tuple[Any, list[int]] | None:
     """One message (and up to ``with_fds`` descriptors), None at the end of the stream."""
     fds: list[int] = []
     buf = b""
@@ -111,11 +117,11 @@ def _stub() -> None:
     got = _recv(sock)
     if got is None:
         sys.exit("forked_workers: the server ended before starting the worker")
-    pid = int(got[0])  # type: ignore[call-overload]
+    pid = int(got[0])
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
     ended = _recv(sock)
-    status = int(ended[0]) if ended is not None else 1  # type: ignore[call-overload]
+    status = int(ended[0]) if ended is not None else 1
     if os.WIFSIGNALED(status):
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
@@ -215,7 +221,7 @@ def _serve(path: str) -> None:
                 conn.close()
 
 
-def _become_worker(worker: str, request: dict, fds: list[int]) -> None:
+def _become_worker(worker: str, request: dict[str, Any], fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -269,7 +275,7 @@ def _end_with(stub: int) -> None:
 class Server:
     """A running fork server (:func:`start`); :meth:`close` ends it."""
 
-    def __init__(self, path: str, proc: object) -> None:
+    def __init__(self, path: str, proc: subprocess.Popen[bytes]) -> None:
         self.path = path
         self._proc = proc
 
@@ -278,7 +284,6 @@ class Server:
         import subprocess
 
         proc = self._proc
-        assert isinstance(proc, subprocess.Popen)
         if proc.stdin is not None:
             proc.stdin.close()
         try:
@@ -302,31 +307,28 @@ def start(env: dict[str, str]) -> Server:
     return Server(path, proc)
 
 
-def raylet_starts_stubs():  # type: ignore[no-untyped-def]
+@contextlib.contextmanager
+def raylet_starts_stubs() -> Iterator[None]:
     """While in this context, a Ray instance that starts has its raylet start this
-    file in place of Ray's ``default_worker.py``."""
-    import contextlib
+    file in place of Ray's ``default_worker.py`` (the ``worker_path`` Ray's node
+    gives ``ray._private.services.start_raylet``)."""
     import inspect
 
     import ray._private.services as services
 
-    @contextlib.contextmanager
-    def patched():  # type: ignore[no-untyped-def]
-        original = services.start_raylet
-        signature = inspect.signature(original)
+    original = services.start_raylet
+    signature = inspect.signature(original)
 
-        def start_raylet(*args, **kwargs):  # type: ignore[no-untyped-def]
-            bound = signature.bind(*args, **kwargs)
-            bound.arguments["worker_path"] = os.path.abspath(__file__)
-            return original(*bound.args, **bound.kwargs)
+    def start_raylet(*args, **kwargs):  # type: ignore[no-untyped-def]
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["worker_path"] = os.path.abspath(__file__)
+        return original(*bound.args, **bound.kwargs)
 
-        services.start_raylet = start_raylet
-        try:
-            yield
-        finally:
-            services.start_raylet = original
-
-    return patched()
+    services.start_raylet = start_raylet
+    try:
+        yield
+    finally:
+        services.start_raylet = original
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -37,7 +38,7 @@ def _gone(pid: int, timeout_s: float = 30) -> bool:
     return False
 
 
-def _started_probe() -> tuple[object, dict]:
+def _started_probe() -> tuple[Any, dict[str, Any]]:
     probe = Probe.remote()
     return probe, ray.get(probe.facts.remote(), timeout=120)
 
