@@ -76,7 +76,7 @@ TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 
 # The suite on two pytest-xdist workers, a module (or the modules that share a worker)
 # at a time on each (tests/conftest.py and tests/scheduling.py), all of it CPU-bound on
-# the 2-core machine: 670 to 828 s in all over three clean runs (926 to 1053 s before
+# the 2-core machine: 656 to 828 s in all over four clean runs (926 to 1053 s before
 # the shared Ray instances' workers were forked from a server that imported torch
 # once, tests/forked_workers.py; the machine's speed drifts by 15%; the target is 15
 # minutes). mypy (one core for about a minute from a fresh clone) starts first,

@@ -80,8 +80,8 @@ def shared_ray() -> Iterator[None]:
     running (their ``cpu_slots`` and ``worker_nice`` unused). It starts as asyncflow
     starts its own (every listener on loopback, 64 CPU slots, no dashboard), but
     its worker processes are forks of a server that imported torch and
-    transformers once (forked_workers.py: seconds of CPU saved per worker); its
-    workers' output stays in their log files, not interleaved with what a test
+    transformers once (forked_workers.py); its workers' output stays in their log
+    files, not interleaved with what a test
     reads; and its workers can import the tests' modules (support's reward functions): the
     repository, then tests/, on their path (whatever a run's working directory,
     tests/channels never shadows the package). A module that needs Ray stopped, or

@@ -1,10 +1,10 @@
 """Ray worker processes forked from one that has imported their libraries already.
 
-A Ray worker process spends its first 2.5 s of CPU importing Ray and torch (5 s
-with transformers) before it serves anything; the suite starts well over a hundred
-of them on its shared Ray instances (conftest.py's ``shared_ray``), most of the
-suite's start-up cost on two cores. For those instances a fork server imports the
-libraries once, and each worker is a fork of it:
+A Ray worker process spends seconds of CPU importing torch (and transformers, for
+one that hosts a Hugging Face model) before it serves anything, and the suite
+starts over a hundred of them on its shared Ray instances (conftest.py's
+``shared_ray``). For those instances a fork server imports these libraries once,
+and each worker is a fork of it:
 
 - The raylet starts a worker as always, but with this file in place of Ray's
   ``default_worker.py`` (:func:`raylet_starts_stubs` while ``ray.init`` runs). This
@@ -18,9 +18,9 @@ libraries once, and each worker is a fork of it:
   process group of its own in the driver's session (as the raylet's workers do:
   with the kernel's autogroups a session of its own would be scheduled apart from
   the other processes) and runs Ray's ``default_worker.py`` as ``__main__``, as
-  a new process would. The worker
-  registers with the raylet under its own pid, which is what Ray (and the tests)
-  signal and kill. A worker whose stub dies without ending it (``SIGKILL``) ends too.
+  a new process would. The worker registers with the raylet under its own pid,
+  which is what Ray (and the tests) signal and kill. A worker whose stub dies
+  without ending it (``SIGKILL``) ends too.
 
 Where the server is not there or not answering, the stub runs the worker itself,
 as Ray's own script would. The server ends when its owner closes its stdin.
@@ -29,6 +29,7 @@ as Ray's own script would. The server ends when its owner closes its stdin.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils")
 """What the server imports before it forks: torch, which every worker imports, and
 what those hosting a Hugging Face model import next. Not Ray: its native library
 reads its settings and the worker's identity (job, token) from the environment
-when it loads, so each worker loads it itself (0.6 s), as a new process does.
+when it loads, so each worker loads it itself, as a new process does.
 Never vLLM: a worker that loaded it is not adopted by a later session."""
 
 _CONNECT_S = 60.0
@@ -60,6 +61,7 @@ _CONNECT_S = 60.0
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+@functools.cache
 def _default_worker() -> str:
     import importlib.util  # Ray's script's path, without importing Ray
 
@@ -93,14 +95,18 @@ def _recv(sock: socket.socket, with_fds: int = 0) -> tuple[Any, list[int]] | Non
     return json.loads(buf[4:]), fds
 
 
-def _mask(field: str) -> list[int]:
-    """The signals of /proc/self/status's ``field`` (``SigIgn``, ``SigBlk``)."""
+def _signal_masks() -> dict[str, list[int]]:
+    """This process's ignored and blocked signals (/proc/self/status's ``SigIgn``
+    and ``SigBlk``), as ``{"ignored": [...], "blocked": [...]}``."""
+    fields = {"SigIgn": "ignored", "SigBlk": "blocked"}
+    masks: dict[str, list[int]] = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(field + ":"):
-                bits = int(line.split()[1], 16)
-                return [n for n in range(1, 65) if bits >> (n - 1) & 1]
-    return []
+            name, _, value = line.partition(":")
+            if name in fields:
+                bits = int(value, 16)
+                masks[fields[name]] = [n for n in range(1, 65) if bits >> (n - 1) & 1]
+    return masks
 
 
 # -- the stub: what the raylet starts ----------------------------------------------
@@ -110,10 +116,10 @@ def _stub() -> None:
     path = os.environ.get(ENV)
     sock = _connect(path) if path else None
     if sock is None:
-        _run_worker_here()
+        _run_rays_script(sys.argv[1:])
         return
-    _send(sock, {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(),
-                 "ignored": _mask("SigIgn"), "blocked": _mask("SigBlk"), "stub": os.getpid()}, [0, 1, 2])
+    _send(sock, {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), **_signal_masks(),
+                 "stub": os.getpid()}, [0, 1, 2])
     got = _recv(sock)
     if got is None:
         sys.exit("forked_workers: the server ended before starting the worker")
@@ -149,13 +155,16 @@ def _connect(path: str) -> socket.socket | None:
             time.sleep(0.05)
 
 
-def _run_worker_here() -> None:
+def _run_rays_script(argv: list[str]) -> None:
+    """Run Ray's ``default_worker.py`` with ``argv`` in this process, as
+    ``python default_worker.py ARGV`` would; it ends the process (``SystemExit``)."""
     import runpy
 
     worker = _default_worker()
-    sys.argv[0] = worker
+    sys.argv = [worker, *argv]
     sys.path[0] = os.path.dirname(worker)
     runpy.run_path(worker, run_name="__main__")
+    sys.exit(0)
 
 
 # -- the server --------------------------------------------------------------------
@@ -167,7 +176,7 @@ def _serve(path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    worker = _default_worker()
+    _default_worker()  # found once: the forks inherit it
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -181,33 +190,11 @@ def _serve(path: str) -> None:
                 if not os.read(sys.stdin.fileno(), 4096):
                     return
             elif key.data == "accept":
-                conn, _ = listener.accept()
-                try:
-                    got = _recv(conn, with_fds=3)
-                except OSError:
-                    got = None
-                if got is None:  # the stub died before asking
-                    conn.close()
-                    continue
-                request, fds = got
-                pid = os.fork()
-                if pid == 0:
-                    sel.close()
-                    listener.close()
-                    for pidfd, (_, other) in children.items():
-                        os.close(pidfd)
-                        other.close()
-                    conn.close()
-                    _become_worker(worker, request, fds)  # never returns: the worker's SystemExit ends the process
-                for fd in fds:
-                    os.close(fd)
-                try:
-                    _send(conn, pid)
-                except OSError:
-                    pass  # the stub died: its worker sees it (_end_with)
-                pidfd = os.pidfd_open(pid)
-                children[pidfd] = (pid, conn)
-                sel.register(pidfd, selectors.EVENT_READ, "child")
+                started = _fork_for(listener.accept()[0], listener, sel, children)
+                if started is not None:
+                    pidfd, child = started
+                    children[pidfd] = child
+                    sel.register(pidfd, selectors.EVENT_READ, "child")
             else:
                 pidfd = key.fd
                 pid, conn = children.pop(pidfd)
@@ -221,7 +208,38 @@ def _serve(path: str) -> None:
                 conn.close()
 
 
-def _become_worker(worker: str, request: dict[str, Any], fds: list[int]) -> None:
+def _fork_for(conn: socket.socket, listener: socket.socket, sel: Any,
+              children: dict[int, tuple[int, socket.socket]]) -> tuple[int, tuple[int, socket.socket]] | None:
+    """Fork a worker for the stub on ``conn``: its pidfd and (pid, conn), or None when
+    the stub died before asking. In the child this never returns (the worker's
+    ``SystemExit`` ends the process)."""
+    try:
+        got = _recv(conn, with_fds=3)
+    except OSError:
+        got = None
+    if got is None:
+        conn.close()
+        return None
+    request, fds = got
+    pid = os.fork()
+    if pid == 0:
+        for pidfd, (_, other) in children.items():
+            os.close(pidfd)
+            other.close()
+        listener.close()
+        sel.close()
+        conn.close()
+        _become_worker(request, fds)
+    for fd in fds:
+        os.close(fd)
+    try:
+        _send(conn, pid)
+    except OSError:
+        pass  # the stub died: its worker sees it (_end_with)
+    return os.pidfd_open(pid), (pid, conn)
+
+
+def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -244,12 +262,7 @@ def _become_worker(worker: str, request: dict[str, Any], fds: list[int]) -> None
     if "numpy" in sys.modules:  # a new process's numpy seeds its global generator from the OS
         sys.modules["numpy"].random.seed()
     _end_with(request["stub"])
-    sys.argv = [worker, *request["argv"]]
-    sys.path[0] = os.path.dirname(worker)
-    import runpy
-
-    runpy.run_path(worker, run_name="__main__")
-    sys.exit(0)
+    _run_rays_script(request["argv"])
 
 
 def _end_with(stub: int) -> None:
