@@ -228,7 +228,7 @@ def fused_annealed(
 
     The search starts from the best of the greedy schedule and backfilled ones
     (:func:`backfilled` under several activation limits): the earliest finish, and
-    among those within half a percent of it the lowest peak. It then swaps adjacent
+    among equally early ones the lowest peak. It then swaps adjacent
     passes to finish earlier (within ``memory_limit``), then to hold fewer
     activations at no cost in finish time.
 
@@ -257,7 +257,7 @@ def fused_annealed(
     if not runs:
         raise ScheduleError(f"no fused schedule found within memory_limit={memory_limit}")
     first = min(r.finish_s for r, _ in runs)
-    near = [(r.peak, r.finish_s, i) for i, (r, _) in enumerate(runs) if r.finish_s <= first * 1.005]
+    near = [(r.peak, r.finish_s, i) for i, (r, _) in enumerate(runs) if r.finish_s <= first + 1e-9]
     orders = index.orders(runs[min(near)[2]][1])
     rng = random.Random(seed)
     costs = [c for c in index.cost if c > 0] or [1.0]
