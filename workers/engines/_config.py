@@ -79,6 +79,12 @@ class TrainingConfig:
     activations (non-reentrant ``torch.utils.checkpoint``): much less activation
     memory for about one more forward per step. Needs a transformers model (or one
     holding a transformers backbone)."""
+    pipeline_chunks: int = 1
+    """With pipeline stages (the mesh's ``pp`` above 1): model pieces per stage. 1
+    runs 1F1B; above 1 runs interleaved 1F1B (Megatron's virtual pipeline: each
+    stage holds that many non-adjacent pieces, which shortens the pipeline's fill
+    and drain at the cost of more messages). The model needs at least
+    ``pp * pipeline_chunks`` decoder layers."""
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)
@@ -88,6 +94,7 @@ class TrainingConfig:
         _positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("micro_batch_size", self.micro_batch_size)
         _positive("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
+        _positive("pipeline_chunks", self.pipeline_chunks)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise EngineConfigError(
                 f"TrainingConfig.betas must be two numbers in [0, 1), got {self.betas}"

@@ -19,6 +19,7 @@ offloaded to host memory between calls (:meth:`TrainingEngine.offload`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
@@ -52,6 +53,7 @@ from workers.engines._micro_batches import (
 from workers.engines._offload import Offloader
 from workers.engines._optimizer import build_adamw, take_step
 from workers.engines._parallel import Parallelism, TensorParallelPlan, clip_grad_norm
+from workers.engines._pipelined import PipelineStages
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
 from workers.objectives import LossFn, ModelOutputs
 
@@ -87,7 +89,10 @@ class TrainingEngine:
             config: optimizer, schedule and micro-batching settings.
             mesh: a ``("pp", "dp", "tp")`` DeviceMesh (gloo on CPU, NCCL on GPU; on GPU
                 call ``torch.cuda.set_device(local_rank)`` first), or None for one
-                process on the model's device.
+                process on the model's device. With ``pp`` above 1 each rank keeps
+                its pipeline stage's layers (``config.pipeline_chunks`` pieces) and
+                the calls run as pipelines (tested over gloo); checkpoints, HF
+                export and weight export with pipeline stages are planned.
             head: :class:`CausalLMHead` (default) or :class:`ValueHead`.
             loss: the default objective of :meth:`train_step`.
             tp_plan: which layers tensor parallelism shards (Llama-style default).
@@ -102,8 +107,8 @@ class TrainingEngine:
                 (half the memory; buffers keep their dtype). Outputs stay float32.
 
         Raises:
-            EngineConfigError: for an invalid mesh (names, ``pp > 1``), a model whose
-                head counts ``tp`` does not divide, ``precision="bf16"`` on a GPU
+            EngineConfigError: for an invalid mesh (names), a model whose head counts
+                ``tp`` does not divide, pipeline stages the model cannot fill, ``precision="bf16"`` on a GPU
                 without bfloat16, or activation checkpointing on a model without
                 transformers' gradient checkpointing.
         """
@@ -128,9 +133,12 @@ class TrainingEngine:
             model.requires_grad_(False)
         elif config.activation_checkpointing:
             enable_activation_checkpointing(model)
-        self.model = self.parallel.parallelize(
-            model, replicate=replicate, mp_policy=self._precision.fsdp_policy()
-        )
+        # Pipeline stages: the rank keeps its stages' layers only, each laid out alone.
+        self._stages = (PipelineStages(model, mesh=mesh, chunks=config.pipeline_chunks)
+                        if mesh is not None and self.parallel.pp_size > 1 else None)
+        for part in [model] if self._stages is None else [stage.module for stage in self._stages.stages]:
+            self.parallel.parallelize(part, replicate=replicate, mp_policy=self._precision.fsdp_policy())
+        self.model: nn.Module = model if self._stages is None else self._stages.module
         self.head: ModelHead = head if head is not None else CausalLMHead()
         self.loss = loss
         self._planner = config.micro_batch_planner()
@@ -214,15 +222,25 @@ class TrainingEngine:
         self._check_positions(plan.longest)
         shape = (rows, batch["response_ids"].shape[1])
         results: dict[str, Tensor] = {}
+        micros = [(micro_batch(batch, rows_idx), rows_idx) for rows_idx in plan.micro_batches]
+
+        def run(module: nn.Module, k: int) -> None:
+            (micro, dummy), rows_idx = micros[k]
+            with self._precision.context():
+                outputs = head(module, build_inputs(micro), entropy_grad=False)
+            collect_outputs(results, outputs, None if dummy else rows_idx, micro, shape, self.device)
+
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
-                for rows_idx in plan.micro_batches:
-                    micro, dummy = micro_batch(batch, rows_idx)
-                    with self._precision.context():
-                        outputs = head(self.model, build_inputs(micro), entropy_grad=False)
-                    collect_outputs(results, outputs, None if dummy else rows_idx, micro, shape, self.device)
+            if self._stages is not None:
+                self._stages.forward([build_inputs(m) for (m, _), _ in micros], run,
+                                     context=contextlib.nullcontext)
+                results = self._stages.from_last(results)
+            else:
+                with torch.no_grad():
+                    for k in range(len(micros)):
+                        run(self.model, k)
         finally:
             self.model.train(was_training)
         return ModelOutputs(**results)
@@ -277,27 +295,37 @@ class TrainingEngine:
         self.model.train()
         optimizer.zero_grad(set_to_none=True)
         stats = StepStats(self.device)
-        for rows_idx in plan.micro_batches:
-            micro, dummy = micro_batch(batch, rows_idx)
+        micros = [micro_batch(batch, rows_idx) for rows_idx in plan.micro_batches]
+
+        def micro_loss(module: nn.Module, k: int) -> Tensor:
+            micro, dummy = micros[k]
             # Only the forward runs under the precision context (autocast's rule: the
             # backward follows the forward's dtypes); the objective computes in float32.
             with self._precision.context():
-                raw = self.head(self.model, build_inputs(micro), entropy_grad=loss_fn.uses_entropy)
+                raw = self.head(module, build_inputs(micro), entropy_grad=loss_fn.uses_entropy)
             outputs = pad_outputs(raw, micro["response_ids"].shape[1])
             if dummy:
                 # Same forward and backward as a real micro-batch (FSDP's collectives),
                 # but zero gradient; the loss still names the metrics every rank reports.
                 with torch.no_grad():
                     metrics = loss_fn(outputs, micro).metrics
-                zero_objective(outputs).backward()
                 stats.add(metrics, micro["response_mask"], loss=None)
-                continue
+                return zero_objective(outputs)
             terms = loss_fn(outputs, micro)
             numerator, _ = aggregation.parts(terms.per_token, micro["response_mask"])
-            (numerator * scale).backward()
             stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
-        self.parallel.reduce_gradients(self.model)
+            return numerator * scale
+
+        if self._stages is not None:
+            self._stages.train([build_inputs(m) for m, _ in micros], micro_loss, context=self._precision.context)
+        else:
+            for k in range(len(micros)):
+                micro_loss(self.model, k).backward()
+        for part in self._parts():
+            self.parallel.reduce_gradients(part)
         reduced = stats.reduce(self.parallel)
+        if self._stages is not None:  # the last stage computed the loss and metrics
+            reduced = self._stages.from_last(reduced)
         # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
         # same decision.
         grad_norm = self._clip_gradients()
@@ -308,7 +336,19 @@ class TrainingEngine:
 
     def _clip_gradients(self) -> float:
         """Total gradient norm over every shard, before clipping to ``grad_clip``."""
-        return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip))
+        stages = None if self._stages is None else self._stages.group
+        return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip, stages=stages))
+
+    def _parts(self) -> list[nn.Module]:
+        """The modules laid out one by one: the model, or this rank's pipeline stages."""
+        return [self.model] if self._stages is None else [stage.module for stage in self._stages.stages]
+
+    def _whole_model(self, what: str) -> None:
+        """Raise for what pipeline stages do not support yet."""
+        if self._stages is not None:
+            raise EngineConfigError(
+                f"TrainingEngine.{what} with pipeline stages (pp > 1) is planned; use pp=1 for now"
+            )
 
     # -------------------------------------------------------------------- memory
 
@@ -398,6 +438,7 @@ class TrainingEngine:
         Raises:
             EngineConfigError: if the engine is offloaded (call :meth:`reload`).
         """
+        self._whole_model("save")
         self._require_resident("save", optimizer=True)
         from workers.engines import _dcp  # DCP loads on first use (see its docstring)
 
@@ -423,6 +464,7 @@ class TrainingEngine:
             EngineConfigError: if ``path`` holds no checkpoint, or the engine is
                 offloaded (call :meth:`reload`).
         """
+        self._whole_model("load")
         self._require_resident("load", optimizer=True)
         from workers.engines import _dcp
 
@@ -451,6 +493,7 @@ class TrainingEngine:
             EngineConfigError: without ``save``, if the model is not a Hugging Face
                 ``PreTrainedModel``; if the parameters are offloaded.
         """
+        self._whole_model("export_hf")
         self._require_resident("export_hf", optimizer=False)
         _checkpoint.export_hf(path, self.model, group=self.process_group, writer=0, save=save)
 
@@ -465,5 +508,6 @@ class TrainingEngine:
         Raises:
             EngineConfigError: if the parameters are offloaded (call :meth:`reload`).
         """
+        self._whole_model("named_full_weights")
         self._require_resident("named_full_weights", optimizer=False)
         return _checkpoint.named_full_weights(self.model)

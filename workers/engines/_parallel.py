@@ -54,20 +54,22 @@ class TensorParallelPlan:
     """Fields of ``model.config`` that ``tp`` must divide."""
 
 
-def check_mesh(mesh: DeviceMesh, *, engine: str = "the PyTorch-native engine") -> None:
-    """Raise :class:`EngineConfigError` unless ``mesh`` is a training mesh an engine
-    without pipeline stages can use: dimensions :data:`MESH_DIM_NAMES`, ``pp`` of 1.
+def check_mesh(mesh: DeviceMesh, *, engine: str = "the PyTorch-native engine", stages: bool = False) -> None:
+    """Raise :class:`EngineConfigError` unless ``mesh`` is a training mesh the engine
+    can use: dimensions :data:`MESH_DIM_NAMES`, and ``pp`` of 1 unless it runs
+    pipeline stages.
 
     Args:
         mesh: the mesh.
         engine: the engine, as the message names it.
+        stages: whether the engine runs pipeline stages (``pp`` above 1).
     """
     if mesh.mesh_dim_names != MESH_DIM_NAMES:
         raise EngineConfigError(
             f"mesh dimensions must be named {MESH_DIM_NAMES}, got {mesh.mesh_dim_names}; build it "
             f'with init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))'
         )
-    if mesh["pp"].size() != 1:
+    if mesh["pp"].size() != 1 and not stages:
         raise EngineConfigError(
             f"mesh 'pp' size is {mesh['pp'].size()}, but pipeline parallelism is not implemented "
             f"in {engine}; use pp=1 and put those ranks into 'dp' or 'tp'"
@@ -126,7 +128,8 @@ def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPr
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
-                fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+                if next(block.parameters(), None) is not None:  # not a pipeline stage's stand-in
+                    fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
@@ -153,10 +156,10 @@ class Parallelism:
             device: the device without a mesh (default: the model's).
 
         Raises:
-            EngineConfigError: for a mesh with other dimension names or ``pp > 1``.
+            EngineConfigError: for a mesh with other dimension names.
         """
         if mesh is not None:
-            check_mesh(mesh)
+            check_mesh(mesh, stages=True)
         self.mesh = mesh
         self.tp_plan = tp_plan or TensorParallelPlan()
         self._device = device
@@ -168,6 +171,8 @@ class Parallelism:
         self._dp_rank = 0 if mesh is None else mesh["dp"].get_local_rank()
         self._tp_size = 1 if mesh is None else mesh["tp"].size()
         self._dp_group = None if mesh is None or self._dp_size == 1 else mesh.get_group("dp")
+        self.pp_size = 1 if mesh is None else mesh["pp"].size()
+        """Pipeline stages (1 without a mesh)."""
 
     @property
     def dp_size(self) -> int:
@@ -341,7 +346,8 @@ def group_by_layout(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     return list(groups.values())
 
 
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -> Tensor:
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, *,
+                   stages: dist.ProcessGroup | None = None) -> Tensor:
     """Total L2 norm of the gradients over all shards, and clip them to ``max_norm``.
 
     Sharded (DTensor) gradients are reduced over their mesh, replicated ones are not,
@@ -350,20 +356,25 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None) -
     Args:
         parameters: the model parameters (those without gradients are skipped).
         max_norm: clip threshold; None or <= 0 only measures.
+        stages: the pipeline's group, whose stages hold the model's other
+            parameters (their squared norms are summed over it).
 
     Returns:
         The pre-clip total norm (a float32 scalar on the gradients' device).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and stages is None:
         return torch.zeros(())
-    squares = []
+    squares = [torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)]
     for group in group_by_layout(grads):
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float().pow(2))
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if stages is not None:
+        dist.all_reduce(total, group=stages)
+    total = total.sqrt()
     if max_norm and max_norm > 0:
         coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
         if coef < 1.0:

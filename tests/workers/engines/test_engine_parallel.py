@@ -75,8 +75,8 @@ def _tp_ranks(rank: int, out: Path) -> None:
     result["critic_metrics"] = critic.train_step(batch)
     result["critic_weights"] = full_weights(critic)
 
-    with pytest.raises(EngineConfigError, match="pipeline parallelism is not implemented"):
-        TrainingEngine(tiny_lm(), config=TrainingConfig(), mesh=_mesh_pp2())
+    with pytest.raises(EngineConfigError, match="cannot fill 2 pipeline stages"):
+        TrainingEngine(tiny_lm(layers=1), config=TrainingConfig(), mesh=_mesh_pp2())
     one_head = tiny_config()
     one_head.num_attention_heads, one_head.num_key_value_heads, one_head.head_dim = 1, 1, 64
     with pytest.raises(EngineConfigError, match="num_attention_heads=1 is not divisible"):
