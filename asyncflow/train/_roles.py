@@ -41,7 +41,8 @@ from workers.rollout import NativeRolloutConfig, VLLMRolloutConfig
 def _training(o: OptimSection) -> TrainingConfig:
     return TrainingConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
                           warmup_steps=o.warmup_steps, micro_batch_size=o.micro_batch_size,
-                          precision=o.precision, activation_checkpointing=o.activation_checkpointing)
+                          precision=o.precision, activation_checkpointing=o.activation_checkpointing,
+                          pipeline_chunks=o.pipeline_chunks)
 
 
 def _update(o: OptimSection) -> UpdateConfig:

@@ -224,6 +224,10 @@ class OptimSection(msgspec.Struct, **_CFG):
     activation_checkpointing: bool = False
     """Recompute each transformer block in backward instead of keeping its
     activations: far less activation memory for about a third more compute."""
+    pipeline_chunks: int = 1
+    """With pipeline stages (the placement's ``p`` above 1), model pieces per stage:
+    1 runs 1F1B, more runs interleaved 1F1B (a shorter pipeline fill and drain for
+    more messages). The model needs at least ``p * pipeline_chunks`` layers."""
 
     def __post_init__(self) -> None:
         key = type(self).__name__  # the section's own name; load_config says which one
@@ -231,7 +235,7 @@ class OptimSection(msgspec.Struct, **_CFG):
         at_least(f"{key}.weight_decay", self.weight_decay, 0, "0 turns weight decay off")
         at_least(f"{key}.grad_clip", self.grad_clip, 0, "0 turns gradient clipping off; 1.0 is usual")
         at_least(f"{key}.warmup_steps", self.warmup_steps, 0, "0 turns the warm-up off")
-        for name in ("micro_batch_size", "epochs", "mini_batches"):
+        for name in ("micro_batch_size", "epochs", "mini_batches", "pipeline_chunks"):
             at_least(f"{key}.{name}", getattr(self, name), 1)
 
 
@@ -337,7 +341,9 @@ class PlacementSection(msgspec.Struct, **_CFG):
     pool: str
     """The pool's name (a key of ``[pools]``)."""
     p: int = 1
-    """Pipeline-parallel size; only 1 (the engines do not implement pipeline parallelism)."""
+    """Pipeline-parallel size: the actor, critic and reference on the native engine
+    split their decoder layers over ``p`` stages (1F1B, or interleaved with the
+    role's ``pipeline_chunks``); 1 for the other roles."""
     t: int = 1
     """Tensor-parallel size."""
     gen: GenSection | None = None

@@ -122,14 +122,14 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
         if place.pool not in config.pools:
             raise ConfigError(f"{key}.pool names {place.pool!r}, which is not in [pools] "
                               f"({sorted(config.pools)}); add it to [pools] or use one of those")
-        if place.p != 1:
-            raise ConfigError(f"{key}.p = {place.p}: pipeline parallelism is not supported yet; use p = 1 "
-                              "and split the model with t, or give the role more data-parallel devices")
+        at_least(f"{key}.p", place.p, 1, "1 runs every layer on each device")
         at_least(f"{key}.t", place.t, 1, "1 runs the whole model on each device")
+        if place.p != 1:
+            _check_pipeline(config, role, place)
         devices = config.pools[place.pool].devices
-        if devices % place.t:
-            raise ConfigError(f"{key}.t = {place.t} must divide the {devices} devices of pool {place.pool!r} "
-                              f"(pools.{place.pool}.devices); change t or the pool's size")
+        if devices % (place.p * place.t):
+            raise ConfigError(f"{key}.p * {key}.t = {place.p} * {place.t} must divide the {devices} devices of "
+                              f"pool {place.pool!r} (pools.{place.pool}.devices); change p, t or the pool's size")
         if role == ROLLOUT_ROLE:
             _check_sampling_role(config, place, heads, source)
             continue
@@ -141,6 +141,22 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
             scorer = f"{role}.model_dir" if getattr(config, role).model_dir else f"{role}.function"
             raise ConfigError(f"{key}.t = {place.t}: the {role} scorer ({scorer}) runs whole on each device and "
                               "is not split by tensor parallelism; use t = 1 and more data-parallel devices")
+
+
+def _check_pipeline(config: RunConfig, role: str, place: PlacementSection) -> None:
+    """Pipeline stages are the native engine's, for the roles it trains or infers with."""
+    key = f"placement.{role}.p"
+    engine_of = {"actor": config.actor.engine, "ref": config.actor.engine}
+    if role not in ("actor", "ref", "critic", "cost_critic"):
+        raise ConfigError(f"{key} = {place.p}: only the actor, critic and reference run pipeline stages; "
+                          f"use p = 1 for the {role}")
+    engine = engine_of.get(role, config.critic.engine)
+    if engine != "native":
+        raise ConfigError(f"{key} = {place.p}: the {engine!r} engine runs no pipeline stages here; use the "
+                          "native engine or p = 1")
+    if place.gen is not None:
+        raise ConfigError(f"{key} = {place.p} with a generation layout (placement.{role}.gen): the hybrid "
+                          "engine's transition from pipeline stages is planned; drop gen or use p = 1")
 
 
 def _check_gen(config: RunConfig, role: str, place: PlacementSection) -> None:

@@ -8,6 +8,10 @@ it minimises live in :mod:`workers.objectives`.
   weights), activation checkpointing, and offload of the optimizer state and weights
   to host memory (:meth:`TrainingEngine.offload`); :func:`estimate_memory` sizes a
   model's state per device before anything is built.
+- With a mesh whose ``pp`` is above 1 each rank keeps its pipeline stages and
+  calls run as 1F1B pipelines (:mod:`workers.engines.pipeline` holds the
+  schedules); :func:`fused_train_steps` runs two engines' updates (actor and
+  critic) as one fused schedule.
 - The objective is pluggable (a ``workers.objectives.LossFn``, passed to the engine
   or to each :meth:`TrainingEngine.train_step`).
 """
@@ -27,6 +31,7 @@ from workers.engines._batch import (
 from workers.engines._config import REPLICATE_MAX_PARAMS, TrainingConfig
 from workers.engines._engine import TrainingEngine
 from workers.engines._errors import EngineConfigError
+from workers.engines._fused import fused_train_steps
 from workers.engines._heads import CausalLMHead, ModelHead, ValueHead
 from workers.engines._megatron import MegatronConfig, MegatronTrainingEngine, megatron_available
 from workers.engines._memory import MemoryFootprint, estimate_memory
@@ -63,6 +68,7 @@ __all__ = [
     "apply_tensor_parallel",
     "build_inputs",
     "estimate_memory",
+    "fused_train_steps",
     "megatron_available",
     "resolve_precision",
 ]

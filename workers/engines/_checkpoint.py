@@ -23,7 +23,7 @@ import random
 import re
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -198,6 +198,7 @@ def export_hf(
     group: dist.ProcessGroup | None,
     writer: int = 0,
     save: ExportWriter | None = None,
+    weights: Iterable[tuple[str, Tensor]] | None = None,
 ) -> None:
     """Write the model's full weights as a model directory; rank ``writer`` writes it.
 
@@ -211,6 +212,8 @@ def export_hf(
         writer: the rank in ``group`` that writes.
         save: writes the full state dict into the directory; default the model's
             ``save_pretrained(path, state_dict=...)``.
+        weights: the full weights to write (default :func:`named_full_weights` of
+            ``model``; pipeline stages pass the whole model's).
 
     Raises:
         EngineConfigError: without ``save``, if the model has no ``save_pretrained``.
@@ -218,7 +221,7 @@ def export_hf(
     write = save if save is not None else _save_pretrained(model)
     is_writer = group_rank(group) == writer
     state: dict[str, Tensor] = {}
-    for name, tensor in named_full_weights(model):
+    for name, tensor in named_full_weights(model) if weights is None else weights:
         if is_writer:
             state[name] = tensor.cpu()
     if is_writer:

@@ -85,6 +85,11 @@ class TrainingConfig:
     stage holds that many non-adjacent pieces, which shortens the pipeline's fill
     and drain at the cost of more messages). The model needs at least
     ``pp * pipeline_chunks`` decoder layers."""
+    pipeline_reversed: bool = False
+    """With pipeline stages: the first stage on the pipeline's last rank. The second
+    model of a fused training stage (:func:`workers.engines.fused_train_steps`)
+    runs its pipeline the other way than the first, so that each fills the other's
+    bubbles."""
 
     def __post_init__(self) -> None:
         _positive("lr", self.lr)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import SavePlan, SavePlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -63,6 +64,20 @@ def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Opt
     return [] if optimizer is None else [optimizer]
 
 
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""The optimizer's state saved by parameter name (``optim.param_groups.<name>.lr``,
+...): ranks that hold different parameters (pipeline stages) each write their own
+groups' settings, where one nested ``param_groups`` list would be kept from one
+rank only."""
+
+
+def _flat(path: str | os.PathLike[str]) -> bool:
+    """Whether the checkpoint at ``path`` holds the optimizer state by parameter name
+    (those written before it did hold one nested list)."""
+    keys = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    return not any(re.fullmatch(r"optim\.param_groups\.\d+\.lr", key) for key in keys)
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -84,7 +99,7 @@ def save_checkpoint(
         group: the group spanning the model's ranks; None for one process.
         generators: the caller's own generators, saved with the RNG states.
     """
-    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer), options=_FLAT)
     state = {
         "model": model_state,
         "optim": optim_state,
@@ -133,7 +148,8 @@ def load_checkpoint(
             "written by save / save_checkpoint"
         )
     optimizers = _optimizers(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizers)
+    options = _FLAT if _flat(path) else None
+    model_state, optim_state = get_state_dict(model, optimizers, options=options)
     step = torch.tensor(0, dtype=torch.int64)
     state = {"model": model_state, "optim": optim_state, "engine": {"step": step}}
     # dcp.load fills the tensors of ``state`` in place (``step`` included).
@@ -141,6 +157,6 @@ def load_checkpoint(
         dcp.load(
             state, checkpoint_id=os.fspath(path), process_group=group, no_dist=group is None
         )
-    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
     load_rng(path, group=group, generators=generators)
     return int(step)

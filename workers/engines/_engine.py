@@ -43,6 +43,7 @@ from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead
 from workers.engines._memory import MemoryFootprint, measure_memory
 from workers.engines._micro_batches import (
+    PreparedStep,
     StepStats,
     agreed_plan,
     collect_outputs,
@@ -91,8 +92,7 @@ class TrainingEngine:
                 call ``torch.cuda.set_device(local_rank)`` first), or None for one
                 process on the model's device. With ``pp`` above 1 each rank keeps
                 its pipeline stage's layers (``config.pipeline_chunks`` pieces) and
-                the calls run as pipelines (tested over gloo); checkpoints, HF
-                export and weight export with pipeline stages are planned.
+                the calls run as pipelines (tested over gloo).
             head: :class:`CausalLMHead` (default) or :class:`ValueHead`.
             loss: the default objective of :meth:`train_step`.
             tp_plan: which layers tensor parallelism shards (Llama-style default).
@@ -134,11 +134,12 @@ class TrainingEngine:
         elif config.activation_checkpointing:
             enable_activation_checkpointing(model)
         # Pipeline stages: the rank keeps its stages' layers only, each laid out alone.
-        self._stages = (PipelineStages(model, mesh=mesh, chunks=config.pipeline_chunks)
+        self._stages = (PipelineStages(model, mesh=mesh, chunks=config.pipeline_chunks,
+                                       reverse=config.pipeline_reversed)
                         if mesh is not None and self.parallel.pp_size > 1 else None)
-        for part in [model] if self._stages is None else [stage.module for stage in self._stages.stages]:
+        for part in self._parts(model):
             self.parallel.parallelize(part, replicate=replicate, mp_policy=self._precision.fsdp_policy())
-        self.model: nn.Module = model if self._stages is None else self._stages.module
+        self.model: nn.Module = model  # with stages: cut down to this rank's, same names
         self.head: ModelHead = head if head is not None else CausalLMHead()
         self.loss = loss
         self._planner = config.micro_batch_planner()
@@ -273,6 +274,16 @@ class TrainingEngine:
                 (``trainable=False``) or offloaded (call :meth:`reload`), or as
                 :meth:`log_probs`.
         """
+        step = self._prepare_step(batch, loss)
+        if self._stages is not None:
+            self._stages.train(step.inputs, step.micro_loss, context=self._precision.context)
+        else:
+            for k in range(len(step.inputs)):
+                step.micro_loss(self.model, k).backward()
+        return self._finish_step(step)
+
+    def _prepare_step(self, batch: Mapping[str, Tensor], loss: LossFn | None) -> PreparedStep:
+        """Everything of :meth:`train_step` before the forwards and backwards."""
         optimizer = self._trainable_optimizer("train_step")
         loss_fn = loss if loss is not None else self.loss
         if loss_fn is None:
@@ -316,20 +327,20 @@ class TrainingEngine:
             stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
             return numerator * scale
 
-        if self._stages is not None:
-            self._stages.train([build_inputs(m) for m, _ in micros], micro_loss, context=self._precision.context)
-        else:
-            for k in range(len(micros)):
-                micro_loss(self.model, k).backward()
-        for part in self._parts():
-            self.parallel.reduce_gradients(part)
-        reduced = stats.reduce(self.parallel)
+        return PreparedStep(optimizer=optimizer, inputs=[build_inputs(m) for m, _ in micros],
+                            micro_loss=micro_loss, stats=stats)
+
+    def _finish_step(self, step: PreparedStep) -> dict[str, float]:
+        """Everything of :meth:`train_step` after the backwards: the gradients reduced
+        and clipped, the metrics reduced, the optimizer stepped."""
+        self.parallel.reduce_gradients(self.model)
+        reduced = step.stats.reduce(self.parallel)
         if self._stages is not None:  # the last stage computed the loss and metrics
             reduced = self._stages.from_last(reduced)
         # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
         # same decision.
         grad_norm = self._clip_gradients()
-        stepped = take_step(optimizer, self.config, self._step, loss=reduced["loss"], grad_norm=grad_norm)
+        stepped = take_step(step.optimizer, self.config, self._step, loss=reduced["loss"], grad_norm=grad_norm)
         if not stepped["step_skipped"]:
             self._step += 1
         return reduced | stepped
@@ -339,16 +350,9 @@ class TrainingEngine:
         stages = None if self._stages is None else self._stages.group
         return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip, stages=stages))
 
-    def _parts(self) -> list[nn.Module]:
+    def _parts(self, model: nn.Module) -> list[nn.Module]:
         """The modules laid out one by one: the model, or this rank's pipeline stages."""
-        return [self.model] if self._stages is None else [stage.module for stage in self._stages.stages]
-
-    def _whole_model(self, what: str) -> None:
-        """Raise for what pipeline stages do not support yet."""
-        if self._stages is not None:
-            raise EngineConfigError(
-                f"TrainingEngine.{what} with pipeline stages (pp > 1) is planned; use pp=1 for now"
-            )
+        return [model] if self._stages is None else [stage.module for stage in self._stages.stages]
 
     # -------------------------------------------------------------------- memory
 
@@ -438,7 +442,6 @@ class TrainingEngine:
         Raises:
             EngineConfigError: if the engine is offloaded (call :meth:`reload`).
         """
-        self._whole_model("save")
         self._require_resident("save", optimizer=True)
         from workers.engines import _dcp  # DCP loads on first use (see its docstring)
 
@@ -464,7 +467,6 @@ class TrainingEngine:
             EngineConfigError: if ``path`` holds no checkpoint, or the engine is
                 offloaded (call :meth:`reload`).
         """
-        self._whole_model("load")
         self._require_resident("load", optimizer=True)
         from workers.engines import _dcp
 
@@ -493,9 +495,9 @@ class TrainingEngine:
             EngineConfigError: without ``save``, if the model is not a Hugging Face
                 ``PreTrainedModel``; if the parameters are offloaded.
         """
-        self._whole_model("export_hf")
         self._require_resident("export_hf", optimizer=False)
-        _checkpoint.export_hf(path, self.model, group=self.process_group, writer=0, save=save)
+        _checkpoint.export_hf(path, self.model, group=self.process_group, writer=0, save=save,
+                              weights=self.named_full_weights())
 
     def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(hf_name, full tensor)`` for weight sync into rollout engines.
@@ -508,6 +510,7 @@ class TrainingEngine:
         Raises:
             EngineConfigError: if the parameters are offloaded (call :meth:`reload`).
         """
-        self._whole_model("named_full_weights")
         self._require_resident("named_full_weights", optimizer=False)
+        if self._stages is not None:
+            return self._stages.full_weights()
         return _checkpoint.named_full_weights(self.model)

@@ -11,12 +11,18 @@ objective has zero gradient and whose outputs are not kept.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from workers.engines._batch import MicroBatchPlanner, dummy_row, pad_columns, select_rows
+from workers.engines._batch import (
+    MicroBatchPlanner,
+    SequenceInputs,
+    dummy_row,
+    pad_columns,
+    select_rows,
+)
 from workers.engines._parallel import Parallelism
 from workers.objectives import ModelOutputs
 
@@ -106,6 +112,19 @@ class StepStats:
         packed = torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
         loss, tokens, *sums = parallel.all_reduce_dp(packed).tolist()
         return {"loss": loss} | {n: s / max(tokens, 1.0) for n, s in zip(names, sums, strict=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """An update between its preparation and its end: what its forwards and
+    backwards need (the engine's ``train_step``, or a fused schedule of two engines)."""
+
+    optimizer: torch.optim.Optimizer
+    inputs: list[SequenceInputs]
+    """Each micro-batch's model inputs."""
+    micro_loss: Callable[[nn.Module, int], Tensor]
+    """``(module, micro-batch) ->`` the micro-batch's scaled loss (records its metrics)."""
+    stats: StepStats
 
 
 @dataclasses.dataclass(frozen=True)

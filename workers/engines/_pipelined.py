@@ -11,7 +11,7 @@ broadcast to the other stages, so every rank of the mesh returns the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -21,9 +21,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from workers.engines._batch import SequenceInputs
+from workers.engines._checkpoint import named_full_weights
 from workers.engines.pipeline import (
     PipelineModel,
+    Schedule,
     Stage,
+    StageWork,
     forward_order,
     one_f_one_b,
     run_schedule,
@@ -47,29 +50,46 @@ class PipelineStages:
         chunks: pieces per rank (``TrainingConfig.pipeline_chunks``).
     """
 
-    def __init__(self, model: nn.Module, *, mesh: DeviceMesh, chunks: int) -> None:
+    def __init__(self, model: nn.Module, *, mesh: DeviceMesh, chunks: int, reverse: bool = False) -> None:
         self.size = mesh["pp"].size()
         self.rank = mesh["pp"].get_local_rank()
         self.group = mesh.get_group("pp")
         self.ranks = [dist.get_global_rank(self.group, r) for r in range(self.size)]
         self.chunks = chunks
-        self.stages: list[Stage] = split_stages(model, rank=self.rank, ranks=self.size, chunks=chunks)
-        self.module: nn.Module = (self.stages[0].module if chunks == 1
-                                  else nn.ModuleList(stage.module for stage in self.stages))
-        """The rank's parameters in one module (the stage's own shell with one chunk)."""
+        self.reverse = reverse
+        self.parameters = sum(p.numel() for p in model.parameters())
+        """The whole model's parameters (the schedules' cost of a pass is their share)."""
+        stage = self.size - 1 - self.rank if reverse else self.rank
+        self.stages: list[Stage] = split_stages(model, rank=stage, ranks=self.size, chunks=chunks)
+        self.module = model
+        """The rank's parameters under the whole model's names (``model``, cut down)."""
 
     @property
     def last(self) -> bool:
         """Whether this rank runs the model's last stage."""
         return any(stage.last for stage in self.stages)
 
-    def _model(self, micro_batches: int) -> PipelineModel:
-        return PipelineModel(name="model", stages=self.size, micro_batches=micro_batches, chunks=self.chunks)
+    def pipeline(self, micro_batches: int, *, name: str = "model") -> PipelineModel:
+        """The model's pipeline for a call of ``micro_batches``: a pass costs the
+        stage's share of the parameters (a backward twice a forward)."""
+        share = self.parameters / (self.size * self.chunks)
+        return PipelineModel(name=name, stages=self.size, micro_batches=micro_batches, chunks=self.chunks,
+                             forward_s=share, backward_s=2 * share, activation=share, reverse=self.reverse)
+
+    def work(self, inputs: list[SequenceInputs], last: LastStage, *,
+             context: Callable[[], AbstractContextManager[Any]]) -> StageWork:
+        """This rank's passes of one update (for a schedule of several models)."""
+        return _Work(self, inputs, last, context=context, grad=True)
+
+    def run(self, schedule: Schedule, works: list[StageWork]) -> None:
+        """Run this rank's part of ``schedule`` (whose models all run on this
+        pipeline's ranks)."""
+        run_schedule(schedule, self.rank, works, group=self.group, ranks=self.ranks, on=_device(self.module))
 
     def forward(self, inputs: list[SequenceInputs], last: LastStage, *,
                 context: Callable[[], AbstractContextManager[Any]]) -> None:
         """Run every micro-batch forward (no gradients kept); ``last`` on the last stage."""
-        model = self._model(len(inputs))
+        model = self.pipeline(len(inputs))
         work = _Work(self, inputs, last, context=context, grad=False)
         with torch.no_grad():
             run_schedule(one_f_one_b(model), self.rank, [work], group=self.group, ranks=self.ranks,
@@ -79,15 +99,27 @@ class PipelineStages:
               context: Callable[[], AbstractContextManager[Any]]) -> None:
         """Run the micro-batches' forwards and backwards in the 1F1B schedule
         (interleaved with chunks); ``last`` gives each micro-batch's loss."""
-        model = self._model(len(inputs))
-        work = _Work(self, inputs, last, context=context, grad=True)
-        run_schedule(one_f_one_b(model), self.rank, [work], group=self.group, ranks=self.ranks,
-                     on=_device(self.module))
+        self.run(one_f_one_b(self.pipeline(len(inputs))), [self.work(inputs, last, context=context)])
+
+    def full_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Every stage's ``(name, full tensor)``, on every rank (a collective over the
+        stages: each stage's tensors are gathered over its own data- and
+        tensor-parallel ranks, then broadcast over the pipeline)."""
+        for owner in range(self.size):
+            mine = list(named_full_weights(self.module)) if owner == self.rank else []
+            box: list[Any] = [[(name, t.shape, t.dtype) for name, t in mine]]
+            dist.broadcast_object_list(box, src=self.ranks[owner], group=self.group)
+            tensors = dict(mine)
+            device = _device(self.module)
+            for name, shape, dtype in box[0]:
+                tensor = tensors[name] if owner == self.rank else torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(tensor, src=self.ranks[owner], group=self.group)
+                yield name, tensor
 
     def from_last(self, value: Any) -> Any:
         """``value`` as the last stage has it, on every stage (a collective)."""
         box = [value]
-        dist.broadcast_object_list(box, src=self.ranks[-1], group=self.group)
+        dist.broadcast_object_list(box, src=self.ranks[0 if self.reverse else -1], group=self.group)
         return box[0]
 
 

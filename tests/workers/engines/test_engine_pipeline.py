@@ -1,5 +1,7 @@
 """TrainingEngine with pipeline stages (``pp`` 2 and 4, 1F1B and interleaved) over
-real gloo process groups: log-probs, values, metrics and weights equal one process's.
+real gloo process groups: log-probs, values, metrics and weights equal one process's;
+checkpoints and HF export of the stages; an actor and a critic updated in one fused
+schedule equal the two updates one after the other.
 
 Each rank keeps its stage's layers under their own names, so its weights compare
 with the single process's by name."""
@@ -13,8 +15,16 @@ import pytest
 import torch
 from engines_testlib import EXACT, TinyValueModel, make_batch, run_ranks, tiny_lm
 from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlamaForCausalLM
 
-from workers.engines import MESH_DIM_NAMES, EngineConfigError, TrainingConfig, TrainingEngine, ValueHead
+from workers.engines import (
+    MESH_DIM_NAMES,
+    EngineConfigError,
+    TrainingConfig,
+    TrainingEngine,
+    ValueHead,
+    fused_train_steps,
+)
 from workers.objectives import PolicyLoss, ValueLoss
 
 torch.set_num_threads(1)
@@ -25,10 +35,8 @@ LAYERS = 4
 
 
 def _weights(engine: TrainingEngine) -> dict[str, torch.Tensor]:
-    """This rank's parameters by the whole model's names (a chunk's index dropped)."""
-    chunks = engine.config.pipeline_chunks
-    return {(name.split(".", 1)[1] if chunks > 1 else name): p.detach().clone()
-            for name, p in engine.model.named_parameters()}
+    """This rank's parameters, by the whole model's names."""
+    return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
 
 
 def _run(engine: TrainingEngine, steps: int) -> dict:
@@ -48,9 +56,16 @@ def _pipeline_ranks(rank: int, out: Path, *, pp: int, chunks: int, micro: int) -
     mesh = init_device_mesh("cpu", (pp, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
     config = TrainingConfig(**CONFIG, micro_batch_size=micro, pipeline_chunks=chunks)
     actor = TrainingEngine(tiny_lm(layers=LAYERS), config=config, mesh=mesh, loss=LOSS)
-    result = {"actor": _run(actor, steps=2)}
-    with pytest.raises(EngineConfigError, match="pipeline stages .* planned"):
-        actor.save(out / "ckpt")
+    result = {"actor": _run(actor, steps=1)}
+    # A checkpoint of the stages resumes exactly, here and in one process (the test).
+    actor.save(out / "ckpt")
+    result["actor"]["metrics"].append(actor.train_step(make_batch()))
+    result["actor"]["weights"] = _weights(actor)
+    result["actor"]["full"] = {name: t.clone() for name, t in actor.named_full_weights()}
+    actor.export_hf(out / "hf")
+    resumed = TrainingEngine(tiny_lm(layers=LAYERS, seed=5), config=config, mesh=mesh, loss=LOSS)
+    resumed.load(out / "ckpt")
+    result["resumed"] = resumed.train_step(make_batch())
     if chunks == 1:
         critic = TrainingEngine(TinyValueModel(layers=LAYERS), config=config, mesh=mesh, head=ValueHead(),
                                 loss=ValueLoss())
@@ -73,8 +88,21 @@ def test_pipelined_engine_equals_one_process(tmp_path: Path, pp: int, chunks: in
     critic = _critic_run(TrainingEngine(TinyValueModel(layers=LAYERS), config=config, head=ValueHead(),
                                         loss=ValueLoss()))
     seen: set[str] = set()
+    loaded = TrainingEngine(tiny_lm(layers=LAYERS, seed=5), config=config, loss=LOSS)
+    loaded.load(out / "ckpt")  # the stages' checkpoint in one process
+    reloaded = TrainingEngine(tiny_lm(layers=LAYERS), config=config, loss=LOSS)
+    reloaded.train_step(make_batch())
+    one_step = reloaded.train_step(make_batch())
+    _assert_close_metrics(loaded.train_step(make_batch()), one_step)
+    exported = LlamaForCausalLM.from_pretrained(out / "hf")
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
     for rank in range(pp):
         got = torch.load(out / f"pp{rank}.pt", weights_only=False)
+        _assert_close_metrics(got["resumed"], expected["metrics"][1])
+        assert got["actor"]["full"].keys() == expected["weights"].keys()
+        for name, tensor in got["actor"]["full"].items():
+            torch.testing.assert_close(tensor, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
         for role, reference in [("actor", expected)] + ([("critic", critic)] if chunks == 1 else []):
             mine = got[role]
             for field in ("logprobs", "entropy", "values"):
@@ -88,3 +116,68 @@ def test_pipelined_engine_equals_one_process(tmp_path: Path, pp: int, chunks: in
     # The stages together hold every parameter once.
     assert seen == {f"actor:{n}" for n in expected["weights"]} | (
         {f"critic:{n}" for n in critic["weights"]} if chunks == 1 else set())
+
+
+def test_checkpoints_with_the_optimizer_state_in_one_list_still_load(tmp_path: Path) -> None:
+    """Checkpoints now hold the optimizer's settings by parameter name (stages hold
+    different parameters); those written before, with one nested list, resume too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+
+    config = TrainingConfig(**CONFIG)
+    engine = TrainingEngine(tiny_lm(), config=config, loss=LOSS)
+    engine.train_step(make_batch())
+    model_state, optim_state = get_state_dict(engine.model, [engine.optimizer])  # the nested form
+    dcp.save({"model": model_state, "optim": optim_state, "engine": {"step": torch.tensor(1)}},
+             checkpoint_id=str(tmp_path / "old"), no_dist=True)
+    engine.save(tmp_path / "new")
+    for name in ("old", "new"):
+        resumed = TrainingEngine(tiny_lm(seed=4), config=config, loss=LOSS)
+        resumed.load(tmp_path / name)
+        assert resumed.step == 1
+        _assert_close_metrics(resumed.train_step(make_batch()), engine.train_step(make_batch()))
+        engine.load(tmp_path / "new")  # back to step 1 for the next comparison
+
+
+def _fused_ranks(rank: int, out: Path, *, pp: int) -> None:
+    mesh = init_device_mesh("cpu", (pp, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
+
+    def engines() -> tuple[TrainingEngine, TrainingEngine]:
+        actor = TrainingEngine(tiny_lm(layers=LAYERS), config=TrainingConfig(**CONFIG, micro_batch_size=2),
+                               mesh=mesh, loss=LOSS)
+        critic = TrainingEngine(TinyValueModel(layers=LAYERS),
+                                config=TrainingConfig(**CONFIG, micro_batch_size=3, pipeline_reversed=True),
+                                mesh=mesh, head=ValueHead(), loss=ValueLoss())
+        return actor, critic
+
+    batch = make_batch()
+    actor, critic = engines()
+    fused = [fused_train_steps(actor, batch, critic, batch) for _ in range(2)]
+    one, other = engines()
+    serial = [(one.train_step(batch), other.train_step(batch)) for _ in range(2)]
+    with pytest.raises(EngineConfigError, match="opposite directions"):
+        fused_train_steps(actor, batch, one, batch)
+    torch.save({"fused": fused, "serial": serial, "weights": (_weights(actor), _weights(critic)),
+                "serial_weights": (_weights(one), _weights(other))}, out / f"fused{rank}.pt")
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_fused_actor_critic_step_equals_the_two_updates_one_after_the_other(tmp_path: Path, pp: int) -> None:
+    out = run_ranks(pp, functools.partial(_fused_ranks, pp=pp), tmp_path)
+    actor = TrainingEngine(tiny_lm(layers=LAYERS), config=TrainingConfig(**CONFIG, micro_batch_size=2), loss=LOSS)
+    critic = TrainingEngine(TinyValueModel(layers=LAYERS), config=TrainingConfig(**CONFIG, micro_batch_size=3),
+                            head=ValueHead(), loss=ValueLoss())
+    batch = make_batch()
+    alone = [(actor.train_step(batch), critic.train_step(batch)) for _ in range(2)]
+    reference = (dict(actor.model.named_parameters()), dict(critic.model.named_parameters()))
+    for rank in range(pp):
+        got = torch.load(out / f"fused{rank}.pt", weights_only=False)
+        for fused, serial, expected in zip(got["fused"], got["serial"], alone, strict=True):
+            for f, s, e in zip(fused, serial, expected, strict=True):
+                _assert_close_metrics(f, s)
+                _assert_close_metrics(f, e)
+        for mine, serial, expected in zip(got["weights"], got["serial_weights"], reference, strict=True):
+            for name, tensor in mine.items():
+                torch.testing.assert_close(tensor, serial[name], rtol=1e-5, atol=1e-6, msg=name)
+                torch.testing.assert_close(tensor, expected[name].detach(), rtol=1e-5, atol=1e-5, msg=name)

@@ -140,8 +140,9 @@ def _without(module: nn.Module, names: list[str]) -> Iterator[None]:
 
 def split_stages(model: nn.Module, *, rank: int, ranks: int, chunks: int = 1) -> list[Stage]:
     """This rank's stages of ``model`` (one per chunk: virtual stages ``rank``,
-    ``rank + ranks``, ...), and the model itself cut down to them in place (the
-    caller's object no longer holds the other stages' layers).
+    ``rank + ranks``, ...), and the model itself cut down in place to the parts
+    they run (the same modules, under the same names: the rank's parameters in one
+    module, not to be called).
 
     Args:
         model: a transformers-layout model (see the module docstring), identical on
@@ -184,8 +185,16 @@ def split_stages(model: nn.Module, *, rank: int, ranks: int, chunks: int = 1) ->
         for name in heads:
             setattr(shell, name, getattr(model, name) if last else _Through())
         stages.append(Stage(index, shell, shell_body, last=last))
+    # The caller's model keeps what this rank runs, under the same names: the one
+    # module its optimizer, checkpoints and weight export see.
     owned = {i for stage in stages for i in range(*bounds[stage.index])}
     body.layers = nn.ModuleList(
         layer if i in owned else _Skip(getattr(layer, "attention_type", None)) for i, layer in enumerate(layers)
     )
+    if not any(stage.index == 0 for stage in stages):
+        body.embed_tokens = _Through()
+    if not any(stage.last for stage in stages):
+        body.norm = _Through()
+        for name in heads:
+            setattr(model, name, _Through())
     return stages
