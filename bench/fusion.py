@@ -13,14 +13,23 @@ serial 1F1B (each model's 1F1B, one after the other), the greedy and the anneale
 fused schedules, and computes the lower bound; each figure is a ratio to serial
 1F1B, next to the paper's.
 
+Then, measured (``--ranks R``, default 4; 0 skips it): a real actor (a random
+Llama, ``--layers`` layers) and a critic of half its width, each split into ``R``
+pipeline stages over ``R`` gloo processes (the critic's pipeline reversed), update
+on one batch either one after the other (two 1F1B ``train_step``\ s) or in one fused
+schedule (:func:`workers.engines.fused_train_steps`); each repeat times both, in
+alternating order, and the medians are kept. The ranks share the machine's cores:
+on fewer cores than ranks an idle stage frees a core for a busy one, so a bubble
+costs less than on devices of their own, and fusion gains less than it would there.
+
 JSON keys: ``settings`` (one record per setting: ``greedy_vs_serial``,
 ``annealed_vs_serial``, ``bound_vs_serial`` (time over serial 1F1B's),
 ``greedy_memory``, ``annealed_memory`` (peak held activations over serial 1F1B's),
 the paper's ``paper_speedup_*`` and ``paper_memory_*``, and the search's seconds),
 and their means over the settings: ``greedy_vs_serial``, ``annealed_vs_serial``,
-``bound_vs_serial``. The measured part of the issue (serial and fused training of a
-real actor and critic on gloo ranks) is planned: it needs the pipelined training
-engine.
+``bound_vs_serial``; measured: ``serial_s``, ``fused_s`` (median seconds of the two
+updates), ``measured_fused_vs_serial`` (their ratio), ``ranks``, ``layers``,
+``micro_batches``.
 """
 
 from __future__ import annotations
@@ -102,12 +111,101 @@ def measure(setting: tuple[Any, ...], *, iterations: int) -> dict[str, Any]:
     }
 
 
+def _measure_rank(rank: int, world: int, store: str, layers: int, repeats: int, out: Any) -> None:
+    """One rank of the measured part; rank 0 puts the record on ``out``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from workers.engines import (
+        MESH_DIM_NAMES,
+        TrainingConfig,
+        TrainingEngine,
+        ValueHead,
+        fused_train_steps,
+    )
+    from workers.models import TinyModelConfig, ValueModel, build_tiny_model
+    from workers.objectives import PolicyLoss, ValueLoss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    shape = TinyModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=4, head_dim=64, vocab_size=512)
+    small = TinyModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
+                            num_key_value_heads=2, head_dim=64, vocab_size=512)
+    config = TrainingConfig(lr=1e-5, micro_batch_size=4)
+    actor = TrainingEngine(build_tiny_model(shape), config=config, mesh=mesh, loss=PolicyLoss())
+    critic = TrainingEngine(ValueModel.from_causal_lm(build_tiny_model(small)),
+                            config=TrainingConfig(lr=1e-5, micro_batch_size=4, pipeline_reversed=True),
+                            mesh=mesh, head=ValueHead(), loss=ValueLoss())
+    rows, prompt, response = 32, 16, 48
+    g = torch.Generator().manual_seed(0)
+    batch = {"prompt_ids": torch.randint(1, 512, (rows, prompt), generator=g),
+             "prompt_mask": torch.ones(rows, prompt, dtype=torch.long),
+             "response_ids": torch.randint(1, 512, (rows, response), generator=g),
+             "response_mask": torch.ones(rows, response, dtype=torch.long),
+             "old_logprobs": -torch.rand(rows, response, generator=g) - 2,
+             "advantages": torch.randn(rows, response, generator=g),
+             "old_values": torch.randn(rows, response, generator=g),
+             "returns": torch.randn(rows, response, generator=g)}
+
+    def serial() -> None:
+        actor.train_step(batch)
+        critic.train_step(batch)
+
+    def fused() -> None:
+        fused_train_steps(actor, batch, critic, batch)
+
+    times: dict[str, list[float]] = {"serial": [], "fused": []}
+    serial()
+    fused()  # warm: the fused schedule is searched once per shape
+    for k in range(repeats):
+        for name, run in (("serial", serial), ("fused", fused)) if k % 2 == 0 else (("fused", fused),
+                                                                                   ("serial", serial)):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            dist.barrier()
+            times[name].append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put({"serial_s": statistics.median(times["serial"]), "fused_s": statistics.median(times["fused"]),
+                 "ranks": world, "layers": layers, "micro_batches": rows // 4,
+                 "serial_runs_s": times["serial"], "fused_runs_s": times["fused"]})
+
+
+def measure_real(*, ranks: int, layers: int, repeats: int) -> dict[str, Any]:
+    """The measured part: serial and fused updates of a real actor and critic."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="bench-fusion-") as tmp:
+        procs = [ctx.Process(target=_measure_rank, args=(r, ranks, f"{tmp}/store", layers, repeats, out))
+                 for r in range(ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=1200)
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"a measuring rank failed: exit codes {[p.exitcode for p in procs]}")
+        record: dict[str, Any] = out.get(timeout=10)
+    record["measured_fused_vs_serial"] = record["fused_s"] / record["serial_s"]
+    return record
+
+
 def main(argv: list[str] | None = None) -> None:
     """Simulate the settings; print a table, write the record."""
     parser = argparse.ArgumentParser(prog="bench.fusion", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the record here")
     parser.add_argument("--iterations", type=int, default=4000, help="annealing moves per phase")
     parser.add_argument("--settings", type=int, default=len(TABLE_3), help="the first N settings of Table 3")
+    parser.add_argument("--ranks", type=int, default=4, help="gloo ranks of the measured part; 0 skips it")
+    parser.add_argument("--layers", type=int, default=8, help="the measured models' decoder layers")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each measured update")
     args = parser.parse_args(argv)
     rows = []
     print(f"{'setting':<22} {'speedup over serial 1F1B: greedy / annealed / bound':<52} memory: greedy / annealed")
@@ -126,6 +224,11 @@ def main(argv: list[str] | None = None) -> None:
         record[key] = statistics.mean(r[key] for r in rows)
     print(f"mean time over serial 1F1B: greedy {record['greedy_vs_serial']:.3f}, annealed "
           f"{record['annealed_vs_serial']:.3f}, bound {record['bound_vs_serial']:.3f}")
+    if args.ranks:
+        record |= measure_real(ranks=args.ranks, layers=args.layers, repeats=args.repeats)
+        print(f"measured on {args.ranks} gloo ranks: serial {record['serial_s']:.3f} s, fused "
+              f"{record['fused_s']:.3f} s per actor+critic update (fused / serial "
+              f"{record['measured_fused_vs_serial']:.3f})")
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
 
