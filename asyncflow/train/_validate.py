@@ -154,9 +154,11 @@ def _check_pipeline(config: RunConfig, role: str, place: PlacementSection) -> No
     if engine != "native":
         raise ConfigError(f"{key} = {place.p}: the {engine!r} engine runs no pipeline stages here; use the "
                           "native engine or p = 1")
-    if place.gen is not None:
-        raise ConfigError(f"{key} = {place.p} with a generation layout (placement.{role}.gen): the hybrid "
-                          "engine's transition from pipeline stages is planned; drop gen or use p = 1")
+    chunks = config.actor.pipeline_chunks if role in ("actor", "ref") else config.critic.pipeline_chunks
+    if place.gen is not None and chunks > 1:
+        raise ConfigError(f"{key} = {place.p} with a generation layout (placement.{role}.gen) and "
+                          f"pipeline_chunks = {chunks}: the hybrid engine moves whole stages; use "
+                          "pipeline_chunks = 1 or drop gen")
 
 
 def _check_gen(config: RunConfig, role: str, place: PlacementSection) -> None:

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
-from typing import Literal, overload
+from typing import Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ from workers.engines._parallel import Parallelism, TensorParallelPlan, clip_grad
 from workers.engines._pipelined import PipelineStages
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
 from workers.objectives import LossFn, ModelOutputs
+
+
+T = TypeVar("T")
 
 
 class TrainingEngine:
@@ -344,6 +347,12 @@ class TrainingEngine:
         if not stepped["step_skipped"]:
             self._step += 1
         return reduced | stepped
+
+    def from_last_stage(self, value: T) -> T:
+        """``value`` as the pipeline's last stage has it, on every rank (collective
+        over the pipeline's stages); ``value`` itself without stages. For what an
+        objective records as it runs (only the last stage runs it)."""
+        return value if self._stages is None else self._stages.from_last(value)
 
     def _clip_gradients(self) -> float:
         """Total gradient norm over every shard, before clipping to ``grad_clip``."""

@@ -365,7 +365,9 @@ class ActorWorker(TrainedRole):
         indexed = {**batch, ROW_INDEX: torch.arange(rows)}
         metrics = run_updates(self.engine, indexed, loss=own, fields=(*fields, ROW_INDEX), schedule=schedule,
                               generator=self._shuffle, prefix="actor/")
-        return rollout_consistency({**batch, F.OLD_LOGPROBS: own.old_logprobs}, self.engine) | metrics
+        # The objective recorded them where it ran: the last pipeline stage.
+        old = self.engine.from_last_stage(own.old_logprobs)
+        return rollout_consistency({**batch, F.OLD_LOGPROBS: old}, self.engine) | metrics
 
     def _after_load(self) -> None:
         self._sync_rollout()

@@ -1,5 +1,7 @@
 """The actor's weights in two layouts: trained in ``p-t-d``, generating in the
-placement's generation layout (``Layout.gen``), moved by the hybrid engine.
+placement's generation layout (``Layout.gen``), moved by the hybrid engine. With
+pipeline stages (``p > 1``) each rank trains its stage's parameters and a
+generation replica gathers every stage's.
 
 Before a generation, :meth:`HybridWeights.to_generation` gathers this rank's
 generation shards (inside micro-DP groups with the ``hybridflow`` grouping, each
@@ -16,6 +18,7 @@ import logging
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -31,11 +34,12 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 """The groups' timeout on a pool without its own group (one rank: no communication)."""
 
 
-def training_shards(model: nn.Module) -> tuple[list[ParamSpec], dict[str, Tensor]]:
+def training_shards(model: nn.Module, *, stage: int = 0) -> tuple[list[ParamSpec], dict[str, Tensor]]:
     """The specs of ``model``'s parameters and this rank's training shards.
 
     A tensor-parallel parameter (a DTensor sharded on a 1-D mesh) is split along
-    its ``Shard`` dimension; any other parameter is whole.
+    its ``Shard`` dimension; any other parameter is whole. With pipeline stages the
+    model holds its ``stage``'s parameters only.
 
     Raises:
         ConfigError: a parameter is also sharded over data-parallel ranks (FSDP).
@@ -57,9 +61,21 @@ def training_shards(model: nn.Module) -> tuple[list[ParamSpec], dict[str, Tensor
             local: Tensor = param._local_tensor  # the shard itself, not to_local()'s view
         else:
             local = param.detach()
-        specs.append(ParamSpec(name=name, shape=tuple(param.shape), dtype=param.dtype, dim=dim))
+        specs.append(ParamSpec(name=name, shape=tuple(param.shape), dtype=param.dtype, dim=dim, stage=stage))
         shards[name] = local
     return specs, shards
+
+
+def every_stage(specs: list[ParamSpec], ctx: WorkerContext) -> list[ParamSpec]:
+    """The specs of every pipeline stage's parameters, in stage order, from this
+    rank's (collective over the pool's ranks: each stage's ranks know their own)."""
+    gathered: list[list[ParamSpec] | None] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, specs, group=ctx.process_group)
+    out: list[ParamSpec] = []
+    for stage in range(ctx.layout.p):
+        first = next(r for r in range(ctx.world_size) if ctx.layout.coords(r).pp == stage)
+        out.extend(gathered[first] or [])
+    return out
 
 
 class HybridWeights:
@@ -80,7 +96,9 @@ class HybridWeights:
                  bucket_bytes: int) -> None:
         layout = ctx.layout
         self.ctx, self.rollout = ctx, rollout
-        specs, shards = training_shards(model)
+        specs, shards = training_shards(model, stage=layout.coords(ctx.rank).pp)
+        if layout.p > 1:
+            specs = every_stage(specs, ctx)
         self.plan = make_plan(layout, specs, method=layout.generation.grouping, bucket_bytes=bucket_bytes)
         ranks = ctx.mesh.mesh.flatten().tolist() if ctx.mesh is not None else [ctx.global_rank]
         timeout = getattr(ctx.process_group, "timeout", DEFAULT_TIMEOUT)

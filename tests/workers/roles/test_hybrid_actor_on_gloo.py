@@ -1,6 +1,7 @@
 """The actor with a generation layout (the hybrid engine) on real gloo groups: trained
-in 1-2-1 generating in 1-1-2-1, and trained in 1-4-1 generating in 1-2-2-1 (tensor
-parallel generation), it samples the same greedy tokens as a one-rank actor with
+in 1-2-1 generating in 1-1-2-1, trained in 1-4-1 generating in 1-2-2-1 (tensor
+parallel generation), and trained in two pipeline stages (2-1-1) generating in
+1-1-2-1, it samples the same greedy tokens as a one-rank actor with
 the same weights, before and after an update, and its update equals the one-rank
 update."""
 
@@ -31,6 +32,7 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 LAYOUTS = {
     "121-1121": Layout(t=2, gen=GenerationLayout(tg=1)),
     "141-1221": Layout(t=4, gen=GenerationLayout(tg=2)),
+    "211-1121": Layout(p=2, gen=GenerationLayout(tg=1)),  # two pipeline stages, whole weights to generate
 }
 
 
