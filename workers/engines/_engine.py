@@ -58,7 +58,6 @@ from workers.engines._pipelined import PipelineStages
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
 from workers.objectives import LossFn, ModelOutputs
 
-
 T = TypeVar("T")
 
 
