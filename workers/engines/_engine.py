@@ -336,6 +336,8 @@ class TrainingEngine:
         """Everything of :meth:`train_step` after the backwards: the gradients reduced
         and clipped, the metrics reduced, the optimizer stepped."""
         self.parallel.reduce_gradients(self.model)
+        if self._stages is not None:
+            self._stages.sum_tied_gradients()
         reduced = step.stats.reduce(self.parallel)
         if self._stages is not None:  # the last stage computed the loss and metrics
             reduced = self._stages.from_last(reduced)
@@ -355,8 +357,12 @@ class TrainingEngine:
 
     def _clip_gradients(self) -> float:
         """Total gradient norm over every shard, before clipping to ``grad_clip``."""
-        stages = None if self._stages is None else self._stages.group
-        return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip, stages=stages))
+        if self._stages is None:
+            return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip))
+        # A tied embedding's second copy is clipped with the rest but counted once.
+        uncounted = [] if self._stages.tied is None or self._stages.tied_counted else [self._stages.tied]
+        return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip, stages=self._stages.group,
+                                    uncounted=uncounted))
 
     def _parts(self, model: nn.Module) -> list[nn.Module]:
         """The modules laid out one by one: the model, or this rank's pipeline stages."""

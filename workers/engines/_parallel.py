@@ -11,7 +11,7 @@ to compute a gradient norm that is correct for sharded gradients.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -347,7 +347,7 @@ def group_by_layout(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, *,
-                   stages: dist.ProcessGroup | None = None) -> Tensor:
+                   stages: dist.ProcessGroup | None = None, uncounted: Sequence[nn.Parameter] = ()) -> Tensor:
     """Total L2 norm of the gradients over all shards, and clip them to ``max_norm``.
 
     Sharded (DTensor) gradients are reduced over their mesh, replicated ones are not,
@@ -358,15 +358,20 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, *
         max_norm: clip threshold; None or <= 0 only measures.
         stages: the pipeline's group, whose stages hold the model's other
             parameters (their squared norms are summed over it).
+        uncounted: parameters clipped but left out of the norm (a second copy of a
+            tied weight, counted where the first is).
 
     Returns:
         The pre-clip total norm (a float32 scalar on the gradients' device).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    skip = {id(p) for p in uncounted}
+    pairs = [(p.grad, id(p) not in skip) for p in parameters if p.grad is not None]
+    grads = [g for g, _ in pairs]
+    counted = [g for g, count in pairs if count]
     if not grads and stages is None:
         return torch.zeros(())
     squares = [torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)]
-    for group in group_by_layout(grads):
+    for group in group_by_layout(counted):
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

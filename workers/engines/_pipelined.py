@@ -31,6 +31,7 @@ from workers.engines.pipeline import (
     one_f_one_b,
     run_schedule,
     split_stages,
+    tied_heads,
 )
 
 __all__ = ["PipelineStages"]
@@ -60,7 +61,22 @@ class PipelineStages:
         self.parameters = sum(p.numel() for p in model.parameters())
         """The whole model's parameters (the schedules' cost of a pass is their share)."""
         stage = self.size - 1 - self.rank if reverse else self.rank
+        tied = tied_heads(model)
         self.stages: list[Stage] = split_stages(model, rank=stage, ranks=self.size, chunks=chunks)
+        first = any(s.index == 0 for s in self.stages)
+        last = any(s.last for s in self.stages)
+        # Tied embeddings: the first stage's embedding and the last stage's head are
+        # copies of one weight; their gradients are summed across the two ranks.
+        self.tied: nn.Parameter | None = None
+        """This rank's copy of a tied embedding weight (None: none here)."""
+        self.tied_counted = True
+        """Whether this rank's copy counts in the gradient norm (the first stage's)."""
+        if tied and first != last:
+            holder = model.get_submodule(tied[0]) if last else stages_embedding(self.stages[0])
+            self.tied = holder.weight  # type: ignore[assignment]
+            self.tied_counted = first
+        ends = (self.ranks[-1], self.ranks[0]) if reverse else (self.ranks[0], self.ranks[-1])
+        self._tied_peer = ends[1] if first else ends[0]
         self.module = model
         """The rank's parameters under the whole model's names (``model``, cut down)."""
 
@@ -116,11 +132,33 @@ class PipelineStages:
                 dist.broadcast(tensor, src=self.ranks[owner], group=self.group)
                 yield name, tensor
 
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of a tied embedding's two copies (first and last stage),
+        so both take the one update the tied weight would (a collective of the two
+        ranks; nothing elsewhere)."""
+        if self.tied is None:
+            return
+        if self.tied.grad is None:
+            self.tied.grad = torch.zeros_like(self.tied)
+        grad = self.tied.grad
+        other = torch.empty_like(grad)
+        works = [dist.isend(grad.contiguous(), self._tied_peer, group=self.group),
+                 dist.irecv(other, self._tied_peer, group=self.group)]
+        for work in works:
+            assert work is not None
+            work.wait()
+        grad.add_(other)
+
     def from_last(self, value: Any) -> Any:
         """``value`` as the last stage has it, on every stage (a collective)."""
         box = [value]
         dist.broadcast_object_list(box, src=self.ranks[0 if self.reverse else -1], group=self.group)
         return box[0]
+
+
+def stages_embedding(stage: Stage) -> nn.Module:
+    """The input embedding of the model's first stage."""
+    return stage.body.get_submodule("embed_tokens")
 
 
 def _device(module: nn.Module) -> torch.device:

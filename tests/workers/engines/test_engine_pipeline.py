@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engines_testlib import EXACT, TinyValueModel, make_batch, run_ranks, tiny_lm
+from engines_testlib import EXACT, TinyValueModel, make_batch, run_ranks, tiny_config, tiny_lm
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 
@@ -181,3 +181,48 @@ def test_a_fused_actor_critic_step_equals_the_two_updates_one_after_the_other(tm
             for name, tensor in mine.items():
                 torch.testing.assert_close(tensor, serial[name], rtol=1e-5, atol=1e-6, msg=name)
                 torch.testing.assert_close(tensor, expected[name].detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _tied_lm(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = tiny_config(layers=LAYERS)
+    config.tie_word_embeddings = True
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def _tied_ranks(rank: int, out: Path) -> None:
+    mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
+    engine = TrainingEngine(_tied_lm(), config=TrainingConfig(**CONFIG, micro_batch_size=3), mesh=mesh, loss=LOSS)
+    result = _run(engine, steps=2)
+    result["full"] = {name: t.clone() for name, t in engine.named_full_weights()}
+    engine.save(out / "tied-ckpt")
+    torch.save(result, out / f"tied{rank}.pt")
+
+
+def test_tied_embeddings_train_in_two_stages_like_one_process(tmp_path: Path) -> None:
+    """The first stage's embedding and the last stage's head are copies of one weight:
+    their gradients are summed and the norm counts the weight once, so both copies
+    follow the tied weight of one process."""
+    out = run_ranks(2, _tied_ranks, tmp_path)
+    engine = TrainingEngine(_tied_lm(), config=TrainingConfig(**CONFIG, micro_batch_size=3), loss=LOSS)
+    expected = _run(engine, steps=2)
+    tied = expected["weights"]["model.embed_tokens.weight"]
+    for rank in range(2):
+        got = torch.load(out / f"tied{rank}.pt", weights_only=False)
+        torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=1e-5, atol=1e-6)
+        for got_m, exp_m in zip(got["metrics"], expected["metrics"], strict=True):
+            _assert_close_metrics(got_m, exp_m)
+        copy = got["weights"].get("model.embed_tokens.weight", got["weights"].get("lm_head.weight"))
+        torch.testing.assert_close(copy, tied, rtol=1e-5, atol=1e-6)
+        for name, tensor in got["weights"].items():
+            reference = tied if name == "lm_head.weight" else expected["weights"][name]
+            torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=1e-5, msg=name)
+        # Exported weights carry both names, equal, as the tied model's state dict does.
+        torch.testing.assert_close(got["full"]["lm_head.weight"], tied, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["full"]["model.embed_tokens.weight"], tied, rtol=1e-5, atol=1e-6)
+    # The stages' checkpoint resumes in one process.
+    resumed = TrainingEngine(_tied_lm(seed=5), config=TrainingConfig(**CONFIG, micro_batch_size=3), loss=LOSS)
+    resumed.load(out / "tied-ckpt")
+    _assert_close_metrics(resumed.train_step(make_batch()), engine.train_step(make_batch()))

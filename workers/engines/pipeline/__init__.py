@@ -35,7 +35,7 @@ from workers.engines.pipeline._schedule import (
     Task,
     simulate,
 )
-from workers.engines.pipeline._stages import Inbox, Stage, layer_bounds, split_stages
+from workers.engines.pipeline._stages import Inbox, Stage, layer_bounds, split_stages, tied_heads
 
 __all__ = [
     "Inbox",
@@ -58,4 +58,5 @@ __all__ = [
     "serial_cost",
     "simulate",
     "split_stages",
+    "tied_heads",
 ]

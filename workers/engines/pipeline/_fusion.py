@@ -129,11 +129,13 @@ def fusion_lower_bound(models: Sequence[PipelineModel]) -> float:
     return bound
 
 
-def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = None) -> Schedule | None:
+def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = None,
+               slack_s: float = 0.0) -> Schedule | None:
     """A fused schedule built around the slowest model's own 1F1B: that model keeps
     its 1F1B order on every device, and a pass of another model runs only where it
-    ends before the backbone's next pass could start (backfilling its bubbles) and,
-    for a forward, keeps the device's held activations within ``memory_limit``.
+    ends before the backbone's next pass could start, ``slack_s`` later at most
+    (backfilling its bubbles) and, for a forward, keeps the device's held
+    activations within ``memory_limit``.
 
     Returns:
         The schedule, or None if the limit leaves every device waiting.
@@ -162,7 +164,7 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
             for lane in lanes[d]:
                 for task in _lane_heads(index, models, lane, taken[lane]):
                     start = _ready(index, end, task, free[d])
-                    if start is None or start + index.cost[task] > due + 1e-9:
+                    if start is None or start + index.cost[task] > due + slack_s + 1e-9:
                         continue
                     if held[d] + index.memory[task] > limit:
                         continue
@@ -211,9 +213,13 @@ def _ready(index: TaskIndex, end: dict[int, float], task: int, free: float) -> f
     return None if done is None else max(free, done)
 
 
-_LIMITS = (1.0, 1.1, 1.2, 1.3, 1.5, 2.0)
+_LIMITS = (1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0)
 """Activation limits, as multiples of the serial 1F1B peak, the annealing's
 backfilled starting points are built with."""
+_SLACKS = (0.0, 0.25, 0.5, 1.0)
+"""How long a backfilled pass may delay the backbone's next one, in the largest
+forward's time, for the annealing's starting points (a little delay can let the
+other model's chain through sooner)."""
 
 
 def fused_annealed(
@@ -227,8 +233,8 @@ def fused_annealed(
     """RLHFuse's annealed fused schedule of ``models`` (see the module docstring).
 
     The search starts from the best of the greedy schedule and backfilled ones
-    (:func:`backfilled` under several activation limits): the earliest finish, and
-    among equally early ones the lowest peak. It then swaps adjacent
+    (:func:`backfilled` under several activation limits and delays): the earliest
+    finish, and among equally early ones the lowest peak. It then swaps adjacent
     passes to finish earlier (within ``memory_limit``), then to hold fewer
     activations at no cost in finish time.
 
@@ -250,7 +256,9 @@ def fused_annealed(
     """
     index = TaskIndex(models)
     serial_peak = serial_cost(models).peak
-    starts = [fused_greedy(models)] + [backfilled(models, memory_limit=serial_peak * f) for f in _LIMITS]
+    forward = max(m.forward_s for m in models)
+    starts = [fused_greedy(models)] + [backfilled(models, memory_limit=serial_peak * f, slack_s=forward * k)
+                                       for f in _LIMITS for k in _SLACKS]
     runs = [(simulate(s), s) for s in starts if s is not None]
     if memory_limit is not None:
         runs = [(r, s) for r, s in runs if r.peak <= memory_limit + 1e-9]

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from workers.engines._errors import EngineConfigError
 
-__all__ = ["Inbox", "Stage", "layer_bounds", "split_stages"]
+__all__ = ["Inbox", "Stage", "layer_bounds", "split_stages", "tied_heads"]
 
 
 class _Skip(nn.Module):
@@ -107,6 +107,15 @@ def _body_name(model: nn.Module) -> str:
     )
 
 
+def tied_heads(model: nn.Module) -> list[str]:
+    """The heads of ``model`` whose weight is its input embedding's (tied
+    embeddings: ``lm_head`` of a model with ``tie_word_embeddings``)."""
+    body = model.get_submodule(_body_name(model))
+    embed = body.get_submodule("embed_tokens")
+    return [name for name, child in model.named_children()
+            if child is not body and getattr(child, "weight", None) is embed.weight]
+
+
 def layer_bounds(layers: int, stages: int) -> list[tuple[int, int]]:
     """``[first, end)`` layers of each of ``stages`` virtual stages, as even as can be
     (earlier stages take one more)."""
@@ -146,25 +155,22 @@ def split_stages(model: nn.Module, *, rank: int, ranks: int, chunks: int = 1) ->
 
     Args:
         model: a transformers-layout model (see the module docstring), identical on
-            every rank.
+            every rank. Tied input and output embeddings stay one parameter on a
+            rank that runs both the first and the last stage; otherwise the first
+            stage's embedding and the last stage's head each hold a copy (see
+            :func:`tied_heads`).
         rank: this rank's pipeline stage.
         ranks: the pipeline's stages (the mesh's ``pp``).
         chunks: virtual stages per rank (interleaved 1F1B when above 1).
 
     Raises:
         EngineConfigError: for a model without that layout, fewer layers than
-            virtual stages, or tied input and output embeddings.
+            virtual stages.
     """
     body_name = _body_name(model)
     body = model.get_submodule(body_name)
     heads = [name for name, _ in model.named_children() if name != body_name]
     embed = body.get_submodule("embed_tokens")
-    tied = [name for name in heads if getattr(getattr(model, name), "weight", None) is embed.weight]
-    if tied:
-        raise EngineConfigError(
-            f"pipeline stages with tied input and output embeddings ({body_name}.embed_tokens and {tied[0]}) "
-            "are not supported yet; untie them (tie_word_embeddings=False) or use pp=1"
-        )
     layers = list(body.get_submodule("layers").children())
     total = ranks * chunks
     bounds = layer_bounds(len(layers), total)
