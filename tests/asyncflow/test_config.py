@@ -234,7 +234,7 @@ def test_train_refuses_bad_config_before_anything_starts(
 def test_overrides_are_checked_like_the_file(tmp_path: Path, model_dir: str, nothing_starts: None,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path, model_dir, {})
-    assert main(["train", str(path), "--set", "placement.actor={\"pool\": \"main\", \"p\": 2}"]) == 2
+    assert main(["train", str(path), "--set", "placement.actor={\"pool\": \"main\", \"p\": 4}"]) == 2
     assert "placement.actor.p" in capsys.readouterr().err
     assert main(["train", str(path), "--set", "actor.lr"]) == 2
     assert "--set expects key=value" in capsys.readouterr().err
