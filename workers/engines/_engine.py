@@ -110,7 +110,8 @@ class TrainingEngine:
 
         Raises:
             EngineConfigError: for an invalid mesh (names), a model whose head counts
-                ``tp`` does not divide, pipeline stages the model cannot fill, ``precision="bf16"`` on a GPU
+                ``tp`` does not divide, pipeline stages the model cannot fill or
+                sharded over data-parallel ranks, ``precision="bf16"`` on a GPU
                 without bfloat16, or activation checkpointing on a model without
                 transformers' gradient checkpointing.
         """
@@ -121,7 +122,9 @@ class TrainingEngine:
         self.process_group = process_group
         self.device = self.parallel.device_for(model)
         self.trainable = trainable
-        replicate = config.replicates(sum(p.numel() for p in model.parameters()))
+        # Inside pipeline stages FSDP sharding is not built yet: "auto" replicates there.
+        replicate = config.replicates(sum(p.numel() for p in model.parameters())) or (
+            self.parallel.pp_size > 1 and config.data_parallel == "auto")
         self._precision = precision_strategy(
             resolve_precision(config.precision, self.device),
             device=self.device,
@@ -136,6 +139,12 @@ class TrainingEngine:
         elif config.activation_checkpointing:
             enable_activation_checkpointing(model)
         # Pipeline stages: the rank keeps its stages' layers only, each laid out alone.
+        if mesh is not None and self.parallel.pp_size > 1 and self.parallel.shards(replicate=replicate):
+            raise EngineConfigError(
+                "FSDP sharding inside pipeline stages is planned; with pp > 1 set "
+                "TrainingConfig(data_parallel='replicate') (each data-parallel rank keeps its stage whole) "
+                "or use pp=1"
+            )
         self._stages = (PipelineStages(model, mesh=mesh, chunks=config.pipeline_chunks,
                                        reverse=config.pipeline_reversed)
                         if mesh is not None and self.parallel.pp_size > 1 else None)
