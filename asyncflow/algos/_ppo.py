@@ -38,6 +38,12 @@ class PPOConfig(msgspec.Struct, **_CFG):
     """Discount."""
     lam: float = 0.95
     """GAE lambda."""
+    fuse_updates: bool = True
+    """Run the actor's and the critic's updates as one fused pipeline schedule
+    (RLHFuse's intra-stage fusion: each model fills the other's pipeline bubbles)
+    where the placement allows it: both on one pool in the same pipeline layout
+    (``p`` above 1, one chunk), the critic's pipeline reversed (``asyncflow train``
+    builds it so); elsewhere the two run side by side."""
 
     def check(self) -> None:
         """Raises ConfigError naming a KL coefficient or GAE setting out of range."""
@@ -68,9 +74,10 @@ async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: Data
                    rollout: DataFuture[Any] | None = None) -> dict[str, float]:
     """One PPO step: rollout, reference log-probs, values and scores (each on its
     role's pool, so stages on different pools overlap), GAE on the consumers'
-    ranks, then the actor and critic updates side by side. With ``stream``, the
-    inference calls on other pools than the actor's run per micro-batch as
-    samples finish (:class:`Feed` says which); the updates get the same rows."""
+    ranks, then the actor and critic updates (side by side, or fused where they
+    share pipeline stages). With ``stream``, the inference calls on other pools
+    than the actor's run per micro-batch as samples finish (:class:`Feed` says
+    which); the updates get the same rows."""
     r = PPORoles.of(roles, config=config, algorithm="PPO")
     feed = Feed(sampled(r, prompts, config, seed=seed, stream=stream, rollout=rollout), producer=r.actor,
                 stream=stream)
@@ -82,7 +89,28 @@ async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: Data
     else:
         batch = batch.map(token_rewards)
     batch = whole(batch).map(gae, gamma=config.gamma, lam=config.lam)
-    actor, critic, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()),
-                                        r.critic.update(batch), r.reward.stats(whole(scores)))
-    return actor | critic | score_summary(stats)
+    updates, stats = await gather(actor_and_critic_updates(r, batch, config), r.reward.stats(whole(scores)))
+    return updates | score_summary(stats)
 # [/docs:ppo-step]
+
+
+async def actor_and_critic_updates(r: PPORoles, batch: DataFuture[Any], config: PPOConfig) -> dict[str, float]:
+    """The actor's and the critic's updates on ``batch``: one fused call where
+    :func:`fusable` says so, else the two side by side."""
+    if config.fuse_updates and fusable(r.actor, r.critic):
+        metrics: dict[str, float] = await r.actor.update(batch, with_critic=True, **config.policy.update_kwargs())
+        return metrics
+    actor, critic = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.critic.update(batch))
+    return actor | critic
+
+
+def fusable(actor: RoleGroup[Any], critic: RoleGroup[Any]) -> bool:
+    """Whether the two roles' updates can run as one fused pipeline schedule: one
+    pool, the same pipeline and tensor sizes (so the same pipeline ranks), ``p``
+    above 1, one chunk each, the pipelines in opposite directions."""
+    mine, theirs = actor.layout, critic.layout
+    if actor.pool.name != critic.pool.name or mine.p < 2 or (mine.p, mine.t) != (theirs.p, theirs.t):
+        return False
+    a, c = getattr(actor.config, "training", None), getattr(critic.config, "training", None)
+    return (a is not None and c is not None and a.pipeline_chunks == c.pipeline_chunks == 1
+            and a.pipeline_reversed != c.pipeline_reversed)

@@ -38,11 +38,22 @@ from workers.roles import (
 from workers.rollout import NativeRolloutConfig, VLLMRolloutConfig
 
 
-def _training(o: OptimSection) -> TrainingConfig:
+def _training(o: OptimSection, *, reversed_pipeline: bool = False) -> TrainingConfig:
     return TrainingConfig(lr=o.lr, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
                           warmup_steps=o.warmup_steps, micro_batch_size=o.micro_batch_size,
                           precision=o.precision, activation_checkpointing=o.activation_checkpointing,
-                          pipeline_chunks=o.pipeline_chunks)
+                          pipeline_chunks=o.pipeline_chunks, pipeline_reversed=reversed_pipeline)
+
+
+def _critic_reversed(config: RunConfig) -> bool:
+    """Whether the critic's pipeline runs the other way than the actor's: when they
+    share a pool's pipeline stages (``p`` above 1, the same ``t``, one chunk each),
+    so that their updates can run as one fused schedule (PPO's ``fuse_updates``)."""
+    actor, critic = config.placement.get("actor"), config.placement.get("critic")
+    if actor is None or critic is None or actor.pool != critic.pool or actor.p < 2:
+        return False
+    return ((actor.p, actor.t) == (critic.p, critic.t)
+            and config.actor.pipeline_chunks == config.critic.pipeline_chunks == 1)
 
 
 def _update(o: OptimSection) -> UpdateConfig:
@@ -91,7 +102,9 @@ def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[s
         "ref": lambda: (ReferenceWorker, ReferenceConfig(
             model_dir=model_dir, seed=config.seed, engine=a.engine,
             training=TrainingConfig(micro_batch_size=a.micro_batch_size, precision=a.precision))),
-        "critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),
+        "critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir,
+                                                      training=_training(config.critic,
+                                                                         reversed_pipeline=_critic_reversed(config)),
                                                       update=_update(config.critic), seed=config.seed,
                                                       engine=config.critic.engine)),
         "cost_critic": lambda: (CriticWorker, CriticConfig(model_dir=model_dir, training=_training(config.critic),

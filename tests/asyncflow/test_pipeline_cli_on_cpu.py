@@ -1,16 +1,20 @@
 """PPO through ``asyncflow train`` with the actor, the critic and the reference each
-split into two pipeline stages (``p = 2``) on real Ray workers: the update runs the
-1F1B schedule over gloo, the rollout engine gets the stages' weights, and the run
-checkpoints and exports the policy as one Hugging Face model."""
+split into two pipeline stages (``p = 2``) on real Ray workers: the actor's and the
+critic's updates run as one fused schedule over gloo (the critic's pipeline
+reversed), the rollout engine gets the stages' weights, and the run checkpoints and
+exports the policy as one Hugging Face model; with fusion off the first step's
+updates are the same."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from asyncflow.algos._ppo import fusable
 from asyncflow.cli import main
 from asyncflow.train import load_config, read_metrics
 from asyncflow.train._roles import role_specs
@@ -43,6 +47,7 @@ eval_size = 8
 name = "ppo"
 sampling = {{ n = 2, temperature = 1.0, max_new_tokens = 3 }}
 policy = {{ kl_coef = 0.05 }}
+fuse_updates = {fuse}
 
 [actor]
 lr = 1e-3
@@ -71,24 +76,55 @@ def _restore_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_ppo_with_actor_critic_and_reference_in_two_pipeline_stages(tmp_path: Path, capsys) -> None:
-    model_dir = str(save_tiny_model(tmp_path / "model", TWO_LAYERS, seed=0))
-    path = config_file(tmp_path, "run")
-    path.write_text(CONFIG.format(out=tmp_path / "run", model=model_dir))
+def _run(tmp_path: Path, model_dir: str, name: str, *, fuse: bool) -> list[dict]:
+    path = config_file(tmp_path, name)
+    path.write_text(CONFIG.format(out=tmp_path / name, model=model_dir, fuse=str(fuse).lower()))
     specs = role_specs(load_config(path), model_dir)
     assert {role: specs[role].layout for role in ("actor", "critic", "ref")} == dict.fromkeys(
         ("actor", "critic", "ref"), Layout(p=2, t=1, d=1))
+    # Sharing the actor's pipeline ranks, the critic runs its pipeline the other way.
+    assert specs["critic"].config.training.pipeline_reversed and not specs["actor"].config.training.pipeline_reversed
+    assert fusable(specs["actor"], specs["critic"])  # PPO's step takes the fused call
     assert main(["train", str(path), "--no-progress"]) == 0
+    return read_metrics(tmp_path / name / "latest" / "metrics.jsonl")
+
+
+def test_ppo_with_actor_critic_and_reference_in_two_pipeline_stages(tmp_path: Path, capsys) -> None:
+    model_dir = str(save_tiny_model(tmp_path / "model", TWO_LAYERS, seed=0))
+    apart = _run(tmp_path, model_dir, "apart", fuse=False)
+    rows = _run(tmp_path, model_dir, "run", fuse=True)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("accuracy: ")
-    rows = read_metrics(tmp_path / "run" / "latest" / "metrics.jsonl")
     updates = [r for r in rows if "actor/loss" in r]
     assert [r["step"] for r in updates] == [1, 2]
     assert all(r["actor/steps_skipped"] == 0 and "critic/loss" in r for r in updates)
     # The rollout engine samples with the stages' weights: its log-probs are the
     # actor's (a stage missing from the synced weights would show here).
     assert all(abs(r["actor/logprob_mismatch"]) < 1e-4 for r in updates)
+    # The fused updates are the two updates in another order: the first step's match.
+    first = next(r for r in apart if "actor/loss" in r)
+    for key in ("actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "critic/values"):
+        assert updates[0][key] == pytest.approx(first[key], rel=1e-4, abs=1e-6), key
     assert (tmp_path / "run" / "latest" / "checkpoints" / "step_000002").is_dir()
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "latest" / "policy")
     start = AutoModelForCausalLM.from_pretrained(model_dir)
     changed = {name for name, t in policy.state_dict().items() if not torch.equal(t, start.state_dict()[name])}
     assert any(".layers.0." in n for n in changed) and any(".layers.1." in n for n in changed)
+
+
+def _role(pool: str, p: int, *, t: int = 1, chunks: int = 1, reversed_: bool = False) -> SimpleNamespace:
+    training = SimpleNamespace(pipeline_chunks=chunks, pipeline_reversed=reversed_)
+    return SimpleNamespace(pool=SimpleNamespace(name=pool), layout=Layout(p=p, t=t, d=1),
+                           config=SimpleNamespace(training=training))
+
+
+@pytest.mark.parametrize(("critic", "expected"), [
+    (_role("main", 2, reversed_=True), True),
+    (_role("main", 2), False),  # the same direction: no bubbles to fill
+    (_role("side", 2, reversed_=True), False),  # another pool
+    (_role("main", 2, t=2, reversed_=True), False),  # other pipeline ranks
+    (_role("main", 2, chunks=2, reversed_=True), False),  # interleaved
+])
+def test_fused_updates_need_one_pool_one_pipeline_layout_and_opposite_directions(critic: SimpleNamespace,
+                                                                                  expected: bool) -> None:
+    assert fusable(_role("main", 2), critic) is expected  # type: ignore[arg-type]
+    assert not fusable(_role("main", 1), _role("main", 1, reversed_=True))  # type: ignore[arg-type]

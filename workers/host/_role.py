@@ -6,9 +6,9 @@ process. Several roles placed on one pool share that pool's processes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,10 @@ class WorkerContext:
     """The pool's process group (gloo on CPU, NCCL on GPU); None for a 1-rank pool."""
     mesh: Any
     """``torch.distributed.DeviceMesh`` of shape (p, d, t), dims ("pp", "dp", "tp")."""
+    roles: Mapping[str, Any] = field(default_factory=dict)
+    """The role objects this process hosts, by name (a live view: roles added later
+    appear). For roles that work together in one process: the actor's update runs
+    the co-located critic's in one fused pipeline schedule."""
 
     @property
     def coords(self) -> Coords:

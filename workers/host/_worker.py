@@ -268,7 +268,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
         ctx = WorkerContext(
             role=name, pool=self.pool, rank=self.rank, world_size=self.pool_size,
             global_rank=self.index, layout=layout, device=self.device,
-            process_group=self._pool_group, mesh=self._meshes.get(layout),
+            process_group=self._pool_group, mesh=self._meshes.get(layout), roles=self.roles,
         )
         role = self.roles[name] = cls(ctx) if config is None else cls(ctx, config)
         self._endpoints[name] = endpoints(cls)

@@ -20,7 +20,7 @@ it holds no second copy of the weights.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +38,10 @@ from workers.engines import (
 from workers.episodes import EPISODE_METRIC_FIELDS, EpisodeConfig, episode_metrics
 from workers.host import CallInfo, StreamMethod, WorkerContext, register
 from workers.models import load_model, save_pretrained_here
-from workers.objectives import ROW_INDEX, NLLLoss, OnPolicy, PolicyLoss, kl_k3
+from workers.objectives import ROW_INDEX, LossFn, NLLLoss, OnPolicy, PolicyLoss, kl_k3
 from workers.roles import _fields as F
 from workers.roles._checkpoint import TrainedRole
+from workers.roles._critic import CriticWorker
 from workers.roles._engine_choice import EngineName, build_engine, check_engine
 from workers.roles._episodes import EpisodeSetup
 from workers.roles._generation import checked_generate
@@ -49,13 +50,16 @@ from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
 from workers.roles._staleness import VERSION_METRICS_REDUCE, staleness_columns, version_metrics
 from workers.roles._training import (
     UpdateConfig,
+    UpdateRun,
     check_model_dir,
     check_seed,
     check_types,
     dp_token_stats,
     require_fields,
+    run_together,
     run_updates,
     shuffle_generator,
+    update_run,
 )
 from workers.roles._weights import weight_rows
 from workers.rollout import (
@@ -282,7 +286,7 @@ class ActorWorker(TrainedRole):
               optional=(F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS, F.OLD_LOGPROBS, F.POLICY_VERSION, *EPISODE_METRIC_FIELDS))
     def update(self, batch: Batch, *, loss: PolicyLoss | None = None,
                schedule: UpdateConfig | None = None, ptx: Batch | None = None,
-               ptx_coef: float = 0.0) -> dict[str, float]:
+               ptx_coef: float = 0.0, with_critic: bool = False) -> dict[str, float]:
         """Train the policy on ``batch``, then load the new weights into the rollout engine.
 
         Reads the sequence fields, ``advantages``, ``old_logprobs`` and, when the loss
@@ -306,6 +310,12 @@ class ActorWorker(TrainedRole):
             ptx: optional supervised rows (prompt + response sequence fields) for a
                 pretraining loss step after the policy step (Safe-RLHF's ptx).
             ptx_coef: weight of that loss (0 skips it).
+            with_critic: also run the update of the critic this process hosts (role
+                ``"critic"``, its pipeline stages on the same ranks, reversed), each
+                pair of optimizer steps as one fused pipeline schedule (RLHFuse's
+                intra-stage fusion); the batch then also carries ``values`` and
+                ``returns``, and the critic's metrics come back with the actor's. Do
+                not also call the critic's ``update`` on these rows.
 
         Returns:
             Metrics named ``actor/<name>``, equal for every layout of the same rows
@@ -323,20 +333,27 @@ class ActorWorker(TrainedRole):
         Raises:
             MissingFieldError: the batch lacks a field the loss reads.
             ConfigError: the batch (all ranks' rows) has fewer rows than
-                ``schedule.mini_batches``.
+                ``schedule.mini_batches``; ``with_critic`` without a critic in this
+                process, or with a schedule of another step count than the critic's.
         """
         loss = loss if loss is not None else self.config.loss
         schedule = schedule or self.config.update
+        critic = self._critic_run(batch) if with_critic else None
+
+        def train(rows: Mapping[str, Tensor], objective: LossFn, fields: Sequence[str]) -> dict[str, float]:
+            run = update_run(self.engine, rows, loss=objective, fields=fields, schedule=schedule,
+                             generator=self._shuffle, prefix="actor/")
+            results = run_together([run] if critic is None else [run, critic])
+            return results[0] if critic is None else results[0] | results[1]
+
         rows, stale_fields = staleness_columns(batch, self.engine.step)
         lags = version_metrics(rows, self.engine.step)
         if F.OLD_LOGPROBS in rows or F.OLD_LOGPROBS not in loss.required_fields:
             fields = (*F.SEQUENCE, *loss.required_fields, *stale_fields)
             require_fields(rows, fields, where="actor.update")
-            metrics = rollout_consistency(rows, self.engine) | run_updates(
-                self.engine, rows, loss=loss, fields=fields, schedule=schedule, generator=self._shuffle,
-                prefix="actor/")
+            metrics = rollout_consistency(rows, self.engine) | train(rows, loss, fields)
         else:
-            metrics = self._update_on_policy(rows, loss, schedule, stale_fields)
+            metrics = self._update_on_policy(rows, loss, schedule, stale_fields, train)
         if ptx is not None and ptx_coef > 0:
             nll = NLLLoss(coef=ptx_coef)
             ptx_metrics = run_updates(self.engine, ptx, loss=nll, fields=(*F.SEQUENCE, *nll.required_fields),
@@ -346,7 +363,7 @@ class ActorWorker(TrainedRole):
         return metrics | lags | episode_metrics(batch)
 
     def _update_on_policy(self, batch: Mapping[str, Tensor], loss: PolicyLoss, schedule: UpdateConfig,
-                          stale_fields: tuple[str, ...]) -> dict[str, float]:
+                          stale_fields: tuple[str, ...], train: _Train) -> dict[str, float]:
         """``update`` of rows without ``old_logprobs``: they take the current policy's
         (the proximal policy; the sampling one unless rows are stale). One optimizer
         step takes them from its own forward (:class:`~workers.objectives.OnPolicy`);
@@ -357,17 +374,23 @@ class ActorWorker(TrainedRole):
         if schedule.epochs * schedule.mini_batches > 1:
             old, _ = self.engine.log_probs(batch, entropy=False)
             with_old = {**batch, F.OLD_LOGPROBS: old}
-            return rollout_consistency(with_old, self.engine) | run_updates(
-                self.engine, with_old, loss=loss, fields=(*fields, F.OLD_LOGPROBS), schedule=schedule,
-                generator=self._shuffle, prefix="actor/")
+            return rollout_consistency(with_old, self.engine) | train(with_old, loss, (*fields, F.OLD_LOGPROBS))
         rows, width = batch[F.RESPONSE_IDS].shape
         own = OnPolicy(loss, rows=rows, width=width, device=self.engine.device)
         indexed = {**batch, ROW_INDEX: torch.arange(rows)}
-        metrics = run_updates(self.engine, indexed, loss=own, fields=(*fields, ROW_INDEX), schedule=schedule,
-                              generator=self._shuffle, prefix="actor/")
+        metrics = train(indexed, own, (*fields, ROW_INDEX))
         # The objective recorded them where it ran: the last pipeline stage.
         old = self.engine.from_last_stage(own.old_logprobs)
         return rollout_consistency({**batch, F.OLD_LOGPROBS: old}, self.engine) | metrics
+
+    def _critic_run(self, batch: Mapping[str, Tensor]) -> UpdateRun:
+        """The co-located critic's update of ``batch``, not yet run."""
+        critic = self.ctx.roles.get("critic")
+        if not isinstance(critic, CriticWorker):
+            raise ConfigError("actor.update(with_critic=True) needs the critic on the actor's pool (role "
+                              f"'critic' in this process; it hosts {sorted(self.ctx.roles)}); place them together "
+                              "or update the critic with its own call")
+        return critic.update_run(batch)
 
     def _after_load(self) -> None:
         self._sync_rollout()
@@ -401,10 +424,16 @@ def _rollout_precision(config: ActorConfig, ctx: WorkerContext) -> PrecisionName
 
 def _update_reads(call: CallInfo) -> dict[str, tuple[str, ...]]:
     """What ``update`` reads: the sequence, and what its loss needs (the call's
-    ``loss``, else the role's default); ``ptx`` rows are a plain sequence."""
+    ``loss``, else the role's default), with the critic's ``values`` and ``returns``
+    when it runs the critic's update too; ``ptx`` rows are a plain sequence."""
     loss = call.arguments.get("loss") or getattr(call.config, "loss", None) or PolicyLoss()
     needed = (f for f in loss.required_fields if f != F.OLD_LOGPROBS)  # computed when absent
-    return {"batch": (*F.SEQUENCE, *needed), "ptx": F.SEQUENCE}
+    critic = (F.VALUES, F.RETURNS) if call.arguments.get("with_critic") else ()
+    return {"batch": (*F.SEQUENCE, *needed, *critic), "ptx": F.SEQUENCE}
+
+
+_Train = Callable[[Mapping[str, Tensor], LossFn, Sequence[str]], dict[str, float]]
+"""One update's steps on some rows (alone, or fused with the critic's)."""
 
 
 def rollout_consistency(batch: Mapping[str, Tensor], engine: TrainingEngine) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,12 +19,14 @@ from workers.roles._checkpoint import TrainedRole
 from workers.roles._engine_choice import EngineName, build_engine, check_engine
 from workers.roles._training import (
     UpdateConfig,
+    UpdateRun,
     check_model_dir,
     check_seed,
     check_types,
     require_fields,
-    run_updates,
+    run_together,
     shuffle_generator,
+    update_run,
 )
 
 OLD_VALUES = "old_values"
@@ -127,16 +130,24 @@ class CriticWorker(TrainedRole):
             ConfigError: the batch (all ranks' rows) has fewer rows than
                 ``schedule.mini_batches``.
         """
+        return run_together([self.update_run(batch, loss=loss, schedule=schedule)])[0]
+
+    def update_run(self, batch: Mapping[str, Tensor], *, loss: ValueLoss | None = None,
+                   schedule: UpdateConfig | None = None) -> UpdateRun:
+        """:meth:`update`'s steps, not yet run (the co-located actor runs them with
+        its own as one fused schedule: ``ActorWorker.update(with_critic=True)``).
+
+        Raises:
+            MissingFieldError, ConfigError: as :meth:`update`.
+        """
         if self.config.replicate and self.ctx.world_size > 1:
             raise ConfigError("critic.update: a replicated critic (CriticConfig.replicate) on more than one "
                               "rank serves values only; set replicate=False to train it")
         require_fields(batch, (*F.SEQUENCE, F.VALUES, F.RETURNS), where="critic.update")
         columns = {**batch, OLD_VALUES: batch[F.VALUES]}
         loss = loss if loss is not None else self.config.loss
-        return run_updates(self.engine, columns, loss=loss,
-                           fields=(*F.SEQUENCE, *loss.required_fields),
-                           schedule=schedule or self.config.update, generator=self._shuffle,
-                           prefix="critic/")
+        return update_run(self.engine, columns, loss=loss, fields=(*F.SEQUENCE, *loss.required_fields),
+                          schedule=schedule or self.config.update, generator=self._shuffle, prefix="critic/")
 
     def _save_export(self, state: dict[str, Tensor], out: Path) -> None:
         model = load_model(self.config.model_dir, kind="value", head_seed=self.config.head_seed)

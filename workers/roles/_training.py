@@ -5,7 +5,7 @@ optimizer step each)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from channels import ConfigError, MissingFieldError
-from workers.engines import OBSERVATION_MASK, TrainingEngine
+from workers.engines import OBSERVATION_MASK, TrainingEngine, fused_train_steps
 from workers.host import WorkerContext
 from workers.objectives import LossFn
 
@@ -163,6 +163,48 @@ def _mini_batch_of_rows(engine: TrainingEngine, rows: int, mini_batches: int,
     return (torch.arange(first, first + rows) * mini_batches) // total
 
 
+@dataclass(frozen=True, kw_only=True)
+class UpdateRun:
+    """One role's ``update`` call ready to run (:func:`run_updates` builds it; the
+    actor runs its own with the co-located critic's in one fused schedule)."""
+
+    engine: TrainingEngine
+    columns: dict[str, Tensor]
+    """This rank's rows, the columns the steps read."""
+    loss: LossFn
+    schedule: UpdateConfig
+    generator: torch.Generator
+    prefix: str
+    """Prepended to every metric name (``"actor/"``)."""
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps the call takes."""
+        return self.schedule.epochs * self.schedule.mini_batches
+
+    def mini_batches(self) -> Iterator[dict[str, Tensor]]:
+        """Each step's rows, epoch by epoch (collective at the start: the split is
+        global over the data-parallel ranks)."""
+        rows = len(next(iter(self.columns.values()))) if self.columns else 0
+        part = _mini_batch_of_rows(self.engine, rows, self.schedule.mini_batches,
+                                   f"{self.prefix.rstrip('/')}.update")
+        for _ in range(self.schedule.epochs):
+            order = torch.randperm(rows, generator=self.generator) if self.schedule.shuffle else torch.arange(rows)
+            for index in range(self.schedule.mini_batches):
+                idx = order[part == index]
+                yield {name: value.index_select(0, idx.to(value.device)) for name, value in self.columns.items()}
+
+
+def update_run(engine: TrainingEngine, batch: Mapping[str, Tensor], *, loss: LossFn,
+               fields: Sequence[str], schedule: UpdateConfig, generator: torch.Generator,
+               prefix: str) -> UpdateRun:
+    """The :class:`UpdateRun` of :func:`run_updates`' arguments."""
+    optional = (OBSERVATION_MASK,) if OBSERVATION_MASK in batch else ()
+    columns = {name: batch[name] for name in dict.fromkeys((*fields, *optional))}
+    return UpdateRun(engine=engine, columns=columns, loss=loss, schedule=schedule, generator=generator,
+                     prefix=prefix)
+
+
 def run_updates(engine: TrainingEngine, batch: Mapping[str, Tensor], *, loss: LossFn,
                 fields: Sequence[str], schedule: UpdateConfig, generator: torch.Generator,
                 prefix: str) -> dict[str, float]:
@@ -190,23 +232,42 @@ def run_updates(engine: TrainingEngine, batch: Mapping[str, Tensor], *, loss: Lo
         ConfigError: the global batch has fewer rows than ``mini_batches`` (raised on
             every rank, so none waits in a collective).
     """
-    optional = (OBSERVATION_MASK,) if OBSERVATION_MASK in batch else ()
-    columns = {name: batch[name] for name in dict.fromkeys((*fields, *optional))}
-    rows = len(next(iter(columns.values()))) if columns else 0
-    part = _mini_batch_of_rows(engine, rows, schedule.mini_batches,
-                               f"{prefix.rstrip('/')}.update")
-    sums: dict[str, float] = {}
+    run = update_run(engine, batch, loss=loss, fields=fields, schedule=schedule, generator=generator,
+                     prefix=prefix)
+    return run_together([run])[0]
+
+
+def run_together(runs: Sequence[UpdateRun]) -> list[dict[str, float]]:
+    """Run one update call, or two (the actor's and the critic's, on the same
+    pipeline ranks) with each pair of their optimizer steps as one fused pipeline
+    schedule (:func:`workers.engines.fused_train_steps`); each run's metrics as
+    :func:`run_updates` returns them.
+
+    Raises:
+        ConfigError: two runs that take different numbers of steps.
+    """
+    if len(runs) == 2 and runs[0].steps != runs[1].steps:
+        raise ConfigError(
+            f"fused updates pair the optimizer steps: {runs[0].prefix.rstrip('/')} takes {runs[0].steps} "
+            f"(epochs x mini_batches), {runs[1].prefix.rstrip('/')} {runs[1].steps}; give them the same "
+            "schedule or update them apart")
+    sums: list[dict[str, float]] = [{} for _ in runs]
     steps = 0
-    for _ in range(schedule.epochs):
-        order = torch.randperm(rows, generator=generator) if schedule.shuffle else torch.arange(rows)
-        for index in range(schedule.mini_batches):
-            idx = order[part == index]
-            mini = {name: value.index_select(0, idx.to(value.device)) for name, value in columns.items()}
-            for key, value in engine.train_step(mini, loss=loss).items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-            steps += 1
-    skipped = sums.pop("step_skipped", 0.0)
-    metrics = {f"{prefix}{key}": total / steps for key, total in sums.items()}
-    metrics[f"{prefix}steps"] = float(steps)
-    metrics[f"{prefix}steps_skipped"] = skipped
-    return metrics
+    for minis in zip(*(run.mini_batches() for run in runs), strict=True):
+        if len(runs) == 1:
+            results: Sequence[dict[str, float]] = [runs[0].engine.train_step(minis[0], loss=runs[0].loss)]
+        else:
+            results = fused_train_steps(runs[0].engine, minis[0], runs[1].engine, minis[1],
+                                        first_loss=runs[0].loss, second_loss=runs[1].loss)
+        for totals, result in zip(sums, results, strict=True):
+            for key, value in result.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        steps += 1
+    out = []
+    for run, totals in zip(runs, sums, strict=True):
+        skipped = totals.pop("step_skipped", 0.0)
+        metrics = {f"{run.prefix}{key}": total / steps for key, total in totals.items()}
+        metrics[f"{run.prefix}steps"] = float(steps)
+        metrics[f"{run.prefix}steps_skipped"] = skipped
+        out.append(metrics)
+    return out

@@ -163,6 +163,8 @@ def test_update_names_missing_fields_and_too_few_rows(model_dir: str) -> None:
         actor.update(batch, loss=PolicyLoss(kl_coef=0.1))
     with pytest.raises(ConfigError, match="mini_batches=9"):
         actor.update(batch, schedule=UpdateConfig(mini_batches=9))
+    with pytest.raises(ConfigError, match="needs the critic on the actor's pool"):
+        actor.update(batch, with_critic=True)  # no critic in this process
 
 
 def test_checkpoint_roundtrip_restores_training_and_rollout_weights(model_dir: str, tmp_path: Path) -> None:
