@@ -53,9 +53,9 @@ def _critic_run(engine: TrainingEngine) -> dict:
     return {"values": values, "metrics": [engine.train_step(batch)], "weights": _weights(engine)}
 
 
-def _pipeline_ranks(rank: int, out: Path, *, pp: int, chunks: int, micro: int) -> None:
+def _pipeline_ranks(rank: int, out: Path, *, pp: int, chunks: int, micro: int, reverse: bool) -> None:
     mesh = init_device_mesh("cpu", (pp, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
-    config = TrainingConfig(**CONFIG, micro_batch_size=micro, pipeline_chunks=chunks)
+    config = TrainingConfig(**CONFIG, micro_batch_size=micro, pipeline_chunks=chunks, pipeline_reversed=reverse)
     actor = TrainingEngine(tiny_lm(layers=LAYERS), config=config, mesh=mesh, loss=LOSS)
     result = {"actor": _run(actor, steps=1)}
     # A checkpoint of the stages resumes exactly, here and in one process (the test).
@@ -80,10 +80,13 @@ def _assert_close_metrics(got: dict, expected: dict) -> None:
         assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
 
 
-@pytest.mark.parametrize(("pp", "chunks", "micro"), [(2, 1, 3), (2, 2, 3), (4, 1, 2)],
-                         ids=["pp2-1f1b", "pp2-interleaved", "pp4-1f1b"])
-def test_pipelined_engine_equals_one_process(tmp_path: Path, pp: int, chunks: int, micro: int) -> None:
-    out = run_ranks(pp, functools.partial(_pipeline_ranks, pp=pp, chunks=chunks, micro=micro), tmp_path)
+@pytest.mark.parametrize(("pp", "chunks", "micro", "reverse"),
+                         [(2, 1, 3, False), (2, 2, 3, False), (4, 1, 2, False), (2, 2, 3, True)],
+                         ids=["pp2-1f1b", "pp2-interleaved", "pp4-1f1b", "pp2-interleaved-reversed"])
+def test_pipelined_engine_equals_one_process(tmp_path: Path, pp: int, chunks: int, micro: int,
+                                             reverse: bool) -> None:
+    out = run_ranks(pp, functools.partial(_pipeline_ranks, pp=pp, chunks=chunks, micro=micro, reverse=reverse),
+                    tmp_path)
     config = TrainingConfig(**CONFIG, micro_batch_size=micro)
     expected = _run(TrainingEngine(tiny_lm(layers=LAYERS), config=config, loss=LOSS), steps=2)
     critic = _critic_run(TrainingEngine(TinyValueModel(layers=LAYERS), config=config, head=ValueHead(),
