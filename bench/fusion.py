@@ -35,6 +35,7 @@ updates), ``measured_fused_vs_serial`` (their ratio), ``ranks``, ``layers``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -132,8 +133,8 @@ def _measure_rank(rank: int, world: int, store: str, layers: int, repeats: int, 
     mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=MESH_DIM_NAMES)
     shape = TinyModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
                             num_key_value_heads=4, head_dim=64, vocab_size=512)
-    small = TinyModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=2,
-                            num_key_value_heads=2, head_dim=64, vocab_size=512)
+    small = dataclasses.replace(shape, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                num_key_value_heads=2)  # the critic: half as wide
     config = TrainingConfig(lr=1e-5, micro_batch_size=4)
     actor = TrainingEngine(build_tiny_model(shape), config=config, mesh=mesh, loss=PolicyLoss())
     critic = TrainingEngine(ValueModel.from_causal_lm(build_tiny_model(small)),

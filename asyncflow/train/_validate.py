@@ -146,15 +146,16 @@ def _check_placement(config: RunConfig, heads: tuple[int, int], source: str) -> 
 def _check_pipeline(config: RunConfig, role: str, place: PlacementSection) -> None:
     """Pipeline stages are the native engine's, for the roles it trains or infers with."""
     key = f"placement.{role}.p"
-    engine_of = {"actor": config.actor.engine, "ref": config.actor.engine}
     if role not in ("actor", "ref", "critic", "cost_critic"):
         raise ConfigError(f"{key} = {place.p}: only the actor, critic and reference run pipeline stages; "
                           f"use p = 1 for the {role}")
-    engine = engine_of.get(role, config.critic.engine)
+    # The reference runs on the actor's engine; both critics on the critic's.
+    section = config.actor if role in ("actor", "ref") else config.critic
+    engine = section.engine
     if engine != "native":
         raise ConfigError(f"{key} = {place.p}: the {engine!r} engine runs no pipeline stages here; use the "
                           "native engine or p = 1")
-    chunks = config.actor.pipeline_chunks if role in ("actor", "ref") else config.critic.pipeline_chunks
+    chunks = section.pipeline_chunks
     if place.gen is not None and chunks > 1:
         raise ConfigError(f"{key} = {place.p} with a generation layout (placement.{role}.gen) and "
                           f"pipeline_chunks = {chunks}: the hybrid engine moves whole stages; use "

@@ -235,19 +235,19 @@ class TrainingEngine:
         shape = (rows, batch["response_ids"].shape[1])
         results: dict[str, Tensor] = {}
         micros = [(micro_batch(batch, rows_idx), rows_idx) for rows_idx in plan.micro_batches]
+        inputs = [build_inputs(micro) for (micro, _), _ in micros]
 
         def run(module: nn.Module, k: int) -> None:
             (micro, dummy), rows_idx = micros[k]
             with self._precision.context():
-                outputs = head(module, build_inputs(micro), entropy_grad=False)
+                outputs = head(module, inputs[k], entropy_grad=False)
             collect_outputs(results, outputs, None if dummy else rows_idx, micro, shape, self.device)
 
         was_training = self.model.training
         self.model.eval()
         try:
             if self._stages is not None:
-                self._stages.forward([build_inputs(m) for (m, _), _ in micros], run,
-                                     context=contextlib.nullcontext)
+                self._stages.forward(inputs, run, context=contextlib.nullcontext)
                 results = self._stages.from_last(results)
             else:
                 with torch.no_grad():
@@ -318,13 +318,14 @@ class TrainingEngine:
         optimizer.zero_grad(set_to_none=True)
         stats = StepStats(self.device)
         micros = [micro_batch(batch, rows_idx) for rows_idx in plan.micro_batches]
+        inputs = [build_inputs(micro) for micro, _ in micros]
 
         def micro_loss(module: nn.Module, k: int) -> Tensor:
             micro, dummy = micros[k]
             # Only the forward runs under the precision context (autocast's rule: the
             # backward follows the forward's dtypes); the objective computes in float32.
             with self._precision.context():
-                raw = self.head(module, build_inputs(micro), entropy_grad=loss_fn.uses_entropy)
+                raw = self.head(module, inputs[k], entropy_grad=loss_fn.uses_entropy)
             outputs = pad_outputs(raw, micro["response_ids"].shape[1])
             if dummy:
                 # Same forward and backward as a real micro-batch (FSDP's collectives),
@@ -338,8 +339,7 @@ class TrainingEngine:
             stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
             return numerator * scale
 
-        return PreparedStep(optimizer=optimizer, inputs=[build_inputs(m) for m, _ in micros],
-                            micro_loss=micro_loss, stats=stats)
+        return PreparedStep(optimizer=optimizer, inputs=inputs, micro_loss=micro_loss, stats=stats)
 
     def _finish_step(self, step: PreparedStep) -> dict[str, float]:
         """Everything of :meth:`train_step` after the backwards: the gradients reduced

@@ -72,18 +72,13 @@ class PipelineStages:
         self.tied_counted = True
         """Whether this rank's copy counts in the gradient norm (the first stage's)."""
         if tied and first != last:
-            holder = model.get_submodule(tied[0]) if last else stages_embedding(self.stages[0])
+            holder = model.get_submodule(tied[0]) if last else self.stages[0].body.get_submodule("embed_tokens")
             self.tied = holder.weight  # type: ignore[assignment]
             self.tied_counted = first
         ends = (self.ranks[-1], self.ranks[0]) if reverse else (self.ranks[0], self.ranks[-1])
         self._tied_peer = ends[1] if first else ends[0]
         self.module = model
         """The rank's parameters under the whole model's names (``model``, cut down)."""
-
-    @property
-    def last(self) -> bool:
-        """Whether this rank runs the model's last stage."""
-        return any(stage.last for stage in self.stages)
 
     def pipeline(self, micro_batches: int, *, name: str = "model") -> PipelineModel:
         """The model's pipeline for a call of ``micro_batches``: a pass costs the
@@ -154,11 +149,6 @@ class PipelineStages:
         box = [value]
         dist.broadcast_object_list(box, src=self.ranks[0 if self.reverse else -1], group=self.group)
         return box[0]
-
-
-def stages_embedding(stage: Stage) -> nn.Module:
-    """The input embedding of the model's first stage."""
-    return stage.body.get_submodule("embed_tokens")
 
 
 def _device(module: nn.Module) -> torch.device:

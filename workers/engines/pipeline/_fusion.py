@@ -277,7 +277,7 @@ def fused_annealed(
     return index.schedule(orders)
 
 
-def _time_energy(end: list[float], index: TaskIndex, orders: list[list[int]]) -> float:
+def _time_energy(end: list[float], orders: list[list[int]]) -> float:
     """The finish time, plus a hundredth of the devices' mean finish: among schedules
     that finish together, the search prefers ones whose devices free up sooner (that
     slack is what the next moves shorten the critical path with)."""
@@ -289,7 +289,7 @@ def _swap(orders: list[list[int]], d: int, i: int) -> None:
     orders[d][i], orders[d][i + 1] = orders[d][i + 1], orders[d][i]
 
 
-def _moves(index: TaskIndex, orders: list[list[int]], rng: random.Random) -> tuple[int, int]:
+def _moves(orders: list[list[int]], rng: random.Random) -> tuple[int, int]:
     """A random adjacent pair (device, position) to swap."""
     while True:
         d = rng.randrange(len(orders))
@@ -305,17 +305,17 @@ def _anneal_time(index: TaskIndex, orders: list[list[int]], rng: random.Random, 
                  hot: float, cold: float, cap: float) -> list[list[int]]:
     end = run_orders(index, orders)
     assert end is not None, "the start schedule runs"
-    energy = _time_energy(end, index, orders)
+    energy = _time_energy(end, orders)
     best, best_energy = [list(o) for o in orders], energy
     temperature, alpha = hot, _cooling(hot, cold, rounds)
     for _ in range(rounds):
-        d, i = _moves(index, orders, rng)
+        d, i = _moves(orders, rng)
         _swap(orders, d, i)
         moved = run_orders(index, orders) if cap == math.inf or peaks(index, [orders[d]])[0] <= cap else None
         if moved is None:
             _swap(orders, d, i)
             continue
-        new = _time_energy(moved, index, orders)
+        new = _time_energy(moved, orders)
         if new <= energy or rng.random() < math.exp((energy - new) / temperature):
             energy = new
             if new < best_energy:
@@ -342,7 +342,7 @@ def _anneal_memory(index: TaskIndex, orders: list[list[int]], rng: random.Random
     best, best_energy = [list(o) for o in orders], energy
     temperature, alpha = hot, _cooling(hot, cold, rounds)
     for _ in range(rounds):
-        d, i = _moves(index, orders, rng)
+        d, i = _moves(orders, rng)
         _swap(orders, d, i)
         old_peak = device_peaks[d]
         device_peaks[d] = peaks(index, [orders[d]])[0]

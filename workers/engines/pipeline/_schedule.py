@@ -5,10 +5,10 @@ A :class:`PipelineModel` describes one model's pipelines over a row of devices (
 pipeline-stage groups of a pool): its stage count, micro-batches, per-stage costs and
 direction. A :class:`Schedule` gives every device its ordered list of
 :class:`Task`\\ s (one forward or backward pass of one micro-batch through one stage).
-The schedule builders (:mod:`._builders`, :mod:`._fusion`) produce schedules (a
-runtime that executes them on pipeline stages is planned); :func:`simulate` says
-what one costs: when each pass
-ends, the finish time, and each device's peak of held activations.
+The schedule builders (:mod:`._builders`, :mod:`._fusion`) produce schedules,
+:func:`~workers.engines.pipeline.run_schedule` runs one on this rank's stages, and
+:func:`simulate` says what one costs: when each pass ends, the finish time, and
+each device's peak of held activations.
 
 Dependencies are the model's own: a forward of stage ``s`` needs the forward of stage
 ``s - 1`` of the same micro-batch; a backward of stage ``s`` needs the backward of
