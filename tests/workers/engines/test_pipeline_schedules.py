@@ -145,6 +145,37 @@ def test_the_annealed_schedule_reaches_the_bound_where_the_critic_fits_in_the_bu
     assert annealed.finish_s == pytest.approx(simulate(one_f_one_b(models[0])).finish_s)
 
 
+@pytest.mark.parametrize(("p0", "p1"), [(4, 4), (4, 2), (8, 8)])
+def test_late_backfilling_reaches_the_bound_within_the_serial_peak(p0: int, p1: int) -> None:
+    # The actor's first stages start their forwards only as late as the pipeline
+    # needs them: the critic's passes run there while the actor holds fewer
+    # activations. Started when they can, the actor's forwards leave the critic
+    # waiting for the cool-down.
+    models = _pair(p0, p1, p0, ratio=0.5)
+    serial, bound = serial_cost(models), fusion_lower_bound(models)
+    assert bound == pytest.approx(simulate(one_f_one_b(models[0])).finish_s)
+    late = backfilled(models, memory_limit=serial.peak)
+    eager = backfilled(models, memory_limit=serial.peak, late=False)
+    assert late is not None and eager is not None
+    assert simulate(late).finish_s == pytest.approx(bound)
+    assert simulate(late).peak <= serial.peak + 1e-9
+    assert simulate(eager).finish_s > bound * 1.1
+    annealed = simulate(fused_annealed(models, iterations=200))
+    assert annealed.finish_s == pytest.approx(bound)
+    assert annealed.peak <= serial.peak + 1e-9
+
+
+def test_the_tolerance_trades_finish_time_for_held_activations() -> None:
+    # Here the fastest schedule found holds twice serial 1F1B's peak; one 1.3% slower
+    # holds 1.375 times it.
+    models = _pair(4, 4, 16)
+    fastest = simulate(fused_annealed(models, iterations=300, tolerance=0.0))
+    assert fastest.finish_s <= simulate(fused_greedy(models)).finish_s + 1e-9
+    lean = simulate(fused_annealed(models, iterations=300, tolerance=0.1))
+    assert fastest.finish_s < lean.finish_s <= fastest.finish_s * 1.1 + 1e-9
+    assert lean.peak < fastest.peak
+
+
 def test_the_search_is_deterministic_given_its_seed() -> None:
     models = _pair(4, 2, 8)
     assert fused_annealed(models, iterations=200, seed=3) == fused_annealed(models, iterations=200, seed=3)

@@ -6,7 +6,8 @@ stages, and the runtime that runs a schedule's passes on this rank.
 - :func:`one_f_one_b` builds 1F1B (interleaved with ``chunks > 1``);
   :func:`fused_greedy` and :func:`fused_annealed` build RLHFuse's fused schedules
   of two models trained on the same devices in opposite directions;
-  :func:`backfilled` fills the slowest model's 1F1B bubbles with the other's passes;
+  :func:`backfilled` fills the slowest model's 1F1B bubbles with the other's passes
+  (the slowest model's passes as late as its own finish allows);
   :func:`fusion_lower_bound` bounds any fused schedule's finish time and
   :func:`serial_cost` is the unfused baseline (each model's 1F1B in turn).
 - :func:`simulate` checks a schedule and gives its finish time and peak activations.
@@ -17,11 +18,11 @@ stages, and the runtime that runs a schedule's passes on this rank.
 
 from __future__ import annotations
 
+from workers.engines.pipeline._annealing import fused_annealed
 from workers.engines.pipeline._builders import one_f_one_b
 from workers.engines.pipeline._fusion import (
     SerialCost,
     backfilled,
-    fused_annealed,
     fused_greedy,
     fusion_lower_bound,
     serial_cost,

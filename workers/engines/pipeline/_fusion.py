@@ -6,10 +6,11 @@ pipelines).
 - :func:`fused_greedy` is the paper's baseline: list scheduling that runs, whenever
   a device is free, a pass whose input is there, preferring the larger model and,
   within a model, backwards (they free memory) and early micro-batches.
-- :func:`fused_annealed` is the paper's generator: simulated annealing over the
-  devices' orders, starting from the greedy schedule, moving by swapping two adjacent
-  passes of one device; first for the finish time, then, without giving any of it
-  back, for the peak of held activations.
+- :func:`backfilled` keeps the slowest model's 1F1B and runs the other's passes in
+  its bubbles, starting the backbone's passes as late as its own finish allows (so
+  that the other model's passes run while it holds fewer activations).
+- :func:`~workers.engines.pipeline.fused_annealed` (:mod:`._annealing`) is the
+  paper's generator, searching from these schedules.
 - :func:`fusion_lower_bound` is the paper's bound on any fused schedule's finish time.
 - :func:`serial_cost` is the unfused baseline: each model's 1F1B, one after the other.
 """
@@ -19,22 +20,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import random
 from collections.abc import Sequence
 
 from workers.engines.pipeline._builders import one_f_one_b
 from workers.engines.pipeline._schedule import (
     PipelineModel,
     Schedule,
-    ScheduleError,
     Task,
     TaskIndex,
-    peaks,
     run_orders,
     simulate,
 )
 
-__all__ = ["SerialCost", "backfilled", "fused_annealed", "fused_greedy", "fusion_lower_bound", "serial_cost"]
+__all__ = ["SerialCost", "backfilled", "fused_greedy", "fusion_lower_bound", "serial_cost"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,12 +128,17 @@ def fusion_lower_bound(models: Sequence[PipelineModel]) -> float:
 
 
 def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = None,
-               slack_s: float = 0.0) -> Schedule | None:
-    """A fused schedule built around the slowest model's own 1F1B: that model keeps
-    its 1F1B order on every device, and a pass of another model runs only where it
-    ends before the backbone's next pass could start, ``slack_s`` later at most
-    (backfilling its bubbles) and, for a forward, keeps the device's held
-    activations within ``memory_limit``.
+               slack_s: float = 0.0, late: bool = True) -> Schedule | None:
+    """A fused schedule built around the slowest model's own 1F1B: that model (the
+    backbone) keeps its 1F1B order on every device, and a pass of another model runs
+    in the backbone's bubbles: where it ends before the backbone's next pass must
+    start, ``slack_s`` later at most. No forward, of any model, starts where it
+    would take the device's held activations above ``memory_limit``.
+
+    With ``late``, the backbone's next pass must start only as late as it can without
+    delaying the backbone's own finish (a first stage's forwards have slack until
+    the pipeline needs them): the other model's passes then run while the backbone
+    holds fewer activations. Without it, the backbone's passes start when they can.
 
     Returns:
         The schedule, or None if the limit leaves every device waiting.
@@ -144,6 +147,7 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     finishes = [simulate(one_f_one_b(m)).finish_s for m in models]
     spine = max(range(len(models)), key=lambda m: finishes[m])
     queues = [[index.ids[t._replace(model=spine)] for t in order] for order in one_f_one_b(models[spine]).orders]
+    latest = _latest_starts(models[spine], spine, index)
     lanes = _lanes(models, index.devices, skip=spine)
     taken = {lane: [0, 0] for device in lanes for lane in device}
     at = [0] * index.devices
@@ -152,23 +156,27 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     orders: list[list[int]] = [[] for _ in range(index.devices)]
     limit = math.inf if memory_limit is None else memory_limit + 1e-9
     for _ in range(len(index.tasks)):
+        # (start, at one start the backbone after the others if late else before them, device, pass, lane)
         best: tuple[float, int, int, int, tuple[int, int, int] | None] | None = None
         for d in range(index.devices):
-            due = math.inf  # when the backbone's next pass could start here
+            due = math.inf  # the latest the backbone's next pass here may start
             if at[d] < len(queues[d]):
                 task = queues[d][at[d]]
                 ready = _ready(index, end, task, free[d])
+                if held[d] + index.memory[task] > limit:
+                    ready = None  # it waits for a backward here to free memory: the others run
                 if ready is not None:
-                    due = ready
-                    best = min(best, (ready, 0, d, task, None)) if best else (ready, 0, d, task, None)
+                    due = (max(ready, latest[task]) if late else ready) + slack_s
+                    key = (ready, 1 if late else -1, d, task, None)
+                    best = min(best, key) if best else key
             for lane in lanes[d]:
                 for task in _lane_heads(index, models, lane, taken[lane]):
                     start = _ready(index, end, task, free[d])
-                    if start is None or start + index.cost[task] > due + slack_s + 1e-9:
+                    if start is None or start + index.cost[task] > due + 1e-9:
                         continue
                     if held[d] + index.memory[task] > limit:
                         continue
-                    best = min(best, (start, 1, d, task, lane)) if best else (start, 1, d, task, lane)
+                    best = min(best, (start, 0, d, task, lane)) if best else (start, 0, d, task, lane)
         if best is None:
             return None
         start, _, d, task, chosen = best
@@ -180,6 +188,36 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
             taken[chosen][index.tasks[task].backward] += 1
         orders[d].append(task)
     return index.schedule(orders)
+
+
+def _latest_starts(model: PipelineModel, m: int, index: TaskIndex) -> dict[int, float]:
+    """For each pass of ``model`` (model ``m`` of ``index``), the latest it can start
+    in the model's own 1F1B order with the model alone still finishing when that
+    schedule does: its end time's slack, passed back along the device orders and the
+    passes' dependencies."""
+    alone = TaskIndex([model])
+    orders = alone.orders(one_f_one_b(model))
+    end = run_orders(alone, orders)
+    assert end is not None, "1F1B runs"
+    successors: list[list[int]] = [list(children) for children in alone.dependents]
+    for order in orders:
+        for a, b in itertools.pairwise(order):
+            successors[a].append(b)
+    waiting = [len(s) for s in successors]
+    before: list[list[int]] = [[] for _ in alone.tasks]
+    for t, children in enumerate(successors):
+        for child in children:
+            before[child].append(t)
+    latest = [max(end)] * len(alone.tasks)
+    todo = [t for t, n in enumerate(waiting) if n == 0]
+    while todo:  # from the last passes back
+        t = todo.pop()
+        latest[t] = min([latest[c] for c in successors[t]], default=max(end)) - alone.cost[t]
+        for parent in before[t]:
+            waiting[parent] -= 1
+            if waiting[parent] == 0:
+                todo.append(parent)
+    return {index.ids[alone.tasks[t]._replace(model=m)]: latest[t] for t in range(len(alone.tasks))}
 
 
 def _lanes(models: Sequence[PipelineModel], devices: int, *, skip: int = -1) -> list[list[tuple[int, int, int]]]:
@@ -211,153 +249,3 @@ def _ready(index: TaskIndex, end: dict[int, float], task: int, free: float) -> f
         return free
     done = end.get(dep)
     return None if done is None else max(free, done)
-
-
-_LIMITS = (1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0)
-"""Activation limits, as multiples of the serial 1F1B peak, the annealing's
-backfilled starting points are built with."""
-_SLACKS = (0.0, 0.25, 0.5, 1.0)
-"""How long a backfilled pass may delay the backbone's next one, in the largest
-forward's time, for the annealing's starting points (a little delay can let the
-other model's chain through sooner)."""
-
-
-def fused_annealed(
-    models: Sequence[PipelineModel],
-    *,
-    iterations: int = 20_000,
-    memory_iterations: int | None = None,
-    memory_limit: float | None = None,
-    seed: int = 0,
-) -> Schedule:
-    """RLHFuse's annealed fused schedule of ``models`` (see the module docstring).
-
-    The search starts from the best of the greedy schedule and backfilled ones
-    (:func:`backfilled` under several activation limits and delays): the earliest
-    finish, and among equally early ones the lowest peak. It then swaps adjacent
-    passes to finish earlier (within ``memory_limit``), then to hold fewer
-    activations at no cost in finish time.
-
-    Args:
-        models: as :func:`fused_greedy`.
-        iterations: moves tried while minimising the finish time.
-        memory_iterations: moves tried while then minimising the peak of held
-            activations (default ``iterations``).
-        memory_limit: the most activation memory a device may hold (RLHFuse's
-            per-stage capacity); None: no limit.
-        seed: the search's random seed (the search is deterministic given it).
-
-    Returns:
-        A schedule that finishes no later than its starting point; without a memory
-        limit, no later than :func:`fused_greedy`'s.
-
-    Raises:
-        ScheduleError: if no starting point keeps within ``memory_limit``.
-    """
-    index = TaskIndex(models)
-    serial_peak = serial_cost(models).peak
-    forward = max(m.forward_s for m in models)
-    starts = [fused_greedy(models)] + [backfilled(models, memory_limit=serial_peak * f, slack_s=forward * k)
-                                       for f in _LIMITS for k in _SLACKS]
-    runs = [(simulate(s), s) for s in starts if s is not None]
-    if memory_limit is not None:
-        runs = [(r, s) for r, s in runs if r.peak <= memory_limit + 1e-9]
-    if not runs:
-        raise ScheduleError(f"no fused schedule found within memory_limit={memory_limit}")
-    first = min(r.finish_s for r, _ in runs)
-    near = [(r.peak, r.finish_s, i) for i, (r, _) in enumerate(runs) if r.finish_s <= first + 1e-9]
-    orders = index.orders(runs[min(near)[2]][1])
-    rng = random.Random(seed)
-    costs = [c for c in index.cost if c > 0] or [1.0]
-    cap = math.inf if memory_limit is None else memory_limit + 1e-9
-    orders = _anneal_time(index, orders, rng, iterations, hot=max(costs), cold=min(costs) * 1e-3, cap=cap)
-    rounds = iterations if memory_iterations is None else memory_iterations
-    activations = [abs(a) for a in index.memory if a] or [1.0]
-    orders = _anneal_memory(index, orders, rng, rounds, hot=max(activations), cold=min(activations) * 1e-3)
-    return index.schedule(orders)
-
-
-def _time_energy(end: list[float], orders: list[list[int]]) -> float:
-    """The finish time, plus a hundredth of the devices' mean finish: among schedules
-    that finish together, the search prefers ones whose devices free up sooner (that
-    slack is what the next moves shorten the critical path with)."""
-    finishes = [end[order[-1]] for order in orders if order]
-    return max(finishes) + 0.01 * sum(finishes) / len(finishes)
-
-
-def _swap(orders: list[list[int]], d: int, i: int) -> None:
-    orders[d][i], orders[d][i + 1] = orders[d][i + 1], orders[d][i]
-
-
-def _moves(orders: list[list[int]], rng: random.Random) -> tuple[int, int]:
-    """A random adjacent pair (device, position) to swap."""
-    while True:
-        d = rng.randrange(len(orders))
-        if len(orders[d]) > 1:
-            return d, rng.randrange(len(orders[d]) - 1)
-
-
-def _cooling(hot: float, cold: float, rounds: int) -> float:
-    return (cold / hot) ** (1.0 / max(rounds, 1))
-
-
-def _anneal_time(index: TaskIndex, orders: list[list[int]], rng: random.Random, rounds: int, *,
-                 hot: float, cold: float, cap: float) -> list[list[int]]:
-    end = run_orders(index, orders)
-    assert end is not None, "the start schedule runs"
-    energy = _time_energy(end, orders)
-    best, best_energy = [list(o) for o in orders], energy
-    temperature, alpha = hot, _cooling(hot, cold, rounds)
-    for _ in range(rounds):
-        d, i = _moves(orders, rng)
-        _swap(orders, d, i)
-        moved = run_orders(index, orders) if cap == math.inf or peaks(index, [orders[d]])[0] <= cap else None
-        if moved is None:
-            _swap(orders, d, i)
-            continue
-        new = _time_energy(moved, orders)
-        if new <= energy or rng.random() < math.exp((energy - new) / temperature):
-            energy = new
-            if new < best_energy:
-                best, best_energy = [list(o) for o in orders], new
-        else:
-            _swap(orders, d, i)
-        temperature *= alpha
-    return best
-
-
-def _anneal_memory(index: TaskIndex, orders: list[list[int]], rng: random.Random, rounds: int, *,
-                   hot: float, cold: float) -> list[list[int]]:
-    end = run_orders(index, orders)
-    assert end is not None, "the start schedule runs"
-    finish = max(end)
-    device_peaks = list(peaks(index, orders))
-
-    def energy_of(p: list[float]) -> float:
-        # The peak, then the other devices' peaks: a move that lowers a device
-        # that is not (yet) the highest still counts.
-        return max(p) + 0.01 * sum(p) / len(p)
-
-    energy = energy_of(device_peaks)
-    best, best_energy = [list(o) for o in orders], energy
-    temperature, alpha = hot, _cooling(hot, cold, rounds)
-    for _ in range(rounds):
-        d, i = _moves(orders, rng)
-        _swap(orders, d, i)
-        old_peak = device_peaks[d]
-        device_peaks[d] = peaks(index, [orders[d]])[0]
-        new = energy_of(device_peaks)
-        accept = new <= energy or rng.random() < math.exp((energy - new) / temperature)
-        if accept:
-            moved = run_orders(index, orders)
-            accept = moved is not None and max(moved) <= finish + 1e-9
-        if accept:
-            energy = new
-            if new < best_energy:
-                best, best_energy = [list(o) for o in orders], new
-        else:
-            _swap(orders, d, i)
-            device_peaks[d] = old_peak
-        temperature *= alpha
-    return best
-
