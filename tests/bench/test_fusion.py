@@ -23,6 +23,10 @@ def test_bench_fusion_writes_its_keys(tmp_path: Path) -> None:
     for row in record["settings"]:
         assert row["bound_vs_serial"] <= row["annealed_vs_serial"] + 1e-9
         assert row["annealed_vs_serial"] <= row["greedy_vs_serial"] + 1e-9 < 1.0
+        # Searched within the paper's peak memory: it holds, and the bound still bounds.
+        if row["budgeted_vs_serial"] is not None:
+            assert row["budgeted_memory"] <= row["paper_memory_annealed"] + 1e-9
+            assert row["bound_vs_serial"] <= row["budgeted_vs_serial"] + 1e-9
         # The bound of the cost model reproduces the paper's (its "optimal" column).
         assert abs(1 / row["bound_vs_serial"] - row["paper_speedup_bound"]) < 0.02
     assert "33B/13B 8/4 x8" in done.stdout

@@ -41,6 +41,7 @@ from workers.engines._checkpoint import ExportWriter, Generators
 from workers.engines._config import TrainingConfig
 from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead
+from workers.engines._layout import ModelLayout, WholeModel
 from workers.engines._memory import MemoryFootprint, measure_memory
 from workers.engines._micro_batches import (
     PreparedStep,
@@ -53,7 +54,7 @@ from workers.engines._micro_batches import (
 )
 from workers.engines._offload import Offloader
 from workers.engines._optimizer import build_adamw, take_step
-from workers.engines._parallel import Parallelism, TensorParallelPlan, clip_grad_norm
+from workers.engines._parallel import Parallelism, TensorParallelPlan
 from workers.engines._pipelined import PipelineStages
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
 from workers.objectives import LossFn, ModelOutputs
@@ -145,10 +146,10 @@ class TrainingEngine:
                 "TrainingConfig(data_parallel='replicate') (each data-parallel rank keeps its stage whole) "
                 "or use pp=1"
             )
-        self._stages = (PipelineStages(model, mesh=mesh, chunks=config.pipeline_chunks,
-                                       reverse=config.pipeline_reversed)
-                        if mesh is not None and self.parallel.pp_size > 1 else None)
-        for part in self._parts(model):
+        self._layout: ModelLayout = (
+            PipelineStages(model, mesh=mesh, chunks=config.pipeline_chunks, reverse=config.pipeline_reversed)
+            if mesh is not None and self.parallel.pp_size > 1 else WholeModel(model))
+        for part in self._layout.parts():
             self.parallel.parallelize(part, replicate=replicate, mp_policy=self._precision.fsdp_policy())
         self.model: nn.Module = model  # with stages: cut down to this rank's, same names
         self.head: ModelHead = head if head is not None else CausalLMHead()
@@ -246,13 +247,8 @@ class TrainingEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            if self._stages is not None:
-                self._stages.forward(inputs, run, context=contextlib.nullcontext)
-                results = self._stages.from_last(results)
-            else:
-                with torch.no_grad():
-                    for k in range(len(micros)):
-                        run(self.model, k)
+            self._layout.forward(inputs, run, context=contextlib.nullcontext)
+            results = self._layout.from_last(results)
         finally:
             self.model.train(was_training)
         return ModelOutputs(**results)
@@ -286,11 +282,7 @@ class TrainingEngine:
                 :meth:`log_probs`.
         """
         step = self._prepare_step(batch, loss)
-        if self._stages is not None:
-            self._stages.train(step.inputs, step.micro_loss, context=self._precision.context)
-        else:
-            for k in range(len(step.inputs)):
-                step.micro_loss(self.model, k).backward()
+        self._layout.train(step.inputs, step.micro_loss, context=self._precision.context)
         return self._finish_step(step)
 
     def _prepare_step(self, batch: Mapping[str, Tensor], loss: LossFn | None) -> PreparedStep:
@@ -345,14 +337,12 @@ class TrainingEngine:
         """Everything of :meth:`train_step` after the backwards: the gradients reduced
         and clipped, the metrics reduced, the optimizer stepped."""
         self.parallel.reduce_gradients(self.model)
-        if self._stages is not None:
-            self._stages.sum_tied_gradients()
-        reduced = step.stats.reduce(self.parallel)
-        if self._stages is not None:  # the last stage computed the loss and metrics
-            reduced = self._stages.from_last(reduced)
+        self._layout.sum_tied_gradients()
+        # The last stage computed the loss and metrics.
+        reduced = self._layout.from_last(step.stats.reduce(self.parallel))
         # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
         # same decision.
-        grad_norm = self._clip_gradients()
+        grad_norm = self._layout.clip_gradients(self.config.grad_clip)
         stepped = take_step(step.optimizer, self.config, self._step, loss=reduced["loss"], grad_norm=grad_norm)
         if not stepped["step_skipped"]:
             self._step += 1
@@ -362,20 +352,7 @@ class TrainingEngine:
         """``value`` as the pipeline's last stage has it, on every rank (collective
         over the pipeline's stages); ``value`` itself without stages. For what an
         objective records as it runs (only the last stage runs it)."""
-        return value if self._stages is None else self._stages.from_last(value)
-
-    def _clip_gradients(self) -> float:
-        """Total gradient norm over every shard, before clipping to ``grad_clip``."""
-        if self._stages is None:
-            return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip))
-        # A tied embedding's second copy is clipped with the rest but counted once.
-        uncounted = [] if self._stages.tied is None or self._stages.tied_counted else [self._stages.tied]
-        return float(clip_grad_norm(self.model.parameters(), self.config.grad_clip, stages=self._stages.group,
-                                    uncounted=uncounted))
-
-    def _parts(self, model: nn.Module) -> list[nn.Module]:
-        """The modules laid out one by one: the model, or this rank's pipeline stages."""
-        return [model] if self._stages is None else [stage.module for stage in self._stages.stages]
+        return self._layout.from_last(value)
 
     # -------------------------------------------------------------------- memory
 
@@ -534,6 +511,4 @@ class TrainingEngine:
             EngineConfigError: if the parameters are offloaded (call :meth:`reload`).
         """
         self._require_resident("named_full_weights", optimizer=False)
-        if self._stages is not None:
-            return self._stages.full_weights()
-        return _checkpoint.named_full_weights(self.model)
+        return self._layout.full_weights()

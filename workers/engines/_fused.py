@@ -19,6 +19,7 @@ from torch import Tensor
 
 from workers.engines._engine import TrainingEngine
 from workers.engines._errors import EngineConfigError
+from workers.engines._pipelined import PipelineStages
 from workers.engines.pipeline import PipelineModel, Schedule, fused_annealed
 from workers.objectives import LossFn
 
@@ -58,9 +59,10 @@ def fused_train_steps(
         EngineConfigError: if an engine has no pipeline stages or several chunks, the
             engines' pipelines are not on the same ranks, or they run the same way.
     """
-    if first._stages is None or second._stages is None:
+    one, two = first._layout, second._layout
+    if not isinstance(one, PipelineStages) or not isinstance(two, PipelineStages):
         raise EngineConfigError("fused_train_steps needs two engines with pipeline stages (a mesh with pp > 1)")
-    stages = [first._stages, second._stages]
+    stages = [one, two]
     if stages[0].ranks != stages[1].ranks:
         raise EngineConfigError(
             f"fused_train_steps needs both engines' pipelines on the same ranks; got {stages[0].ranks} and "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from workers.engines._batch import SequenceInputs
 from workers.engines._checkpoint import named_full_weights
+from workers.engines._layout import LastStage
+from workers.engines._parallel import clip_grad_norm
 from workers.engines.pipeline import (
     PipelineModel,
     Schedule,
@@ -36,10 +38,7 @@ from workers.engines.pipeline import (
 
 __all__ = ["PipelineStages"]
 
-LastStage = Callable[[nn.Module, int], Tensor | None]
-"""``(the last stage's module, micro-batch) ->`` the loss to back-propagate (None
-when only forwarding)."""
-
+T = TypeVar("T")
 
 class PipelineStages:
     """This rank's stages of a model over the mesh's ``pp`` dimension.
@@ -79,6 +78,17 @@ class PipelineStages:
         self._tied_peer = ends[1] if first else ends[0]
         self.module = model
         """The rank's parameters under the whole model's names (``model``, cut down)."""
+
+    def parts(self) -> list[nn.Module]:
+        """This rank's stages, laid out one by one."""
+        return [stage.module for stage in self.stages]
+
+    def clip_gradients(self, max_norm: float | None) -> float:
+        """The whole model's gradient norm (the stages' squares summed over the
+        pipeline), before clipping this rank's gradients to ``max_norm``; a tied
+        embedding's second copy is clipped with the rest but counted once."""
+        uncounted = [] if self.tied is None or self.tied_counted else [self.tied]
+        return float(clip_grad_norm(self.module.parameters(), max_norm, stages=self.group, uncounted=uncounted))
 
     def pipeline(self, micro_batches: int, *, name: str = "model") -> PipelineModel:
         """The model's pipeline for a call of ``micro_batches``: a pass costs the
@@ -144,11 +154,11 @@ class PipelineStages:
             work.wait()
         grad.add_(other)
 
-    def from_last(self, value: Any) -> Any:
+    def from_last(self, value: T) -> T:
         """``value`` as the last stage has it, on every stage (a collective)."""
-        box = [value]
+        box: list[Any] = [value]
         dist.broadcast_object_list(box, src=self.ranks[0 if self.reverse else -1], group=self.group)
-        return box[0]
+        return cast(T, box[0])
 
 
 def _device(module: nn.Module) -> torch.device:
