@@ -65,8 +65,8 @@ class TrainingConfig:
     block and step). ``"replicate"``: every rank keeps the whole model and its
     optimizer state, and the gradients are all-reduced once per step in one flat
     buffer (the fast choice while they fit). ``"auto"``: replicate models of at
-    most :data:`REPLICATE_MAX_PARAMS` parameters, shard larger ones (with
-    pipeline stages: replicate; sharding inside stages is planned)."""
+    most :data:`REPLICATE_MAX_PARAMS` parameters, shard larger ones (the whole
+    model's count, with pipeline stages too: each stage is then sharded alone)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Numeric precision. ``"bf16"``: bfloat16 matrix products with float32 master
     weights, float32 optimizer state and float32 gradient reduction (FSDP2's mixed

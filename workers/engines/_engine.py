@@ -111,8 +111,8 @@ class TrainingEngine:
 
         Raises:
             EngineConfigError: for an invalid mesh (names), a model whose head counts
-                ``tp`` does not divide, pipeline stages the model cannot fill or
-                sharded over data-parallel ranks, ``precision="bf16"`` on a GPU
+                ``tp`` does not divide, pipeline stages the model cannot fill,
+                ``precision="bf16"`` on a GPU
                 without bfloat16, or activation checkpointing on a model without
                 transformers' gradient checkpointing.
         """
@@ -123,9 +123,7 @@ class TrainingEngine:
         self.process_group = process_group
         self.device = self.parallel.device_for(model)
         self.trainable = trainable
-        # Inside pipeline stages FSDP sharding is not built yet: "auto" replicates there.
-        replicate = config.replicates(sum(p.numel() for p in model.parameters())) or (
-            self.parallel.pp_size > 1 and config.data_parallel == "auto")
+        replicate = config.replicates(sum(p.numel() for p in model.parameters()))
         self._precision = precision_strategy(
             resolve_precision(config.precision, self.device),
             device=self.device,
@@ -140,17 +138,12 @@ class TrainingEngine:
         elif config.activation_checkpointing:
             enable_activation_checkpointing(model)
         # Pipeline stages: the rank keeps its stages' layers only, each laid out alone.
-        if mesh is not None and self.parallel.pp_size > 1 and self.parallel.shards(replicate=replicate):
-            raise EngineConfigError(
-                "FSDP sharding inside pipeline stages is planned; with pp > 1 set "
-                "TrainingConfig(data_parallel='replicate') (each data-parallel rank keeps its stage whole) "
-                "or use pp=1"
-            )
         self._layout: ModelLayout = (
             PipelineStages(model, mesh=mesh, chunks=config.pipeline_chunks, reverse=config.pipeline_reversed)
             if mesh is not None and self.parallel.pp_size > 1 else WholeModel(model))
         for part in self._layout.parts():
-            self.parallel.parallelize(part, replicate=replicate, mp_policy=self._precision.fsdp_policy())
+            self.parallel.parallelize(part, replicate=replicate, mp_policy=self._precision.fsdp_policy(),
+                                      units=self._layout.called_apart(part))
         self.model: nn.Module = model  # with stages: cut down to this rank's, same names
         self.head: ModelHead = head if head is not None else CausalLMHead()
         self.loss = loss

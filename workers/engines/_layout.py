@@ -38,6 +38,10 @@ class ModelLayout(Protocol):
         """The modules laid out (FSDP2 / TP) one by one."""
         ...
 
+    def called_apart(self, part: nn.Module) -> list[nn.Module]:
+        """Submodules of ``part`` run on their own, not through its forward."""
+        ...
+
     def forward(self, inputs: list[SequenceInputs], last: LastStage, *,
                 context: Callable[[], AbstractContextManager[Any]]) -> None:
         """Run every micro-batch forward without gradients; ``last`` where the head
@@ -76,6 +80,9 @@ class WholeModel:
 
     def parts(self) -> list[nn.Module]:
         return [self.module]
+
+    def called_apart(self, part: nn.Module) -> list[nn.Module]:
+        return []
 
     def forward(self, inputs: list[SequenceInputs], last: LastStage, *,
                 context: Callable[[], AbstractContextManager[Any]]) -> None:

@@ -121,15 +121,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
                 setattr(parent, attr, count // tp)
 
 
-def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+                       units: Sequence[nn.Module] = ()) -> None:
     # Each block of every ModuleList (the transformer layers) is its own FSDP unit so
-    # that only one block's full parameters exist at a time; the root unit holds the
+    # that only one block's full parameters exist at a time; ``units`` (called on
+    # their own, not through the model's forward) come next; the root unit holds the
     # rest (embeddings, final norm, heads). Every unit gets the same precision policy.
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
                 if next(block.parameters(), None) is not None:  # not a pipeline stage's stand-in
                     fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
@@ -224,6 +228,7 @@ class Parallelism:
         *,
         replicate: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
+        units: Sequence[nn.Module] = (),
     ) -> nn.Module:
         """Move the model to its device and apply TP then, over ``"dp"``, FSDP2 or
         (``replicate``) nothing: every data-parallel rank keeps a whole copy and
@@ -235,6 +240,9 @@ class Parallelism:
             replicate: keep whole copies over ``"dp"`` instead of sharding.
             mp_policy: FSDP2's mixed-precision policy for every ``fully_shard`` call
                 (default: compute and reduce in the parameters' dtype).
+            units: submodules of ``model`` called on their own, not through its
+                forward (a pipeline stage's body): each is an FSDP unit of its own,
+                so that its parameters are gathered when it runs.
 
         Returns:
             The same module object, now laid out in place.
@@ -244,7 +252,7 @@ class Parallelism:
             apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
         self.replicated = replicate and self.dp_size > 1
         if self.mesh is not None and self.shards(replicate=replicate):
-            _apply_fully_shard(model, self.mesh["dp"], mp_policy or MixedPrecisionPolicy())
+            _apply_fully_shard(model, self.mesh["dp"], mp_policy or MixedPrecisionPolicy(), units)
         return model
 
     def reduce_gradients(self, model: nn.Module) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from workers.engines._batch import SequenceInputs
 from workers.engines._checkpoint import named_full_weights
@@ -66,28 +67,38 @@ class PipelineStages:
         last = any(s.last for s in self.stages)
         # Tied embeddings: the first stage's embedding and the last stage's head are
         # copies of one weight; their gradients are summed across the two ranks.
-        self.tied: nn.Parameter | None = None
-        """This rank's copy of a tied embedding weight (None: none here)."""
+        self._tied_holder: nn.Module | None = None
         self.tied_counted = True
         """Whether this rank's copy counts in the gradient norm (the first stage's)."""
         if tied and first != last:
-            holder = model.get_submodule(tied[0]) if last else self.stages[0].body.get_submodule("embed_tokens")
-            self.tied = holder.weight  # type: ignore[assignment]
+            self._tied_holder = (model.get_submodule(tied[0]) if last
+                                 else self.stages[0].body.get_submodule("embed_tokens"))
             self.tied_counted = first
         ends = (self.ranks[-1], self.ranks[0]) if reverse else (self.ranks[0], self.ranks[-1])
         self._tied_peer = ends[1] if first else ends[0]
         self.module = model
         """The rank's parameters under the whole model's names (``model``, cut down)."""
 
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This rank's copy of a tied embedding weight (None: none here); read from
+        its module each time, as FSDP2 replaces the parameters it shards."""
+        return None if self._tied_holder is None else self._tied_holder.weight  # type: ignore[return-value]
+
     def parts(self) -> list[nn.Module]:
         """This rank's stages, laid out one by one."""
         return [stage.module for stage in self.stages]
+
+    def called_apart(self, part: nn.Module) -> list[nn.Module]:
+        """A stage before the last runs its body alone (the head is the last's)."""
+        return [stage.body for stage in self.stages if stage.module is part and not stage.last]
 
     def clip_gradients(self, max_norm: float | None) -> float:
         """The whole model's gradient norm (the stages' squares summed over the
         pipeline), before clipping this rank's gradients to ``max_norm``; a tied
         embedding's second copy is clipped with the rest but counted once."""
-        uncounted = [] if self.tied is None or self.tied_counted else [self.tied]
+        tied = self.tied
+        uncounted = [] if tied is None or self.tied_counted else [tied]
         return float(clip_grad_norm(self.module.parameters(), max_norm, stages=self.group, uncounted=uncounted))
 
     def pipeline(self, micro_batches: int, *, name: str = "model") -> PipelineModel:
@@ -141,11 +152,14 @@ class PipelineStages:
         """Sum the gradients of a tied embedding's two copies (first and last stage),
         so both take the one update the tied weight would (a collective of the two
         ranks; nothing elsewhere)."""
-        if self.tied is None:
+        tied = self.tied
+        if tied is None:
             return
-        if self.tied.grad is None:
-            self.tied.grad = torch.zeros_like(self.tied)
-        grad = self.tied.grad
+        if tied.grad is None:
+            tied.grad = torch.zeros_like(tied)
+        # Sharded over the data-parallel ranks, both copies are cut alike: the local
+        # shards of the two ranks of one data-parallel index match.
+        grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
         other = torch.empty_like(grad)
         works = [dist.isend(grad.contiguous(), self._tied_peer, group=self.group),
                  dist.irecv(other, self._tied_peer, group=self.group)]

@@ -8,7 +8,6 @@ with the single process's by name."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -232,30 +231,35 @@ def test_tied_embeddings_train_in_two_stages_like_one_process(tmp_path: Path) ->
     _assert_close_metrics(resumed.train_step(make_batch()), engine.train_step(make_batch()))
 
 
-def _mixed_ranks(rank: int, out: Path, *, shape: tuple[int, int, int], data_parallel: str) -> None:
-    """Two pipeline stages with tensor or data parallelism inside each stage (FSDP
-    sharding inside stages is refused, naming the fix)."""
+def _mixed_ranks(rank: int, out: Path, *, shape: tuple[int, int, int], data_parallel: str, tied: bool) -> None:
+    """Two pipeline stages with tensor or data parallelism inside each stage
+    (replicated, or sharded by FSDP2); the stages' checkpoint resumes exactly."""
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIM_NAMES)
     rows = torch.arange(8) if shape[1] == 1 else (torch.arange(0, 5), torch.arange(5, 8))[mesh["dp"].get_local_rank()]
     batch = {k: v[rows] for k, v in make_batch().items()}
     config = TrainingConfig(**CONFIG, micro_batch_size=2, data_parallel=data_parallel)
-    engine = TrainingEngine(tiny_lm(layers=LAYERS), config=config, mesh=mesh, loss=LOSS)
+    model = _tied_lm if tied else functools.partial(tiny_lm, layers=LAYERS)
+    engine = TrainingEngine(model(), config=config, mesh=mesh, loss=LOSS)
     logprobs, _ = engine.log_probs(batch)
     metrics = [engine.train_step(batch) for _ in range(2)]
     full = {name: t.clone() for name, t in engine.named_full_weights()}
-    if shape[1] > 1:
-        with pytest.raises(EngineConfigError, match="data_parallel='replicate'"):
-            TrainingEngine(tiny_lm(layers=LAYERS), config=dataclasses.replace(config, data_parallel="shard"),
-                           mesh=mesh, loss=LOSS)
-    torch.save({"logprobs": logprobs, "rows": rows, "metrics": metrics, "full": full}, out / f"mixed{rank}.pt")
+    engine.save(out / "mixed-ckpt")
+    resumed = TrainingEngine(model(seed=5), config=config, mesh=mesh, loss=LOSS)
+    resumed.load(out / "mixed-ckpt")
+    torch.save({"logprobs": logprobs, "rows": rows, "metrics": metrics, "full": full,
+                "resumed": resumed.train_step(batch), "continued": engine.train_step(batch)}, out / f"mixed{rank}.pt")
 
 
-@pytest.mark.parametrize(("shape", "data_parallel"), [((2, 1, 2), "replicate"), ((2, 2, 1), "replicate")],
-                         ids=["pp2-tp2", "pp2-dp2"])
+@pytest.mark.parametrize(("shape", "data_parallel", "tied"),
+                         [((2, 1, 2), "replicate", False), ((2, 2, 1), "replicate", False),
+                          ((2, 2, 1), "shard", False), ((2, 2, 1), "shard", True)],
+                         ids=["pp2-tp2", "pp2-dp2", "pp2-dp2-sharded", "pp2-dp2-sharded-tied"])
 def test_pipeline_stages_with_tensor_or_data_parallelism_equal_one_process(
-        tmp_path: Path, shape: tuple[int, int, int], data_parallel: str) -> None:
-    out = run_ranks(4, functools.partial(_mixed_ranks, shape=shape, data_parallel=data_parallel), tmp_path)
-    engine = TrainingEngine(tiny_lm(layers=LAYERS), config=TrainingConfig(**CONFIG, micro_batch_size=2), loss=LOSS)
+        tmp_path: Path, shape: tuple[int, int, int], data_parallel: str, tied: bool) -> None:
+    out = run_ranks(4, functools.partial(_mixed_ranks, shape=shape, data_parallel=data_parallel, tied=tied),
+                    tmp_path)
+    model = _tied_lm() if tied else tiny_lm(layers=LAYERS)
+    engine = TrainingEngine(model, config=TrainingConfig(**CONFIG, micro_batch_size=2), loss=LOSS)
     expected = _run(engine, steps=2)
     for rank in range(4):
         got = torch.load(out / f"mixed{rank}.pt", weights_only=False)
@@ -264,3 +268,4 @@ def test_pipeline_stages_with_tensor_or_data_parallelism_equal_one_process(
             _assert_close_metrics(got_m, exp_m)
         for name, tensor in expected["weights"].items():
             torch.testing.assert_close(got["full"][name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+        _assert_close_metrics(got["resumed"], got["continued"])
