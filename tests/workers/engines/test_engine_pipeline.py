@@ -252,8 +252,8 @@ def _mixed_ranks(rank: int, out: Path, *, shape: tuple[int, int, int], data_para
 
 @pytest.mark.parametrize(("shape", "data_parallel", "tied"),
                          [((2, 1, 2), "replicate", False), ((2, 2, 1), "replicate", False),
-                          ((2, 2, 1), "shard", False), ((2, 2, 1), "shard", True)],
-                         ids=["pp2-tp2", "pp2-dp2", "pp2-dp2-sharded", "pp2-dp2-sharded-tied"])
+                          ((2, 2, 1), "shard", False), ((2, 2, 1), "shard", True), ((2, 1, 2), "replicate", True)],
+                         ids=["pp2-tp2", "pp2-dp2", "pp2-dp2-sharded", "pp2-dp2-sharded-tied", "pp2-tp2-tied"])
 def test_pipeline_stages_with_tensor_or_data_parallelism_equal_one_process(
         tmp_path: Path, shape: tuple[int, int, int], data_parallel: str, tied: bool) -> None:
     out = run_ranks(4, functools.partial(_mixed_ranks, shape=shape, data_parallel=data_parallel, tied=tied),
