@@ -101,24 +101,30 @@ def estimate_pools(config: RunConfig, shape: ModelShape, *, context: int, cuda: 
         place = config.placement.get(role)
         name = place.pool if place is not None else first
         devices = config.pools[name].devices
-        t = place.t if place is not None else 1
+        t, p = (place.t, place.p) if place is not None else (1, 1)
         estimate = out.setdefault(name, PoolEstimate(pool=name, device=device.type, ranks=devices))
         for part, size in _role_parts(config, role, shape, reward_shape, device=device, devices=devices,
-                                      t=t, context=context).items():
+                                      t=t, p=p, context=context).items():
             estimate.parts[f"{role} {part}"] = size
     return list(out.values())
 
 
 def _role_parts(config: RunConfig, role: str, shape: ModelShape, reward_shape: ModelShape | None, *,
-                device: torch.device, devices: int, t: int, context: int) -> dict[str, int]:
+                device: torch.device, devices: int, t: int, p: int, context: int) -> dict[str, int]:
     actor = config.actor
-    dp = max(devices // t, 1)
+    dp = max(devices // t, 1)  # the generation's data-parallel replicas
+    # With pipeline stages a rank holds one stage: about 1/p of the parameters, over
+    # devices / (t * p) data-parallel ranks. Its activations stay about one
+    # micro-batch's through the whole model (1F1B: the first stage holds p of its
+    # 1/p of the layers).
+    stage_parameters = -(-shape.parameters // p)
+    stage_dp = max(devices // (t * p), 1)
     if role in TRAINED:
         section = actor if role == "actor" else config.critic
         precision = _precision(section.precision, device)
         hybrid = role == "actor" and hybrid_actor(config)  # the hybrid engine keeps whole replicas
-        shards = 1 if hybrid or shape.parameters <= REPLICATE_MAX_PARAMS else dp  # data_parallel="auto"
-        state = estimate_memory(shape.parameters, precision=precision, shards=shards, tp=t)
+        shards = 1 if hybrid or shape.parameters <= REPLICATE_MAX_PARAMS else stage_dp  # data_parallel="auto"
+        state = estimate_memory(stage_parameters, precision=precision, shards=shards, tp=t)
         training = {"training state": state.total,
                     "activations": _activations(shape, section.micro_batch_size, context, precision=precision,
                                                 checkpointed=section.activation_checkpointing, t=t)}
@@ -132,7 +138,7 @@ def _role_parts(config: RunConfig, role: str, shape: ModelShape, reward_shape: M
         return rollout | (training if sum(training.values()) >= sum(generating.values()) else generating)
     if role == "ref":
         precision = _precision(actor.precision, device)
-        return {"weights": estimate_memory(shape.parameters, precision=precision, trainable=False, tp=t).total}
+        return {"weights": estimate_memory(stage_parameters, precision=precision, trainable=False, tp=t).total}
     if role == "rollout":
         precision = _precision(actor.precision, device)
         return _generation(config, shape, precision=precision, dp=dp, context=context)

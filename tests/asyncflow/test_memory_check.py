@@ -34,6 +34,15 @@ def test_the_gpu_example_fits_one_80_gb_gpu_and_its_parts_add_up() -> None:
     assert "pool 'gpu' may not fit" in warning and "actor training state 23.0" in warning
 
 
+def test_pipeline_stages_hold_their_share_of_the_state() -> None:
+    _, shape = _shape(GPU_EXAMPLE)
+    staged = load_config(GPU_EXAMPLE, {"pools.gpu.devices": 4, "placement.actor.p": 2, "placement.ref.p": 2})
+    parts = estimate_pools(staged, shape, context=14, cuda=True)[0].parts
+    # Two stages over two data-parallel ranks, sharded (1.5 B parameters): a quarter each.
+    assert parts["actor training state"] == 16 * -(-shape.parameters // 2) // 2
+    assert parts["ref weights"] == 2 * -(-shape.parameters // 2)  # bf16, one stage's
+
+
 def test_checkpointing_offload_and_precision_move_the_estimate() -> None:
     config, shape = _shape(GPU_EXAMPLE)
     on_gpu = estimate_pools(config, shape, context=256, cuda=True)[0].parts
