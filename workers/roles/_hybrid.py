@@ -48,7 +48,7 @@ def training_shards(model: nn.Module, *, stage: int = 0) -> tuple[list[ParamSpec
     for name, param in model.named_parameters():
         dim = None
         if isinstance(param, DTensor):
-            if param.device_mesh.ndim != 1:
+            if param.device_mesh.mesh_dim_names != ("tp",):
                 raise ConfigError(
                     f"the hybrid engine reshards tensor-parallel shards, but {name!r} is also sharded over the "
                     "data-parallel ranks (FSDP); use TrainingConfig(data_parallel='replicate') with a generation "

@@ -7,6 +7,7 @@ update."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from datetime import timedelta
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from roles_testlib import advantages_for, local_ctx, prompt_columns, run_ranks
 from torch.distributed.tensor import DTensor
 
-from channels import Batch, GenerationLayout, Layout
+from channels import Batch, ConfigError, GenerationLayout, Layout
 from workers import WorkerContext
 from workers.engines import MESH_DIM_NAMES, TrainingConfig
 from workers.host._meshes import mesh_from_groups, new_reconnectable_group
@@ -85,6 +86,23 @@ def _rank(rank: int, out: Path, *, layout: str, model_dir: str) -> None:
     result = _steps(actor)
     assert _rollout_bytes(actor) == 0
     torch.save(result, out / f"rank{rank}.pt")
+
+
+def _sharded_rank(rank: int, out: Path, *, model_dir: str) -> None:
+    lay = Layout(d=2, gen=GenerationLayout(tg=1))
+    timeout = timedelta(seconds=60)
+    ctx = WorkerContext(role="actor", pool="policy", rank=rank, world_size=2, global_rank=rank, layout=lay,
+                        device=torch.device("cpu"), process_group=new_reconnectable_group((0, 1), timeout),
+                        mesh=mesh_from_groups(torch.tensor([0, 1]).view(1, 2, 1), MESH_DIM_NAMES, "cpu", timeout))
+    config = dataclasses.replace(_config(model_dir), training=TrainingConfig(data_parallel="shard"))
+    with pytest.raises(ConfigError, match="data_parallel='replicate'"):
+        ActorWorker(ctx, config)
+
+
+def test_the_hybrid_engine_refuses_weights_sharded_over_data_parallel_ranks(model_dir: str,
+                                                                           tmp_path: Path) -> None:
+    # FSDP2 shards over the data-parallel mesh alone: not a tensor-parallel split.
+    run_ranks(2, functools.partial(_sharded_rank, model_dir=model_dir), tmp_path)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
