@@ -165,6 +165,26 @@ def test_late_backfilling_reaches_the_bound_within_the_serial_peak(p0: int, p1: 
     assert annealed.peak <= serial.peak + 1e-9
 
 
+@pytest.mark.parametrize(("p0", "p1"), [(4, 2), (8, 4)])
+def test_bounded_backfilling_keeps_the_other_models_1f1b_bound(p0: int, p1: int) -> None:
+    models = _pair(p0, p1, 2 * p0)
+    schedule = backfilled(models, bounded=True)
+    assert schedule is not None
+    assert simulate(schedule).finish_s < serial_cost(models).finish_s
+    most = 0
+    for order in schedule.orders:
+        held: dict[tuple[int, int], int] = {}
+        for task in order:
+            if task.model == 1:  # the critic, not the backbone
+                lane = (task.pipeline, task.stage)
+                held[lane] = held.get(lane, 0) + (-1 if task.backward else 1)
+                assert held[lane] <= p1 - task.stage, schedule.describe()
+                most = max(most, held[lane])
+    assert most == p1  # the bound is reached, not just respected
+    unbounded = backfilled(models)
+    assert unbounded is not None and unbounded != schedule
+
+
 def test_the_tolerance_trades_finish_time_for_held_activations() -> None:
     # Here the fastest schedule found holds twice serial 1F1B's peak; one 1.3% slower
     # holds 1.375 times it.

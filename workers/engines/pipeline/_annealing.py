@@ -45,10 +45,10 @@ def fused_annealed(
 ) -> Schedule:
     """RLHFuse's annealed fused schedule of ``models`` (see the module docstring).
 
-    The search anneals three starting points: the greedy schedule and the best
-    backfilled ones with the backbone's passes late and eager (:func:`backfilled`
-    under several activation limits and delays; the earliest finish, then the lowest
-    peak). Each is annealed by moving adjacent passes to finish earlier (within
+    The search anneals four starting points: the greedy schedule and the best
+    backfilled ones with the backbone's passes late, eager, and late with the other
+    model bounded as in 1F1B (:func:`backfilled` under several activation limits
+    and delays; the earliest finish, then the lowest peak). Each is annealed by moving adjacent passes to finish earlier (within
     ``memory_limit``); of the results finishing within ``tolerance`` of the earliest,
     the one holding the fewest activations is annealed again to hold fewer at no
     cost in finish time.
@@ -79,9 +79,11 @@ def fused_annealed(
     cap = math.inf if memory_limit is None else memory_limit + 1e-9
     first: list[Schedule | None] = [greedy]
     groups = [first] + [
-        [backfilled(models, memory_limit=serial_peak * f, slack_s=forward * k, late=late)
-         for f in _LIMITS for k in _SLACKS] for late in (True, False)]
-    starts = []  # the greedy schedule, the earliest (then leanest) late and eager backfilled ones
+        [backfilled(models, memory_limit=serial_peak * f, slack_s=forward * k, late=late, bounded=bounded)
+         for f in _LIMITS for k in _SLACKS] for late, bounded in ((True, False), (False, False), (True, True))]
+    # The greedy schedule, and the earliest (then leanest) of the late, the eager and
+    # the late and bounded backfilled ones.
+    starts = []
     for group in groups:
         runs = [(r.finish_s, r.peak, n, s) for n, s in enumerate(group) if s is not None
                 for r in [simulate(s)] if r.peak <= cap]

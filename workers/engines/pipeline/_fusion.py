@@ -128,7 +128,7 @@ def fusion_lower_bound(models: Sequence[PipelineModel]) -> float:
 
 
 def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = None,
-               slack_s: float = 0.0, late: bool = True) -> Schedule | None:
+               slack_s: float = 0.0, late: bool = True, bounded: bool = False) -> Schedule | None:
     """A fused schedule built around the slowest model's own 1F1B: that model (the
     backbone) keeps its 1F1B order on every device, and a pass of another model runs
     in the backbone's bubbles: where it ends before the backbone's next pass must
@@ -139,6 +139,9 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     delaying the backbone's own finish (a first stage's forwards have slack until
     the pipeline needs them): the other model's passes then run while the backbone
     holds fewer activations. Without it, the backbone's passes start when they can.
+    With ``bounded``, the other models also keep 1F1B's bound on the micro-batches
+    a stage holds (``p - s`` on stage ``s`` of ``p``), leaving the memory to the
+    backbone's peaks.
 
     Returns:
         The schedule, or None if the limit leaves every device waiting.
@@ -175,6 +178,9 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
                     if start is None or start + index.cost[task] > due + 1e-9:
                         continue
                     if held[d] + index.memory[task] > limit:
+                        continue
+                    if bounded and not index.tasks[task].backward and taken[lane][0] - taken[lane][1] >= \
+                            models[lane[0]].virtual_stages - lane[2]:
                         continue
                     best = min(best, (start, 0, d, task, lane)) if best else (start, 0, d, task, lane)
         if best is None:
