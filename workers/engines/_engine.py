@@ -112,9 +112,8 @@ class TrainingEngine:
         Raises:
             EngineConfigError: for an invalid mesh (names), a model whose head counts
                 ``tp`` does not divide, pipeline stages the model cannot fill,
-                ``precision="bf16"`` on a GPU
-                without bfloat16, or activation checkpointing on a model without
-                transformers' gradient checkpointing.
+                ``precision="bf16"`` on a GPU without bfloat16, or activation
+                checkpointing on a model without transformers' gradient checkpointing.
         """
         self.config = config
         self.parallel = Parallelism(mesh, tp_plan=tp_plan)

@@ -135,10 +135,11 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     start, ``slack_s`` later at most. No forward, of any model, starts where it
     would take the device's held activations above ``memory_limit``.
 
-    With ``late``, the backbone's next pass must start only as late as it can without
-    delaying the backbone's own finish (a first stage's forwards have slack until
-    the pipeline needs them): the other model's passes then run while the backbone
-    holds fewer activations. Without it, the backbone's passes start when they can.
+    With ``late``, the other model's passes may hold the backbone's next pass back
+    until its latest start, the latest it can start without delaying the
+    backbone's own finish (a first stage's forwards have slack until the pipeline
+    needs them): the other model's passes then run while the backbone holds fewer
+    activations. Without it, the backbone's passes start when they can.
     With ``bounded``, the other models also keep 1F1B's bound on the micro-batches
     a stage holds (``p - s`` on stage ``s`` of ``p``), leaving the memory to the
     backbone's peaks.
