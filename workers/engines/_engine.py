@@ -13,16 +13,17 @@ are normalised over the global batch: a train step equals one full-batch step on
 the union of the slices, whatever the micro-batching and however rows are spread.
 
 Precision (``TrainingConfig.precision``) is a strategy object consulted before the
-layout and around each forward (:mod:`workers.engines._precision`); the state can be
-offloaded to host memory between calls (:meth:`TrainingEngine.offload`).
+layout and around each forward (:mod:`workers.engines._precision`). Where the state
+lives and how it persists (offloading to host memory between calls, checkpoints,
+Hugging Face export, full weights) is the engine's base,
+:class:`~workers.engines._state.EngineState`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Literal, TypeVar, overload
 
 import torch
@@ -30,19 +31,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from workers.engines import _checkpoint
 from workers.engines._activation_checkpointing import enable_activation_checkpointing
 from workers.engines._batch import (
     build_inputs,
     check_batch,
     token_counts,
 )
-from workers.engines._checkpoint import ExportWriter, Generators
 from workers.engines._config import TrainingConfig
 from workers.engines._errors import EngineConfigError
 from workers.engines._heads import CausalLMHead, ModelHead
 from workers.engines._layout import ModelLayout, WholeModel
-from workers.engines._memory import MemoryFootprint, measure_memory
 from workers.engines._micro_batches import (
     PreparedStep,
     StepStats,
@@ -57,12 +55,13 @@ from workers.engines._optimizer import build_adamw, take_step
 from workers.engines._parallel import Parallelism, TensorParallelPlan
 from workers.engines._pipelined import PipelineStages
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
+from workers.engines._state import EngineState
 from workers.objectives import LossFn, ModelOutputs
 
 T = TypeVar("T")
 
 
-class TrainingEngine:
+class TrainingEngine(EngineState):
     """Trains (and evaluates) one model with AdamW, micro-batching and a parallel layout.
 
     Example:
@@ -346,58 +345,6 @@ class TrainingEngine:
         objective records as it runs (only the last stage runs it)."""
         return self._layout.from_last(value)
 
-    # -------------------------------------------------------------------- memory
-
-    def offload(self, *, params: bool = False) -> None:
-        """Move the optimizer state (and with ``params`` the parameters and gradients)
-        to host memory, freeing the device memory for something else (generation on
-        the same GPU). Idempotent; a no-op on a CPU engine.
-
-        On CUDA the bytes go to pinned host memory without blocking and the freed
-        memory is returned to the driver (``torch.cuda.empty_cache``). Until
-        :meth:`reload`, :meth:`train_step`, :meth:`save` and :meth:`load` raise, and
-        with ``params`` so do the forward passes and weight export. Local to this
-        rank (not a collective).
-
-        Args:
-            params: also move the parameters and any gradients.
-        """
-        if self.device.type == "cpu":
-            return
-        self._offloader.offload(params=params)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def reload(self) -> None:
-        """Bring back what :meth:`offload` moved; training then continues bit-identically
-        to a run that never offloaded. Idempotent; a no-op on a CPU engine."""
-        self._offloader.reload()
-
-    def memory_footprint(self) -> MemoryFootprint:
-        """Bytes of this rank's state on the engine's device now, by kind.
-
-        Returns:
-            Parameters, gradients (0 between steps) and optimizer state; offloaded
-            state counts 0. Activations and the allocator's cache are not included.
-        """
-        return measure_memory(self.model, self.optimizer, self.device)
-
-    def _require_resident(self, what: str, *, optimizer: bool) -> None:
-        if self._offloader.params_offloaded or (optimizer and self._offloader.optimizer_offloaded):
-            raise EngineConfigError(
-                f"TrainingEngine.{what}: the engine's state is offloaded to host memory; "
-                "call engine.reload() first"
-            )
-
-    def _trainable_optimizer(self, what: str) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            raise EngineConfigError(
-                f"TrainingEngine.{what} needs a trainable engine, this one was built with "
-                "trainable=False (inference only); build it with trainable=True to train"
-            )
-        self._require_resident(what, optimizer=True)
-        return self.optimizer
-
     # ------------------------------------------------------------------- helpers
 
     def _to_device(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -419,88 +366,3 @@ class TrainingEngine:
                 f"max_position_embeddings is {limit}; shorten the prompts or lower "
                 "max_new_tokens so that prompt + response fits"
             )
-
-    # --------------------------------------------------------- checkpoints, weights
-
-    def save(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
-        """Save model, optimizer, step and RNG states with torch.distributed.checkpoint.
-
-        Collective over ``process_group``; every rank writes its own shards.
-
-        Args:
-            path: checkpoint directory, shared by all ranks.
-            generators: the caller's own generators, saved with the global RNG states.
-
-        Raises:
-            EngineConfigError: if the engine is offloaded (call :meth:`reload`).
-        """
-        self._require_resident("save", optimizer=True)
-        from workers.engines import _dcp  # DCP loads on first use (see its docstring)
-
-        _dcp.save_checkpoint(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            step=self._step,
-            group=self.process_group,
-            generators=generators,
-        )
-
-    def load(self, path: str | os.PathLike[str], *, generators: Generators | None = None) -> None:
-        """Restore what :meth:`save` wrote, in any layout; the next step continues exactly.
-
-        Collective over ``process_group``.
-
-        Args:
-            path: checkpoint directory.
-            generators: the caller's generators, restored in place when saved.
-
-        Raises:
-            EngineConfigError: if ``path`` holds no checkpoint, or the engine is
-                offloaded (call :meth:`reload`).
-        """
-        self._require_resident("load", optimizer=True)
-        from workers.engines import _dcp
-
-        self._step = _dcp.load_checkpoint(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            group=self.process_group,
-            generators=generators,
-        )
-
-    def export_hf(
-        self, path: str | os.PathLike[str], *, save: ExportWriter | None = None
-    ) -> None:
-        """Write a Hugging Face model directory loadable with ``from_pretrained``.
-
-        Collective over ``process_group``: weights are gathered and rank 0 of the group
-        writes; every rank returns once the directory is complete.
-
-        Args:
-            path: output directory.
-            save: writes the gathered state dict into the directory; default the
-                model's ``save_pretrained(path, state_dict=...)``.
-
-        Raises:
-            EngineConfigError: without ``save``, if the model is not a Hugging Face
-                ``PreTrainedModel``; if the parameters are offloaded.
-        """
-        self._require_resident("export_hf", optimizer=False)
-        _checkpoint.export_hf(path, self.model, group=self.process_group, writer=0, save=save,
-                              weights=self.named_full_weights())
-
-    def named_full_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Yield ``(hf_name, full tensor)`` for weight sync into rollout engines.
-
-        Collective: every rank must exhaust the iterator (DTensor shards are gathered).
-
-        Yields:
-            Full, detached tensors by the model's own (Hugging Face) names.
-
-        Raises:
-            EngineConfigError: if the parameters are offloaded (call :meth:`reload`).
-        """
-        self._require_resident("named_full_weights", optimizer=False)
-        return self._layout.full_weights()
