@@ -11,7 +11,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from workers.engines.pipeline._fusion import backfilled, fused_greedy, serial_cost
+from workers.engines.pipeline._fusion import Backbone, fill, fused_greedy, serial_cost
 from workers.engines.pipeline._schedule import (
     PipelineModel,
     Schedule,
@@ -77,9 +77,10 @@ def fused_annealed(
     forward = max(m.forward_s for m in models)
     greedy = fused_greedy(models)
     cap = math.inf if memory_limit is None else memory_limit + 1e-9
+    backbone = Backbone.of(models)
     first: list[Schedule | None] = [greedy]
     groups = [first] + [
-        [backfilled(models, memory_limit=serial_peak * f, slack_s=forward * k, late=late, bounded=bounded)
+        [fill(backbone, memory_limit=serial_peak * f, slack_s=forward * k, late=late, bounded=bounded)
          for f in _LIMITS for k in _SLACKS] for late, bounded in ((True, False), (False, False), (True, True))]
     # The greedy schedule, and the earliest (then leanest) of the late, the eager and
     # the late and bounded backfilled ones.

@@ -147,11 +147,36 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     Returns:
         The schedule, or None if the limit leaves every device waiting.
     """
-    index = TaskIndex(models)
-    finishes = [simulate(one_f_one_b(m)).finish_s for m in models]
-    spine = max(range(len(models)), key=lambda m: finishes[m])
-    queues = [[index.ids[t._replace(model=spine)] for t in order] for order in one_f_one_b(models[spine]).orders]
-    latest = _latest_starts(models[spine], spine, index)
+    return fill(Backbone.of(models), memory_limit=memory_limit, slack_s=slack_s, late=late, bounded=bounded)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backbone:
+    """What :func:`backfilled` builds around, the same for every limit and delay:
+    the models' task index, the slowest model (the backbone), its 1F1B order per
+    device and each of its passes' latest start."""
+
+    models: tuple[PipelineModel, ...]
+    index: TaskIndex
+    spine: int
+    queues: list[list[int]]
+    latest: dict[int, float]
+
+    @staticmethod
+    def of(models: Sequence[PipelineModel]) -> Backbone:
+        index = TaskIndex(models)
+        finishes = [simulate(one_f_one_b(m)).finish_s for m in models]
+        spine = max(range(len(models)), key=lambda m: finishes[m])
+        queues = [[index.ids[t._replace(model=spine)] for t in order]
+                  for order in one_f_one_b(models[spine]).orders]
+        return Backbone(tuple(models), index, spine, queues, _latest_starts(models[spine], spine, index))
+
+
+def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: float = 0.0, late: bool = True,
+         bounded: bool = False) -> Schedule | None:
+    """:func:`backfilled` around a prepared ``backbone`` (the searches build many)."""
+    models, index, spine = backbone.models, backbone.index, backbone.spine
+    queues, latest = backbone.queues, backbone.latest
     lanes = _lanes(models, index.devices, skip=spine)
     taken = {lane: [0, 0] for device in lanes for lane in device}
     at = [0] * index.devices
