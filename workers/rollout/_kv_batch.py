@@ -105,6 +105,9 @@ class KVBatch:
     """[B] position of the token fed at the next step."""
     next_tokens: torch.Tensor
     """[B] the token fed at the next step (the last one sampled)."""
+    padded: bool = True
+    """Whether any row's cache starts with padding (``mask`` has a zero); without,
+    a decode step attends to every column and needs no mask."""
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -117,8 +120,10 @@ class KVBatch:
         self.indices = [self.indices[row] for row in rows]
         mask = self.mask.index_select(0, select)
         # Rows are right-aligned, so the longest row says how many columns are needed.
-        start = mask.shape[1] - int(mask.sum(dim=1).max()) if rows else mask.shape[1]
+        lengths = mask.sum(dim=1)
+        start = mask.shape[1] - int(lengths.max()) if rows else mask.shape[1]
         self.mask = mask[:, start:]
+        self.padded = bool(rows) and int(lengths.min()) < self.mask.shape[1]
         self.next_positions = self.next_positions.index_select(0, select)
         self.next_tokens = self.next_tokens.index_select(0, select)
         for layer, keys, values in kv_layers(self.cache):
@@ -128,6 +133,7 @@ class KVBatch:
     def extend(self, other: KVBatch) -> None:
         """Append the rows of ``other``, left-padding whichever cache is shorter."""
         length = max(self.mask.shape[1], other.mask.shape[1])
+        self.padded = self.padded or other.padded or self.mask.shape[1] != other.mask.shape[1]
         self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(other.mask, length)])
         self.indices = self.indices + other.indices
         self.next_positions = torch.cat([self.next_positions, other.next_positions])
@@ -185,6 +191,7 @@ def prefill(
         mask=mask,
         next_positions=mask.sum(dim=1),
         next_tokens=torch.zeros(len(indices), dtype=torch.long, device=device),
+        padded=any(len(sequence) < length for sequence in sequences),
     )
     return batch, output.logits[:, -1, :].float()
 
@@ -196,7 +203,7 @@ def decode(model: PreTrainedModel, batch: KVBatch, lean: LeanDecoder | None = No
     ones = torch.ones((len(batch), 1), dtype=batch.mask.dtype, device=batch.mask.device)
     batch.mask = torch.cat([batch.mask, ones], dim=1)
     if lean is not None:
-        logits = lean.step(batch.next_tokens, batch.next_positions, batch.mask,
+        logits = lean.step(batch.next_tokens, batch.next_positions, batch.mask if batch.padded else None,
                            [layer for layer, _, _ in kv_layers(batch.cache)])
         batch.next_positions = batch.next_positions + 1
         return logits

@@ -67,15 +67,16 @@ class LeanDecoder:
         self._layers = [_Layer(layer) for layer in inner.layers]
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
              cache_layers: list[DynamicLayer]) -> torch.Tensor:
         """Feed ``tokens`` ``[B]`` at ``positions`` ``[B]``, appending to each layer's
-        keys and values; ``mask`` ``[B, L]`` covers the cache after the append. The
+        keys and values; ``mask`` ``[B, L]`` covers the cache after the append (None:
+        no padding, every column is attended to, as transformers' step then does). The
         next-token logits ``[B, V]`` float32."""
         rows = tokens.shape[0]
         x = self._embed(tokens[:, None])
         cos, sin = self._rotary(x, positions[:, None])
-        attend = mask.bool()[:, None, None, :]
+        attend = None if mask is None else mask.bool()[:, None, None, :]
         for layer, cache in zip(self._layers, cache_layers, strict=True):
             attn, mlp = layer.attn, layer.mlp
             h = layer.norm_in(x)

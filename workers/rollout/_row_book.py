@@ -2,10 +2,12 @@
 
 Both kinds of decode batch (:mod:`._decode_batch`) keep their running rows in a
 :class:`RowBook`: row ``i`` of the book is row ``i`` of the batch's KV cache. Beside
-the host's list of rows, the book holds on the device each row's response length,
-budget and row seed and its sampled tokens and log-probs so far, so that a step
-records its tokens with a few tensor writes, nothing per row in Python, and reads
-nothing back unless a row can have ended:
+the host's list of rows, the book holds on the device each row's response length and
+budget, the uniforms of its random stream for every position (drawn once, when it
+joins: a step then looks its uniform up instead of computing it) and its sampled
+tokens and log-probs so far, so that a step records its tokens with a few tensor
+writes, nothing per row in Python, and reads nothing back unless a row can have
+ended:
 
 - with ``ignore_eos`` (or no EOS id) and no stop strings, a row ends at its budget,
   which the host knows: nothing is read back until a row finishes;
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ._decode_batch import Row, RunRules
-from ._sampling import sample_tokens, signed_seeds
+from ._sampling import sample_tokens, signed_seeds, stream_uniforms, uniform_dtype
 
 __all__ = ["RowBook"]
 
@@ -44,22 +46,23 @@ class _Entry:
 
 
 class _Columns:
-    """Per-row tensors on the device: response length, budget, row seed, and the
-    response's tokens and log-probs (``width`` columns)."""
+    """Per-row tensors on the device: response length, budget, and per response
+    position (``width`` columns) the uniform its token is drawn with (``draws``
+    columns: ``width`` when sampling, 0 when greedy), the token and its log-prob."""
 
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+    def __init__(self, rows: int, width: int, draws: int, device: torch.device) -> None:
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.budgets = torch.zeros(rows, dtype=torch.long, device=device)
-        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
+        self.uniforms = torch.zeros((rows, draws), dtype=uniform_dtype(device), device=device)
         self.tokens = torch.zeros((rows, width), dtype=torch.long, device=device)
         self.logprobs = torch.zeros((rows, width), dtype=torch.float32, device=device)
 
     def all(self) -> tuple[torch.Tensor, ...]:
-        return self.lengths, self.budgets, self.seeds, self.tokens, self.logprobs
+        return self.lengths, self.budgets, self.uniforms, self.tokens, self.logprobs
 
     def grown(self, rows: int, live: int) -> _Columns:
         """A copy with room for ``rows`` rows, rows ``0..live-1`` carried over."""
-        grown = _Columns(rows, self.tokens.shape[1], self.tokens.device)
+        grown = _Columns(rows, self.tokens.shape[1], self.uniforms.shape[1], self.tokens.device)
         for old, new in zip(self.all(), grown.all(), strict=True):
             new[:live] = old[:live]
         return grown
@@ -79,7 +82,8 @@ class RowBook:
         self._rules = rules
         self._device = device
         self._compiled = compiled
-        self._columns = _Columns(0, rules.params.max_new_tokens, device)
+        width = rules.params.max_new_tokens
+        self._columns = _Columns(0, width, 0 if rules.params.greedy else width, device)
         self._entries: list[_Entry] = []
         self._steps = 0
         """Decode steps taken (the clock of ``_Entry.end``)."""
@@ -102,8 +106,10 @@ class RowBook:
         added, columns = slice(live, live + len(rows)), self._columns
         columns.lengths[added] = self._tensor([len(row.response) for row in rows])
         columns.budgets[added] = self._tensor([row.budget for row in rows])
-        if not self._rules.params.greedy:
-            columns.seeds[added] = self._tensor(signed_seeds([row.seed or 0 for row in rows]))
+        if not self._rules.params.greedy:  # each row's whole stream, a uniform per position
+            seeds = self._tensor(signed_seeds([row.seed or 0 for row in rows]))
+            positions = torch.arange(columns.uniforms.shape[1], device=self._device)
+            columns.uniforms[added] = stream_uniforms(seeds[:, None], positions[None], columns.uniforms.dtype)
         text = self._rules.stop is not None
         self._entries += [
             _Entry(row, len(row.response), self._steps + row.budget - len(row.response) - 1,
@@ -121,7 +127,8 @@ class RowBook:
         it; return the tokens and the rows (of the book) that ended with them."""
         columns = self._columns
         lengths = columns.lengths[rows]
-        tokens, logprobs = sample_tokens(logits, self._rules.params, columns.seeds[rows], lengths=lengths,
+        uniforms = None if self._rules.params.greedy else columns.uniforms[rows].gather(1, lengths[:, None])[:, 0]
+        tokens, logprobs = sample_tokens(logits, self._rules.params, None, lengths=lengths, uniforms=uniforms,
                                          early_banned=self._rules.early_banned, compiled=self._compiled)
         columns.tokens[rows].scatter_(1, lengths[:, None], tokens[:, None])
         columns.logprobs[rows].scatter_(1, lengths[:, None], logprobs[:, None])

@@ -23,7 +23,10 @@ from channels import ConfigError
 from ._compiled import Compiled
 from ._types import SamplingParams
 
-__all__ = ["pack_row_seed", "row_seed", "sample_tokens", "signed_seeds", "splitmix64", "unpack_row_seed"]
+__all__ = [
+    "pack_row_seed", "row_seed", "sample_tokens", "signed_seeds", "splitmix64", "stream_uniforms", "uniform_dtype",
+    "unpack_row_seed",
+]
 
 _MASK64 = (1 << 64) - 1
 _ROW_SEED_BYTES = 8
@@ -103,9 +106,22 @@ def _uniforms(
         seeds = torch.tensor(signed_seeds([s for s in seeds if s is not None]), dtype=torch.int64, device=device)
     if not isinstance(lengths, torch.Tensor):
         lengths = torch.tensor(list(lengths), dtype=torch.int64, device=device)
-    bits = splitmix64(seeds, lengths)
+    return stream_uniforms(seeds, lengths, dtype)
+
+
+def stream_uniforms(seeds: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The uniforms in ``[0, 1)`` that streams ``seeds`` (int64, :func:`signed_seeds`)
+    draw their tokens at ``positions`` with (broadcast together), in ``dtype``
+    (:func:`uniform_dtype`): what :func:`sample_tokens` computes from its ``seeds``
+    and ``lengths``, and takes ready-made as ``uniforms``."""
+    bits = splitmix64(seeds, positions)
     mantissa = 53 if dtype == torch.float64 else 24  # the bits a float in [0, 1) holds
     return _shift_right(bits, 64 - mantissa).to(dtype) * 2.0**-mantissa
+
+
+def uniform_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the CDFs are taken in on ``device``: float64 where it has them (MPS has not)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def signed_seeds(seeds: Sequence[int]) -> list[int]:
@@ -117,11 +133,12 @@ def signed_seeds(seeds: Sequence[int]) -> list[int]:
 def sample_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
-    seeds: Sequence[int | None] | torch.Tensor,
+    seeds: Sequence[int | None] | torch.Tensor | None,
     *,
     lengths: Sequence[int] | torch.Tensor,
     early_banned: tuple[int, ...] = (),
     compiled: bool = False,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return it and its raw log-prob (temperature 1, unfiltered).
 
@@ -133,7 +150,8 @@ def sample_tokens(
         logits: [rows, vocab] next-token logits.
         params: How to sample.
         seeds: Each row's row seed (:func:`row_seed`; None when greedy), or an int64
-            tensor of them (:func:`signed_seeds`) on ``logits``' device.
+            tensor of them (:func:`signed_seeds`) on ``logits``' device; None with
+            ``uniforms`` or greedy.
         lengths: Each row's response length before this token (its stream position),
             or an int64 tensor of them on ``logits``' device: then nothing waits for
             the device (no value is read back), which a CUDA graph's step needs.
@@ -143,6 +161,9 @@ def sample_tokens(
         compiled: Sample from the model's own distribution (temperature 1, neither
             top-k nor top-p) with that path compiled by ``torch.compile``
             (:func:`_sample_raw`; on its first call, and uncompiled if that fails).
+        uniforms: Each row's uniform for this token, already drawn from its stream
+            (:func:`stream_uniforms` at ``lengths``, in :func:`uniform_dtype`), for a
+            caller that drew a row's whole stream at once; ``seeds`` are then not read.
     """
     raw = logits
     if params.min_new_tokens and early_banned:
@@ -151,9 +172,10 @@ def sample_tokens(
         tokens = logits.argmax(dim=-1)
         normaliser = torch.logsumexp(raw, dim=-1)
     else:
-        # float64 CDFs where the device has them (MPS has not).
-        dtype = torch.float32 if logits.device.type == "mps" else torch.float64
-        uniforms = _uniforms(seeds, lengths, dtype, logits.device)
+        if uniforms is None:
+            if seeds is None:
+                raise ValueError("sampling needs each row's row seed, or its uniform")
+            uniforms = _uniforms(seeds, lengths, uniform_dtype(logits.device), logits.device)
         if logits is raw and _samples_raw(params, raw.shape[-1]):
             sample_raw = _COMPILED_SAMPLE_RAW if compiled else _sample_raw
             return sample_raw(raw, uniforms)  # type: ignore[no-any-return]
@@ -236,12 +258,17 @@ def _pick(
     :func:`_chunk_sums`) and their running total pick the chunk the target falls in,
     and that chunk's own running total picks the token (``weights_at(columns)``: the
     weights at ``columns`` ``[rows, min(_CHUNK, vocab)]``, all below ``vocab``), so
-    no cumulative sum over the whole vocabulary is written. Weights need not sum to
+    no cumulative sum over the whole vocabulary is written (a vocabulary of one chunk
+    skips the chunk level). Weights need not sum to
     1 (the target is scaled by their total). A token of weight 0 does not raise a running total, so it is never the
     first to exceed the target; where rounding puts the target at or past a total,
     the pick is the last token that raised it.
     """
     dtype = uniforms.dtype
+    if chunk_sums.shape[-1] == 1:  # one chunk: its running total is the CDF
+        targets = uniforms[:, None] * chunk_sums
+        weights = weights_at(torch.arange(vocab, device=chunk_sums.device)[None].expand(len(targets), -1))
+        return _first_above(weights.to(dtype).cumsum(dim=-1), targets).squeeze(-1), chunk_sums[:, 0]
     chunk_cdf = chunk_sums.cumsum(dim=-1)  # [rows, chunks]
     targets = uniforms[:, None] * chunk_cdf[:, -1:]
     chunk = _first_above(chunk_cdf, targets)  # [rows, 1]
@@ -258,6 +285,8 @@ def _chunk_sums(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each row's weight per chunk of :data:`_CHUNK` tokens (the last chunk may be
     shorter), summed in ``dtype``."""
     rows, vocab = weights.shape
+    if vocab <= _CHUNK:
+        return weights.sum(dim=-1, keepdim=True, dtype=dtype)
     whole = vocab // _CHUNK * _CHUNK
     sums = weights[:, :whole].reshape(rows, -1, _CHUNK).sum(dim=-1, dtype=dtype)
     if whole == vocab:

@@ -58,13 +58,33 @@ def _steps(model: PreTrainedModel, lean: bool, prompts: list[list[int]]) -> list
     return seen
 
 
+RAGGED = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+EVEN = [[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14], [15, 16, 17]]
+"""Prompts of one length: no padding until the merged batch brings some (the steps
+before attend without a mask)."""
+
+
+@pytest.mark.parametrize("prompts", [RAGGED, EVEN], ids=["ragged", "even"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_lean_steps_equal_transformers_bit_for_bit(kind: str) -> None:
+def test_lean_steps_equal_transformers_bit_for_bit(kind: str, prompts: list[list[int]]) -> None:
     model = _model(kind)
     assert lean_decoder(model) is not None
-    prompts = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
     for ours, theirs in zip(_steps(model, True, prompts), _steps(model, False, prompts), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_a_batch_knows_when_its_rows_carry_padding() -> None:
+    model = _model("llama")
+    batch, _ = prefill(model, EVEN, list(range(5)), pad_token_id=0)
+    assert not batch.padded
+    batch.keep([0, 2])
+    assert not batch.padded
+    batch.extend(prefill(model, [[7, 8, 9, 10]], [9], pad_token_id=0)[0])
+    assert batch.padded and not bool(batch.mask.all())
+    batch.keep([2])  # the longest row alone: its cache has no padding left
+    assert not batch.padded and bool(batch.mask.all())
+    ragged, _ = prefill(model, RAGGED, list(range(5)), pad_token_id=0)
+    assert ragged.padded
 
 
 def test_models_it_cannot_reproduce_keep_the_transformers_path() -> None:

@@ -24,6 +24,7 @@ from workers.rollout import (
     RolloutOutput,
     SamplingParams,
 )
+from workers.rollout._sampling import row_seed, sample_tokens
 
 torch.set_num_threads(1)
 
@@ -159,6 +160,21 @@ def test_top_k_one_is_greedy(model: PreTrainedModel) -> None:
     engine = _engine(model)
     top1 = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.3, top_k=1))
     _assert_same(top1, engine.generate(PROMPTS, GREEDY))
+
+
+def test_each_token_is_drawn_with_its_samples_stream_at_its_position(model: PreTrainedModel) -> None:
+    """Token ``k`` of sample ``i`` is what the sampler picks from the model's distribution
+    there with the uniform at position ``k`` of the stream ``row_seed(seed, i)``,
+    whichever rows share its steps (the stream migration carries)."""
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    out = _engine(model).generate(PROMPTS[:3], params)
+    for index, prompt in enumerate(PROMPTS[:3]):
+        response = out.response_ids[index].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+        seeds = [row_seed(5, index)] * len(response)
+        tokens, _ = sample_tokens(logits, params, seeds, lengths=list(range(len(response))))
+        assert tokens.tolist() == response, index
 
 
 def test_sampling_is_deterministic_given_the_seed(model: PreTrainedModel) -> None:
