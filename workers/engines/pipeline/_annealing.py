@@ -11,7 +11,13 @@ import math
 import random
 from collections.abc import Sequence
 
-from workers.engines.pipeline._fusion import Backbone, fill, fused_greedy, serial_cost
+from workers.engines.pipeline._fusion import (
+    Backbone,
+    fill,
+    fused_greedy,
+    fusion_lower_bound,
+    serial_cost,
+)
 from workers.engines.pipeline._schedule import (
     PipelineModel,
     Schedule,
@@ -32,6 +38,11 @@ _SLACKS = (0.0, 0.25, 0.5, 1.0)
 """How long a backfilled pass may delay the backbone's next one, in the largest
 forward's time, for the annealing's starting points (a little delay can let the
 other model's chain through sooner)."""
+_DELAYS = (0.5, 1.0, 1.5, 2.0)
+"""How much later than its own 1F1B the backbone may finish in the late, delayed
+backfilled starting points, in multiples of the gap between the lower bound and
+that finish (where the devices' work adds up to more than the backbone's 1F1B
+takes, the other model needs that room)."""
 
 
 def fused_annealed(
@@ -45,10 +56,11 @@ def fused_annealed(
 ) -> Schedule:
     """RLHFuse's annealed fused schedule of ``models`` (see the module docstring).
 
-    The search anneals four starting points: the greedy schedule and the best
-    backfilled ones with the backbone's passes late, eager, and late with the other
-    model bounded as in 1F1B (:func:`backfilled` under several activation limits
-    and delays; the earliest finish, then the lowest peak). Each is annealed by moving adjacent passes to finish earlier (within
+    The search anneals five starting points: the greedy schedule and the best
+    backfilled ones with the backbone's passes late, eager, late with the other
+    model bounded as in 1F1B, and late with the backbone's finish moved toward the
+    lower bound (:func:`backfilled` under several activation limits and delays; the
+    earliest finish, then the lowest peak). Each is annealed by moving adjacent passes to finish earlier (within
     ``memory_limit``); of the results finishing within ``tolerance`` of the earliest,
     the one holding the fewest activations is annealed again to hold fewer at no
     cost in finish time.
@@ -79,11 +91,14 @@ def fused_annealed(
     cap = math.inf if memory_limit is None else memory_limit + 1e-9
     backbone = Backbone.of(models)
     first: list[Schedule | None] = [greedy]
+    gap = max(fusion_lower_bound(models) - backbone.finish_s, 0.0)
     groups = [first] + [
         [fill(backbone, memory_limit=serial_peak * f, slack_s=forward * k, late=late, bounded=bounded)
          for f in _LIMITS for k in _SLACKS] for late, bounded in ((True, False), (False, False), (True, True))]
-    # The greedy schedule, and the earliest (then leanest) of the late, the eager and
-    # the late and bounded backfilled ones.
+    if gap > 0:
+        groups.append([fill(backbone, memory_limit=serial_peak * f, late_by_s=gap * k) for f in _LIMITS for k in _DELAYS])
+    # The greedy schedule, and the earliest (then leanest) of the late, the eager, the
+    # late and bounded, and the late and delayed backfilled ones.
     starts = []
     for group in groups:
         runs = [(r.finish_s, r.peak, n, s) for n, s in enumerate(group) if s is not None

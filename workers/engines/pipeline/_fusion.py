@@ -128,7 +128,8 @@ def fusion_lower_bound(models: Sequence[PipelineModel]) -> float:
 
 
 def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = None,
-               slack_s: float = 0.0, late: bool = True, bounded: bool = False) -> Schedule | None:
+               slack_s: float = 0.0, late: bool = True, late_by_s: float = 0.0,
+               bounded: bool = False) -> Schedule | None:
     """A fused schedule built around the slowest model's own 1F1B: that model (the
     backbone) keeps its 1F1B order on every device, and a pass of another model runs
     in the backbone's bubbles: where it ends before the backbone's next pass must
@@ -140,6 +141,10 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     backbone's own finish (a first stage's forwards have slack until the pipeline
     needs them): the other model's passes then run while the backbone holds fewer
     activations. Without it, the backbone's passes start when they can.
+    ``late_by_s`` (with ``late``) moves every latest start that much later: the
+    backbone may finish that much after its own 1F1B, which no fused schedule beats
+    when the devices' work adds up to more (:func:`fusion_lower_bound`), and the
+    other model gets that much more room early on.
     With ``bounded``, the other models also keep 1F1B's bound on the micro-batches
     a stage holds (``p - s`` on stage ``s`` of ``p``), leaving the memory to the
     backbone's peaks.
@@ -147,20 +152,22 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     Returns:
         The schedule, or None if the limit leaves every device waiting.
     """
-    return fill(Backbone.of(models), memory_limit=memory_limit, slack_s=slack_s, late=late, bounded=bounded)
+    return fill(Backbone.of(models), memory_limit=memory_limit, slack_s=slack_s, late=late, late_by_s=late_by_s,
+                bounded=bounded)
 
 
 @dataclasses.dataclass(frozen=True)
 class Backbone:
     """What :func:`backfilled` builds around, the same for every limit and delay:
     the models' task index, the slowest model (the backbone), its 1F1B order per
-    device and each of its passes' latest start."""
+    device, each of its passes' latest start and its 1F1B's finish."""
 
     models: tuple[PipelineModel, ...]
     index: TaskIndex
     spine: int
     queues: list[list[int]]
     latest: dict[int, float]
+    finish_s: float
 
     @staticmethod
     def of(models: Sequence[PipelineModel]) -> Backbone:
@@ -169,11 +176,12 @@ class Backbone:
         spine = max(range(len(models)), key=lambda m: finishes[m])
         queues = [[index.ids[t._replace(model=spine)] for t in order]
                   for order in one_f_one_b(models[spine]).orders]
-        return Backbone(tuple(models), index, spine, queues, _latest_starts(models[spine], spine, index))
+        return Backbone(tuple(models), index, spine, queues, _latest_starts(models[spine], spine, index),
+                        finishes[spine])
 
 
 def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: float = 0.0, late: bool = True,
-         bounded: bool = False) -> Schedule | None:
+         late_by_s: float = 0.0, bounded: bool = False) -> Schedule | None:
     """:func:`backfilled` around a prepared ``backbone`` (the searches build many)."""
     models, index, spine = backbone.models, backbone.index, backbone.spine
     queues, latest = backbone.queues, backbone.latest
@@ -195,7 +203,7 @@ def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: floa
                 if held[d] + index.memory[task] > limit:
                     ready = None  # it waits for a backward here to free memory: the others run
                 if ready is not None:
-                    due = (max(ready, latest[task]) if late else ready) + slack_s
+                    due = (max(ready, latest[task] + late_by_s) if late else ready) + slack_s
                     key = (ready, 1 if late else -1, d, task, None)
                     best = min(best, key) if best else key
             for lane in lanes[d]:
