@@ -35,22 +35,9 @@ class RoleSet:
     @classmethod
     def slots(cls) -> dict[str, tuple[type, bool]]:
         """Each role's worker class and whether it is required, in declaration order."""
-        out: dict[str, tuple[type, bool]] = {}
-        for name, hint in typing.get_type_hints(cls).items():
-            args = typing.get_args(hint)
-            origin = typing.get_origin(hint)
-            required = origin is RoleGroup
-            if origin in (typing.Union, types.UnionType):
-                inner = [a for a in args if a is not type(None)]
-                if len(inner) != 1 or typing.get_origin(inner[0]) is not RoleGroup or len(args) != 2:
-                    raise ConfigError(f"{cls.__name__}.{name}: annotate a role as RoleGroup[Worker] or "
-                                      f"RoleGroup[Worker] | None, not {hint}")
-                args = typing.get_args(inner[0])
-            elif not required:
-                continue  # not a role (a helper attribute)
-            worker = args[0] if args else object
-            out[name] = (worker if isinstance(worker, type) else object, required)
-        return out
+        if cls not in _SLOTS:
+            _SLOTS[cls] = _slots(cls)
+        return dict(_SLOTS[cls])
 
     @classmethod
     def required(cls) -> tuple[str, ...]:
@@ -106,3 +93,28 @@ class RoleSet:
 def _unplaced(who: str, unplaced: Mapping[str, str]) -> str:
     needs = "; ".join(f"role {n!r} ({why})" for n, why in unplaced.items())
     return f"{who} with these settings needs {needs} placed; place it or change the setting"
+
+
+_SLOTS: dict[type, dict[str, tuple[type, bool]]] = {}
+"""Each role set's :meth:`RoleSet.slots`, read from its annotations once (every
+step binds its roles)."""
+
+
+def _slots(cls: type) -> dict[str, tuple[type, bool]]:
+    """:meth:`RoleSet.slots` from ``cls``'s annotations."""
+    out: dict[str, tuple[type, bool]] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint)
+        origin = typing.get_origin(hint)
+        required = origin is RoleGroup
+        if origin in (typing.Union, types.UnionType):
+            inner = [a for a in args if a is not type(None)]
+            if len(inner) != 1 or typing.get_origin(inner[0]) is not RoleGroup or len(args) != 2:
+                raise ConfigError(f"{cls.__name__}.{name}: annotate a role as RoleGroup[Worker] or "
+                                  f"RoleGroup[Worker] | None, not {hint}")
+            args = typing.get_args(inner[0])
+        elif not required:
+            continue  # not a role (a helper attribute)
+        worker = args[0] if args else object
+        out[name] = (worker if isinstance(worker, type) else object, required)
+    return out
