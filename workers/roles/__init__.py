@@ -23,7 +23,8 @@ reduce statistics over every rank's share of them.
 from __future__ import annotations
 
 from workers.roles import _fields as fields
-from workers.roles._actor import ActorConfig, ActorWorker
+from workers.roles._actor import ActorWorker
+from workers.roles._actor_config import ActorConfig
 from workers.roles._call_sums import sum_over_call_rows
 from workers.roles._critic import CriticConfig, CriticWorker
 from workers.roles._fields import (

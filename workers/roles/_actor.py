@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,29 +30,26 @@ from channels import DP, AllToAll, Batch, ConfigError, Metrics, MicroDP
 from workers.engines import (
     CausalLMHead,
     PrecisionName,
-    TrainingConfig,
     TrainingEngine,
     resolve_precision,
 )
-from workers.episodes import EPISODE_METRIC_FIELDS, EpisodeConfig, episode_metrics
+from workers.episodes import EPISODE_METRIC_FIELDS, episode_metrics
 from workers.host import CallInfo, StreamMethod, WorkerContext, register
 from workers.models import load_model, save_pretrained_here
 from workers.objectives import ROW_INDEX, LossFn, NLLLoss, OnPolicy, PolicyLoss, kl_k3
 from workers.roles import _fields as F
+from workers.roles._actor_config import ActorConfig
 from workers.roles._checkpoint import TrainedRole
 from workers.roles._critic import CriticWorker
-from workers.roles._engine_choice import EngineName, build_engine, check_engine
+from workers.roles._engine_choice import build_engine
 from workers.roles._episodes import EpisodeSetup
 from workers.roles._generation import checked_generate
 from workers.roles._hybrid import HybridWeights
-from workers.roles._rollout import RolloutConfig, build_rollout, model_eos
+from workers.roles._rollout import build_rollout, model_eos
 from workers.roles._staleness import VERSION_METRICS_REDUCE, staleness_columns, version_metrics
 from workers.roles._training import (
     UpdateConfig,
     UpdateRun,
-    check_model_dir,
-    check_seed,
-    check_types,
     dp_token_stats,
     require_fields,
     run_together,
@@ -66,64 +62,7 @@ from workers.rollout import (
     NativeRolloutConfig,
     NativeRolloutEngine,
     SamplingParams,
-    VLLMRolloutConfig,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActorConfig:
-    """Settings of an :class:`ActorWorker`."""
-
-    model_dir: str
-    """The policy's Hugging Face directory (a causal LM of a supported architecture)."""
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    """Optimizer, schedule and micro-batching of the training engine."""
-    loss: PolicyLoss = field(default_factory=PolicyLoss)
-    """The default objective of :meth:`ActorWorker.update` (a call may pass another)."""
-    update: UpdateConfig = field(default_factory=UpdateConfig)
-    """Epochs and mini-batches of one update call."""
-    rollout: RolloutConfig | None = field(default_factory=NativeRolloutConfig)
-    """The rollout engine: ``NativeRolloutConfig()`` or ``VLLMRolloutConfig()``; its seed
-    is offset by the rank. None: the actor does not generate (a rollout role on
-    another pool does, from :meth:`ActorWorker.weights`)."""
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    """Default sampling of :meth:`ActorWorker.generate`; an unset ``eos_token_id`` is
-    taken from the model's config."""
-    episodes: EpisodeConfig | None = None
-    """Multi-turn generation: each sample of ``generate`` is an episode with the
-    environment this names (see ``workers.episodes``); None: one response each."""
-    seed: int = 0
-    """Seeds torch's global RNG and the mini-batch shuffling."""
-    reshard_bucket_mb: float = 64.0
-    """With a generation layout: the most megabytes one resharding gather moves (the
-    transition's staging memory beyond the generation shards)."""
-    offload_optimizer: bool = False
-    """Move the optimizer state to host memory (pinned on a GPU) while :meth:`ActorWorker.generate`
-    runs, so that generation (its KV cache) has that device memory; it is back
-    when generation ends. For an actor that generates on the device it trains on."""
-    offload_params: bool = False
-    """With generation, also move the training parameters and gradients to host
-    memory (the rollout engine samples from its own copy). Not with a generation
-    layout, whose rollout engine samples from the training parameters."""
-    engine: EngineName = "native"
-    """The training engine: ``"native"`` (FSDP2/DTensor) or ``"megatron"`` (Megatron-core
-    over the same layout; CUDA and megatron-core >= 0.16, no pipeline stages, no
-    generation layout)."""
-
-    def __post_init__(self) -> None:
-        check_model_dir("ActorConfig", self.model_dir)
-        check_seed("ActorConfig", self.seed)
-        check_engine("ActorConfig", self.engine)
-        if not isinstance(self.reshard_bucket_mb, int | float) or not self.reshard_bucket_mb > 0:
-            raise ConfigError(f"ActorConfig.reshard_bucket_mb must be > 0, got {self.reshard_bucket_mb!r}")
-        for name in ("offload_optimizer", "offload_params"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"ActorConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        check_types("ActorConfig", self, {
-            "training": TrainingConfig, "loss": PolicyLoss, "update": UpdateConfig,
-            "sampling": SamplingParams, "rollout": (NativeRolloutConfig, VLLMRolloutConfig, type(None)),
-        })
-
 
 UPDATE_METRICS = Metrics(over=DP(), tokens="actor/response_tokens", reduce={
     "actor/response_tokens": "sum", "actor/logprob_mismatch": "token_mean", "actor/kl_to_ref": "token_mean",
