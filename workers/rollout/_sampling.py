@@ -199,7 +199,8 @@ def _sample_raw(raw: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor
         return (raw.gather(-1, columns) - peak).exp()
 
     weights = (raw - peak).exp_()  # only summed: compiled, never written
-    tokens, total = _pick(_chunk_sums(weights, uniforms.dtype), weights_at, uniforms, vocab=raw.shape[-1])
+    tokens, total = _pick(_chunk_sums(weights, uniforms.dtype), weights_at, uniforms, vocab=raw.shape[-1],
+                          weights=weights)
     normaliser = peak.squeeze(-1) + total.log().to(raw.dtype)
     return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - normaliser
 
@@ -243,12 +244,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     def weights_at(columns: torch.Tensor) -> torch.Tensor:
         return probs.gather(-1, columns)
 
-    return _pick(_chunk_sums(probs, uniforms.dtype), weights_at, uniforms, vocab=probs.shape[-1])[0]
+    return _pick(_chunk_sums(probs, uniforms.dtype), weights_at, uniforms, vocab=probs.shape[-1], weights=probs)[0]
 
 
 def _pick(
     chunk_sums: torch.Tensor, weights_at: Callable[[torch.Tensor], torch.Tensor], uniforms: torch.Tensor, *,
-    vocab: int,
+    vocab: int, weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF exceeds
     it; and each row's total weight (in the uniforms' dtype).
@@ -258,16 +259,16 @@ def _pick(
     :func:`_chunk_sums`) and their running total pick the chunk the target falls in,
     and that chunk's own running total picks the token (``weights_at(columns)``: the
     weights at ``columns`` ``[rows, min(_CHUNK, vocab)]``, all below ``vocab``), so
-    no cumulative sum over the whole vocabulary is written (a vocabulary of one chunk
-    skips the chunk level). Weights need not sum to
-    1 (the target is scaled by their total). A token of weight 0 does not raise a running total, so it is never the
-    first to exceed the target; where rounding puts the target at or past a total,
-    the pick is the last token that raised it.
+    no cumulative sum over the whole vocabulary is written. A vocabulary of one
+    chunk skips the chunk level and takes the running total of ``weights``
+    ``[rows, vocab]`` itself. Weights need not sum to 1 (the target is scaled by
+    their total). A token of weight 0 does not raise a running total, so it is
+    never the first to exceed the target; where rounding puts the target at or past
+    a total, the pick is the last token that raised it.
     """
     dtype = uniforms.dtype
     if chunk_sums.shape[-1] == 1:  # one chunk: its running total is the CDF
         targets = uniforms[:, None] * chunk_sums
-        weights = weights_at(torch.arange(vocab, device=chunk_sums.device)[None].expand(len(targets), -1))
         return _first_above(weights.to(dtype).cumsum(dim=-1), targets).squeeze(-1), chunk_sums[:, 0]
     chunk_cdf = chunk_sums.cumsum(dim=-1)  # [rows, chunks]
     targets = uniforms[:, None] * chunk_cdf[:, -1:]
