@@ -41,6 +41,7 @@ __all__ = ["PipelineStages"]
 
 T = TypeVar("T")
 
+
 class PipelineStages:
     """This rank's stages of a model over the mesh's ``pp`` dimension.
 

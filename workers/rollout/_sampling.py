@@ -192,15 +192,15 @@ def _sample_raw(raw: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor
     their total is the log-probs' normaliser, so no softmax is taken. The weights
     are only summed per chunk, and the picked chunk's computed again from ``raw``:
     compiled, the maximum and the chunk sums are two reads of the logits, and no
-    ``[rows, vocab]`` tensor is written."""
+    ``[rows, vocab]`` tensor is written (but for a vocabulary of one chunk, whose
+    running total is taken from the weights)."""
     peak = raw.amax(dim=-1, keepdim=True)
 
     def weights_at(columns: torch.Tensor) -> torch.Tensor:
         return (raw.gather(-1, columns) - peak).exp()
 
     weights = (raw - peak).exp_()  # only summed: compiled, never written
-    tokens, total = _pick(_chunk_sums(weights, uniforms.dtype), weights_at, uniforms, vocab=raw.shape[-1],
-                          weights=weights)
+    tokens, total = _pick(_chunk_sums(weights, uniforms.dtype), uniforms, weights, weights_at=weights_at)
     normaliser = peak.squeeze(-1) + total.log().to(raw.dtype)
     return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1) - normaliser
 
@@ -240,42 +240,39 @@ _CHUNK = 256
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF over
     ``probs`` ``[rows, vocab]`` exceeds it (:func:`_pick`)."""
-
-    def weights_at(columns: torch.Tensor) -> torch.Tensor:
-        return probs.gather(-1, columns)
-
-    return _pick(_chunk_sums(probs, uniforms.dtype), weights_at, uniforms, vocab=probs.shape[-1], weights=probs)[0]
+    return _pick(_chunk_sums(probs, uniforms.dtype), uniforms, probs)[0]
 
 
 def _pick(
-    chunk_sums: torch.Tensor, weights_at: Callable[[torch.Tensor], torch.Tensor], uniforms: torch.Tensor, *,
-    vocab: int, weights: torch.Tensor,
+    chunk_sums: torch.Tensor, uniforms: torch.Tensor, weights: torch.Tensor, *,
+    weights_at: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ``r``'s token for ``uniforms[r]`` in ``[0, 1)``: the first whose CDF exceeds
     it; and each row's total weight (in the uniforms' dtype).
 
     The CDF is taken in two levels, in the uniforms' dtype: the weights' sums over
     chunks of :data:`_CHUNK` tokens (``chunk_sums`` ``[rows, chunks]``,
-    :func:`_chunk_sums`) and their running total pick the chunk the target falls in,
-    and that chunk's own running total picks the token (``weights_at(columns)``: the
-    weights at ``columns`` ``[rows, min(_CHUNK, vocab)]``, all below ``vocab``), so
-    no cumulative sum over the whole vocabulary is written. A vocabulary of one
-    chunk skips the chunk level and takes the running total of ``weights``
-    ``[rows, vocab]`` itself. Weights need not sum to 1 (the target is scaled by
+    :func:`_chunk_sums` of ``weights`` ``[rows, vocab]``) and their running total
+    pick the chunk the target falls in, and that chunk's own running total picks the
+    token (``weights_at(columns)``: the weights at ``columns`` ``[rows, _CHUNK]``, all
+    below ``vocab``; by default gathered from ``weights``), so no cumulative sum over
+    the whole vocabulary is written. A vocabulary of one chunk skips the chunk level
+    and takes the running total of ``weights`` itself. Weights need not sum to 1 (the target is scaled by
     their total). A token of weight 0 does not raise a running total, so it is
     never the first to exceed the target; where rounding puts the target at or past
     a total, the pick is the last token that raised it.
     """
-    dtype = uniforms.dtype
-    if chunk_sums.shape[-1] == 1:  # one chunk: its running total is the CDF
+    dtype, vocab = uniforms.dtype, weights.shape[-1]
+    if vocab <= _CHUNK:  # one chunk: its running total is the CDF
         targets = uniforms[:, None] * chunk_sums
         return _first_above(weights.to(dtype).cumsum(dim=-1), targets).squeeze(-1), chunk_sums[:, 0]
     chunk_cdf = chunk_sums.cumsum(dim=-1)  # [rows, chunks]
     targets = uniforms[:, None] * chunk_cdf[:, -1:]
     chunk = _first_above(chunk_cdf, targets)  # [rows, 1]
     before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)
-    columns = chunk * _CHUNK + torch.arange(min(_CHUNK, vocab), device=chunk.device)  # one chunk: the vocabulary
-    inside = weights_at(columns.clamp(max=vocab - 1)).to(dtype).masked_fill(columns >= vocab, 0.0)
+    columns = chunk * _CHUNK + torch.arange(_CHUNK, device=chunk.device)
+    at = (lambda c: weights.gather(-1, c)) if weights_at is None else weights_at
+    inside = at(columns.clamp(max=vocab - 1)).to(dtype).masked_fill(columns >= vocab, 0.0)
     # The chunk's own running total from 0, so its small weights are not lost
     # against a large total before it.
     token = _first_above(inside.cumsum(dim=-1), targets - before)
