@@ -56,11 +56,12 @@ def fused_annealed(
 ) -> Schedule:
     """RLHFuse's annealed fused schedule of ``models`` (see the module docstring).
 
-    The search anneals five starting points: the greedy schedule and the best
+    The search anneals up to five starting points: the greedy schedule and the best
     backfilled ones with the backbone's passes late, eager, late with the other
-    model bounded as in 1F1B, and late with the backbone's finish moved toward the
-    lower bound (:func:`backfilled` under several activation limits and delays; the
-    earliest finish, then the lowest peak). Each is annealed by moving adjacent passes to finish earlier (within
+    model bounded as in 1F1B, and (where the lower bound lies past the backbone's
+    own 1F1B finish) late with the backbone's finish moved toward that bound
+    (:func:`backfilled` under several activation limits and delays; the earliest
+    finish, then the lowest peak). Each is annealed by moving adjacent passes to finish earlier (within
     ``memory_limit``); of the results finishing within ``tolerance`` of the earliest,
     the one holding the fewest activations is annealed again to hold fewer at no
     cost in finish time.
