@@ -184,6 +184,26 @@ def test_a_backbone_allowed_to_finish_at_the_bound_leaves_the_other_model_room()
     assert annealed.finish_s == pytest.approx(bound)
 
 
+def test_a_delay_grown_along_the_backbone_reaches_the_bound_where_one_moved_at_once_does_not() -> None:
+    # The actor may finish at the bound here too, but moved later all at once its
+    # first micro-batch's forwards give the critic room where it cannot use it
+    # within serial 1F1B's peak, and the critic's passes then hold the actor's
+    # steady state back. Grown along the actor's schedule, the delay leaves those
+    # forwards on time and gives the critic its room where the actor has it.
+    models = _pair(8, 4, 16)
+    serial, bound = serial_cost(models), fusion_lower_bound(models)
+    gap = bound - simulate(one_f_one_b(models[0])).finish_s
+    assert gap > 0
+    at_once = [backfilled(models, memory_limit=serial.peak, late_by_s=k * gap) for k in (0.5, 1.0, 1.5, 2.0)]
+    assert min(simulate(s).finish_s for s in at_once if s is not None) > bound * 1.02
+    grown = backfilled(models, memory_limit=serial.peak, late_by_s=1.5 * gap, ramp=4.0)
+    assert grown is not None
+    assert simulate(grown).finish_s == pytest.approx(bound)
+    assert simulate(grown).peak <= serial.peak + 1e-9
+    annealed = simulate(fused_annealed(models, iterations=200, memory_limit=serial.peak))
+    assert annealed.finish_s == pytest.approx(bound)
+
+
 @pytest.mark.parametrize(("p0", "p1"), [(4, 2), (8, 4)])
 def test_bounded_backfilling_keeps_the_other_models_1f1b_bound(p0: int, p1: int) -> None:
     models = _pair(p0, p1, 2 * p0)

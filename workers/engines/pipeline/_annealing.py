@@ -43,6 +43,11 @@ _DELAYS = (0.5, 1.0, 1.5, 2.0)
 backfilled starting points, in multiples of the gap between the lower bound and
 that finish (where the devices' work adds up to more than the backbone's 1F1B
 takes, the other model needs that room)."""
+_RAMPS = (1.0, 2.0, 4.0)
+"""How that delay grows along the backbone's schedule in the ramped starting points
+(:func:`backfilled`'s ``ramp``): the backbone's first passes keep their time, which
+a tight activation limit needs (the other model cannot hold its passes there), so
+these are built under the lower limits only."""
 
 
 def fused_annealed(
@@ -98,6 +103,8 @@ def fused_annealed(
          for f in _LIMITS for k in _SLACKS] for late, bounded in ((True, False), (False, False), (True, True))]
     if gap > 0:
         groups.append([fill(backbone, memory_limit=serial_peak * f, late_by_s=gap * k) for f in _LIMITS for k in _DELAYS])
+        groups.append([fill(backbone, memory_limit=serial_peak * f, slack_s=forward * s, late_by_s=gap * k, ramp=r)
+                       for f in _LIMITS if f <= 1.5 for k in _DELAYS for r in _RAMPS for s in _SLACKS[:2]])
     # The greedy schedule, and the earliest (then leanest) of the late, the eager, the
     # late and bounded, and the late and delayed backfilled ones.
     starts = []

@@ -128,7 +128,7 @@ def fusion_lower_bound(models: Sequence[PipelineModel]) -> float:
 
 
 def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = None,
-               slack_s: float = 0.0, late: bool = True, late_by_s: float = 0.0,
+               slack_s: float = 0.0, late: bool = True, late_by_s: float = 0.0, ramp: float = 0.0,
                bounded: bool = False) -> Schedule | None:
     """A fused schedule built around the slowest model's own 1F1B: that model (the
     backbone) keeps its 1F1B order on every device, and a pass of another model runs
@@ -144,7 +144,13 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     ``late_by_s`` (with ``late``) moves every latest start that much later: the
     backbone may finish that much after its own 1F1B, which no fused schedule beats
     when the devices' work adds up to more (:func:`fusion_lower_bound`), and the
-    other model gets that much more room early on.
+    other model gets that much more room early on. With ``ramp`` above 0 the
+    delay grows along the backbone's schedule instead: a pass whose latest start
+    lies at the fraction ``x`` of the backbone's 1F1B finish moves
+    ``late_by_s * x ** ramp`` later. The backbone's first passes (its first
+    micro-batch's forwards, which every later pass waits for) then keep their
+    time, and the other model's passes take the room where the backbone has it
+    to spare, in its steady state and drain.
     With ``bounded``, the other models also keep 1F1B's bound on the micro-batches
     a stage holds (``p - s`` on stage ``s`` of ``p``), leaving the memory to the
     backbone's peaks.
@@ -153,7 +159,7 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
         The schedule, or None if the limit leaves every device waiting.
     """
     return fill(Backbone.of(models), memory_limit=memory_limit, slack_s=slack_s, late=late, late_by_s=late_by_s,
-                bounded=bounded)
+                ramp=ramp, bounded=bounded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +187,13 @@ class Backbone:
 
 
 def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: float = 0.0, late: bool = True,
-         late_by_s: float = 0.0, bounded: bool = False) -> Schedule | None:
+         late_by_s: float = 0.0, ramp: float = 0.0, bounded: bool = False) -> Schedule | None:
     """:func:`backfilled` around a prepared ``backbone`` (the searches build many)."""
     models, index, spine = backbone.models, backbone.index, backbone.spine
     queues, latest = backbone.queues, backbone.latest
+    if late_by_s:
+        latest = {task: start + late_by_s * ((max(start, 0.0) / backbone.finish_s) ** ramp if ramp else 1.0)
+                  for task, start in latest.items()}
     lanes = _lanes(models, index.devices, skip=spine)
     taken = {lane: [0, 0] for device in lanes for lane in device}
     at = [0] * index.devices
@@ -203,7 +212,7 @@ def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: floa
                 if held[d] + index.memory[task] > limit:
                     ready = None  # it waits for a backward here to free memory: the others run
                 if ready is not None:
-                    due = (max(ready, latest[task] + late_by_s) if late else ready) + slack_s
+                    due = (max(ready, latest[task]) if late else ready) + slack_s
                     key = (ready, 1 if late else -1, d, task, None)
                     best = min(best, key) if best else key
             for lane in lanes[d]:
