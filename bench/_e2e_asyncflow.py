@@ -112,6 +112,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threa
         "s_per_step": median, "tokens_per_s": job.tokens_per_step / median,
         "steps_s": times, "startup_s": marks,
         "stage_ms": {k: 1000 * v / steps for k, v in sorted(summary.stage_busy_s.items())},
+        "stage_cpu_ms": {k: 1000 * v / steps for k, v in sorted(summary.stage_cpu_s.items())},
         "pool_busy_ms": {k: 1000 * v / steps for k, v in summary.busy_s.items()},
         "last_metrics": {k: v for k, v in metrics.items() if k in ("actor/loss", "actor/kl_to_ref", "reward/mean",
                                                                     "actor/logprob_mismatch")},

@@ -52,6 +52,10 @@ class RankTiming(msgspec.Struct, frozen=True, kw_only=True):
     """Rows of the largest data argument."""
     bytes_pulled: int = 0
     pulls: tuple[PullTiming, ...] = ()
+    cpu_s: float = 0.0
+    """CPU seconds the calling thread ran from ``start`` to ``end``
+    (``time.thread_time``): short of ``end - start`` by the time it waited for
+    a peer, a lock or a core."""
 
 
 class RankResult(msgspec.Struct, frozen=True, kw_only=True):

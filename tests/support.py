@@ -89,6 +89,13 @@ class Sleeper(Role):
         return {"start": start, "end": time.time(), "pid": os.getpid()}
 
     @register(protocol=OneToAll())
+    def spin(self, seconds: float) -> None:
+        """Keeps its thread busy until it ran ``seconds`` of CPU time."""
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    @register(protocol=OneToAll())
     def raise_after(self, seconds: float, message: str) -> None:
         """Sleeps, then raises ``RuntimeError(message)``."""
         time.sleep(seconds)

@@ -127,7 +127,8 @@ class Tracer:
         pulls = tuple(PullSpan(start=p.start - shift, end=p.end - shift, source=p.source, rows=p.rows,
                                bytes=p.bytes) for p in t.pulls)
         return RankSpan(pool=pool, rank=rank, worker=result.worker, start=t.start - shift, end=t.end - shift,
-                        rows=result.num_rows, rows_in=t.rows_in, bytes_pulled=t.bytes_pulled, pulls=pulls)
+                        rows=result.num_rows, rows_in=t.rows_in, bytes_pulled=t.bytes_pulled, pulls=pulls,
+                        cpu_s=t.cpu_s)
 
 
 async def _offset(clock: Clock, worker: int) -> float:

@@ -43,6 +43,8 @@ class TraceSummary:
         busy_s: per pool, the busiest rank's busy time (sum of its span lengths).
         rank_busy_s: per pool, each rank's busy time.
         stage_busy_s: per ``role.method``, span seconds summed over ranks.
+        stage_cpu_s: per ``role.method``, the CPU seconds of the ranks' calling
+            threads in those spans (below ``stage_busy_s`` by their waiting).
         idle_fraction: per pool, ``1 - sum(rank busy) / (ranks * wall_s)`` (0 when
             the trace spans no time); negative means spans outlast the wall time.
         chain_s: the longest dependency chain of the driver-measured call times,
@@ -64,6 +66,7 @@ class TraceSummary:
     busy_s: dict[str, float]
     rank_busy_s: dict[str, list[float]]
     stage_busy_s: dict[str, float]
+    stage_cpu_s: dict[str, float]
     idle_fraction: dict[str, float]
     chain_s: float
     load_bound_s: float
@@ -99,13 +102,16 @@ def summarise(trace: Trace) -> TraceSummary:
     ranks = pool_ranks(trace)
     rank_busy = {pool: [0.0] * n for pool, n in ranks.items()}
     stage: dict[str, float] = {}
+    stage_cpu: dict[str, float] = {}
     bytes_pulled = 0
     for call in calls:
         key = f"{call.role}.{call.method}"
         stage.setdefault(key, 0.0)
+        stage_cpu.setdefault(key, 0.0)
         for span in call.ranks:
             rank_busy[span.pool][span.rank] += span.seconds
             stage[key] += span.seconds
+            stage_cpu[key] += span.cpu_s
             bytes_pulled += span.bytes_pulled
     busy = {pool: max(per_rank, default=0.0) for pool, per_rank in rank_busy.items()}
     idle = {pool: 1.0 - sum(per_rank) / (len(per_rank) * wall) if per_rank and wall > 0 else 0.0
@@ -114,7 +120,8 @@ def summarise(trace: Trace) -> TraceSummary:
     chain, path, finish = _longest_chain(ok)
     loaded = _load_bound(ok, finish)
     return TraceSummary(
-        wall_s=wall, busy_s=busy, rank_busy_s=rank_busy, stage_busy_s=stage, idle_fraction=idle,
+        wall_s=wall, busy_s=busy, rank_busy_s=rank_busy, stage_busy_s=stage, stage_cpu_s=stage_cpu,
+        idle_fraction=idle,
         chain_s=chain, load_bound_s=loaded, bound_s=max(chain, loaded, max(busy.values(), default=0.0)),
         critical_path=path, bytes_pulled=bytes_pulled, calls=len(ok), failed=len(calls) - len(ok))
 

@@ -128,7 +128,7 @@ def _span_args(span: RankSpan, call: CallRecord) -> dict[str, Any]:
     args: dict[str, Any] = {"call_id": call.call_id, "rows": span.rows}
     if span.rows_in:
         args["rows_in"] = span.rows_in
-    args.update(bytes_pulled=span.bytes_pulled, step=call.step)
+    args.update(bytes_pulled=span.bytes_pulled, step=call.step, cpu_ms=round(1000 * span.cpu_s, 3))
     if not call.ok:
         args["ok"] = False
     return args

@@ -40,6 +40,10 @@ class RankSpan:
     bytes_pulled: int
     """Bytes of input rows that reached the rank from other workers."""
     pulls: tuple[PullSpan, ...] = ()
+    cpu_s: float = 0.0
+    """CPU seconds the rank's calling thread ran in the span: below
+    :attr:`seconds` by what it spent waiting (for a peer's rows or collective,
+    a lock, or a core the machine's other processes held)."""
 
     @property
     def seconds(self) -> float:

@@ -132,7 +132,8 @@ def test_chrome_trace_lanes_and_names() -> None:
     assert (generate["name"], generate["cat"], generate["ts"], generate["dur"]) == (
         "rollout.generate", "rollout", 0, 4_000_000)
     first = next(e for e in _x_events(doc) if e["cat"] == "ref" and e["args"]["call_id"] == 2)
-    assert first["args"] == {"call_id": 2, "rows": 4, "rows_in": 2, "bytes_pulled": 100, "step": 0}
+    assert first["args"] == {"call_id": 2, "rows": 4, "rows_in": 2, "bytes_pulled": 100, "step": 0,
+                             "cpu_ms": 0.0}
 
 
 def test_chrome_trace_pulls_lie_in_their_spans() -> None:

@@ -44,10 +44,11 @@ travels to the rank that applies it: ``(function, kwargs)``."""
 class Traced:
     """What a traced call records on its rank, on the rank's clock."""
 
-    __slots__ = ("bytes_pulled", "pulls", "rows_in", "start")
+    __slots__ = ("bytes_pulled", "cpu", "pulls", "rows_in", "start")
 
     def __init__(self) -> None:
         self.start = time.time()
+        self.cpu = time.thread_time()
         self.pulls: list[PullTiming] = []
         self.rows_in = 0
         self.bytes_pulled = 0
@@ -55,7 +56,8 @@ class Traced:
     def timing(self) -> RankTiming:
         """The call's record, ending now."""
         return RankTiming(start=self.start, end=time.time(), rows_in=self.rows_in,
-                          bytes_pulled=self.bytes_pulled, pulls=tuple(self.pulls))
+                          bytes_pulled=self.bytes_pulled, pulls=tuple(self.pulls),
+                          cpu_s=time.thread_time() - self.cpu)
 
 
 def gather(store: ShardStore, plan: PullPlan, fetched: Sequence[dict[str, torch.Tensor] | None], *,
