@@ -204,6 +204,23 @@ def test_a_delay_grown_along_the_backbone_reaches_the_bound_where_one_moved_at_o
     assert annealed.finish_s == pytest.approx(bound)
 
 
+def test_an_anticipated_backbone_pass_keeps_the_other_model_out_of_its_way() -> None:
+    # Here, on a device whose next actor pass has its input still unplaced, the
+    # critic's passes run as long as they like and hold the actor back when that
+    # input arrives: at best 13% past the bound within serial 1F1B's peak. Due at
+    # its latest start all the same, the actor's pass keeps them out of its way.
+    models = _pair(8, 4, 8)
+    serial, bound = serial_cost(models), fusion_lower_bound(models)
+    plain = [backfilled(models, memory_limit=serial.peak, slack_s=k * models[0].forward_s) for k in (0, 0.25, 0.5, 1)]
+    assert min(simulate(s).finish_s for s in plain if s is not None) > bound * 1.1
+    anticipated = backfilled(models, memory_limit=serial.peak, anticipate=True)
+    assert anticipated is not None
+    assert simulate(anticipated).finish_s == pytest.approx(bound)
+    assert simulate(anticipated).peak <= serial.peak + 1e-9
+    annealed = simulate(fused_annealed(models, iterations=200, memory_limit=serial.peak))
+    assert annealed.finish_s == pytest.approx(bound)
+
+
 @pytest.mark.parametrize(("p0", "p1"), [(4, 2), (8, 4)])
 def test_bounded_backfilling_keeps_the_other_models_1f1b_bound(p0: int, p1: int) -> None:
     models = _pair(p0, p1, 2 * p0)

@@ -61,12 +61,13 @@ def fused_annealed(
 ) -> Schedule:
     """RLHFuse's annealed fused schedule of ``models`` (see the module docstring).
 
-    The search anneals up to six starting points: the greedy schedule and the best
-    backfilled ones with the backbone's passes late, eager, late with the other
-    model bounded as in 1F1B, and (where the lower bound lies past the backbone's
-    own 1F1B finish) late with the backbone's finish moved toward that bound, all
-    at once and growing along its schedule (:func:`backfilled` under several
-    activation limits and delays; the earliest finish, then the lowest peak). Each
+    The search anneals up to seven starting points: the greedy schedule and the
+    best backfilled ones with the backbone's passes late, eager, late with the
+    other model bounded as in 1F1B, (where the lower bound lies past the
+    backbone's own 1F1B finish) late with the backbone's finish moved toward that
+    bound, all at once and growing along its schedule, and late with its passes
+    anticipated (:func:`backfilled` under several activation limits and delays;
+    the earliest finish, then the lowest peak). Each
     is annealed by moving adjacent passes to finish earlier (within
     ``memory_limit``); of the results finishing within ``tolerance`` of the earliest,
     the one holding the fewest activations is annealed again to hold fewer at no
@@ -106,8 +107,11 @@ def fused_annealed(
         groups.append([fill(backbone, memory_limit=serial_peak * f, late_by_s=gap * k) for f in _LIMITS for k in _DELAYS])
         groups.append([fill(backbone, memory_limit=serial_peak * f, slack_s=forward * s, late_by_s=gap * k, ramp=r)
                        for f in _LIMITS if f <= 1.5 for k in _DELAYS for r in _RAMPS for s in _SLACKS[:2]])
+    groups.append([fill(backbone, memory_limit=serial_peak * f, slack_s=forward * s, late_by_s=gap * k, anticipate=True)
+                   for f in _LIMITS for s in _SLACKS[:2] for k in (0.0, *(_DELAYS if gap > 0 else ()))])
     # The greedy schedule, and the earliest (then leanest) of the late, the eager, the
-    # late and bounded, the late and delayed, and the late and ramped backfilled ones.
+    # late and bounded, the late and delayed, the late and ramped, and the late and
+    # anticipating backfilled ones.
     starts = []
     for group in groups:
         runs = [(r.finish_s, r.peak, n, s) for n, s in enumerate(group) if s is not None

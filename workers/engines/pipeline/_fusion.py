@@ -129,7 +129,7 @@ def fusion_lower_bound(models: Sequence[PipelineModel]) -> float:
 
 def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = None,
                slack_s: float = 0.0, late: bool = True, late_by_s: float = 0.0, ramp: float = 0.0,
-               bounded: bool = False) -> Schedule | None:
+               anticipate: bool = False, bounded: bool = False) -> Schedule | None:
     """A fused schedule built around the slowest model's own 1F1B: that model (the
     backbone) keeps its 1F1B order on every device, and a pass of another model runs
     in the backbone's bubbles: where it ends before the backbone's next pass must
@@ -151,6 +151,11 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
     micro-batch's forwards, which every later pass waits for) then keep their
     time, and the other model's passes take the room where the backbone has it
     to spare, in its steady state and drain.
+    With ``anticipate`` (and ``late``), a backbone pass whose input (the pass
+    before it on another device) is not placed yet still bounds what runs before
+    it: it is due at its latest start. Without it, the other model's passes of
+    any length run there until that input is placed, and can hold the backbone
+    back when it arrives.
     With ``bounded``, the other models also keep 1F1B's bound on the micro-batches
     a stage holds (``p - s`` on stage ``s`` of ``p``), leaving the memory to the
     backbone's peaks.
@@ -159,7 +164,7 @@ def backfilled(models: Sequence[PipelineModel], *, memory_limit: float | None = 
         The schedule, or None if the limit leaves every device waiting.
     """
     return fill(Backbone.of(models), memory_limit=memory_limit, slack_s=slack_s, late=late, late_by_s=late_by_s,
-                ramp=ramp, bounded=bounded)
+                ramp=ramp, anticipate=anticipate, bounded=bounded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +192,8 @@ class Backbone:
 
 
 def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: float = 0.0, late: bool = True,
-         late_by_s: float = 0.0, ramp: float = 0.0, bounded: bool = False) -> Schedule | None:
+         late_by_s: float = 0.0, ramp: float = 0.0, anticipate: bool = False,
+         bounded: bool = False) -> Schedule | None:
     """:func:`backfilled` around a prepared ``backbone`` (the searches build many)."""
     models, index, spine = backbone.models, backbone.index, backbone.spine
     queues, latest = backbone.queues, backbone.latest
@@ -210,11 +216,13 @@ def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: floa
                 task = queues[d][at[d]]
                 ready = _ready(index, end, task, free[d])
                 if held[d] + index.memory[task] > limit:
-                    ready = None  # it waits for a backward here to free memory: the others run
-                if ready is not None:
+                    pass  # it waits for a backward here to free memory: the others run
+                elif ready is not None:
                     due = (max(ready, latest[task]) if late else ready) + slack_s
                     key = (ready, 1 if late else -1, d, task, None)
                     best = min(best, key) if best else key
+                elif late and anticipate:
+                    due = latest[task] + slack_s  # its input is not placed yet: due all the same
             for lane in lanes[d]:
                 for task in _lane_heads(index, models, lane, taken[lane]):
                     start = _ready(index, end, task, free[d])
