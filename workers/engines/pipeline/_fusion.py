@@ -215,14 +215,14 @@ def fill(backbone: Backbone, *, memory_limit: float | None = None, slack_s: floa
             if at[d] < len(queues[d]):
                 task = queues[d][at[d]]
                 ready = _ready(index, end, task, free[d])
-                if held[d] + index.memory[task] > limit:
-                    pass  # it waits for a backward here to free memory: the others run
-                elif ready is not None:
-                    due = (max(ready, latest[task]) if late else ready) + slack_s
-                    key = (ready, 1 if late else -1, d, task, None)
-                    best = min(best, key) if best else key
-                elif late and anticipate:
-                    due = latest[task] + slack_s  # its input is not placed yet: due all the same
+                # Over the limit it waits for a backward here to free memory: the others run.
+                if held[d] + index.memory[task] <= limit:
+                    if ready is not None:
+                        due = (max(ready, latest[task]) if late else ready) + slack_s
+                        key = (ready, 1 if late else -1, d, task, None)
+                        best = min(best, key) if best else key
+                    elif late and anticipate:  # its input is not placed yet: due all the same
+                        due = latest[task] + slack_s
             for lane in lanes[d]:
                 for task in _lane_heads(index, models, lane, taken[lane]):
                     start = _ready(index, end, task, free[d])
