@@ -67,11 +67,10 @@ def fused_annealed(
     backbone's own 1F1B finish) late with the backbone's finish moved toward that
     bound, all at once and growing along its schedule, and late with its passes
     anticipated (:func:`backfilled` under several activation limits and delays;
-    the earliest finish, then the lowest peak). Each
-    is annealed by moving adjacent passes to finish earlier (within
-    ``memory_limit``); of the results finishing within ``tolerance`` of the earliest,
-    the one holding the fewest activations is annealed again to hold fewer at no
-    cost in finish time.
+    the earliest finish, then the lowest peak). Each is annealed by moving
+    adjacent passes to finish earlier (within ``memory_limit``); of the results
+    finishing within ``tolerance`` of the earliest, the one holding the fewest
+    activations is annealed again to hold fewer at no cost in finish time.
 
     Args:
         models: as :func:`fused_greedy`.
