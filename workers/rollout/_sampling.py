@@ -256,11 +256,11 @@ def _pick(
     pick the chunk the target falls in, and that chunk's own running total picks the
     token (``weights_at(columns)``: the weights at ``columns`` ``[rows, _CHUNK]``, all
     below ``vocab``; by default gathered from ``weights``), so no cumulative sum over
-    the whole vocabulary is written. A vocabulary of one chunk skips the chunk level
-    and takes the running total of ``weights`` itself. Weights need not sum to 1 (the target is scaled by
-    their total). A token of weight 0 does not raise a running total, so it is
-    never the first to exceed the target; where rounding puts the target at or past
-    a total, the pick is the last token that raised it.
+    the whole vocabulary is written. A vocabulary of one chunk skips the chunk
+    level and takes the running total of ``weights`` itself. Weights need not sum
+    to 1 (the target is scaled by their total). A token of weight 0 does not raise
+    a running total, so it is never the first to exceed the target; where rounding
+    puts the target at or past a total, the pick is the last token that raised it.
     """
     dtype, vocab = uniforms.dtype, weights.shape[-1]
     if vocab <= _CHUNK:  # one chunk: its running total is the CDF

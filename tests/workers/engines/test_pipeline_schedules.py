@@ -175,13 +175,10 @@ def test_a_backbone_allowed_to_finish_at_the_bound_leaves_the_other_model_room()
     own = simulate(one_f_one_b(models[0])).finish_s
     assert bound > own
     tight = backfilled(models, memory_limit=serial.peak)
-    delayed = backfilled(models, memory_limit=serial.peak, late_by_s=bound - own)
-    assert tight is not None and delayed is not None
+    assert tight is not None
     assert simulate(tight).finish_s > bound * 1.05
-    assert simulate(delayed).finish_s == pytest.approx(bound)
-    assert simulate(delayed).peak <= serial.peak + 1e-9
-    annealed = simulate(fused_annealed(models, iterations=200, memory_limit=serial.peak))
-    assert annealed.finish_s == pytest.approx(bound)
+    _reaches_the_bound_within_the_serial_peak(models, backfilled(models, memory_limit=serial.peak,
+                                                                 late_by_s=bound - own))
 
 
 def test_a_delay_grown_along_the_backbone_reaches_the_bound_where_one_moved_at_once_does_not() -> None:
@@ -196,12 +193,8 @@ def test_a_delay_grown_along_the_backbone_reaches_the_bound_where_one_moved_at_o
     assert gap > 0
     at_once = [backfilled(models, memory_limit=serial.peak, late_by_s=k * gap) for k in (0.5, 1.0, 1.5, 2.0)]
     assert min(simulate(s).finish_s for s in at_once if s is not None) > bound * 1.02
-    grown = backfilled(models, memory_limit=serial.peak, late_by_s=1.5 * gap, ramp=4.0)
-    assert grown is not None
-    assert simulate(grown).finish_s == pytest.approx(bound)
-    assert simulate(grown).peak <= serial.peak + 1e-9
-    annealed = simulate(fused_annealed(models, iterations=200, memory_limit=serial.peak))
-    assert annealed.finish_s == pytest.approx(bound)
+    _reaches_the_bound_within_the_serial_peak(models, backfilled(models, memory_limit=serial.peak,
+                                                                 late_by_s=1.5 * gap, ramp=4.0))
 
 
 def test_an_anticipated_backbone_pass_keeps_the_other_model_out_of_its_way() -> None:
@@ -213,10 +206,16 @@ def test_an_anticipated_backbone_pass_keeps_the_other_model_out_of_its_way() -> 
     serial, bound = serial_cost(models), fusion_lower_bound(models)
     plain = [backfilled(models, memory_limit=serial.peak, slack_s=k * models[0].forward_s) for k in (0, 0.25, 0.5, 1)]
     assert min(simulate(s).finish_s for s in plain if s is not None) > bound * 1.1
-    anticipated = backfilled(models, memory_limit=serial.peak, anticipate=True)
-    assert anticipated is not None
-    assert simulate(anticipated).finish_s == pytest.approx(bound)
-    assert simulate(anticipated).peak <= serial.peak + 1e-9
+    _reaches_the_bound_within_the_serial_peak(models, backfilled(models, memory_limit=serial.peak, anticipate=True))
+
+
+def _reaches_the_bound_within_the_serial_peak(models: list[PipelineModel], schedule: Schedule | None) -> None:
+    """``schedule``, and the annealed search under serial 1F1B's peak, finish at the
+    lower bound; ``schedule`` holds no more than that peak."""
+    serial, bound = serial_cost(models), fusion_lower_bound(models)
+    assert schedule is not None
+    assert simulate(schedule).finish_s == pytest.approx(bound)
+    assert simulate(schedule).peak <= serial.peak + 1e-9
     annealed = simulate(fused_annealed(models, iterations=200, memory_limit=serial.peak))
     assert annealed.finish_s == pytest.approx(bound)
 
