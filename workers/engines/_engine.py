@@ -222,7 +222,8 @@ class TrainingEngine(EngineState):
         self._require_resident("log_probs/values", optimizer=False)
         rows = check_batch(batch)
         batch = self._to_device(batch)
-        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, torch.zeros((), device=self.device))
+        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, torch.zeros((), device=self.device),
+                           over_dp=not self.parallel.replicated)
         self._check_positions(plan.longest)
         shape = (rows, batch["response_ids"].shape[1])
         results: dict[str, Tensor] = {}
@@ -288,14 +289,18 @@ class TrainingEngine(EngineState):
         batch = self._to_device(batch)
         aggregation = loss_fn.loss_agg or self.config.loss_aggregation
         mask = batch["response_mask"].to(torch.float32)
-        # One collective agrees on the micro-batch count, sums the loss normaliser and
-        # finds the longest row.
-        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, aggregation.parts(mask, mask)[1])
+        # Sharded: one collective agrees on the micro-batch count, sums the loss
+        # normaliser and finds the longest row. Replicated: the forwards talk to no
+        # other rank, so each plans alone and the normaliser's sum comes with the
+        # gradients' all-reduce (the losses stay unnormalised until then).
+        deferred = self.parallel.replicated
+        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, aggregation.parts(mask, mask)[1],
+                           over_dp=not deferred)
         self._check_positions(plan.longest)
-        normaliser = max(plan.total, 1.0)
+        normaliser = 1.0 if deferred else max(plan.total, 1.0)
         # FSDP averages gradients over DP ranks; scaling by dp_size turns that into the
         # sum of the ranks' parts of one global mean.
-        scale = self.parallel.dp_size / normaliser
+        scale = 1.0 if deferred else self.parallel.dp_size / normaliser
 
         self.model.train()
         optimizer.zero_grad(set_to_none=True)
@@ -322,15 +327,24 @@ class TrainingEngine(EngineState):
             stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
             return numerator * scale
 
-        return PreparedStep(optimizer=optimizer, inputs=inputs, micro_loss=micro_loss, stats=stats)
+        return PreparedStep(optimizer=optimizer, inputs=inputs, micro_loss=micro_loss, stats=stats,
+                            local_normaliser=plan.total if deferred else None)
 
     def _finish_step(self, step: PreparedStep) -> dict[str, float]:
         """Everything of :meth:`train_step` after the backwards: the gradients reduced
         and clipped, the metrics reduced, the optimizer stepped."""
-        self.parallel.reduce_gradients(self.model)
+        if step.local_normaliser is None:
+            self.parallel.reduce_gradients(self.model)
+            summed = None
+        else:  # the normaliser and the metrics ride in the gradients' all-reduce
+            packed = step.stats.packed()
+            summed = self.parallel.reduce_gradients(self.model, sums=torch.cat([
+                packed.new_tensor([step.local_normaliser]), packed]))
         self._layout.sum_tied_gradients()
+        stats = (step.stats.reduce(self.parallel) if summed is None
+                 else step.stats.unpack(summed[1:], normaliser=max(float(summed[0]), 1.0)))
         # The last stage computed the loss and metrics.
-        reduced = self._layout.from_last(step.stats.reduce(self.parallel))
+        reduced = self._layout.from_last(stats)
         # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
         # same decision.
         grad_norm = self._layout.clip_gradients(self.config.grad_clip)
@@ -358,7 +372,11 @@ class TrainingEngine(EngineState):
     def _check_positions(self, longest: int) -> None:
         """Raise if the longest row over the data-parallel ranks (agreed on with the
         plan) outgrows the model's positions: every rank raises, or none does (a rank
-        that raised alone would leave its peers waiting in the next collective)."""
+        that raised alone would leave its peers waiting in the next collective). A
+        replicated model checks its own rows: its forwards wait for no peer, and a
+        rank that raises before the gradients' all-reduce poisons its groups on the
+        way out, which fails that all-reduce on its peers at once
+        (:mod:`workers.host._groups`)."""
         limit = self._position_limit()
         if limit is not None and longest > limit:
             raise EngineConfigError(

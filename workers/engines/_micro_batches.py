@@ -105,13 +105,24 @@ class StepStats:
             total = torch.where(keep, value.detach(), 0.0).sum().double()
             self.sums[name] = self.sums.get(name, self._zero) + total
 
+    def packed(self) -> Tensor:
+        """This rank's sums as one float64 vector: the loss, the tokens, each metric's
+        sum (by name); :meth:`unpack` reads it back once summed over the ranks."""
+        names = sorted(self.sums)
+        return torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
+
+    def unpack(self, summed: Tensor, *, normaliser: float = 1.0) -> dict[str, float]:
+        """The step's loss (the summed losses over ``normaliser``: 1 when each was
+        normalised already) and each metric's token mean, from :meth:`packed`
+        summed over the data-parallel ranks."""
+        loss, tokens, *sums = summed.tolist()
+        return {"loss": loss / normaliser} | {n: s / max(tokens, 1.0)
+                                              for n, s in zip(sorted(self.sums), sums, strict=True)}
+
     def reduce(self, parallel: Parallelism) -> dict[str, float]:
         """The step's loss and each metric's token mean over the global batch
         (collective over the data-parallel ranks)."""
-        names = sorted(self.sums)
-        packed = torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
-        loss, tokens, *sums = parallel.all_reduce_dp(packed).tolist()
-        return {"loss": loss} | {n: s / max(tokens, 1.0) for n, s in zip(names, sums, strict=True)}
+        return self.unpack(parallel.all_reduce_dp(self.packed()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +136,10 @@ class PreparedStep:
     micro_loss: Callable[[nn.Module, int], Tensor]
     """``(module, micro-batch) ->`` the micro-batch's scaled loss (records its metrics)."""
     stats: StepStats
+    local_normaliser: float | None = None
+    """This rank's loss normaliser when the micro-batch losses are unnormalised and
+    the global normaliser comes with the gradients' all-reduce (a replicated model:
+    :meth:`Parallelism.reduce_gradients`); None when they are normalised already."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +155,7 @@ class AgreedPlan:
 
 
 def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelism,
-                local_sum: Tensor) -> AgreedPlan:
+                local_sum: Tensor, *, over_dp: bool = True) -> AgreedPlan:
     """The planner's micro-batches, their count agreed over the data-parallel ranks
     together with ``local_sum``'s sum and the longest row, in one collective
     (:meth:`Parallelism.sums_and_maxes_over_dp`).
@@ -151,9 +166,14 @@ def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelis
         parallel: the engine's parallelism (its data-parallel group).
         local_sum: this rank's addend (a scalar), on the device the group's
             collectives run on (the engine's: NCCL takes no CPU tensor).
+        over_dp: False: this rank's own plan, sum and longest row, without a
+            collective (a replicated model's forwards need no agreement).
     """
     addend = local_sum.to(torch.float64).reshape(1)
     longest = float(tokens.max()) if tokens.numel() else 0.0
+    if not over_dp:
+        alone = planner.plan(tokens, agree=lambda count: count)
+        return AgreedPlan(micro_batches=alone, total=float(addend[0]), longest=int(longest))
     agreed: list[tuple[Tensor, Tensor]] = []
 
     def agree(count: int) -> int:

@@ -255,25 +255,57 @@ class Parallelism:
             _apply_fully_shard(model, self.mesh["dp"], mp_policy or MixedPrecisionPolicy(), units)
         return model
 
-    def reduce_gradients(self, model: nn.Module) -> None:
+    def reduce_gradients(self, model: nn.Module, sums: Tensor | None = None) -> Tensor | None:
         """Average the gradients of a replicated model over the data-parallel ranks,
         in one all-reduce of one flat buffer (as FSDP2's reduce-scatter averages a
-        sharded one's). A no-op unless :meth:`parallelize` replicated the model."""
+        sharded one's). A no-op unless :meth:`parallelize` replicated the model.
+
+        With ``sums``, the gradients are those of each rank's unnormalised loss: they
+        are summed over the ranks and divided by the sum of ``sums[0]`` (the loss
+        normaliser; at least 1), and ``sums`` rides in the same all-reduce, so that
+        a step of a replicated model needs no collective of its own for its
+        normaliser and metrics. Each rank writes its ``sums`` into its own row of a
+        table at the buffer's end (as float32 pairs that add up to the float64
+        value to about 48 bits), and the rows are added up locally, so that
+        every rank gets the same bits.
+
+        Args:
+            model: the model whose ``.grad`` are reduced in place.
+            sums: float64, 1-D: this rank's normaliser, then any other addends.
+
+        Returns:
+            ``sums`` summed over the ranks (float64, on ``sums``' device), or None
+            without ``sums``.
+
+        Raises:
+            EngineConfigError: ``sums`` for a model that is not replicated.
+        """
         if not self.replicated or self.mesh is None:
-            return
+            if sums is not None:
+                raise EngineConfigError("reduce_gradients(sums=) sums over replicas; this model is not replicated")
+            return None
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # the same on every rank: each ran the same forwards
                 p.grad = torch.zeros_like(p)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
-        flat = torch.cat([g.reshape(-1) for g in local])  # type: ignore[union-attr]
+        parts = [g.reshape(-1) for g in local]  # type: ignore[union-attr]
+        table = None
+        if sums is not None:
+            table = torch.zeros(self.dp_size, 2 * sums.numel(), dtype=torch.float32, device=sums.device)
+            table[self.dp_rank] = _float32_pairs(sums)
+            parts.append(table.view(-1))
+        flat = torch.cat(parts)
         dist.all_reduce(flat, group=self._dp_group)
-        flat /= self.dp_size
+        grads = flat[:flat.numel() - (0 if table is None else table.numel())]
+        summed = None if table is None else _from_float32_pairs(flat[grads.numel():].view_as(table))
+        grads /= self.dp_size if summed is None else max(float(summed[0]), 1.0)
         offset = 0
         for g in local:
             assert g is not None
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(grads[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        return summed
 
     def all_reduce_dp(
         self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -328,6 +360,20 @@ class Parallelism:
         holder = torch.zeros(self.dp_size, dtype=torch.int64, device=device)
         holder[self.dp_rank] = value
         return [int(v) for v in self.all_reduce_dp(holder).tolist()]
+
+
+def _float32_pairs(values: Tensor) -> Tensor:
+    """float64 ``values`` as float32 ``[high..., low...]``, ``high + low`` equal to
+    them to about 48 bits (a non-finite value stays in ``high``, its ``low`` is 0)."""
+    high = values.to(torch.float32)
+    low = torch.where(torch.isfinite(high), values - high.to(torch.float64), 0.0).to(torch.float32)
+    return torch.cat([high, low])
+
+
+def _from_float32_pairs(table: Tensor) -> Tensor:
+    """Rows of :func:`_float32_pairs` back to float64, summed over the rows."""
+    width = table.shape[1] // 2
+    return (table[:, :width].to(torch.float64) + table[:, width:].to(torch.float64)).sum(0)
 
 
 def _layout_key(tensor: Tensor) -> tuple[object, ...]:

@@ -83,12 +83,21 @@ def _one_row_ranks(rank: int, out: Path) -> None:
         torch.equal(t, before[n]) for n, t in full_weights(lm).items()
     )
 
-    # Rank 0's row is too long, rank 1 has none: both raise, neither waits.
+    # Rank 0's row is too long, rank 1 has none. Sharded: both raise, neither waits.
     long = {k: v[ONE_ROW[rank]] for k, v in _long_batch().items()}
+    sharded = TrainingEngine(tiny_lm(**SMALL), config=TrainingConfig(**CONFIG, data_parallel="shard"), mesh=mesh,
+                             loss=POLICY)
     with pytest.raises(ConfigError, match="max_position_embeddings is 32") as info:
-        lm.log_probs(long)
+        sharded.log_probs(long)
     result["long_error"] = str(info.value)
-    result["after_error"] = lm.log_probs(batch)[0]  # the group is still in step
+    result["after_error"] = sharded.log_probs(batch)[0]  # the group is still in step
+    # Replicated: the inference talks to no peer, so rank 0 raises alone and rank 1,
+    # which has no row, returns.
+    try:
+        result["replica_long"] = lm.log_probs(long)[0].shape
+    except ConfigError as error:
+        result["replica_long"] = str(error)
+    result["replica_after_error"] = lm.log_probs(batch)[0]
     torch.save(result, out / f"one_row{rank}.pt")
 
 
@@ -111,7 +120,7 @@ def _assert_same_run(got: dict, expected: dict, rows: slice) -> None:
             torch.testing.assert_close(got[key][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_rank_without_rows_changes_nothing_and_errors_reach_every_rank(tmp_path: Path) -> None:
+def test_a_rank_without_rows_changes_nothing_and_sharded_errors_reach_every_rank(tmp_path: Path) -> None:
     out = run_ranks(2, _one_row_ranks, tmp_path)
     batch = make_batch(rows=1)
     expected = _run(batch, mesh=None, config={"max_tokens_per_micro_batch": 8})
@@ -122,7 +131,9 @@ def test_a_rank_without_rows_changes_nothing_and_errors_reach_every_rank(tmp_pat
         assert got["nan_metrics"]["step_skipped"] == 1.0 and got["nan_step"] == 0
         assert got["nan_unchanged"]
         assert "a row has 37 prompt + response tokens" in got["long_error"]
-        assert got["after_error"].shape == (rows.stop - rows.start, 7)
+        assert got["after_error"].shape == got["replica_after_error"].shape == (rows.stop - rows.start, 7)
+        assert ("a row has 37 prompt + response tokens" in got["replica_long"] if rank == 0
+                else got["replica_long"] == (0, 7))
     single = TrainingEngine(tiny_lm(**SMALL), config=TrainingConfig())
     with pytest.raises(ConfigError, match="max_position_embeddings is 32"):
         single.log_probs(_long_batch())

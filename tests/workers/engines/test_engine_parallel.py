@@ -32,6 +32,7 @@ from transformers import LlamaForCausalLM
 from workers.engines import (
     MESH_DIM_NAMES,
     EngineConfigError,
+    Parallelism,
     TrainingConfig,
     TrainingEngine,
     ValueHead,
@@ -119,6 +120,9 @@ def _fsdp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     with _counted(dist, "all_reduce") as all_reduces:
         result["metrics"].append(engine.train_step(batch))
     result["all_reduces"] = len(all_reduces)
+    with _counted(dist, "all_reduce") as all_reduces:
+        engine.log_probs(batch)
+    result["inference_all_reduces"] = len(all_reduces)
     result["sums_and_maxes"] = engine.parallel.sums_and_maxes_over_dp(
         torch.tensor([rank + 1.0, 0.25]), torch.tensor([float(rank), -math.inf]))
     result["weights"] = full_weights(engine)
@@ -129,6 +133,30 @@ def _fsdp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     result["resumed_metrics"] = resumed.train_step(batch)
     result["resumed_weights"] = full_weights(resumed)
     torch.save(result, out / f"fsdp{rank}.pt")
+
+
+def _replica_sums_ranks(rank: int, out: Path) -> None:
+    parallel = Parallelism(_mesh(2, 1))
+    model = parallel.parallelize(torch.nn.Linear(3, 2), replicate=True)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, rank + 1.0)
+    # Rank 0's second addend needs float64: float32 would round it to 1e8.
+    sums = torch.tensor([[3.0, 1e8 + 0.125, 1.0], [1.0, 0.5, math.inf]][rank], dtype=torch.float64)
+    summed = parallel.reduce_gradients(model, sums=sums)
+    torch.save({"summed": summed, "grads": [p.grad for p in model.parameters()]}, out / f"sums{rank}.pt")
+
+
+def test_replicas_reduce_their_sums_with_the_gradients_in_float64(tmp_path: Path) -> None:
+    out = run_ranks(2, _replica_sums_ranks, tmp_path)
+    for rank in range(2):
+        got = torch.load(out / f"sums{rank}.pt", weights_only=False)
+        assert got["summed"].dtype == torch.float64
+        assert got["summed"].tolist() == [4.0, 1e8 + 0.625, math.inf]
+        # The gradients are summed over the ranks and divided by the normalisers' sum.
+        for grad in got["grads"]:
+            assert torch.equal(grad, torch.full_like(grad, 3.0 / 4.0))
+    with pytest.raises(EngineConfigError, match="not replicated"):
+        Parallelism(None).reduce_gradients(torch.nn.Linear(1, 1), sums=torch.ones(1, dtype=torch.float64))
 
 
 def _fsdp_tp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
@@ -202,10 +230,13 @@ def test_data_parallel_step_and_checkpoint_equal_single_process(tmp_path: Path, 
         for got_m, exp_m in zip(got["metrics"], expected["metrics"], strict=True):
             _assert_metrics_close(got_m, exp_m)
         _assert_weights_close(got["weights"], expected["weights"])
-        # One all-reduce agrees on the micro-batch count and sums the loss normaliser,
-        # one sums the metrics; a replicated model's gradients take a third (FSDP2
-        # reduce-scatters sharded ones without torch.distributed.all_reduce).
-        assert got["all_reduces"] == (3 if data_parallel == "replicate" else 2)
+        # Sharded: one all-reduce agrees on the micro-batch count and sums the loss
+        # normaliser, one sums the metrics (FSDP2 reduce-scatters the gradients without
+        # torch.distributed.all_reduce), and inference agrees on its count. Replicated:
+        # the normaliser and the metrics ride in the gradients' one all-reduce, and
+        # inference needs none.
+        assert got["all_reduces"] == (1 if data_parallel == "replicate" else 2)
+        assert got["inference_all_reduces"] == (0 if data_parallel == "replicate" else 1)
         sums, maxes = got["sums_and_maxes"]
         assert sums.tolist() == [3.0, 0.5] and maxes.tolist() == [1.0, -math.inf]
         # Resuming from the checkpoint replays the second step exactly.
