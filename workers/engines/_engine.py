@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal, TypeVar, overload
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -57,8 +57,6 @@ from workers.engines._pipelined import PipelineStages
 from workers.engines._precision import PrecisionName, precision_strategy, resolve_precision
 from workers.engines._state import EngineState
 from workers.objectives import LossFn, ModelOutputs
-
-T = TypeVar("T")
 
 
 class TrainingEngine(EngineState):
@@ -257,7 +255,7 @@ class TrainingEngine(EngineState):
         ``TrainingConfig.loss_aggregation``), so the accumulated gradient equals the
         full-batch gradient whatever the layout and the micro-batching. The step is
         skipped on every rank alike when the global loss or the gradient norm is not
-        finite (see ``TrainingConfig.skip_non_finite``).
+        finite (see ``TrainingConfig.skip_non_finite``), and when no rank has a row.
 
         Args:
             batch: sequence fields plus the fields the objective reads.
@@ -319,45 +317,40 @@ class TrainingEngine(EngineState):
                 # Same forward and backward as a real micro-batch (FSDP's collectives),
                 # but zero gradient; the loss still names the metrics every rank reports.
                 with torch.no_grad():
-                    metrics = loss_fn(outputs, micro).metrics
-                stats.add(metrics, micro["response_mask"], loss=None)
+                    stats.add(loss_fn(outputs, micro), micro["response_mask"], loss=None)
                 return zero_objective(outputs)
             terms = loss_fn(outputs, micro)
             numerator, _ = aggregation.parts(terms.per_token, micro["response_mask"])
-            stats.add(terms.metrics, micro["response_mask"], loss=numerator / normaliser)
+            stats.add(terms, micro["response_mask"], loss=numerator / normaliser)
             return numerator * scale
 
         return PreparedStep(optimizer=optimizer, inputs=inputs, micro_loss=micro_loss, stats=stats,
-                            local_normaliser=plan.total if deferred else None)
+                            rows=plan.rows, local_normaliser=plan.total if deferred else None)
 
     def _finish_step(self, step: PreparedStep) -> dict[str, float]:
         """Everything of :meth:`train_step` after the backwards: the gradients reduced
         and clipped, the metrics reduced, the optimizer stepped."""
         if step.local_normaliser is None:
             self.parallel.reduce_gradients(self.model)
-            summed = None
-        else:  # the normaliser and the metrics ride in the gradients' all-reduce
-            packed = step.stats.packed()
-            summed = self.parallel.reduce_gradients(self.model, sums=torch.cat([
-                packed.new_tensor([step.local_normaliser]), packed]))
+            ridden, rows = None, step.rows
+        else:  # the normaliser, the rows and the metrics ride in the gradients' all-reduce
+            sums, maxima = step.stats.packed()
+            summed, maxed = self.parallel.normalise_gradients(
+                self.model, torch.cat([sums.new_tensor([step.local_normaliser, step.rows]), sums]), maxima)
+            rows = int(summed[1])
+            ridden = step.stats.unpack(summed[2:], maxed, normaliser=max(float(summed[0]), 1.0))
         self._layout.sum_tied_gradients()
-        stats = (step.stats.reduce(self.parallel) if summed is None
-                 else step.stats.unpack(summed[1:], normaliser=max(float(summed[0]), 1.0)))
+        stats = step.stats.reduce(self.parallel) if ridden is None else ridden
         # The last stage computed the loss and metrics.
         reduced = self._layout.from_last(stats)
         # ``loss`` is DP-reduced and the norm covers every shard, so every rank takes the
         # same decision.
         grad_norm = self._layout.clip_gradients(self.config.grad_clip)
-        stepped = take_step(step.optimizer, self.config, self._step, loss=reduced["loss"], grad_norm=grad_norm)
+        stepped = take_step(step.optimizer, self.config, self._step, loss=reduced["loss"], grad_norm=grad_norm,
+                            empty=rows == 0)
         if not stepped["step_skipped"]:
             self._step += 1
         return reduced | stepped
-
-    def from_last_stage(self, value: T) -> T:
-        """``value`` as the pipeline's last stage has it, on every rank (collective
-        over the pipeline's stages); ``value`` itself without stages. For what an
-        objective records as it runs (only the last stage runs it)."""
-        return self._layout.from_last(value)
 
     # ------------------------------------------------------------------- helpers
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from workers.engines._batch import SequenceInputs
 from workers.engines._checkpoint import named_full_weights
-from workers.engines._parallel import clip_grad_norm
+from workers.engines._grad_norm import clip_grad_norm
 
 __all__ = ["LastStage", "ModelLayout", "WholeModel"]
 

@@ -11,6 +11,7 @@ objective has zero gradient and whose outputs are not kept.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -24,7 +25,7 @@ from workers.engines._batch import (
     select_rows,
 )
 from workers.engines._parallel import Parallelism
-from workers.objectives import ModelOutputs
+from workers.objectives import LossTerms, ModelOutputs
 
 
 def micro_batch(batch: Mapping[str, Tensor], rows: Tensor) -> tuple[dict[str, Tensor], bool]:
@@ -80,7 +81,8 @@ def zero_objective(outputs: ModelOutputs) -> Tensor:
 
 
 class StepStats:
-    """Sums of the loss and per-token metrics of one step, reduced over DP at the end.
+    """Sums of the loss and per-token metrics of one step, and the largest values of
+    its per-token maxima, reduced over DP at the end.
 
     Kept as float64 tensors on the device so that no micro-batch waits for the device.
     Every rank records the same metric names (a dummy micro-batch adds zeros), so the
@@ -89,40 +91,52 @@ class StepStats:
 
     def __init__(self, device: torch.device) -> None:
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
+        self._none = torch.full((), -math.inf, dtype=torch.float64, device=device)
         self.loss = self._zero
         self.tokens = self._zero
         self.sums: dict[str, Tensor] = {}
+        self.maxima: dict[str, Tensor] = {}
 
-    def add(self, metrics: Mapping[str, Tensor], mask: Tensor, *, loss: Tensor | None) -> None:
-        """Add one micro-batch's loss (None for a dummy) and its metrics' sums over
-        the tokens of ``mask``."""
+    def add(self, terms: LossTerms, mask: Tensor, *, loss: Tensor | None) -> None:
+        """Add one micro-batch's loss (None for a dummy), its metrics' sums and its
+        maxima's largest values over the tokens of ``mask``."""
         # where, not a product: a non-finite value on padding must not leak into a sum.
         keep = mask.bool()
         if loss is not None:
             self.loss = self.loss + loss.detach().double()
         self.tokens = self.tokens + keep.sum().double()
-        for name, value in metrics.items():
+        for name, value in terms.metrics.items():
             total = torch.where(keep, value.detach(), 0.0).sum().double()
             self.sums[name] = self.sums.get(name, self._zero) + total
+        for name, value in terms.maxima.items():
+            top = torch.where(keep, value.detach(), -math.inf).amax().double() if keep.numel() else self._none
+            self.maxima[name] = torch.maximum(self.maxima.get(name, self._none), top)
 
-    def packed(self) -> Tensor:
-        """This rank's sums as one float64 vector: the loss, the tokens, each metric's
-        sum (by name); :meth:`unpack` reads it back once summed over the ranks."""
-        names = sorted(self.sums)
-        return torch.stack([self.loss, self.tokens, *(self.sums[n] for n in names)])
+    def packed(self) -> tuple[Tensor, Tensor]:
+        """This rank's values as two float64 vectors: the sums (the loss, the tokens,
+        each metric's sum by name) and the maxima (by name); :meth:`unpack` reads
+        them back once reduced over the ranks."""
+        maxima = [self.maxima[n] for n in sorted(self.maxima)]
+        return (torch.stack([self.loss, self.tokens, *(self.sums[n] for n in sorted(self.sums))]),
+                torch.stack(maxima) if maxima else self._zero.new_empty(0))
 
-    def unpack(self, summed: Tensor, *, normaliser: float = 1.0) -> dict[str, float]:
+    def unpack(self, sums: Tensor, maxima: Tensor, *, normaliser: float = 1.0) -> dict[str, float]:
         """The step's loss (the summed losses over ``normaliser``: 1 when each was
-        normalised already) and each metric's token mean, from :meth:`packed`
-        summed over the data-parallel ranks."""
-        loss, tokens, *sums = summed.tolist()
-        return {"loss": loss / normaliser} | {n: s / max(tokens, 1.0)
-                                              for n, s in zip(sorted(self.sums), sums, strict=True)}
+        normalised already), each metric's token mean and each maximum (0 where no
+        rank had a token), from :meth:`packed` summed and maximised over the
+        data-parallel ranks."""
+        loss, tokens, *totals = sums.tolist()
+        means = {n: s / max(tokens, 1.0) for n, s in zip(sorted(self.sums), totals, strict=True)}
+        tops = {n: m if m > -math.inf else 0.0 for n, m in zip(sorted(self.maxima), maxima.tolist(), strict=True)}
+        return {"loss": loss / normaliser} | means | tops
 
     def reduce(self, parallel: Parallelism) -> dict[str, float]:
-        """The step's loss and each metric's token mean over the global batch
-        (collective over the data-parallel ranks)."""
-        return self.unpack(parallel.all_reduce_dp(self.packed()))
+        """The step's loss, each metric's token mean and each maximum over the global
+        batch (one collective over the data-parallel ranks)."""
+        sums, maxima = self.packed()
+        if not self.maxima:
+            return self.unpack(parallel.all_reduce_dp(sums), maxima)
+        return self.unpack(*parallel.sums_and_maxes_over_dp(sums, maxima))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +150,13 @@ class PreparedStep:
     micro_loss: Callable[[nn.Module, int], Tensor]
     """``(module, micro-batch) ->`` the micro-batch's scaled loss (records its metrics)."""
     stats: StepStats
+    rows: int
+    """The step's rows over the data-parallel ranks; this rank's when
+    ``local_normaliser`` is set (the gradients' all-reduce sums them)."""
     local_normaliser: float | None = None
     """This rank's loss normaliser when the micro-batch losses are unnormalised and
     the global normaliser comes with the gradients' all-reduce (a replicated model:
-    :meth:`Parallelism.reduce_gradients`); None when they are normalised already."""
+    :meth:`Parallelism.normalise_gradients`); None when they are normalised already."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +167,8 @@ class AgreedPlan:
     """This rank's rows of each micro-batch (as many micro-batches on every rank)."""
     total: float
     """The ranks' ``local_sum`` summed (e.g. the loss normaliser)."""
+    rows: int
+    """The ranks' rows summed."""
     longest: int
     """The longest row's tokens over the ranks (prompt and response)."""
 
@@ -157,8 +176,8 @@ class AgreedPlan:
 def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelism,
                 local_sum: Tensor, *, over_dp: bool = True) -> AgreedPlan:
     """The planner's micro-batches, their count agreed over the data-parallel ranks
-    together with ``local_sum``'s sum and the longest row, in one collective
-    (:meth:`Parallelism.sums_and_maxes_over_dp`).
+    together with ``local_sum``'s and the rows' sums and the longest row, in one
+    collective (:meth:`Parallelism.sums_and_maxes_over_dp`).
 
     Args:
         planner: the engine's micro-batch planner.
@@ -166,14 +185,15 @@ def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelis
         parallel: the engine's parallelism (its data-parallel group).
         local_sum: this rank's addend (a scalar), on the device the group's
             collectives run on (the engine's: NCCL takes no CPU tensor).
-        over_dp: False: this rank's own plan, sum and longest row, without a
+        over_dp: False: this rank's own plan, sums and longest row, without a
             collective (a replicated model's forwards need no agreement).
     """
-    addend = local_sum.to(torch.float64).reshape(1)
+    addend = torch.stack([local_sum.to(torch.float64).reshape(()),
+                          local_sum.new_tensor(len(tokens), dtype=torch.float64)])
     longest = float(tokens.max()) if tokens.numel() else 0.0
     if not over_dp:
         alone = planner.plan(tokens, agree=lambda count: count)
-        return AgreedPlan(micro_batches=alone, total=float(addend[0]), longest=int(longest))
+        return AgreedPlan(micro_batches=alone, total=float(addend[0]), rows=len(tokens), longest=int(longest))
     agreed: list[tuple[Tensor, Tensor]] = []
 
     def agree(count: int) -> int:
@@ -184,4 +204,4 @@ def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelis
     if not agreed:  # a planner that needed no agreement
         agree(1)
     sums, maxes = agreed[0]
-    return AgreedPlan(micro_batches=plan, total=float(sums[0]), longest=int(maxes[1]))
+    return AgreedPlan(micro_batches=plan, total=float(sums[0]), rows=int(sums[1]), longest=int(maxes[1]))

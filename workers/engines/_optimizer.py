@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from workers.engines._config import TrainingConfig
-from workers.engines._parallel import group_by_layout
+from workers.engines._grad_norm import group_by_layout
 
 
 def _kernel(params: Sequence[Tensor], device: torch.device) -> dict[str, bool]:
@@ -74,10 +74,10 @@ def build_adamw(model: nn.Module, config: TrainingConfig, device: torch.device) 
 
 
 def take_step(optimizer: torch.optim.Optimizer, config: TrainingConfig, step: int, *,
-              loss: float, grad_norm: float) -> dict[str, float]:
+              loss: float, grad_norm: float, empty: bool = False) -> dict[str, float]:
     """Step ``optimizer`` at the learning rate of ``step``, unless the loss or the
-    gradient norm is not finite and ``config.skip_non_finite`` says to skip; the
-    gradients are cleared either way.
+    gradient norm is not finite and ``config.skip_non_finite`` says to skip, or the
+    step had no rows; the gradients are cleared either way.
 
     Args:
         optimizer: the engine's optimizer, gradients accumulated.
@@ -85,12 +85,15 @@ def take_step(optimizer: torch.optim.Optimizer, config: TrainingConfig, step: in
         step: optimizer steps taken so far.
         loss: the step's loss, equal on every rank.
         grad_norm: the total gradient norm, equal on every rank.
+        empty: no data-parallel rank had a row. The step is skipped: on a zero
+            gradient the optimizer would still move the weights (momentum, weight
+            decay) and advance the schedule.
 
     Returns:
         ``grad_norm``, ``lr`` and ``step_skipped`` (1.0 or 0.0).
     """
     lr = config.lr_at(step)
-    skip = config.skip_non_finite and not (math.isfinite(loss) and math.isfinite(grad_norm))
+    skip = empty or (config.skip_non_finite and not (math.isfinite(loss) and math.isfinite(grad_norm)))
     if not skip:
         for group in optimizer.param_groups:
             group["lr"] = lr

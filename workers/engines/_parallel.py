@@ -3,15 +3,16 @@
 The mesh has dimensions ``("pp", "dp", "tp")``. Tensor parallelism (DTensor,
 ``parallelize_module``) shards the attention and MLP projections over ``"tp"``; FSDP2
 (``fully_shard``) then shards every parameter over ``"dp"``, or every ``"dp"`` rank
-keeps a whole replica whose gradients are averaged in one all-reduce. Pipeline parallelism is
-not implemented (``pp`` must be 1). The engine talks to a :class:`Parallelism` only:
-which device, how big the data-parallel group is, how to reduce over it, and how
-to compute a gradient norm that is correct for sharded gradients.
+keeps a whole replica whose gradients are reduced in one all-reduce (with the step's
+loss normaliser and metrics riding in it). Pipeline stages over ``"pp"`` are
+:mod:`workers.engines._pipelined`'s, gradient norms over any layout
+:mod:`workers.engines._grad_norm`'s. The engine asks a :class:`Parallelism` which
+device it computes on, how big its data-parallel group is, and how to reduce over it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -255,57 +256,63 @@ class Parallelism:
             _apply_fully_shard(model, self.mesh["dp"], mp_policy or MixedPrecisionPolicy(), units)
         return model
 
-    def reduce_gradients(self, model: nn.Module, sums: Tensor | None = None) -> Tensor | None:
+    def reduce_gradients(self, model: nn.Module) -> None:
         """Average the gradients of a replicated model over the data-parallel ranks,
         in one all-reduce of one flat buffer (as FSDP2's reduce-scatter averages a
-        sharded one's). A no-op unless :meth:`parallelize` replicated the model.
+        sharded one's). A no-op unless :meth:`parallelize` replicated the model."""
+        if self.replicated:
+            self._all_reduce_gradients(model, None)
 
-        With ``sums``, the gradients are those of each rank's unnormalised loss: they
-        are summed over the ranks and divided by the sum of ``sums[0]`` (the loss
-        normaliser; at least 1), and ``sums`` rides in the same all-reduce, so that
-        a step of a replicated model needs no collective of its own for its
-        normaliser and metrics. Each rank writes its ``sums`` into its own row of a
-        table at the buffer's end (as float32 pairs that add up to the float64
-        value to about 48 bits), and the rows are added up locally, so that
-        every rank gets the same bits.
+    def normalise_gradients(self, model: nn.Module, sums: Tensor, maxes: Tensor) -> tuple[Tensor, Tensor]:
+        """Sum the gradients of a replicated model's unnormalised losses over the
+        data-parallel ranks and divide them by the summed loss normaliser
+        (``sums[0]``, at least 1), with the rest of ``sums`` and ``maxes`` riding in
+        the same all-reduce: a step of a replicated model then needs no collective of
+        its own for its normaliser and metrics. Each rank writes its values into its
+        own row of a table at the flat buffer's end (as float32 pairs that add up to
+        the float64 value to about 48 bits), and the rows are summed and maximised
+        locally, so that every rank gets the same bits.
 
         Args:
             model: the model whose ``.grad`` are reduced in place.
-            sums: float64, 1-D: this rank's normaliser, then any other addends.
+            sums: float64, 1-D: this rank's loss normaliser, then any other addends.
+            maxes: float64, 1-D: this rank's candidates for maxima (``-inf`` for none).
 
         Returns:
-            ``sums`` summed over the ranks (float64, on ``sums``' device), or None
-            without ``sums``.
+            ``(sums, maxes)`` over the ranks (float64, on ``sums``' device).
 
         Raises:
-            EngineConfigError: ``sums`` for a model that is not replicated.
+            EngineConfigError: the model is not replicated.
         """
-        if not self.replicated or self.mesh is None:
-            if sums is not None:
-                raise EngineConfigError("reduce_gradients(sums=) sums over replicas; this model is not replicated")
-            return None
+        if not self.replicated:
+            raise EngineConfigError("normalise_gradients sums over replicas; this model is not replicated")
+        return self._all_reduce_gradients(model, (sums, maxes))
+
+    def _all_reduce_gradients(self, model: nn.Module, riders: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """The flat all-reduce of :meth:`reduce_gradients` (``riders`` None: the
+        gradients divided by the ranks) and :meth:`normalise_gradients`."""
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # the same on every rank: each ran the same forwards
                 p.grad = torch.zeros_like(p)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
-        parts = [g.reshape(-1) for g in local]  # type: ignore[union-attr]
-        table = None
-        if sums is not None:
-            table = torch.zeros(self.dp_size, 2 * sums.numel(), dtype=torch.float32, device=sums.device)
-            table[self.dp_rank] = _float32_pairs(sums)
-            parts.append(table.view(-1))
-        flat = torch.cat(parts)
+        sums, maxes = riders or (torch.zeros(0, dtype=torch.float64),) * 2
+        device = local[0].device  # type: ignore[union-attr]
+        values = torch.cat([sums.to(device), maxes.to(device)])
+        pairs = torch.zeros(self.dp_size, 2 * values.numel(), dtype=torch.float32, device=device)
+        pairs[self.dp_rank] = _float32_pairs(values)
+        flat = torch.cat([*(g.reshape(-1) for g in local), pairs.view(-1)])  # type: ignore[union-attr]
         dist.all_reduce(flat, group=self._dp_group)
-        grads = flat[:flat.numel() - (0 if table is None else table.numel())]
-        summed = None if table is None else _from_float32_pairs(flat[grads.numel():].view_as(table))
-        grads /= self.dp_size if summed is None else max(float(summed[0]), 1.0)
+        grads = flat[:flat.numel() - pairs.numel()]
+        rows = _from_float32_pairs(flat[grads.numel():].view_as(pairs))
+        summed, maxed = rows[:, :sums.numel()].sum(0), rows[:, sums.numel():].amax(0)
+        grads /= self.dp_size if riders is None else max(float(summed[0]), 1.0)
         offset = 0
         for g in local:
             assert g is not None
             g.copy_(grads[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        return summed
+        return summed, maxed
 
     def all_reduce_dp(
         self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -371,72 +378,6 @@ def _float32_pairs(values: Tensor) -> Tensor:
 
 
 def _from_float32_pairs(table: Tensor) -> Tensor:
-    """Rows of :func:`_float32_pairs` back to float64, summed over the rows."""
+    """Each row of :func:`_float32_pairs` back to float64."""
     width = table.shape[1] // 2
-    return (table[:, :width].to(torch.float64) + table[:, width:].to(torch.float64)).sum(0)
-
-
-def _layout_key(tensor: Tensor) -> tuple[object, ...]:
-    if isinstance(tensor, DTensor):
-        return (tensor.device_mesh, tuple(tensor.placements))
-    return ()
-
-
-def group_by_layout(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
-    """Split tensors into lists of one layout each (plain, or one DTensor mesh/placements).
-
-    Foreach kernels and norm reductions need homogeneous lists: TP leaves plain
-    replicated tensors beside DTensors, and 2-D FSDP+TP mixes two meshes.
-
-    Args:
-        tensors: parameters or gradients.
-
-    Returns:
-        The groups, in first-seen order.
-    """
-    groups: dict[tuple[object, ...], list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(_layout_key(tensor), []).append(tensor)
-    return list(groups.values())
-
-
-def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, *,
-                   stages: dist.ProcessGroup | None = None, uncounted: Sequence[nn.Parameter] = ()) -> Tensor:
-    """Total L2 norm of the gradients over all shards, and clip them to ``max_norm``.
-
-    Sharded (DTensor) gradients are reduced over their mesh, replicated ones are not,
-    so the norm equals the norm of the full unsharded gradient on every rank.
-
-    Args:
-        parameters: the model parameters (those without gradients are skipped).
-        max_norm: clip threshold; None or <= 0 only measures.
-        stages: the pipeline's group, whose stages hold the model's other
-            parameters (their squared norms are summed over it).
-        uncounted: parameters clipped but left out of the norm (a second copy of a
-            tied weight, counted where the first is).
-
-    Returns:
-        The pre-clip total norm (a float32 scalar on the gradients' device).
-    """
-    skip = {id(p) for p in uncounted}
-    pairs = [(p.grad, id(p) not in skip) for p in parameters if p.grad is not None]
-    grads = [g for g, _ in pairs]
-    counted = [g for g, count in pairs if count]
-    if not grads and stages is None:
-        return torch.zeros(())
-    squares = [torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)]
-    for group in group_by_layout(counted):
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.float().pow(2))
-    total = torch.stack(squares).sum()
-    if stages is not None:
-        dist.all_reduce(total, group=stages)
-    total = total.sqrt()
-    if max_norm and max_norm > 0:
-        coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
-        if coef < 1.0:
-            for group in group_by_layout(grads):
-                torch._foreach_mul_(group, coef)
-    return total
+    return table[:, :width].to(torch.float64) + table[:, width:].to(torch.float64)

@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from workers.engines._batch import SequenceInputs
 from workers.engines._checkpoint import named_full_weights
+from workers.engines._grad_norm import clip_grad_norm
 from workers.engines._layout import LastStage
-from workers.engines._parallel import clip_grad_norm
 from workers.engines.pipeline import (
     PipelineModel,
     Schedule,

@@ -36,7 +36,6 @@ from workers.objectives._losses import (
 )
 from workers.objectives._objectives import (
     BEHAVIOUR_LOGPROBS,
-    ROW_INDEX,
     STALE_TOKENS,
     LossFn,
     LossTerms,
@@ -49,7 +48,7 @@ from workers.objectives._objectives import (
 from workers.objectives._policy_losses import OffPolicyCorrection
 
 __all__ = [
-    "BEHAVIOUR_LOGPROBS", "ROW_INDEX", "STALE_TOKENS", "KLEstimator", "LossAggregation", "LossFn", "LossTerms",
+    "BEHAVIOUR_LOGPROBS", "STALE_TOKENS", "KLEstimator", "LossAggregation", "LossFn", "LossTerms",
     "ModelOutputs", "NLLLoss", "OffPolicyCorrection", "OnPolicy", "PolicyLoss", "ValueLoss", "fold_kl_into_rewards",
     "gae_advantages", "grpo_advantages", "kl_k3", "lagrangian_advantages", "leave_one_out_advantages",
     "logprobs_and_entropy_from_logits", "logprobs_from_logits", "masked_whiten", "overlong_penalties",

@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-import torch
 from torch import Tensor
 
 from channels import ConfigError
-from workers.objectives._losses import KLEstimator, LossAggregation
+from workers.objectives._losses import KLEstimator, LossAggregation, kl_k3
 from workers.objectives._policy_losses import (
     OffPolicyCorrection,
     clipped_value_loss,
@@ -79,6 +78,9 @@ class LossTerms:
     """``[b, R]`` loss terms; the engine aggregates them over the global batch."""
     metrics: Mapping[str, Tensor] = field(default_factory=dict)
     """``[b, R]`` per-token statistics, reported as their token mean over the global batch."""
+    maxima: Mapping[str, Tensor] = field(default_factory=dict)
+    """``[b, R]`` per-token statistics, reported as their largest value over the global
+    batch's real tokens (0 when it has none)."""
 
 
 class LossFn(Protocol):
@@ -317,38 +319,34 @@ class NLLLoss:
         return LossTerms(per_token=-self.coef * outputs.require("logprobs"))
 
 
-ROW_INDEX = "_row_index"
-"""The column :class:`OnPolicy` reads: each row's index in the update's batch."""
-
-
 class OnPolicy:
     """``loss`` with ``old_logprobs`` taken from the step's own forward pass, detached.
 
     For one optimizer step on rows the current policy has just sampled, a separate
     no-grad pass (``actor.log_prob``) gives the same log-probs as the step's own
     forward: the ratio is 1 and the gradient and loss are those of the objective with
-    that pass, which is then not needed. The detached log-probs are kept by row
-    (:attr:`old_logprobs`, ``[rows, width]``, 0 on padding and on rows without
-    response tokens) for the metrics that compare them with the rollout engine's.
+    that pass, which is then not needed.
 
-    Reads what ``loss`` reads, less ``old_logprobs``, plus :data:`ROW_INDEX` (int64
-    row indices into ``old_logprobs``).
+    The objective's metrics gain what compares those log-probs with the batch's
+    others, where the micro-batch carries them (the actor's ``rollout_consistency``
+    metrics, reported by the step's own reduction instead of a collective of their
+    own): ``logprob_mismatch`` (token mean) and ``logprob_mismatch_max`` (largest) of
+    ``|rollout_logprobs - old_logprobs|``, and ``kl_to_ref`` (token mean of the k3
+    estimate of KL(policy || reference) from ``ref_logprobs``).
+
+    Reads what ``loss`` reads, less ``old_logprobs``.
 
     Args:
         loss: an objective that reads ``old_logprobs`` and ``outputs.logprobs``.
-        rows: rows of the update's batch on this rank.
-        width: their response width.
-        device: where the engine computes.
     """
 
-    def __init__(self, loss: LossFn, *, rows: int, width: int, device: torch.device) -> None:
+    def __init__(self, loss: LossFn) -> None:
         self.loss = loss
-        self.old_logprobs = torch.zeros(rows, width, device=device)
 
     @property
     def required_fields(self) -> tuple[str, ...]:
-        """``loss``'s fields without ``old_logprobs``, plus :data:`ROW_INDEX`."""
-        return (*(f for f in self.loss.required_fields if f != "old_logprobs"), ROW_INDEX)
+        """``loss``'s fields without ``old_logprobs``."""
+        return tuple(f for f in self.loss.required_fields if f != "old_logprobs")
 
     @property
     def uses_entropy(self) -> bool:
@@ -363,7 +361,11 @@ class OnPolicy:
     def __call__(self, outputs: ModelOutputs, batch: Mapping[str, Tensor]) -> LossTerms:
         """``loss`` on the micro-batch with ``old_logprobs`` = this forward's log-probs."""
         own = outputs.require("logprobs").detach()
-        # A synthetic (dummy) micro-batch has no response tokens: nothing to keep.
-        real = batch["response_mask"].bool().any(dim=1)
-        self.old_logprobs[batch[ROW_INDEX][real]] = own[real].to(self.old_logprobs.dtype)
-        return self.loss(outputs, {**batch, "old_logprobs": own})
+        terms = self.loss(outputs, {**batch, "old_logprobs": own})
+        metrics, maxima = dict(terms.metrics), dict(terms.maxima)
+        if "rollout_logprobs" in batch:
+            mismatch = (batch["rollout_logprobs"] - own).abs()
+            metrics["logprob_mismatch"], maxima["logprob_mismatch_max"] = mismatch, mismatch
+        if "ref_logprobs" in batch:
+            metrics["kl_to_ref"] = kl_k3(own, batch["ref_logprobs"])
+        return LossTerms(per_token=terms.per_token, metrics=metrics, maxima=maxima)

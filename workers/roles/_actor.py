@@ -36,7 +36,7 @@ from workers.engines import (
 from workers.episodes import EPISODE_METRIC_FIELDS, episode_metrics
 from workers.host import CallInfo, StreamMethod, WorkerContext, register
 from workers.models import load_model, save_pretrained_here
-from workers.objectives import ROW_INDEX, LossFn, NLLLoss, OnPolicy, PolicyLoss, kl_k3
+from workers.objectives import LossFn, NLLLoss, OnPolicy, PolicyLoss, kl_k3
 from workers.roles import _fields as F
 from workers.roles._actor_config import ActorConfig
 from workers.roles._checkpoint import TrainedRole
@@ -314,13 +314,11 @@ class ActorWorker(TrainedRole):
             old, _ = self.engine.log_probs(batch, entropy=False)
             with_old = {**batch, F.OLD_LOGPROBS: old}
             return rollout_consistency(with_old, self.engine) | train(with_old, loss, (*fields, F.OLD_LOGPROBS))
-        rows, width = batch[F.RESPONSE_IDS].shape
-        own = OnPolicy(loss, rows=rows, width=width, device=self.engine.device)
-        indexed = {**batch, ROW_INDEX: torch.arange(rows)}
-        metrics = train(indexed, own, (*fields, ROW_INDEX))
-        # The objective recorded them where it ran: the last pipeline stage.
-        old = self.engine.from_last_stage(own.old_logprobs)
-        return rollout_consistency({**batch, F.OLD_LOGPROBS: old}, self.engine) | metrics
+        # The step's objective reports rollout_consistency's metrics, in the step's
+        # own reduction: it needs the log-probs the two compare with.
+        compared = tuple(f for f in (F.ROLLOUT_LOGPROBS, F.REF_LOGPROBS) if f in batch)
+        metrics = train(batch, OnPolicy(loss), (*fields, *compared))
+        return {"actor/response_tokens": float(batch[F.RESPONSE_MASK].bool().sum())} | metrics
 
     def _critic_run(self, batch: Mapping[str, Tensor]) -> UpdateRun:
         """The co-located critic's update of ``batch``, not yet run."""

@@ -150,7 +150,11 @@ def _mini_batch_of_rows(engine: TrainingEngine, rows: int, mini_batches: int,
     ``mini_batches`` contiguous near-equal parts, so every mini-batch has rows on some
     rank, and with ``shuffle=False`` the split equals a single process's on the same
     rows, however they are spread. Raised alike on every rank: the counts are global.
+    One mini-batch needs no counts (no collective): a global batch without rows
+    then makes one step that the engine skips (``steps_skipped``).
     """
+    if mini_batches == 1:
+        return torch.zeros(rows, dtype=torch.int64)
     counts = engine.parallel.counts_over_dp(rows, engine.device)
     total = sum(counts)
     if total < mini_batches:
@@ -183,8 +187,8 @@ class UpdateRun:
         return self.schedule.epochs * self.schedule.mini_batches
 
     def mini_batches(self) -> Iterator[dict[str, Tensor]]:
-        """Each step's rows, epoch by epoch (collective at the start: the split is
-        global over the data-parallel ranks)."""
+        """Each step's rows, epoch by epoch (with more than one mini-batch, collective
+        at the start: the split is global over the data-parallel ranks)."""
         rows = len(next(iter(self.columns.values()))) if self.columns else 0
         part = _mini_batch_of_rows(self.engine, rows, self.schedule.mini_batches,
                                    f"{self.prefix.rstrip('/')}.update")
@@ -229,8 +233,9 @@ def run_updates(engine: TrainingEngine, batch: Mapping[str, Tensor], *, loss: Lo
         ``steps_skipped`` (optimizer steps skipped for a non-finite loss or gradient).
 
     Raises:
-        ConfigError: the global batch has fewer rows than ``mini_batches`` (raised on
-            every rank, so none waits in a collective).
+        ConfigError: the global batch has fewer rows than ``mini_batches`` > 1 (raised
+            on every rank, so none waits in a collective). With one mini-batch, a
+            global batch without rows skips its step.
     """
     run = update_run(engine, batch, loss=loss, fields=fields, schedule=schedule, generator=generator,
                      prefix=prefix)

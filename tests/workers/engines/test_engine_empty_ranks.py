@@ -98,6 +98,17 @@ def _one_row_ranks(rank: int, out: Path) -> None:
     except ConfigError as error:
         result["replica_long"] = str(error)
     result["replica_after_error"] = lm.log_probs(batch)[0]
+
+    # No rank has a row: sharded or replicated, every rank skips the step (after a
+    # real one, Adam's momentum would move the weights even on a zero gradient).
+    empty = {k: v[:0] for k, v in batch.items()}
+    result["empty_unchanged"] = []
+    for engine in (lm, sharded):
+        engine.train_step(batch)
+        before, steps = full_weights(engine), engine.step
+        skipped = engine.train_step(empty)["step_skipped"]
+        unchanged = all(torch.equal(t, before[n]) for n, t in full_weights(engine).items())
+        result["empty_unchanged"].append(skipped == 1.0 and engine.step == steps and unchanged)
     torch.save(result, out / f"one_row{rank}.pt")
 
 
@@ -134,6 +145,7 @@ def test_a_rank_without_rows_changes_nothing_and_sharded_errors_reach_every_rank
         assert got["after_error"].shape == got["replica_after_error"].shape == (rows.stop - rows.start, 7)
         assert ("a row has 37 prompt + response tokens" in got["replica_long"] if rank == 0
                 else got["replica_long"] == (0, 7))
+        assert got["empty_unchanged"] == [True, True]
     single = TrainingEngine(tiny_lm(**SMALL), config=TrainingConfig())
     with pytest.raises(ConfigError, match="max_position_embeddings is 32"):
         single.log_probs(_long_batch())
@@ -154,7 +166,7 @@ def test_empty_batch_in_one_process_returns_empty_outputs() -> None:
     logprobs, entropy = lm.log_probs(empty)
     assert logprobs.shape == entropy.shape == (0, 7)
     metrics = lm.train_step(empty)
-    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0 and metrics["step_skipped"] == 1.0
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     for name, tensor in full_weights(lm).items():  # zero gradient, and Adam's first
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)  # step is 0 then

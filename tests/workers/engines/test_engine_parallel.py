@@ -142,21 +142,25 @@ def _replica_sums_ranks(rank: int, out: Path) -> None:
         p.grad = torch.full_like(p, rank + 1.0)
     # Rank 0's second addend needs float64: float32 would round it to 1e8.
     sums = torch.tensor([[3.0, 1e8 + 0.125, 1.0], [1.0, 0.5, math.inf]][rank], dtype=torch.float64)
-    summed = parallel.reduce_gradients(model, sums=sums)
-    torch.save({"summed": summed, "grads": [p.grad for p in model.parameters()]}, out / f"sums{rank}.pt")
+    maxes = torch.tensor([[2.5, -math.inf], [1e8 + 0.25, -math.inf]][rank], dtype=torch.float64)
+    summed, maxed = parallel.normalise_gradients(model, sums, maxes)
+    torch.save({"summed": summed, "maxed": maxed, "grads": [p.grad for p in model.parameters()]},
+               out / f"sums{rank}.pt")
 
 
-def test_replicas_reduce_their_sums_with_the_gradients_in_float64(tmp_path: Path) -> None:
+def test_replicas_reduce_their_sums_and_maxima_with_the_gradients_in_float64(tmp_path: Path) -> None:
     out = run_ranks(2, _replica_sums_ranks, tmp_path)
     for rank in range(2):
         got = torch.load(out / f"sums{rank}.pt", weights_only=False)
         assert got["summed"].dtype == torch.float64
         assert got["summed"].tolist() == [4.0, 1e8 + 0.625, math.inf]
+        assert got["maxed"].tolist() == [1e8 + 0.25, -math.inf]
         # The gradients are summed over the ranks and divided by the normalisers' sum.
         for grad in got["grads"]:
             assert torch.equal(grad, torch.full_like(grad, 3.0 / 4.0))
     with pytest.raises(EngineConfigError, match="not replicated"):
-        Parallelism(None).reduce_gradients(torch.nn.Linear(1, 1), sums=torch.ones(1, dtype=torch.float64))
+        Parallelism(None).normalise_gradients(torch.nn.Linear(1, 1), torch.ones(1, dtype=torch.float64),
+                                              torch.ones(0, dtype=torch.float64))
 
 
 def _fsdp_tp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:

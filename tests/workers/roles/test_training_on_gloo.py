@@ -75,6 +75,11 @@ def _two_ranks(rank: int, out: Path) -> None:
     if rank == 1:
         nan["advantages"] = torch.full_like(nan["advantages"], float("nan"))
     result["nan"] = _updates(engine, nan, UpdateConfig(epochs=2))["metrics"]
+    # One mini-batch and no row on any rank: no collective counts the rows; the
+    # engine skips the step on every rank alike.
+    none = {k: v[:0] for k, v in random_rows(1).items()}
+    result["no_rows"] = run_updates(engine, none, loss=LOSS, fields=FIELDS, schedule=UpdateConfig(),
+                                    generator=torch.Generator(), prefix="actor/")
     torch.save(result, out / f"rank{rank}.pt")
 
 
@@ -113,6 +118,7 @@ def test_updates_and_rollout_metrics_on_two_ranks_equal_one_process(tmp_path: Pa
     for got in ranks:
         assert got["consistency"] == pytest.approx(consistency, rel=1e-9)
         assert got["nan"]["actor/steps_skipped"] == 2.0 and got["nan"]["actor/steps"] == 2.0
+        assert got["no_rows"]["actor/steps_skipped"] == 1.0 and got["no_rows"]["actor/steps"] == 1.0
 
 
 def test_updates_of_three_grpo_groups_on_four_ranks_equal_one_process(tmp_path: Path) -> None:
