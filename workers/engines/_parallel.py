@@ -279,7 +279,7 @@ class Parallelism:
             maxes: float64, 1-D: this rank's candidates for maxima (``-inf`` for none).
 
         Returns:
-            ``(sums, maxes)`` over the ranks (float64, on ``sums``' device).
+            ``(sums, maxes)`` over the ranks (float64, on the gradients' device).
 
         Raises:
             EngineConfigError: the model is not replicated.
