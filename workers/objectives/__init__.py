@@ -11,7 +11,7 @@ algorithms (both use them).
   (scores on the last token, a KL penalty folded in, DAPO's overlong punishment),
   vectorised over padded ``[B, R]`` response tokens.
 - Token statistics the model heads compute (log-probs and entropy from logits),
-  KL estimators and masked whitening.
+  KL estimators, the rollout-consistency comparisons and masked whitening.
 
 Pure tensor functions: they hold no state and know nothing about parallelism.
 """
@@ -33,6 +33,7 @@ from workers.objectives._losses import (
     logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     masked_whiten,
+    rollout_consistency_terms,
 )
 from workers.objectives._objectives import (
     BEHAVIOUR_LOGPROBS,
@@ -52,5 +53,5 @@ __all__ = [
     "ModelOutputs", "NLLLoss", "OffPolicyCorrection", "OnPolicy", "PolicyLoss", "ValueLoss", "fold_kl_into_rewards",
     "gae_advantages", "grpo_advantages", "kl_k3", "lagrangian_advantages", "leave_one_out_advantages",
     "logprobs_and_entropy_from_logits", "logprobs_from_logits", "masked_whiten", "overlong_penalties",
-    "remax_advantages", "scores_to_token_rewards",
+    "remax_advantages", "rollout_consistency_terms", "scores_to_token_rewards",
 ]

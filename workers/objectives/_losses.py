@@ -16,7 +16,7 @@ one full-batch step would.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -237,6 +237,28 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """
     log_ratio = (ref_logprobs - logprobs).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
     return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
+def rollout_consistency_terms(logprobs: Tensor, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Per-token comparisons of the training engine's log-probs of the sampled tokens
+    with those ``batch`` carries: ``logprob_mismatch``, ``|rollout_logprobs -
+    logprobs|`` (how far the rollout engine is from the training engine; a silent
+    failure when large), and ``kl_to_ref``, the k3 estimate of KL(policy ||
+    reference) from ``ref_logprobs``; each only where the batch has its column.
+
+    Args:
+        logprobs: the training engine's log-probs ``[b, R]``.
+        batch: the rows' columns.
+
+    Returns:
+        The per-token quantities ``[b, R]`` by name.
+    """
+    terms: dict[str, Tensor] = {}
+    if "rollout_logprobs" in batch:
+        terms["logprob_mismatch"] = (batch["rollout_logprobs"] - logprobs).abs()
+    if "ref_logprobs" in batch:
+        terms["kl_to_ref"] = kl_k3(logprobs, batch["ref_logprobs"])
+    return terms
 
 
 class KLEstimator(enum.StrEnum):

@@ -19,7 +19,7 @@ from typing import Protocol, TypeVar
 from torch import Tensor
 
 from channels import ConfigError
-from workers.objectives._losses import KLEstimator, LossAggregation, kl_k3
+from workers.objectives._losses import KLEstimator, LossAggregation, rollout_consistency_terms
 from workers.objectives._policy_losses import (
     OffPolicyCorrection,
     clipped_value_loss,
@@ -332,7 +332,8 @@ class OnPolicy:
     metrics, reported by the step's own reduction instead of a collective of their
     own): ``logprob_mismatch`` (token mean) and ``logprob_mismatch_max`` (largest) of
     ``|rollout_logprobs - old_logprobs|``, and ``kl_to_ref`` (token mean of the k3
-    estimate of KL(policy || reference) from ``ref_logprobs``).
+    estimate of KL(policy || reference) from ``ref_logprobs``): see
+    :func:`~workers.objectives.rollout_consistency_terms`.
 
     Reads what ``loss`` reads, less ``old_logprobs``.
 
@@ -362,10 +363,8 @@ class OnPolicy:
         """``loss`` on the micro-batch with ``old_logprobs`` = this forward's log-probs."""
         own = outputs.require("logprobs").detach()
         terms = self.loss(outputs, {**batch, "old_logprobs": own})
-        metrics, maxima = dict(terms.metrics), dict(terms.maxima)
-        if "rollout_logprobs" in batch:
-            mismatch = (batch["rollout_logprobs"] - own).abs()
-            metrics["logprob_mismatch"], maxima["logprob_mismatch_max"] = mismatch, mismatch
-        if "ref_logprobs" in batch:
-            metrics["kl_to_ref"] = kl_k3(own, batch["ref_logprobs"])
-        return LossTerms(per_token=terms.per_token, metrics=metrics, maxima=maxima)
+        consistency = rollout_consistency_terms(own, batch)
+        maxima = dict(terms.maxima)
+        if "logprob_mismatch" in consistency:
+            maxima["logprob_mismatch_max"] = consistency["logprob_mismatch"]
+        return LossTerms(per_token=terms.per_token, metrics={**terms.metrics, **consistency}, maxima=maxima)

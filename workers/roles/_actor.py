@@ -36,7 +36,7 @@ from workers.engines import (
 from workers.episodes import EPISODE_METRIC_FIELDS, episode_metrics
 from workers.host import CallInfo, StreamMethod, WorkerContext, register
 from workers.models import load_model, save_pretrained_here
-from workers.objectives import LossFn, NLLLoss, OnPolicy, PolicyLoss, kl_k3
+from workers.objectives import LossFn, NLLLoss, OnPolicy, PolicyLoss, rollout_consistency_terms
 from workers.roles import _fields as F
 from workers.roles._actor_config import ActorConfig
 from workers.roles._checkpoint import TrainedRole
@@ -384,17 +384,9 @@ def rollout_consistency(batch: Mapping[str, Tensor], engine: TrainingEngine) -> 
     ``Metrics`` protocol sums it).
     """
     mask = batch[F.RESPONSE_MASK].bool()
-    out = {"actor/response_tokens": float(mask.sum())}
-    per_token: dict[str, Tensor] = {}
-    if F.ROLLOUT_LOGPROBS in batch and F.OLD_LOGPROBS in batch:
-        per_token["mismatch"] = (batch[F.ROLLOUT_LOGPROBS] - batch[F.OLD_LOGPROBS]).abs()
-    if F.REF_LOGPROBS in batch and F.OLD_LOGPROBS in batch:
-        # KL(policy || reference) on the sampled tokens (k3: unbiased, non-negative).
-        per_token["kl"] = kl_k3(batch[F.OLD_LOGPROBS], batch[F.REF_LOGPROBS])
-    stats = dp_token_stats(engine, per_token, mask)
-    if "mismatch" in stats:
-        out |= {"actor/logprob_mismatch": stats["mismatch"].mean,
-                "actor/logprob_mismatch_max": stats["mismatch"].max}
-    if "kl" in stats:
-        out["actor/kl_to_ref"] = stats["kl"].mean
+    terms = rollout_consistency_terms(batch[F.OLD_LOGPROBS], batch) if F.OLD_LOGPROBS in batch else {}
+    stats = dp_token_stats(engine, terms, mask)
+    out = {"actor/response_tokens": float(mask.sum())} | {f"actor/{name}": s.mean for name, s in stats.items()}
+    if "logprob_mismatch" in stats:
+        out["actor/logprob_mismatch_max"] = stats["logprob_mismatch"].max
     return out
