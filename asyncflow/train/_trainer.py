@@ -306,6 +306,8 @@ class Trainer:
                 async for step, metrics in steps:
                     in_flight = self._ahead.started if self._ahead is not None else None  # started before this ended
                     metrics["time/step_s"] = time.monotonic() - t
+                    if self._ahead is not None:  # 1: the next step started before this one's metrics were back
+                        metrics["async/overlapped"] = float(in_flight is not None)
                     traced.after_step()
                     tokens = metrics.get("actor/response_tokens", 0.0)
                     metrics["throughput/tokens_per_s"] = tokens / metrics["time/step_s"]
