@@ -141,10 +141,12 @@ class TrainSection(msgspec.Struct, **_CFG):
     without waiting for step ``m``'s metrics to reach the driver. The results are
     those of steps run one after the other (each pool runs its calls in the order
     they were queued). Never across an evaluation, a checkpoint, the last traced
-    step, a stop request or the time budget's end. Off by default: where both
-    pools share the same cores, the rollout's generations slow down by more than
-    the training pool's idle gap shrinks (the docs' benchmarks page has the
-    figures); for pools on devices of their own."""
+    step, a stop request or the time budget's end. The metric
+    ``async/overlapped`` is 1 on each step whose successor started before its
+    metrics were back. Off by default: where both pools share the same cores, the
+    rollout's generations slow down by more than the training pool's idle gap
+    shrinks (the docs' benchmarks page has the figures); for pools on devices of
+    their own."""
     weight_sync_bucket_mb: float = 256.0
     """With a rollout role: the actor's weights reach it in buckets of at most this
     many MiB (one ``rollout.load_weights`` call each; a larger parameter is a
