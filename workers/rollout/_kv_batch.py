@@ -113,7 +113,8 @@ class KVBatch:
         return len(self.indices)
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (positions in this batch), dropping padding nobody needs."""
+        """Keep only ``rows`` (positions in this batch, in that order; one given twice
+        is copied), dropping padding nobody needs."""
         if len(rows) == len(self.indices):
             return
         select = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
@@ -155,6 +156,10 @@ def prefill(
 ) -> tuple[KVBatch, torch.Tensor]:
     """Run ``sequences`` through ``model`` as one left-padded batch.
 
+    Rows with the same tokens (a prompt's ``n`` samples in GRPO and its kin) are
+    computed once: the batch runs the distinct sequences and its cache, mask and
+    logits are then copied out to every row that repeats one.
+
     Args:
         model: A causal LM whose layers all use full attention.
         sequences: Token ids of each row (a prompt, or a prompt and the response so
@@ -166,6 +171,20 @@ def prefill(
         The batch (its rows' ``next_tokens`` still to be sampled) and the logits of
         each row's next token, ``[B, V]`` float32.
     """
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(tuple(sequence), len(distinct)) for sequence in sequences]
+    if len(distinct) < len(sequences):
+        batch, logits = _prefill(model, [list(sequence) for sequence in distinct], list(range(len(distinct))),
+                                 pad_token_id=pad_token_id)
+        batch.keep(source)  # one row per sequence again, in their order
+        batch.indices = list(indices)
+        return batch, logits.index_select(0, torch.tensor(source, device=logits.device))
+    return _prefill(model, sequences, indices, pad_token_id=pad_token_id)
+
+
+def _prefill(model: PreTrainedModel, sequences: Sequence[Sequence[int]], indices: list[int], *,
+             pad_token_id: int) -> tuple[KVBatch, torch.Tensor]:
+    """:func:`prefill` of every row as it comes."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device

@@ -1,6 +1,6 @@
 """The lean decode step gives transformers' logits bit for bit, through padding,
 dropped and merged rows, grouped-query attention and q/k/v biases; models it does
-not reproduce exactly keep the transformers path."""
+not reproduce exactly keep the transformers path. Repeated prompts prefill once."""
 
 from __future__ import annotations
 
@@ -85,6 +85,38 @@ def test_a_batch_knows_when_its_rows_carry_padding() -> None:
     assert not batch.padded and bool(batch.mask.all())
     ragged, _ = prefill(model, RAGGED, list(range(5)), pad_token_id=0)
     assert ragged.padded
+
+
+def test_repeated_sequences_are_prefilled_once_and_decode_as_if_alone() -> None:
+    """A prompt's n samples (GRPO) share one prefill: the model sees each distinct
+    sequence once, every row gets its copy of the cache, and the rows decode what
+    each sequence decodes alone (up to float rounding: batches of other sizes)."""
+    model = _model("llama")
+    prompts = [[3, 4, 5], [6], [3, 4, 5], [7, 8, 9, 10, 11], [6], [3, 4, 5]]
+    fed: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: fed.append(args[0].shape[0]))
+    try:
+        batch, logits = prefill(model, prompts, [10, 11, 12, 13, 14, 15], pad_token_id=0)
+    finally:
+        hook.remove()
+    assert fed == [3]  # [3, 4, 5], [6] and the long one
+    assert batch.indices == [10, 11, 12, 13, 14, 15] and len(batch) == 6 and batch.padded
+    for first, again in ((0, 2), (0, 5), (1, 4)):
+        assert torch.equal(logits[first], logits[again])
+        assert torch.equal(batch.mask[first], batch.mask[again])
+    decoder = lean_decoder(model)
+    seen = [logits]
+    for _ in range(3):
+        batch.next_tokens = seen[-1].argmax(dim=-1)
+        seen.append(decode(model, batch, decoder))
+    for row, prompt in enumerate(prompts):
+        alone, alone_logits = prefill(model, [prompt], [0], pad_token_id=0)
+        mine = [alone_logits]
+        for _ in range(3):
+            alone.next_tokens = mine[-1].argmax(dim=-1)
+            mine.append(decode(model, alone, decoder))
+        for batched, single in zip(seen, mine, strict=True):
+            torch.testing.assert_close(batched[row], single[0], rtol=1e-5, atol=1e-5)
 
 
 def test_models_it_cannot_reproduce_keep_the_transformers_path() -> None:
