@@ -93,19 +93,19 @@ class _Rollout:
         return rid - ((rid & _LOCAL_MASK) % self.n)
 
     def finished(self, samples: Sequence[FinishedSample]) -> list[Chunk]:
-        """Record finished samples; the groups they complete, as chunks."""
-        chunks = []
+        """Record finished samples; the groups they complete, as chunks (one a group)."""
+        complete = []
         for s in samples:
             rid = self.ids[s.index]
-            group = self.groups[self.group_of(rid)]
+            key = self.group_of(rid)
+            group = self.groups[key]
             group.done[rid] = s
             if len(group.done) == self.n:
-                key = self.group_of(rid)
-                chunks.append(self._chunk(self.groups.pop(key)))
+                complete.append(self.groups.pop(key))
                 self.must_finish.discard(key)
                 self.carries.pop(key, None)
                 self.reported += 1
-        return chunks
+        return self._chunks(complete) if complete else []
 
     def may_stop(self) -> bool:
         """Whether a call that carries its unfinished samples over may end here: no
@@ -113,16 +113,23 @@ class _Rollout:
         none is left), so each call makes progress."""
         return not self.must_finish and (self.reported > 0 or not self.groups)
 
-    def _chunk(self, group: _Group) -> Chunk:
-        members = sorted(group.done)
-        out = RolloutOutput.from_samples([group.prompt] * self.n, [group.done[m] for m in members], self.params)
-        rows = rollout_rows(group.columns, out, n=self.n, params=self.params, version=self.version)
+    def _chunks(self, groups: list[_Group]) -> list[Chunk]:
+        """``groups``' rows, built together, as one chunk per group."""
+        members = [sorted(group.done) for group in groups]
+        out = RolloutOutput.from_samples([group.prompt for group in groups for _ in range(self.n)],
+                                         [group.done[m] for group, ms in zip(groups, members, strict=True)
+                                          for m in ms], self.params)
+        columns = (groups[0].columns if len(groups) == 1
+                   else {k: torch.cat([group.columns[k] for group in groups]) for k in groups[0].columns})
+        rows = rollout_rows(columns, out, n=self.n, params=self.params, version=self.version)
         versions = rows[F.POLICY_VERSION]
-        for i, rid in enumerate(members):
+        for i, rid in enumerate(m for ms in members for m in ms):
             prefix = self.versions.pop(rid, None)
             if prefix:
                 versions[i, :len(prefix)] = torch.tensor(prefix, dtype=versions.dtype)
-        return Chunk(rows=Batch(rows, group_size=self.n), ids=tuple(members))
+        n = self.n
+        return [Chunk(rows=Batch({name: column[k * n:(k + 1) * n] for name, column in rows.items()}, group_size=n),
+                      ids=tuple(ms)) for k, ms in enumerate(members)]
 
     def _token_versions(self, rid: int, length: int) -> list[int]:
         prefix = self.versions.get(rid, [])

@@ -155,28 +155,29 @@ class RolloutOutput:
         Returns:
             The batch, row ``i`` holding ``prompts[i]`` and ``samples[i]``.
         """
-        rows, width = len(prompts), max((len(p) for p in prompts), default=0)
+        if len(prompts) != len(samples):
+            raise ValueError(f"{len(prompts)} prompts but {len(samples)} samples")
+        width = max((len(p) for p in prompts), default=0)
         pad, length = params.pad_token_id, params.max_new_tokens
-        prompt_ids = torch.full((rows, width), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((rows, width), dtype=torch.long)
-        response_ids = torch.full((rows, length), pad, dtype=torch.long)
-        response_mask = torch.zeros((rows, length), dtype=torch.long)
-        logprobs = torch.zeros((rows, length), dtype=torch.float32)
-        for row, (prompt, sample) in enumerate(zip(prompts, samples, strict=True)):
-            if prompt:
-                prompt_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-                prompt_mask[row, width - len(prompt) :] = 1
-            count = len(sample.response_ids)
-            response_ids[row, :count] = torch.tensor(sample.response_ids, dtype=torch.long)
-            response_mask[row, :count] = 1
-            logprobs[row, :count] = torch.tensor(sample.logprobs, dtype=torch.float32)
-        return cls(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=response_ids,
-            response_mask=response_mask,
-            logprobs=logprobs,
+        longest = max((len(s.response_ids) for s in samples), default=0)
+        if longest > length:
+            raise ValueError(f"a response has {longest} tokens, more than max_new_tokens={length}")
+        counts = [len(s.response_ids) for s in samples]
+        return cls(  # each column padded as lists, then one tensor: no per-row tensor work
+            prompt_ids=_rows([[pad] * (width - len(p)) + list(p) for p in prompts], width, torch.long),
+            prompt_mask=_rows([[0] * (width - len(p)) + [1] * len(p) for p in prompts], width, torch.long),
+            response_ids=_rows([list(s.response_ids) + [pad] * (length - c) for s, c in zip(samples, counts,
+                                                                                               strict=True)],
+                               length, torch.long),
+            response_mask=_rows([[1] * c + [0] * (length - c) for c in counts], length, torch.long),
+            logprobs=_rows([list(s.logprobs) + [0.0] * (length - c) for s, c in zip(samples, counts, strict=True)],
+                           length, torch.float32),
         )
+
+
+def _rows(values: list[list[int]] | list[list[float]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (rows of ``width`` each) as one ``[rows, width]`` tensor."""
+    return torch.tensor(values, dtype=dtype).view(len(values), width)
 
 
 class FinishedSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):

@@ -123,6 +123,35 @@ def test_generate_gives_each_prompt_its_max_new_tokens_column_batch_and_streamed
                        params=params)
 
 
+def test_groups_that_finish_in_one_step_are_reported_one_chunk_each(model_dir: str) -> None:
+    """Every group ends at the same engine step (one budget, EOS ignored): the rank
+    builds their rows together but still reports one chunk per group (a stream's
+    micro-batches are counted in groups), and the rows are the batch call's."""
+    actor = _actor(model_dir)
+    prompts = Batch(prompt_columns())
+    params = SamplingParams(max_new_tokens=R, temperature=1.0, seed=3, ignore_eos=True)
+    chunks, source = [], ActorWorker.generate.fn(actor, prompts, n=3, params=params)
+    out = next(source)
+    try:
+        while True:
+            if isinstance(out, Chunk):
+                chunks.append(out)
+                out = next(source)
+            else:
+                out = source.send(Finish() if out.pending == 0 else None)
+    except StopIteration:
+        pass
+    reported = [c for c in chunks if c.ids]
+    groups = len(prompts["uid"])
+    assert [c.rows.num_rows for c in reported] == [3] * groups
+    assert all(c.rows.group_size == 3 for c in reported)
+    assert [list(c.ids) for c in reported] == [[c.ids[0] + k for k in range(3)] for c in reported]
+    whole = actor.generate(prompts, n=3, params=params)
+    rows = Batch.concat([c.rows for c in reported])
+    for name in whole:
+        assert torch.equal(rows[name], whole[name]), name
+
+
 def test_log_prob_matches_the_rollout_logprobs(model_dir: str) -> None:
     actor = _actor(model_dir)
     rollout = actor.generate(Batch(prompt_columns()), n=2)

@@ -106,6 +106,22 @@ def test_output_follows_padding_conventions(model: PreTrainedModel) -> None:
     assert bool((out.logprobs < 0).all())
 
 
+def test_rows_from_samples_are_padded_and_a_response_past_the_budget_is_refused() -> None:
+    params = SamplingParams(max_new_tokens=3, pad_token_id=9)
+    out = RolloutOutput.from_samples(
+        [[1, 2], [3]], [FinishedSample(index=0, response_ids=[4], logprobs=[-0.5]),
+                        FinishedSample(index=1, response_ids=[5, 6, 7], logprobs=[-1.0, -2.0, -3.0])], params)
+    assert out.prompt_ids.tolist() == [[1, 2], [9, 3]] and out.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert out.response_ids.tolist() == [[4, 9, 9], [5, 6, 7]]
+    assert out.response_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert out.logprobs.tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, -3.0]] and out.logprobs.dtype == torch.float32
+    empty = RolloutOutput.from_samples([], [], params)
+    assert empty.prompt_ids.shape == (0, 0) and empty.response_ids.shape == (0, 3)
+    with pytest.raises(ValueError, match="4 tokens, more than max_new_tokens=3"):
+        RolloutOutput.from_samples([[1]], [FinishedSample(index=0, response_ids=[1, 2, 3, 4], logprobs=[0.0] * 4)],
+                                   params)
+
+
 def test_continuous_batching_matches_static_batching(model: PreTrainedModel) -> None:
     static = _engine(model, max_batch_size=len(PROMPTS))
     for params in (GREEDY, SamplingParams(max_new_tokens=16, seed=5, eos_token_id=9)):
