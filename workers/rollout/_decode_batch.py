@@ -15,11 +15,14 @@ Both keep their rows' tokens, log-probs, lengths, budgets and row seeds on the
 device (:class:`~._row_book.RowBook`).
 
 Both give a sample the same tokens and log-probs (up to float rounding): its random
-stream is a function of its row seed and position only (:mod:`._sampling`).
+stream is a function of its row seed and position only (:mod:`._sampling`). Both
+prefill rows with the same tokens once (a prompt's ``n`` samples in GRPO and its
+kin) and copy the result to the rows that repeat them (:func:`distinct_sequences`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +30,16 @@ from ._sampling import pack_row_seed
 from ._stop import StopStrings
 from ._types import FinishedSample, PartialSample, SamplingParams, ends_response
 
-__all__ = ["DecodeBatch", "Row", "RunRules"]
+__all__ = ["DecodeBatch", "Row", "RunRules", "distinct_sequences"]
+
+
+def distinct_sequences(sequences: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct token sequences of ``sequences`` in their first order, and for
+    each sequence the position of its own among them (what a prefill of the
+    distinct ones copies to that row)."""
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(tuple(sequence), len(distinct)) for sequence in sequences]
+    return [list(sequence) for sequence in distinct], source
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._decode_batch import Row, RunRules
+from ._decode_batch import Row, RunRules, distinct_sequences
 from ._lean_decode import LeanDecoder, lean_decoder
 from ._row_book import RowBook
 
@@ -171,11 +171,9 @@ def prefill(
         The batch (its rows' ``next_tokens`` still to be sampled) and the logits of
         each row's next token, ``[B, V]`` float32.
     """
-    distinct: dict[tuple[int, ...], int] = {}
-    source = [distinct.setdefault(tuple(sequence), len(distinct)) for sequence in sequences]
+    distinct, source = distinct_sequences(sequences)
     if len(distinct) < len(sequences):
-        batch, logits = _prefill(model, [list(sequence) for sequence in distinct], list(range(len(distinct))),
-                                 pad_token_id=pad_token_id)
+        batch, logits = _prefill(model, distinct, list(range(len(distinct))), pad_token_id=pad_token_id)
         batch.keep(source)  # one row per sequence again, in their order
         batch.indices = list(indices)
         return batch, logits.index_select(0, torch.tensor(source, device=logits.device))

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ._compiled import Compiled
+from ._decode_batch import distinct_sequences
 
 if TYPE_CHECKING:  # transformers' model classes: seconds to import; a generating worker has them
     from transformers import PreTrainedModel
@@ -114,7 +115,18 @@ class StaticDecoder:
 
         Each slot's token ``p`` lands in column ``p``; a shorter sequence's padding
         writes columns past its end, which its decode steps overwrite before they
-        attend to them."""
+        attend to them. Sequences that repeat one are computed once and their slots
+        copied from its (:func:`~._decode_batch.distinct_sequences`)."""
+        distinct, source = distinct_sequences(sequences)
+        if len(distinct) == len(sequences):
+            return self._prefill(start, sequences, pad_token_id=pad_token_id)
+        logits = self._prefill(start, distinct, pad_token_id=pad_token_id)
+        slots = torch.arange(start, start + len(sequences), device=self.device)
+        self.move(torch.tensor(source, device=self.device) + start, slots)
+        return logits.index_select(0, torch.tensor(source, device=logits.device))
+
+    def _prefill(self, start: int, sequences: list[list[int]], *, pad_token_id: int) -> torch.Tensor:
+        """:meth:`prefill` of every sequence as it comes."""
         width = max(len(sequence) for sequence in sequences)
         ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
         for row, sequence in enumerate(sequences):

@@ -83,6 +83,26 @@ def test_rows_that_finish_at_different_steps_get_the_dynamic_caches_samples(
     assert [len(results[1][i].response_ids) for i in range(13)] == budgets
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_prompts_samples_prefill_once_and_sample_as_if_alone(model: PreTrainedModel, decode: str) -> None:
+    """GRPO's n samples per prompt: each distinct prompt goes through the model once
+    at the prefill, and every sample gets the tokens it gets in a run of its own."""
+    distinct = _prompts(3, seed=6)
+    prompts = [distinct[k] for k in (0, 0, 0, 1, 1, 1, 2, 2, 0)]
+    fed: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda _m, args, _out: fed.append(args[0].shape[0]))
+    try:
+        together = _step_to_end(_engine(model, decode).start(prompts, SAMPLED))
+    finally:
+        hook.remove()
+    assert fed[0] == 3  # the prefill; then one row per sample at every step
+    alone = {}
+    for index, prompt in enumerate(prompts):
+        alone |= _step_to_end(_engine(model, decode).start([prompt], SAMPLED, indices=[index]))
+    _assert_same_samples(together, alone)
+    assert len({tuple(together[i].response_ids) for i in range(3)}) > 1  # one prompt, own streams
+
+
 def test_a_sample_admitted_mid_run_that_outgrows_the_cache_continues_as_on_the_dynamic_cache(
     model: PreTrainedModel,
 ) -> None:
