@@ -1,10 +1,13 @@
 """scripts/install.py hands pip's configuration to uv: the same indexes, find-links
-locations, constraints and CA bundle, with pip's precedence."""
+locations, constraints and CA bundle, with pip's precedence; its ``warm`` caches the
+bytecode of what runs import, Ray's own processes included."""
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,3 +66,15 @@ def test_warm_writes_the_bytecode_of_what_it_imports_and_skips_what_is_missing(t
     assert install.main(["warm", "warm_probe_module", "no_such_module_anywhere"]) == 0
     assert list((tmp_path / "__pycache__").glob("warm_probe_module.*.pyc"))
     assert "no_such_module_anywhere not imported (ModuleNotFoundError)" in capsys.readouterr().err
+
+
+def test_warm_with_ray_caches_what_rays_own_processes_import(tmp_path) -> None:
+    """``warm --ray`` starts Ray once: its dashboard agent (a process of its own) writes
+    the bytecode of its modules although the environment says not to."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, str(SCRIPT), "warm", "--ray"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "not started" not in done.stderr, done.stderr
+    assert list(tmp_path.rglob("reporter_agent.*.pyc")), "the dashboard agent cached nothing"
