@@ -26,7 +26,9 @@ each keeps its own default. ``--load K`` runs K busy processes beside the runs
 
 Top-level keys: ``asyncflow_tokens_per_s`` (best placement), ``trl_tokens_per_s``
 and ``ratio`` (their quotient), ``<placement>_s_per_step``, ``trl_s_per_step``,
-``best_placement``; with the floor, ``floor_s_per_step`` and
+``best_placement``, ``<run>_first_step_s`` (every run, the floor's and TRL's too:
+the median seconds from process start to the end of its first step) and
+``asyncflow_first_step_s`` (the best placement's); with the floor, ``floor_s_per_step`` and
 ``floor_tokens_per_s`` (the faster of its two), ``floor_<ranks>_s_per_step``,
 ``asyncflow_vs_floor`` (asyncflow's tokens/s over the floor's) and, with TRL,
 ``floor_ratio`` (the floor's tokens/s over TRL's: about the highest ``ratio``
@@ -95,9 +97,11 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
                               "threads": threads, "load": load, "runs": runs}
     for name, got in runs.items():
         record[f"{name}_s_per_step"] = statistics.median(r["s_per_step"] for r in got)
+        record[f"{name}_first_step_s"] = first_step_s(got)
     best = min(placements, key=lambda p: record[f"{p}_s_per_step"])
     record["best_placement"] = best
     record["asyncflow_tokens_per_s"] = job.tokens_per_step / record[f"{best}_s_per_step"]
+    record["asyncflow_first_step_s"] = record[f"{best}_first_step_s"]
     if trl:
         record["trl_tokens_per_s"] = job.tokens_per_step / record["trl_s_per_step"]
         record["ratio"] = record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"]
@@ -111,6 +115,11 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
     return record
 
 
+def first_step_s(runs: list[dict[str, Any]]) -> float:
+    """The median over ``runs`` of the seconds from process start to the end of the first step."""
+    return statistics.median(r["startup_s"]["first_step_done"] for r in runs)
+
+
 def table(record: dict[str, Any]) -> str:
     """Seconds per step, tokens/s and asyncflow's per-stage breakdown."""
     stages_key = "stages (ms/step summed over ranks, run 1)"
@@ -119,7 +128,7 @@ def table(record: dict[str, Any]) -> str:
         s = record[f"{name}_s_per_step"]
         stages = got[0].get("stage_ms", {})
         rows.append({"run": name, "s/step": s, "tokens/s": record["job"]["tokens_per_step"] / s,
-                     "first step at s": statistics.median(r["startup_s"]["first_step_done"] for r in got),
+                     "first step at s": first_step_s(got),
                      stages_key: ", ".join(f"{k} {v:.0f}" for k, v in stages.items())})
     return markdown_table(rows, ["run", "s/step", "tokens/s", "first step at s", stages_key])
 

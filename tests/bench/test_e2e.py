@@ -32,6 +32,7 @@ def test_asyncflow_side_records_steps_stages_and_startup_and_the_floor_beside(tm
                                     "reward.stats"}, "GRPO's stages, and no actor.log_prob (on-policy)"
     assert set(run["pool_busy_ms"]) == {"policy", "side"}
     assert run["startup_s"]["imported"] < run["startup_s"]["roles_spawned"] < run["startup_s"]["first_step_done"]
+    assert record["asyncflow_first_step_s"] == record["split_first_step_s"] == run["startup_s"]["first_step_done"]
     assert 0 <= run["last_metrics"]["actor/logprob_mismatch"] < 1e-4
     # The plain-PyTorch floor, on one and two ranks, in the same rounds.
     assert record["floor_s_per_step"] == min(record["floor_1_s_per_step"], record["floor_2_s_per_step"])
@@ -41,6 +42,7 @@ def test_asyncflow_side_records_steps_stages_and_startup_and_the_floor_beside(tm
     for ranks in (1, 2):
         (floor,) = record["runs"][f"floor_{ranks}"]
         assert floor["ranks"] == ranks and len(floor["steps_s"]) == 2
+        assert record[f"floor_{ranks}_first_step_s"] == floor["startup_s"]["first_step_done"]
         assert set(floor["stage_ms"]) == {"generate", "reward", "ref", "update"}
         assert 0 <= floor["last_metrics"]["kl_to_ref"] < 1, "one step of lr 1e-4 from the reference"
 
