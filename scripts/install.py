@@ -20,6 +20,7 @@ processes once too, which cache what they import).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import shutil
 import subprocess
@@ -101,8 +102,6 @@ def warm_ray_processes() -> None:
     bytecode once. A failure is reported and skipped: runs start Ray themselves."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # Ray's processes inherit this environment
     try:
-        import logging
-
         import ray
 
         def answer() -> int:  # defined here: Ray sends it by value

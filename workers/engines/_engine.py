@@ -330,10 +330,9 @@ class TrainingEngine(EngineState):
     def _finish_step(self, step: PreparedStep) -> dict[str, float]:
         """Everything of :meth:`train_step` after the backwards: the gradients reduced
         and clipped, the metrics reduced, the optimizer stepped."""
-        if step.local_normaliser is None:
-            self.parallel.reduce_gradients(self.model)
-            ridden, rows = None, step.rows
-        else:  # the normaliser, the rows and the metrics ride in the gradients' all-reduce
+        # Sharded (FSDP2), the backward reduced the gradients already.
+        ridden, rows = None, step.rows
+        if step.local_normaliser is not None:  # replicated: the normaliser, rows and metrics ride along
             sums, maxima = step.stats.packed()
             summed, maxed = self.parallel.normalise_gradients(
                 self.model, torch.cat([sums.new_tensor([step.local_normaliser, step.rows]), sums]), maxima)

@@ -188,12 +188,12 @@ def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelis
         over_dp: False: this rank's own plan, sums and longest row, without a
             collective (a replicated model's forwards need no agreement).
     """
-    addend = torch.stack([local_sum.to(torch.float64).reshape(()),
-                          local_sum.new_tensor(len(tokens), dtype=torch.float64)])
     longest = float(tokens.max()) if tokens.numel() else 0.0
     if not over_dp:
         alone = planner.plan(tokens, agree=lambda count: count)
-        return AgreedPlan(micro_batches=alone, total=float(addend[0]), rows=len(tokens), longest=int(longest))
+        return AgreedPlan(micro_batches=alone, total=float(local_sum), rows=len(tokens), longest=int(longest))
+    addend = torch.stack([local_sum.to(torch.float64).reshape(()),
+                          local_sum.new_tensor(len(tokens), dtype=torch.float64)])
     agreed: list[tuple[Tensor, Tensor]] = []
 
     def agree(count: int) -> int:

@@ -233,7 +233,7 @@ class Parallelism:
     ) -> nn.Module:
         """Move the model to its device and apply TP then, over ``"dp"``, FSDP2 or
         (``replicate``) nothing: every data-parallel rank keeps a whole copy and
-        :meth:`reduce_gradients` averages the gradients. Each applies only if its
+        :meth:`normalise_gradients` reduces the gradients. Each applies only if its
         size is > 1.
 
         Args:
@@ -255,13 +255,6 @@ class Parallelism:
         if self.mesh is not None and self.shards(replicate=replicate):
             _apply_fully_shard(model, self.mesh["dp"], mp_policy or MixedPrecisionPolicy(), units)
         return model
-
-    def reduce_gradients(self, model: nn.Module) -> None:
-        """Average the gradients of a replicated model over the data-parallel ranks,
-        in one all-reduce of one flat buffer (as FSDP2's reduce-scatter averages a
-        sharded one's). A no-op unless :meth:`parallelize` replicated the model."""
-        if self.replicated:
-            self._all_reduce_gradients(model, None)
 
     def normalise_gradients(self, model: nn.Module, sums: Tensor, maxes: Tensor) -> tuple[Tensor, Tensor]:
         """Sum the gradients of a replicated model's unnormalised losses over the
@@ -286,17 +279,11 @@ class Parallelism:
         """
         if not self.replicated:
             raise EngineConfigError("normalise_gradients sums over replicas; this model is not replicated")
-        return self._all_reduce_gradients(model, (sums, maxes))
-
-    def _all_reduce_gradients(self, model: nn.Module, riders: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-        """The flat all-reduce of :meth:`reduce_gradients` (``riders`` None: the
-        gradients divided by the ranks) and :meth:`normalise_gradients`."""
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # the same on every rank: each ran the same forwards
                 p.grad = torch.zeros_like(p)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
-        sums, maxes = riders or (torch.zeros(0, dtype=torch.float64),) * 2
         device = local[0].device  # type: ignore[union-attr]
         values = torch.cat([sums.to(device), maxes.to(device)])
         pairs = torch.zeros(self.dp_size, 2 * values.numel(), dtype=torch.float32, device=device)
@@ -306,7 +293,7 @@ class Parallelism:
         grads = flat[:flat.numel() - pairs.numel()]
         rows = _from_float32_pairs(flat[grads.numel():].view_as(pairs))
         summed, maxed = rows[:, :sums.numel()].sum(0), rows[:, sums.numel():].amax(0)
-        grads /= self.dp_size if riders is None else max(float(summed[0]), 1.0)
+        grads /= max(float(summed[0]), 1.0)
         offset = 0
         for g in local:
             assert g is not None

@@ -159,10 +159,9 @@ class RolloutOutput:
             raise ValueError(f"{len(prompts)} prompts but {len(samples)} samples")
         width = max((len(p) for p in prompts), default=0)
         pad, length = params.pad_token_id, params.max_new_tokens
-        longest = max((len(s.response_ids) for s in samples), default=0)
-        if longest > length:
-            raise ValueError(f"a response has {longest} tokens, more than max_new_tokens={length}")
         counts = [len(s.response_ids) for s in samples]
+        if max(counts, default=0) > length:
+            raise ValueError(f"a response has {max(counts)} tokens, more than max_new_tokens={length}")
         return cls(  # each column padded as lists, then one tensor: no per-row tensor work
             prompt_ids=_rows([[pad] * (width - len(p)) + list(p) for p in prompts], width, torch.long),
             prompt_mask=_rows([[0] * (width - len(p)) + [1] * len(p) for p in prompts], width, torch.long),
