@@ -11,57 +11,69 @@ threshold with a simulator of one step's generation and inference.
 
 Users reach these names through ``asyncflow``; the trainer and the benchmarks
 import them from here. The modules of this package are private.
+
+The names load on first use (PEP 562), each with its own module: ``start_ray``
+imports Ray and nothing heavier, so that Ray starts before torch imports.
 """
+
+# The imports under TYPE_CHECKING are for type checkers only; the names reach users
+# through __getattr__ below.
+# ruff: noqa: F401
 
 from __future__ import annotations
 
-from asyncflow.runtime._calls import CallArgumentError
-from asyncflow.runtime._datastream import DataStream, StreamOptions, collect
-from asyncflow.runtime._errors import (
-    CallTimeoutError,
-    PoolBrokenError,
-    RemoteStageError,
-    SessionClosedError,
-    WorkerDiedError,
-)
-from asyncflow.runtime._future import DataFuture, gather
-from asyncflow.runtime._migration import StepCost, long_tail_lengths, predicted_speedups
-from asyncflow.runtime._observed import auto_migration
-from asyncflow.runtime._ops import concat, merge
-from asyncflow.runtime._pool import CPU_SLOT, ResourcePool, RoleSpec
-from asyncflow.runtime._proxy import RoleGroup, Roles, Stage, Submit
-from asyncflow.runtime._ray_start import check_answers, start_ray
-from asyncflow.runtime._session import Session, shutdown_ray
-from asyncflow.runtime._transform import transform
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "CPU_SLOT",
-    "CallArgumentError",
-    "CallTimeoutError",
-    "DataFuture",
-    "DataStream",
-    "PoolBrokenError",
-    "RemoteStageError",
-    "ResourcePool",
-    "RoleGroup",
-    "RoleSpec",
-    "Roles",
-    "Session",
-    "SessionClosedError",
-    "Stage",
-    "StepCost",
-    "StreamOptions",
-    "Submit",
-    "WorkerDiedError",
-    "auto_migration",
-    "check_answers",
-    "collect",
-    "concat",
-    "gather",
-    "long_tail_lengths",
-    "merge",
-    "predicted_speedups",
-    "shutdown_ray",
-    "start_ray",
-    "transform",
-]
+_EXPORTS = {
+    "asyncflow.runtime._calls": ("CallArgumentError",),
+    "asyncflow.runtime._datastream": ("DataStream", "StreamOptions", "collect"),
+    "asyncflow.runtime._errors": ("CallTimeoutError", "PoolBrokenError", "RemoteStageError", "SessionClosedError",
+                                  "WorkerDiedError"),
+    "asyncflow.runtime._future": ("DataFuture", "gather"),
+    "asyncflow.runtime._migration": ("StepCost", "long_tail_lengths", "predicted_speedups"),
+    "asyncflow.runtime._observed": ("auto_migration",),
+    "asyncflow.runtime._ops": ("concat", "merge"),
+    "asyncflow.runtime._pool": ("ResourcePool", "RoleSpec"),
+    "asyncflow.runtime._proxy": ("RoleGroup", "Roles", "Stage", "Submit"),
+    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "start_ray"),
+    "asyncflow.runtime._session": ("Session", "shutdown_ray"),
+    "asyncflow.runtime._transform": ("transform",),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncflow.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from asyncflow.runtime._calls import CallArgumentError
+    from asyncflow.runtime._datastream import DataStream, StreamOptions, collect
+    from asyncflow.runtime._errors import (
+        CallTimeoutError,
+        PoolBrokenError,
+        RemoteStageError,
+        SessionClosedError,
+        WorkerDiedError,
+    )
+    from asyncflow.runtime._future import DataFuture, gather
+    from asyncflow.runtime._migration import StepCost, long_tail_lengths, predicted_speedups
+    from asyncflow.runtime._observed import auto_migration
+    from asyncflow.runtime._ops import concat, merge
+    from asyncflow.runtime._pool import ResourcePool, RoleSpec
+    from asyncflow.runtime._proxy import RoleGroup, Roles, Stage, Submit
+    from asyncflow.runtime._ray_start import CPU_SLOT, check_answers, start_ray
+    from asyncflow.runtime._session import Session, shutdown_ray
+    from asyncflow.runtime._transform import transform

@@ -14,7 +14,8 @@ must be initialised from the thread that uses it). The first
 as if it had started it; with ``workers``, it also starts that many worker
 processes as soon as Ray is up, which import while the script does, for the first
 session to adopt (``asyncflow.runtime._idle``). This module imports Ray and
-nothing heavier.
+nothing heavier (:func:`_config_error` imports ``channels``, which imports torch,
+only to raise).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import ray
 from ray._private import ray_constants
 
 from asyncflow.runtime._watchdog import watch_this_process
-from channels import ConfigError
 
 CPU_SLOT = "asyncflow_cpu_slot"
 """The Ray custom resource a CPU device slot is counted in: the embedded instance
@@ -77,7 +77,7 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
         if ray.is_initialized():
             return
         if workers < 0:
-            raise ConfigError(f"start_ray(workers=...) must be >= 0, got {workers!r}")
+            raise _config_error(f"start_ray(workers=...) must be >= 0, got {workers!r}")
         ray_up = threading.Event()
         importer = threading.Thread(target=_import_quietly, args=(tuple(preload), workers, ray_up),
                                     name="asyncflow-preload", daemon=True)
@@ -147,7 +147,7 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
             try:
                 ray.init(address=address, logging_level=logging.WARNING)
             except ray.exceptions.AuthenticationError as e:
-                raise ConfigError(f"the Ray cluster at {address} refused this driver: {str(e).splitlines()[0]} "
+                raise _config_error(f"the Ray cluster at {address} refused this driver: {str(e).splitlines()[0]} "
                                   "(a cluster with token authentication wants RAY_AUTH_MODE=token and its token "
                                   "in ~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
     finally:
@@ -174,8 +174,15 @@ def check_answers(address: str | None) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as e:
-        raise ConfigError(f"no Ray cluster answers at {address} ({e.strerror or e}); start one with "
+        raise _config_error(f"no Ray cluster answers at {address} ({e.strerror or e}); start one with "
                           "`ray start --head`, or check --address / RAY_ADDRESS") from None
+
+
+def _config_error(message: str) -> Exception:
+    """A :class:`~channels.ConfigError` with ``message``."""
+    from channels import ConfigError
+
+    return ConfigError(message)
 
 
 ENABLE_RAY_CLUSTERS_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
