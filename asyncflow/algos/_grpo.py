@@ -58,6 +58,7 @@ async def grpo_step(roles: GRPORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     samples, generated ahead by a rollout role (asynchronous training)."""
     r = GRPORoles.of(roles, config=config, algorithm="GRPO")
     batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream, rollout=rollout)
+    stats = r.reward.stats(scores)  # asked for first: it runs behind the scores, not after the update
     batch = batch.map(group_advantages, scale_by_std=config.scale_by_std)
-    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.reward.stats(scores))
-    return actor | score_summary(stats)
+    actor, summary = await gather(r.actor.update(batch, **config.policy.update_kwargs()), stats)
+    return actor | score_summary(summary)

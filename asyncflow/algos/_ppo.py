@@ -83,14 +83,15 @@ async def ppo_step(roles: PPORoles | Mapping[str, RoleGroup[Any]], prompts: Data
                 stream=stream)
     old, values = feed(r.actor.log_prob), feed(r.critic.values)
     scores, parts = scores_and_ref(r, feed)
+    stats = r.reward.stats(whole(scores))  # asked for first: it runs behind the scores, not after the updates
     batch = merge_rows(feed.rows, old, values, *parts)
     if r.ref is not None:
         batch = batch.map(kl_penalised_rewards, kl_coef=config.reward_kl_coef)
     else:
         batch = batch.map(token_rewards)
     batch = whole(batch).map(gae, gamma=config.gamma, lam=config.lam)
-    updates, stats = await gather(actor_and_critic_updates(r, batch, config), r.reward.stats(whole(scores)))
-    return updates | score_summary(stats)
+    updates, summary = await gather(actor_and_critic_updates(r, batch, config), stats)
+    return updates | score_summary(summary)
 # [/docs:ppo-step]
 
 

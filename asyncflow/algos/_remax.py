@@ -54,8 +54,9 @@ async def remax_step(roles: ReMaxRoles | Mapping[str, RoleGroup[Any]], prompts: 
     rollout = r.actor.generate(prompts, n=1, params=config.sampling.params(seed=seed))
     greedy = r.actor.generate(prompts, n=1, params=config.sampling.params(seed=seed, greedy=True))
     scores = r.reward.score(rollout)
+    stats = r.reward.stats(scores)  # asked for first: it runs behind the scores, not after the update
     baseline = r.reward.score(greedy).rename(scores="baseline_scores")
     parts = [rollout, scores, baseline] + ([r.ref.log_prob(rollout)] if r.ref else [])
     batch = merge(*parts).map(greedy_baseline_advantages)
-    actor, stats = await gather(r.actor.update(batch, **config.policy.update_kwargs()), r.reward.stats(scores))
-    return actor | score_summary(stats)
+    actor, summary = await gather(r.actor.update(batch, **config.policy.update_kwargs()), stats)
+    return actor | score_summary(summary)

@@ -71,6 +71,7 @@ async def rloo_step(roles: RLOORoles | Mapping[str, RoleGroup[Any]], prompts: Da
     take the samples as they finish."""
     r = RLOORoles.of(roles, config=config, algorithm="RLOO")
     batch, scores = sample_and_score(r, prompts, config, seed=seed, stream=stream)
-    actor, stats = await gather(r.actor.update(batch.map(rloo_advantages), **config.policy.update_kwargs()),
-                                r.reward.stats(scores))
-    return actor | score_summary(stats)
+    stats = r.reward.stats(scores)  # asked for first: it runs behind the scores, not after the update
+    actor, summary = await gather(r.actor.update(batch.map(rloo_advantages), **config.policy.update_kwargs()),
+                                  stats)
+    return actor | score_summary(summary)

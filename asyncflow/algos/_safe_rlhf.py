@@ -106,6 +106,8 @@ async def safe_rlhf_step(roles: SafeRLHFRoles | Mapping[str, RoleGroup[Any]], pr
     cost_values = r.cost_critic.values(rollout).rename(values="cost_values")
     scores = r.reward.score(rollout)
     costs = r.cost.score(rollout)
+    # asked for first: they run behind the scores, not after the updates
+    r_stats, c_stats = r.reward.stats(scores), r.cost.stats(costs)
     parts = [rollout, old, values, cost_values, scores, costs] + ([r.ref.log_prob(rollout)] if r.ref else [])
     actor_batch = merge(*parts).map(
         safe_advantages, lagrange=state.lagrange, gamma=config.gamma, lam=config.lam)
@@ -114,14 +116,14 @@ async def safe_rlhf_step(roles: SafeRLHFRoles | Mapping[str, RoleGroup[Any]], pr
     update = config.policy.update_kwargs()
     if ptx is not None and config.ptx_coef > 0:
         update |= {"ptx": ptx, "ptx_coef": config.ptx_coef}
-    actor, critic, cost_critic, r_stats, c_stats = await gather(
+    actor, critic, cost_critic, r_summary, c_summary = await gather(
         r.actor.update(actor_batch, **update),
         r.critic.update(actor_batch),
         r.cost_critic.update(cost_batch),
-        r.reward.stats(scores),
-        r.cost.stats(costs),
+        r_stats,
+        c_stats,
     )
-    summary = score_summary(r_stats | c_stats)
+    summary = score_summary(r_summary | c_summary)
     mean_cost = summary.get("cost/mean", 0.0)
     state.lagrange = min(config.lagrange_max,
                          max(0.0, state.lagrange + config.lagrange_lr * (mean_cost - config.cost_limit)))

@@ -97,21 +97,33 @@ def test_every_algorithm_runs_two_steps(placement, model_dir) -> None:
                 "safe_rlhf": lambda p, s: safe_rlhf_step(
                     roles, p, SafeRLHFConfig(sampling=SAMPLING, policy=POLICY, cost_limit=0.1), state=state, seed=s),
             }
-            out = {}
+            out, traces = {}, {}
             for name, step in steps.items():
                 for s in range(2):
                     batch = problems[s * 4:(s + 1) * 4]
                     prompts = await session.put(prompt_batch(batch, tok, first_uid=100 * s))
+                    if s == 1:
+                        await session.start_trace()
                     out[(name, s)] = await step(prompts, s)
-            return out, state.lagrange
+                traces[name] = session.stop_trace()
+            return out, traces, state.lagrange
 
-    results, lagrange = asyncio_run(main())
+    results, traces, lagrange = asyncio_run(main())
     for (name, _), metrics in results.items():
         assert metrics, name
         assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
         assert "actor/loss" in metrics, (name, sorted(metrics))
     assert "critic/loss" in results[("ppo", 1)] and "reward/mean" in results[("ppo", 1)]
     assert lagrange != 1.0  # the multiplier moved with the observed cost
+    # Each step asks for its score statistics before its updates: on a shared pool
+    # they run right behind the scores, not after the updates.
+    for name, trace in traces.items():
+        stats = [c for c in trace.calls if c.method == "stats"]
+        updates = [c for c in trace.calls if c.method == "update"]
+        assert stats and updates, name
+        assert max(c.place for c in stats) < min(c.place for c in updates), name
+        if placement == "one_pool":
+            assert max(c.started for c in stats) <= min(c.started for c in updates), name
 
 
 def asyncio_run(coro):

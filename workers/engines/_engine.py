@@ -160,6 +160,15 @@ class TrainingEngine(EngineState):
         """Optimizer steps taken (restored by :meth:`load`)."""
         return self._step
 
+    @property
+    def infers_alone(self) -> bool:
+        """Whether :meth:`log_probs` and :meth:`values` use no other rank: the whole
+        model is on this rank (one data-parallel rank, or replicated over them) and
+        neither tensor nor pipeline parallelism splits it. A role may then declare
+        those methods rank-local (``Role.rank_local``)."""
+        p = self.parallel
+        return p.tp_size == 1 and p.pp_size == 1 and (p.replicated or p.dp_size == 1)
+
     # ----------------------------------------------------------------- forward only
 
     @overload

@@ -56,10 +56,11 @@ class CriticConfig:
     seed: int = 0
     """Seeds torch's global RNG and the mini-batch shuffling."""
     replicate: bool = False
-    """Keep a full copy of the model on every rank (no sharding): ``values`` then
-    needs no other rank and may run on any free ranks of the pool. A replicated
-    critic on more than one rank serves values only (its ``update`` refuses: the
-    copies would drift apart)."""
+    """Keep a full copy of the model on every rank, outside the pool's groups (no
+    sharding): ``values`` then needs no other rank and may run on any free ranks of
+    the pool (as it may when ``training.data_parallel`` replicates the model). A
+    critic replicated this way on more than one rank serves values only (its
+    ``update`` refuses: the copies would drift apart)."""
     engine: EngineName = "native"
     """The training engine: ``"native"`` (FSDP2/DTensor) or ``"megatron"`` (Megatron-core
     over the same layout; CUDA and megatron-core >= 0.16, no pipeline stages)."""
@@ -92,8 +93,9 @@ class CriticWorker(TrainedRole):
         self._shuffle = shuffle_generator(config.seed, ctx)
 
     def rank_local(self) -> frozenset[str]:
-        """``values`` when the model is replicated (see ``CriticConfig.replicate``)."""
-        return frozenset({"values"}) if self.config.replicate else frozenset()
+        """``values`` when each rank holds the whole model (``CriticConfig.replicate``,
+        or ``TrainingConfig.data_parallel`` replicating it): it then needs no other rank."""
+        return frozenset({"values"}) if self.engine.infers_alone else frozenset()
 
     @register(protocol=DP(), reads=F.SEQUENCE, optional=F.SEQUENCE_OPTIONAL, writes=(F.VALUES,))
     def values(self, batch: Batch) -> dict[str, Tensor]:

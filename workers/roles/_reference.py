@@ -37,10 +37,11 @@ class ReferenceConfig:
     seed: int = 0
     """Seeds torch's global RNG."""
     replicate: bool = False
-    """Keep a full copy of the model on every rank instead of sharding it (FSDP):
-    ``log_prob`` then needs no other rank, so the driver may run it on any free
-    ranks of the pool, e.g. ranks that long-tail migration freed while the actor
-    finishes its tail. Costs a full model's memory per rank."""
+    """Keep a full copy of the model on every rank instead of sharding it (FSDP),
+    whatever its size: ``log_prob`` then needs no other rank, so the driver may run
+    it on any free ranks of the pool, e.g. ranks that long-tail migration freed
+    while the actor finishes its tail (as it may when ``training.data_parallel``
+    replicates the model). Costs a full model's memory per rank."""
     engine: EngineName = "native"
     """The engine that runs the model: ``"native"`` or ``"megatron"`` (as the actor's,
     so that their log-probs agree at step 0)."""
@@ -75,8 +76,9 @@ class ReferenceWorker(Role):
                                    replicate=config.replicate, trainable=False)
 
     def rank_local(self) -> frozenset[str]:
-        """``log_prob`` when the model is replicated (see ``ReferenceConfig.replicate``)."""
-        return frozenset({"log_prob"}) if self.config.replicate else frozenset()
+        """``log_prob`` when each rank holds the whole model (``ReferenceConfig.replicate``,
+        or ``TrainingConfig.data_parallel`` replicating it): it then needs no other rank."""
+        return frozenset({"log_prob"}) if self.engine.infers_alone else frozenset()
 
     @register(protocol=DP(), reads=F.SEQUENCE, optional=F.SEQUENCE_OPTIONAL, writes=(F.REF_LOGPROBS,))
     def log_prob(self, batch: Batch) -> dict[str, Tensor]:

@@ -65,6 +65,7 @@ def _tp_ranks(rank: int, out: Path) -> None:
     )
     q_proj = engine.model.model.layers[0].self_attn.q_proj.weight
     assert isinstance(q_proj, DTensor) and q_proj.to_local().shape == (32, 64)
+    assert not engine.infers_alone  # its forwards run with the other TP rank
     result = _lm_run(engine, batch, steps=2) | {"weights": full_weights(engine)}
     engine.export_hf(out / "hf")
 
@@ -123,6 +124,7 @@ def _fsdp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     with _counted(dist, "all_reduce") as all_reduces:
         engine.log_probs(batch)
     result["inference_all_reduces"] = len(all_reduces)
+    result["infers_alone"] = engine.infers_alone
     result["sums_and_maxes"] = engine.parallel.sums_and_maxes_over_dp(
         torch.tensor([rank + 1.0, 0.25]), torch.tensor([float(rank), -math.inf]))
     result["weights"] = full_weights(engine)
@@ -172,6 +174,7 @@ def _fsdp_tp_ranks(rank: int, out: Path, data_parallel: str = "shard") -> None:
     q_proj = engine.model.model.layers[0].self_attn.q_proj.weight
     # Over dp: FSDP2 adds a mesh dimension; replicas stay TP-only DTensors.
     assert isinstance(q_proj, DTensor) and q_proj.device_mesh.ndim == (2 if data_parallel == "shard" else 1)
+    assert not engine.infers_alone  # TP splits every replica
     result = _lm_run(engine, batch, steps=2) | {"weights": full_weights(engine)}
     torch.save(result, out / f"fsdp_tp{rank}.pt")
 
@@ -206,6 +209,7 @@ def test_tensor_parallel_step_equals_single_process(tmp_path: Path) -> None:
     out = run_ranks(2, _tp_ranks, tmp_path)
     got = torch.load(out / "tp.pt", weights_only=False)
     engine, expected = _reference({"micro_batch_size": 3}, steps=2)
+    assert engine.infers_alone  # one process, no mesh
     torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["entropy"], expected["entropy"], rtol=1e-5, atol=1e-6)
     for got_m, exp_m in zip(got["metrics"], expected["metrics"], strict=True):
@@ -241,6 +245,8 @@ def test_data_parallel_step_and_checkpoint_equal_single_process(tmp_path: Path, 
         # inference needs none.
         assert got["all_reduces"] == (1 if data_parallel == "replicate" else 2)
         assert got["inference_all_reduces"] == (0 if data_parallel == "replicate" else 1)
+        # A replica's forwards use no other rank, so its roles may run them rank-locally.
+        assert got["infers_alone"] == (data_parallel == "replicate")
         sums, maxes = got["sums_and_maxes"]
         assert sums.tolist() == [3.0, 0.5] and maxes.tolist() == [1.0, -math.inf]
         # Resuming from the checkpoint replays the second step exactly.

@@ -1,7 +1,7 @@
 """The RLHF roles on real Ray workers and gloo groups (CPU).
 
 One session serves the module: a 2-rank pool ``train`` (actor with FSDP over two
-data-parallel ranks, reference) and a 1-rank pool ``aux`` (critic, rule reward,
+data-parallel ranks, reference replicated and sharded) and a 1-rank pool ``aux`` (critic, rule reward,
 reward model, cost model, and a reward whose function raises), so checkpoints also
 run on pools smaller than the session's process group.
 """
@@ -65,6 +65,8 @@ async def _start(session: af.Session, model_dir: str) -> af.Roles:
             model_dir=model_dir, training=training,
             sampling=SamplingParams(max_new_tokens=R, temperature=1.0))),
         "ref": RoleSpec(cls=ReferenceWorker, pool=TRAIN, config=ReferenceConfig(model_dir=model_dir)),
+        "ref_sharded": RoleSpec(cls=ReferenceWorker, pool=TRAIN, config=ReferenceConfig(
+            model_dir=model_dir, training=TrainingConfig(data_parallel="shard"))),
         "critic": RoleSpec(cls=CriticWorker, pool=AUX, config=CriticConfig(
             model_dir=model_dir, training=training)),
         "reward": RoleSpec(cls=RewardWorker, pool=AUX, config=ScoreConfig(scorer=rule)),
@@ -124,6 +126,26 @@ def test_a_ppo_step_through_every_role(env) -> None:
     # The update moved the weights, and the rollout engines of both ranks got them.
     assert (moved["old_logprobs"] - before["rollout_logprobs"]).abs().max() > 1e-3
     torch.testing.assert_close(after_lp["old_logprobs"], after["rollout_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_the_reference_is_rank_local_where_each_rank_holds_the_whole_model(env) -> None:
+    lt, session, roles, _ = env
+
+    async def main():
+        src = await session.put(prompt_columns(), pool=TRAIN)
+        await session.start_trace()
+        rollout = roles.actor.generate(src, n=2)
+        whole, sharded = roles.ref.log_prob(rollout), roles.ref_sharded.log_prob(rollout)
+        rows = await af.merge(whole, sharded.rename(ref_logprobs="sharded")).fetch()
+        return rows, session.stop_trace()
+
+    rows, trace = lt.run(main())
+    # The tiny model is replicated over the two data-parallel ranks by default
+    # (TrainingConfig.data_parallel="auto"): its log_prob needs no other rank. Sharded
+    # by FSDP2, every rank takes part in each forward.
+    assert {c.role: c.rank_local for c in trace.calls if c.method == "log_prob"} == {
+        "ref": True, "ref_sharded": False}
+    torch.testing.assert_close(rows["sharded"], rows["ref_logprobs"], atol=1e-6, rtol=0)
 
 
 def test_a_raising_reward_function_names_itself_the_sample_and_its_uid(env) -> None:
