@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import ray
 from ray._private import ray_constants
@@ -47,8 +47,8 @@ _lock = threading.Lock()
 _unclaimed = False  # a start_ray instance no session has taken over yet
 
 
-def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
-              preload: Sequence[str] = HEAVY_MODULES, keep: bool = False, workers: int = 0) -> None:
+def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[str] = HEAVY_MODULES,
+              keep: bool = False, workers: int = 0, worker_env: Mapping[str, str] | None = None) -> None:
     """Start a local Ray instance now, importing ``preload`` meanwhile.
 
     Call it at the top of a script, before its heavy imports (which then find
@@ -68,9 +68,12 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
             time); :func:`~asyncflow.shutdown_ray` stops it.
         workers: CPU worker processes to start as soon as Ray is up, importing
             ``preload`` too while the script imports: the first session adopts
-            them (with no ``worker_env``; see ``asyncflow.runtime._idle``)
-            instead of starting its own once it spawns. As many as its pools
-            have ranks: one more is a process that imports for nothing.
+            them (see ``asyncflow.runtime._idle``) instead of starting its own
+            once it spawns. As many as its CPU pools have ranks: one more is a
+            process that imports for nothing.
+        worker_env: those workers' environment variables: the session adopts
+            them only if its own ``worker_env`` is the same (but for
+            :data:`workers.LIVE_ENV`).
     """
     global _unclaimed
     with _lock:
@@ -79,7 +82,8 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0,
         if workers < 0:
             raise _config_error(f"start_ray(workers=...) must be >= 0, got {workers!r}")
         ray_up = threading.Event()
-        importer = threading.Thread(target=_import_quietly, args=(tuple(preload), workers, ray_up),
+        importer = threading.Thread(target=_import_quietly, args=(tuple(preload), workers, dict(worker_env or {}),
+                                                                  ray_up),
                                     name="asyncflow-preload", daemon=True)
         importer.start()
         try:
@@ -99,7 +103,8 @@ def claim_started_instance() -> bool:
     return claimed
 
 
-def _import_quietly(modules: tuple[str, ...], workers: int, ray_up: threading.Event) -> None:
+def _import_quietly(modules: tuple[str, ...], workers: int, worker_env: dict[str, str],
+                    ray_up: threading.Event) -> None:
     """Import ``modules``; with ``workers``, first start that many workers ahead
     once Ray is up (which imports the worker module: torch, Ray, ``channels``)."""
     # workers.host._worker has its twin; importing it from here would import torch first
@@ -108,7 +113,7 @@ def _import_quietly(modules: tuple[str, ...], workers: int, ray_up: threading.Ev
 
         ray_up.wait()
         if ray.is_initialized():
-            _idle.start_ahead(workers, preload=modules)
+            _idle.start_ahead(workers, preload=modules, worker_env=worker_env)
     for name in modules:
         try:
             importlib.import_module(name)

@@ -44,6 +44,7 @@ from asyncflow.train._metrics import (
 )
 from asyncflow.train._prompts import RunPrompts, TrainBatches, run_prompts
 from asyncflow.train._quiet import RunLog
+from asyncflow.train._ray_ahead import ray_started_ahead
 from asyncflow.train._roles import role_specs
 from asyncflow.train._rundir import RunDirs
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
@@ -165,22 +166,26 @@ class Trainer:
         if self.resume:  # likewise
             self._run_dir = self.runs.to_resume()
             self._resumed = self.checkpoints.latest()
+        c = self.config
+        if c.sft is not None:  # likewise, and before Ray starts
+            splits = generate_splits(c.data.arithmetic)
+            check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
+                               max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings)
         with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
               importable(self.module_dirs)):
-            return await self._run(self._log.worker_env() | worker_python_path(self.module_dirs))
+            worker_env = self._log.worker_env() | worker_python_path(self.module_dirs)
+            # Ray and the workers start while the driver prepares the model and the data.
+            with ray_started_ahead(c, address=self.address, worker_env=worker_env):
+                return await self._run(worker_env)
 
     async def _run(self, worker_env: dict[str, str]) -> RunResult:
         c = self.config
         max_new = sampling_of(c).max_new_tokens
-        if c.sft is not None:  # fail before minutes of SFT, not after
-            splits = generate_splits(c.data.arithmetic)
-            check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
-                               max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings)
         model_dir = self.model_dir()
         prompts = run_prompts(c, model_dir, response_width(c))
         for line in prompts.summary():
             self.say(line)
-        for line in check_memory(c, model_dir, context=prompts.context):  # before the workers start
+        for line in check_memory(c, model_dir, context=prompts.context):  # before the workers load models
             self.say(f"warning: {line}")
         start, state = 0, {}
         if self._resumed is not None:

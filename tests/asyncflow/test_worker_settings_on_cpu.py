@@ -1,20 +1,30 @@
 """Worker processes run at the session's niceness and with their pool's torch
-threads (real Ray workers), the default thread count follows the cores, and a
-session takes over the Ray instance ``asyncflow.start_ray`` started."""
+threads (real Ray workers), the default thread count follows the cores, a
+session takes over the Ray instance ``asyncflow.start_ray`` started, and a run
+starts Ray and its CPU workers ahead of its session."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
+import msgspec
 import pytest
 import ray
+import torch
 
 import asyncflow as af
 from asyncflow.runtime import _idle
 from asyncflow.runtime._pool import worker_threads
+from asyncflow.train import load_config
+from asyncflow.train._config import RunConfig
+from asyncflow.train._ray_ahead import cpu_ranks, ray_started_ahead
+from asyncflow.train._sections import PoolSection
 from channels import ConfigError
 from support import Sleeper
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "arith_grpo.toml"
 
 pytestmark = pytest.mark.usefixtures("no_shared_ray")  # its sessions start Ray with their settings
 
@@ -111,3 +121,58 @@ def test_workers_started_with_ray_are_the_first_sessions() -> None:
     finally:
         af.shutdown_ray()
     assert sorted(pids) == [pid for pid, *_ in ahead]
+
+
+def _run_config(**pools: PoolSection) -> RunConfig:
+    return msgspec.structs.replace(load_config(EXAMPLE), pools=pools)
+
+
+def test_a_run_counts_the_ranks_of_its_cpu_pools() -> None:
+    config = _run_config(main=PoolSection(devices=2, device="cpu"), side=PoolSection(devices=3),
+                         gpu=PoolSection(devices=4, device="cuda"))
+    assert cpu_ranks(config) == (2 if torch.cuda.is_available() else 5)  # "auto" is CPU where torch sees no GPU
+
+
+def test_a_run_starts_ray_and_its_cpu_workers_ahead_and_its_session_adopts_them() -> None:
+    af.shutdown_ray()
+    config = _run_config(main=PoolSection(devices=2, device="cpu"))
+    env = {"ASYNCFLOW_TEST_AHEAD": "1"}  # the session's worker_env: the workers must have it to be adopted
+
+    async def main() -> list[int]:
+        async with af.Session(worker_env=env) as session:
+            roles = await session.spawn({"s": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="main", devices=2,
+                                                                                          threads=1))})
+            return await roles.s.pid()
+
+    try:
+        with ray_started_ahead(config, address=None, worker_env=env):
+            assert ray.is_initialized() and _idle.kept_count() == 2
+            ahead = sorted(pid for pid, *_ in ray.get([a.identity.remote() for _, a in _idle._kept[_idle._connection()]]))
+            pids = asyncio.run(asyncio.wait_for(main(), timeout=300))
+        assert not ray.is_initialized()
+    finally:
+        af.shutdown_ray()
+    assert sorted(pids) == ahead
+
+
+def test_a_run_that_fails_before_its_session_ends_the_ray_it_started() -> None:
+    af.shutdown_ray()
+    config = _run_config(main=PoolSection(devices=1, device="cpu"))
+    with pytest.raises(RuntimeError, match="SFT failed"), ray_started_ahead(config, address=None, worker_env={}):
+        assert ray.is_initialized()
+        raise RuntimeError("SFT failed")
+    assert not ray.is_initialized()
+
+
+def test_a_run_starts_nothing_ahead_on_a_cluster_or_a_running_ray() -> None:
+    af.shutdown_ray()
+    config = _run_config(main=PoolSection(devices=1, device="cpu"))
+    with ray_started_ahead(config, address="127.0.0.1:1", worker_env={}):  # joined when its session starts
+        assert not ray.is_initialized()
+    af.start_ray(preload=(), keep=True)  # a script's own instance
+    try:
+        with ray_started_ahead(config, address=None, worker_env={}):
+            assert _idle.kept_count() == 0
+        assert ray.is_initialized(), "an instance the run did not start outlives it"
+    finally:
+        af.shutdown_ray()
