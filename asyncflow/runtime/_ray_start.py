@@ -153,8 +153,8 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
                 ray.init(address=address, logging_level=logging.WARNING)
             except ray.exceptions.AuthenticationError as e:
                 raise _config_error(f"the Ray cluster at {address} refused this driver: {str(e).splitlines()[0]} "
-                                  "(a cluster with token authentication wants RAY_AUTH_MODE=token and its token "
-                                  "in ~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
+                                    "(a cluster with token authentication wants RAY_AUTH_MODE=token and its token "
+                                    "in ~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
     finally:
         auth.setLevel(level)
 
@@ -180,7 +180,7 @@ def check_answers(address: str | None) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as e:
         raise _config_error(f"no Ray cluster answers at {address} ({e.strerror or e}); start one with "
-                          "`ray start --head`, or check --address / RAY_ADDRESS") from None
+                            "`ray start --head`, or check --address / RAY_ADDRESS") from None
 
 
 def _config_error(message: str) -> Exception:
