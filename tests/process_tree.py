@@ -61,11 +61,14 @@ def _label(p: psutil.Process, name: str) -> str:
 
 _TABLES = {"tcp": socket.AF_INET, "tcp6": socket.AF_INET6, "udp": socket.AF_INET, "udp6": socket.AF_INET6}
 _TCP_LISTEN = "0A"
+_UDP_CONNECTED = "01"  # the kernel writes a connected UDP socket's state as TCP_ESTABLISHED
 
 
 def _bound_sockets() -> dict[int, tuple[str, int]]:
-    """Every listening TCP socket and bound UDP socket of this network namespace,
-    by inode: ``(ip, port)``. The kernel's tables are read once a sweep (psutil's
+    """Every listening TCP socket and bound, unconnected UDP socket of this network
+    namespace, by inode: ``(ip, port)``. A connected UDP socket takes datagrams from
+    its one peer only: a DNS lookup makes one for a moment, bound to the interface
+    that reaches the name server. The kernel's tables are read once a sweep (psutil's
     ``Process.net_connections`` reads all of them again for each process: in a
     sweep of a run's fifteen processes, most of the watching thread's CPU)."""
     found: dict[int, tuple[str, int]] = {}
@@ -78,7 +81,8 @@ def _bound_sockets() -> dict[int, tuple[str, int]]:
             fields = row.split()
             ip, port_hex = fields[1].split(":")
             port, state, inode = int(port_hex, 16), fields[3], int(fields[9])
-            if (table.startswith("tcp") and state != _TCP_LISTEN) or port == 0:
+            tcp = table.startswith("tcp")
+            if (tcp and state != _TCP_LISTEN) or (not tcp and state == _UDP_CONNECTED) or port == 0:
                 continue
             found[inode] = (_address(ip, family), port)
     return found

@@ -10,13 +10,14 @@ it runs (tests/process_tree.py).
 from __future__ import annotations
 
 import re
+import socket
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from process_tree import WatchedRun, clean_env, is_loopback
+from process_tree import WatchedRun, _bound_sockets, clean_env, is_loopback
 from tiny_runs import grpo_toml, save_model
 
 pytestmark = [pytest.mark.timeout(280), pytest.mark.usefixtures("no_shared_ray")]
@@ -44,6 +45,19 @@ SCRIPT = textwrap.dedent("""
 
     asyncio.run(main())
 """)
+
+
+def test_the_watch_counts_listeners_and_unconnected_udp_but_not_a_connected_udp_socket() -> None:
+    with (socket.socket() as listening, socket.socket(type=socket.SOCK_DGRAM) as bound,
+          socket.socket(type=socket.SOCK_DGRAM) as connected, socket.socket(type=socket.SOCK_DGRAM) as peer):
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        bound.bind(("127.0.0.1", 0))
+        peer.bind(("127.0.0.1", 0))
+        connected.connect(peer.getsockname())  # as a DNS lookup's socket: it takes datagrams from its peer only
+        found = set(_bound_sockets().values())
+        assert listening.getsockname() in found and bound.getsockname() in found
+        assert connected.getsockname() not in found
 
 
 def _check_loopback(run: WatchedRun) -> None:
