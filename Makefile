@@ -36,9 +36,9 @@ $(STAMP): pyproject.toml
 
 # Byte-compiled once, after installing: the modules a run imports (a few thousand of
 # torch, Ray, transformers with the Llama architecture the examples load, vLLM and
-# ours; all of site-packages would take 85 s of CPU), and with --ray those Ray's own processes import (its dashboard, agents and
-# monitors: started once, about 7 s). A target of its own so that `make test` runs
-# it beside the type check.
+# ours; all of site-packages would take 85 s of CPU), and with --ray those Ray's own
+# processes import (its dashboard, agents and monitors: started once, about 7 s). A
+# target of its own so that `make test` runs it beside the type check.
 WARM := $(INSTALL) warm --ray torch ray transformers.modeling_utils transformers.models.auto.modeling_auto \
 	transformers.models.auto.tokenization_auto transformers.models.llama.modeling_llama vllm asyncflow.cli asyncflow.train \
 	workers.roles workers.rollout && touch $(WARMED)

@@ -9,13 +9,14 @@ imports no Ray: the command sets Ray's environment before Ray is imported.
 """
 
 # The imports under TYPE_CHECKING are for type checkers only; the names reach users
-# through __getattr__ below.
+# through __getattr__ (asyncflow._lazy).
 # ruff: noqa: F401
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from asyncflow._lazy import lazy_exports
 
 _EXPORTS = {
     "asyncflow.runtime": ("CPU_SLOT", "CallTimeoutError", "DataFuture", "DataStream", "PoolBrokenError",
@@ -28,23 +29,7 @@ _EXPORTS = {
     "workers": ("Adopt", "CallInfo", "Chunk", "Finish", "Handoff", "Role", "Step", "Tail", "WorkerContext",
                 "register"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncflow' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
-
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from asyncflow.runtime import (

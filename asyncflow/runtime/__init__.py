@@ -17,13 +17,14 @@ imports Ray and nothing heavier, so that Ray starts before torch imports.
 """
 
 # The imports under TYPE_CHECKING are for type checkers only; the names reach users
-# through __getattr__ below.
+# through __getattr__ (asyncflow._lazy).
 # ruff: noqa: F401
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from asyncflow._lazy import lazy_exports
 
 _EXPORTS = {
     "asyncflow.runtime._calls": ("CallArgumentError",),
@@ -36,27 +37,11 @@ _EXPORTS = {
     "asyncflow.runtime._ops": ("concat", "merge"),
     "asyncflow.runtime._pool": ("ResourcePool", "RoleSpec"),
     "asyncflow.runtime._proxy": ("RoleGroup", "Roles", "Stage", "Submit"),
-    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "start_ray"),
+    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "cluster_address", "start_ray"),
     "asyncflow.runtime._session": ("Session", "shutdown_ray"),
     "asyncflow.runtime._transform": ("transform",),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncflow.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
-
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
     from asyncflow.runtime._calls import CallArgumentError
@@ -74,6 +59,6 @@ if TYPE_CHECKING:
     from asyncflow.runtime._ops import concat, merge
     from asyncflow.runtime._pool import ResourcePool, RoleSpec
     from asyncflow.runtime._proxy import RoleGroup, Roles, Stage, Submit
-    from asyncflow.runtime._ray_start import CPU_SLOT, check_answers, start_ray
+    from asyncflow.runtime._ray_start import CPU_SLOT, check_answers, cluster_address, start_ray
     from asyncflow.runtime._session import Session, shutdown_ray
     from asyncflow.runtime._transform import transform

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 import msgspec
+import torch
 
 from asyncflow.algos import (
     Algorithm,
@@ -172,6 +173,14 @@ def episode_config(config: RunConfig) -> EpisodeConfig | None:
     return EpisodeConfig(env=e.cls, settings=e.settings, max_turns=e.max_turns, max_tokens=e.max_tokens,
                          timeout_s=e.timeout_s, on_error=e.on_error, format=e.format,
                          observation_role=e.observation_role, text_template=e.text_template, stop=tuple(e.stop))
+
+
+def pools_on_cuda(config: RunConfig) -> bool:
+    """Whether the run's pools get GPUs, as the driver sees it before Ray starts: a
+    device kind a pool names holds for all (a session uses one kind); with none
+    named (``"auto"``), GPUs when the driver's torch sees one."""
+    kinds = {p.device for p in config.pools.values()} - {"auto"}
+    return "cuda" in kinds or (not kinds and torch.cuda.is_available())
 
 
 def response_width(config: RunConfig) -> int:

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from asyncflow.train._config import RunConfig, hybrid_actor, needed_roles, sampling_of
+from asyncflow.train._config import (
+    RunConfig,
+    hybrid_actor,
+    needed_roles,
+    pools_on_cuda,
+    sampling_of,
+)
 from workers.engines import REPLICATE_MAX_PARAMS, PrecisionName, estimate_memory
 
 GIB = 2**30
@@ -184,8 +190,7 @@ def check_memory(config: RunConfig, model_dir: str, *, context: int) -> list[str
     driver's view: a GPU pool is checked when the driver sees a GPU)."""
     from transformers import AutoConfig
 
-    kinds = {p.device for p in config.pools.values()} - {"auto"}
-    cuda = "cuda" in kinds or (not kinds and torch.cuda.is_available())
+    cuda = pools_on_cuda(config)
     shape = ModelShape.of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
     scorer = config.reward.model_dir or config.cost.model_dir
     reward = ModelShape.of(AutoConfig.from_pretrained(scorer, local_files_only=True)) if scorer else None

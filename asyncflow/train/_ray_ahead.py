@@ -11,14 +11,12 @@ session then adopts.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 
 import ray
-import torch
 
-from asyncflow.runtime import shutdown_ray, start_ray
-from asyncflow.train._config import RunConfig
+from asyncflow.runtime import cluster_address, shutdown_ray, start_ray
+from asyncflow.train._config import RunConfig, pools_on_cuda
 
 
 @contextlib.contextmanager
@@ -31,7 +29,7 @@ def ray_started_ahead(config: RunConfig, *, address: str | None, worker_env: Map
     Nothing is started when the run joins a cluster (``address``, or
     ``RAY_ADDRESS``) or Ray runs already (a script's or a test's own instance).
     """
-    if address or not _embedded():
+    if cluster_address(address) is not None or ray.is_initialized():
         yield
         return
     start_ray(worker_nice=config.worker_nice, workers=cpu_ranks(config), worker_env=worker_env)
@@ -42,13 +40,7 @@ def ray_started_ahead(config: RunConfig, *, address: str | None, worker_env: Map
 
 
 def cpu_ranks(config: RunConfig) -> int:
-    """The ranks of the run's CPU pools: ``device = "cpu"``, or ``"auto"`` on a
-    machine whose torch sees no GPU (where the embedded instance has none)."""
-    auto_cpu = not torch.cuda.is_available()
-    return sum(p.devices for p in config.pools.values() if p.device == "cpu" or (p.device == "auto" and auto_cpu))
+    """The ranks of the run's pools when they are CPU pools (:func:`pools_on_cuda`
+    false), else 0: GPU workers are not started ahead."""
+    return 0 if pools_on_cuda(config) else sum(p.devices for p in config.pools.values())
 
-
-def _embedded() -> bool:
-    """Whether a session of this process would start a Ray instance of its own
-    (``RAY_ADDRESS`` names a cluster to join, as ``ray.init`` reads it)."""
-    return not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()

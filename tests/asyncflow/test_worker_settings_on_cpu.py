@@ -128,9 +128,12 @@ def _run_config(**pools: PoolSection) -> RunConfig:
 
 
 def test_a_run_counts_the_ranks_of_its_cpu_pools() -> None:
-    config = _run_config(main=PoolSection(devices=2, device="cpu"), side=PoolSection(devices=3),
-                         gpu=PoolSection(devices=4, device="cuda"))
-    assert cpu_ranks(config) == (2 if torch.cuda.is_available() else 5)  # "auto" is CPU where torch sees no GPU
+    # A device a pool names holds for every pool of the run (a session uses one kind);
+    # with none named, the pools are CPU ones where torch sees no GPU.
+    assert cpu_ranks(_run_config(main=PoolSection(devices=2, device="cpu"), side=PoolSection(devices=3))) == 5
+    assert cpu_ranks(_run_config(main=PoolSection(devices=2), side=PoolSection(devices=3))) == (
+        0 if torch.cuda.is_available() else 5)
+    assert cpu_ranks(_run_config(main=PoolSection(devices=2, device="cuda"), side=PoolSection(devices=3))) == 0
 
 
 def test_a_run_starts_ray_and_its_cpu_workers_ahead_and_its_session_adopts_them() -> None:
