@@ -43,6 +43,8 @@ class Control(asyncio.Protocol):
     def __init__(self) -> None:
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
+        self._outgoing: list[bytes] = []
+        """Frames of this turn of the event loop, written together at its end."""
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._numbers = itertools.count()
         self.lost = False
@@ -94,7 +96,7 @@ class Control(asyncio.Protocol):
         request = next(self._numbers)
         data = ControlWire.frame(ControlWire.EXECUTE, request, (call, tuple(fetched)))  # raises for an unpicklable argument
         self._waiting[request] = fut
-        self._transport.write(data)
+        self._post(data)
         return fut
 
     def send_slices(self, dst: int, tag: int, pieces: Sequence[Any]) -> bool:
@@ -102,13 +104,28 @@ class Control(asyncio.Protocol):
         False when the connection is closed (send another way)."""
         if self.lost or self._transport is None:
             return False
-        self._transport.write(ControlWire.frame(ControlWire.SEND, 0, (dst, tag, list(pieces))))
+        self._post(ControlWire.frame(ControlWire.SEND, 0, (dst, tag, list(pieces))))
         return True
 
+    def _post(self, frame: bytes) -> None:
+        """Queue ``frame`` for the write at the end of this turn of the event loop: a
+        step's calls, submitted together, reach the worker in one write (one wake-up
+        of its reading thread, one system call here)."""
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing.append(frame)
+
+    def _flush(self) -> None:
+        frames, self._outgoing = self._outgoing, []
+        if frames and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(frames))
+
     def close(self) -> None:
-        """Close the connection (the worker's end closes with it)."""
+        """Close the connection (the worker's end closes with it), after the frames
+        queued in this turn."""
         self._closing = True
         if self._transport is not None:
+            self._flush()
             self._transport.close()
 
 

@@ -77,6 +77,36 @@ def test_calls_answer_in_order_on_one_compute_thread_and_sends_post_at_once() ->
     assert {o["thread"] for o in out} == {"asyncflow-control-compute"}
 
 
+def test_the_frames_of_one_turn_of_the_loop_go_in_one_write_and_close_sends_them_first() -> None:
+    worker = Worker()
+    server = _server(worker)
+    writes: list[int] = []
+
+    async def main() -> list[Any]:
+        control = await _connect(server)
+        assert control._transport is not None
+        write = control._transport.write
+        control._transport.write = lambda data: (writes.append(len(data)), write(data))[1]  # type: ignore[method-assign]
+        first = [control.execute(f"a{i}", []) for i in range(3)]  # one turn: one write
+        assert writes == []  # written at the end of the turn
+        out = await asyncio.gather(*first)
+        out.append(await control.execute("b", []))  # a later turn: its own write
+        assert control.send_slices(1, 2, ["last"])
+        control.close()  # in the same turn: the queued send goes out before the close
+        return out
+
+    try:
+        out = asyncio.run(asyncio.wait_for(main(), 30))
+        deadline = time.monotonic() + 10
+        while not worker.sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        server.close()
+    assert [o["echo"] for o in out] == ["a0", "a1", "a2", "b"]
+    assert len(writes) == 3
+    assert worker.sent == [(1, 2, ["last"])]
+
+
 def test_a_rank_error_and_arguments_that_do_not_load_come_back_as_errors() -> None:
     worker = Worker()
     server = _server(worker)

@@ -100,7 +100,11 @@ class KVBatch:
     """The caller's id of each row."""
     cache: DynamicCache
     mask: torch.Tensor
-    """[B, L] int64 over the cached tokens."""
+    """[B, L] int64 over the cached tokens but the last ``unmasked`` (read it
+    through :meth:`full_mask`)."""
+    unmasked: int = 0
+    """Columns cached since ``mask`` was last written, attended to by every row: an
+    unpadded batch's decode steps need no mask, so they only count their column."""
     next_positions: torch.Tensor
     """[B] position of the token fed at the next step."""
     next_tokens: torch.Tensor
@@ -112,6 +116,13 @@ class KVBatch:
     def __len__(self) -> int:
         return len(self.indices)
 
+    def full_mask(self) -> torch.Tensor:
+        """``mask`` over every cached column (the ``unmasked`` ones written now)."""
+        if self.unmasked:
+            ones = self.mask.new_ones((self.mask.shape[0], self.unmasked))
+            self.mask, self.unmasked = torch.cat([self.mask, ones], dim=1), 0
+        return self.mask
+
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (positions in this batch, in that order; one given twice
         is copied), dropping padding nobody needs."""
@@ -119,7 +130,7 @@ class KVBatch:
             return
         select = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
         self.indices = [self.indices[row] for row in rows]
-        mask = self.mask.index_select(0, select)
+        mask = self.full_mask().index_select(0, select)
         # Rows are right-aligned, so the longest row says how many columns are needed.
         lengths = mask.sum(dim=1)
         start = mask.shape[1] - int(lengths.max()) if rows else mask.shape[1]
@@ -133,9 +144,10 @@ class KVBatch:
 
     def extend(self, other: KVBatch) -> None:
         """Append the rows of ``other``, left-padding whichever cache is shorter."""
-        length = max(self.mask.shape[1], other.mask.shape[1])
-        self.padded = self.padded or other.padded or self.mask.shape[1] != other.mask.shape[1]
-        self.mask = torch.cat([_left_pad(self.mask, length), _left_pad(other.mask, length)])
+        mine, theirs = self.full_mask(), other.full_mask()
+        length = max(mine.shape[1], theirs.shape[1])
+        self.padded = self.padded or other.padded or mine.shape[1] != theirs.shape[1]
+        self.mask = torch.cat([_left_pad(mine, length), _left_pad(theirs, length)])
         self.indices = self.indices + other.indices
         self.next_positions = torch.cat([self.next_positions, other.next_positions])
         self.next_tokens = torch.cat([self.next_tokens, other.next_tokens])
@@ -217,16 +229,15 @@ def _prefill(model: PreTrainedModel, sequences: Sequence[Sequence[int]], indices
 def decode(model: PreTrainedModel, batch: KVBatch, lean: LeanDecoder | None = None) -> torch.Tensor:
     """Feed every row its last sampled token; return the next-token logits ``[B, V]``.
     With ``lean`` (the model's :class:`LeanDecoder`) the step skips transformers' plumbing."""
-    ones = torch.ones((len(batch), 1), dtype=batch.mask.dtype, device=batch.mask.device)
-    batch.mask = torch.cat([batch.mask, ones], dim=1)
+    batch.unmasked += 1
     if lean is not None:
-        logits = lean.step(batch.next_tokens, batch.next_positions, batch.mask if batch.padded else None,
+        logits = lean.step(batch.next_tokens, batch.next_positions, batch.full_mask() if batch.padded else None,
                            [layer for layer, _, _ in kv_layers(batch.cache)])
         batch.next_positions = batch.next_positions + 1
         return logits
     output = model(
         input_ids=batch.next_tokens[:, None],
-        attention_mask=batch.mask,
+        attention_mask=batch.full_mask(),
         position_ids=batch.next_positions[:, None],
         past_key_values=batch.cache,
         use_cache=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import LlamaForCausalLM
 
 from channels import ConfigError
 from workers.engines import EngineConfigError, TrainingConfig, TrainingEngine, ValueHead
+from workers.engines._optimizer import build_adamw
 from workers.objectives import LossAggregation, NLLLoss, PolicyLoss, ValueLoss
 
 torch.set_num_threads(1)
@@ -158,3 +160,25 @@ def test_cuda_engine_matches_cpu_engine() -> None:
         gpu.log_probs(batch)[0].cpu(), cpu.log_probs(batch)[0], rtol=1e-4, atol=1e-4
     )
     assert gpu.train_step(batch)["loss"] == pytest.approx(cpu.train_step(batch)["loss"], rel=1e-4)
+
+
+def test_the_cpu_optimizer_runs_fused_adamw_and_steps_as_the_per_tensor_loop() -> None:
+    model = tiny_lm()
+    twin = copy.deepcopy(model)
+    config = TrainingConfig(lr=1e-2, weight_decay=0.1)
+    fused = build_adamw(model, config, torch.device("cpu"))
+    assert [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
+    assert all(g.get("fused") for g in fused.param_groups)
+    names = {id(p): name for name, p in model.named_parameters()}
+    twins = dict(twin.named_parameters())
+    loop = torch.optim.AdamW([{"params": [twins[names[id(p)]] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                              for g in fused.param_groups], lr=config.lr, betas=config.betas, eps=config.eps)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for name, p in model.named_parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+            twins[name].grad = p.grad.clone()
+        fused.step()
+        loop.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, twins[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -130,6 +130,19 @@ def test_continuous_batching_matches_static_batching(model: PreTrainedModel) -> 
             _assert_same(_engine(model, max_batch_size=size).generate(PROMPTS, params), expected)
 
 
+def test_rows_of_one_length_leave_and_join_as_when_decoded_alone(model: PreTrainedModel) -> None:
+    # Prompts of one length decode without padding (no mask written per step) until
+    # rows leave at their budgets and waiting ones join: the mask is then needed.
+    prompts = [[1, *p] for p in torch.randint(3, 19, (5, 6), generator=torch.Generator().manual_seed(2)).tolist()]
+    budgets = [3, 9, 5, 12, 7]
+    for params in (SamplingParams(max_new_tokens=12, ignore_eos=True, seed=3),
+                   SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.0)):
+        expected = _engine(model, max_batch_size=1).generate(prompts, params, max_new_tokens=budgets)
+        for size in (2, 5):
+            _assert_same(_engine(model, max_batch_size=size).generate(prompts, params, max_new_tokens=budgets),
+                         expected)
+
+
 def test_waiting_prompts_join_while_others_decode(model: PreTrainedModel) -> None:
     long_prompt, short_prompt, eos = _long_and_short(model)
     batch_sizes: list[int] = []
