@@ -8,9 +8,7 @@
 Benchmarks are not commands of the package: they run as ``python -m bench.<name>``
 (``bench`` sits above ``asyncflow`` and uses it, never the other way round).
 
-The whole configuration is checked before any work starts (``asyncflow train``
-starts Ray first, while it imports, and ends it again on a configuration
-error). An asyncflow error
+The whole configuration is checked before anything starts. An asyncflow error
 (:class:`~channels.AsyncflowError`) ends the command with one line on stderr: a
 configuration error names the key (exit 2), any other error what failed and where
 (exit 1); ``--debug`` adds the traceback and the rest of the message (the remote
@@ -23,10 +21,8 @@ below WARNING go to the run's ``engines.log``, in the driver and in the workers
 ``debug``) shows them on the terminal too.
 
 Without ``--address`` (or ``RAY_ADDRESS``) the command starts its own Ray instance,
-on the loopback interface, before it imports torch (the two take seconds each and
-overlap: ``asyncflow.train._ray_ahead.start_ray_early``); with one it joins that
-cluster (``ray job submit`` sets ``RAY_ADDRESS`` for it). See ``init_ray`` in
-``asyncflow.runtime``.
+on the loopback interface; with one it joins that cluster (``ray job submit``
+sets ``RAY_ADDRESS`` for it). See ``init_ray`` in ``asyncflow.runtime``.
 
 Only ``argparse`` and the standard library load before a command runs: ``--help``
 and ``--version`` import no torch, Ray or runtime module, and each command imports
@@ -77,12 +73,12 @@ def _say(msg: str) -> None:
 
 
 def _overrides(pairs: Sequence[str]) -> dict[str, object]:
+    from channels import ConfigError
+
     out: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            from channels import ConfigError  # imports torch: only to raise
-
             raise ConfigError(f"--set expects key=value, got {pair!r}; e.g. --set train.steps=5")
         try:
             out[key] = json.loads(value)
@@ -94,42 +90,23 @@ def _overrides(pairs: Sequence[str]) -> dict[str, object]:
 def _terminal_level(args: argparse.Namespace) -> int:
     """The lowest level the terminal shows: ``--verbose`` is INFO; else
     ``ASYNCFLOW_LOG`` (a level name), else WARNING."""
+    from channels import ConfigError
+
     if getattr(args, "verbose", False):
         return logging.INFO
     name = os.environ.get(LOG_ENV, "warning").upper()
     level = logging.getLevelName(name)
     if not isinstance(level, int):
-        from channels import ConfigError  # imports torch: only to raise
-
         raise ConfigError(f"{LOG_ENV}={os.environ[LOG_ENV]!r} is not a log level; use debug, info or warning")
     return level
 
 
 def _train(args: argparse.Namespace) -> int:
-    from asyncflow.train._ray_ahead import run_worker_env, start_ray_early
-    from asyncflow.train._user_modules import module_dirs
+    from asyncflow.train import Trainer, algorithm_in, load_config, module_dirs
 
     overrides = _overrides(args.set)
     if args.trace:
         overrides.setdefault("train.trace_steps", 3)
-    level, dirs = _terminal_level(args), module_dirs(args.config)
-    # Ray and the workers start while torch, transformers and the roles import (seconds each).
-    _say(f"asyncflow train {args.config}: starting ...")
-    started = start_ray_early(args.config, overrides, address=args.address,
-                              worker_env=lambda: run_worker_env(terminal_level=level, module_dirs=dirs, log_file=None))
-    try:
-        return _run_training(args, overrides)
-    except BaseException:
-        if started:  # the run did not get to its Ray (a bad configuration): end it now
-            from asyncflow.runtime import shutdown_ray
-
-            shutdown_ray()
-        raise
-
-
-def _run_training(args: argparse.Namespace, overrides: dict[str, object]) -> int:
-    from asyncflow.train import Trainer, algorithm_in, load_config, module_dirs
-
     config = load_config(args.config, overrides)
     arithmetic = config.data.arithmetic
     task = (config.data.train if config.data.kind == "files"

@@ -37,8 +37,7 @@ _EXPORTS = {
     "asyncflow.runtime._ops": ("concat", "merge"),
     "asyncflow.runtime._pool": ("ResourcePool", "RoleSpec"),
     "asyncflow.runtime._proxy": ("RoleGroup", "Roles", "Stage", "Submit"),
-    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "cluster_address", "start_ray",
-                                     "start_workers_ahead"),
+    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "cluster_address", "start_ray"),
     "asyncflow.runtime._session": ("Session", "shutdown_ray"),
     "asyncflow.runtime._transform": ("transform",),
 }
@@ -60,12 +59,6 @@ if TYPE_CHECKING:
     from asyncflow.runtime._ops import concat, merge
     from asyncflow.runtime._pool import ResourcePool, RoleSpec
     from asyncflow.runtime._proxy import RoleGroup, Roles, Stage, Submit
-    from asyncflow.runtime._ray_start import (
-        CPU_SLOT,
-        check_answers,
-        cluster_address,
-        start_ray,
-        start_workers_ahead,
-    )
+    from asyncflow.runtime._ray_start import CPU_SLOT, check_answers, cluster_address, start_ray
     from asyncflow.runtime._session import Session, shutdown_ray
     from asyncflow.runtime._transform import transform

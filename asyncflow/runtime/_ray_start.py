@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import ray
 from ray._private import ray_constants
@@ -48,8 +48,7 @@ _unclaimed = False  # a start_ray instance no session has taken over yet
 
 
 def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[str] = HEAVY_MODULES,
-              keep: bool = False, workers: int = 0,
-              worker_env: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None) -> None:
+              keep: bool = False, workers: int = 0, worker_env: Mapping[str, str] | None = None) -> None:
     """Start a local Ray instance now, importing ``preload`` meanwhile.
 
     Call it at the top of a script, before its heavy imports (which then find
@@ -74,9 +73,7 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
             process that imports for nothing.
         worker_env: those workers' environment variables: the session adopts
             them only if its own ``worker_env`` is the same (but for
-            :data:`workers.LIVE_ENV`); or a function that returns them, called
-            in the background while Ray starts (an environment whose making
-            imports torch); should it raise, no worker starts ahead.
+            :data:`workers.LIVE_ENV`).
     """
     global _unclaimed
     with _lock:
@@ -85,7 +82,8 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
         if workers < 0:
             raise _config_error(f"start_ray(workers=...) must be >= 0, got {workers!r}")
         ray_up = threading.Event()
-        importer = threading.Thread(target=_import_quietly, args=(tuple(preload), workers, worker_env or {}, ray_up),
+        importer = threading.Thread(target=_import_quietly, args=(tuple(preload), workers, dict(worker_env or {}),
+                                                                  ray_up),
                                     name="asyncflow-preload", daemon=True)
         importer.start()
         try:
@@ -94,36 +92,6 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
         finally:
             ray_up.set()
             importer.join()  # no import half done when the script's own imports run
-
-
-def start_workers_ahead(workers: int, *, worker_env: Mapping[str, str] | None = None,
-                        preload: Sequence[str] = HEAVY_MODULES) -> bool:
-    """Have ``workers`` CPU worker processes wait for the next session to adopt, as
-    ``start_ray(workers=...)`` does, on the instance :func:`start_ray` started and
-    no session has taken over yet: those waiting already count, the missing ones
-    start (``asyncflow train`` starts Ray, and its workers where its files say
-    which, before its heavy imports; its run then has the rest started).
-
-    Args:
-        workers: processes to have waiting.
-        worker_env: the environment variables of those that start (see
-            :func:`start_ray`).
-        preload: modules they import meanwhile.
-
-    Returns:
-        Whether Ray runs as such an instance (False: no Ray, another one, or one
-        started with ``keep``; nothing started).
-    """
-    with _lock:
-        if not (_unclaimed and ray.is_initialized()):
-            return False
-    if workers < 0:
-        raise _config_error(f"start_workers_ahead(workers=...) must be >= 0, got {workers!r}")
-    from asyncflow.runtime import _idle
-
-    if (missing := workers - _idle.kept_count()) > 0:
-        _idle.start_ahead(missing, preload=tuple(preload), worker_env=dict(worker_env or {}))
-    return True
 
 
 def claim_started_instance() -> bool:
@@ -135,23 +103,17 @@ def claim_started_instance() -> bool:
     return claimed
 
 
-def _import_quietly(modules: tuple[str, ...], workers: int,
-                    worker_env: Mapping[str, str] | Callable[[], Mapping[str, str]], ray_up: threading.Event) -> None:
+def _import_quietly(modules: tuple[str, ...], workers: int, worker_env: dict[str, str],
+                    ray_up: threading.Event) -> None:
     """Import ``modules``; with ``workers``, first start that many workers ahead
     once Ray is up (which imports the worker module: torch, Ray, ``channels``)."""
     # workers.host._worker has its twin; importing it from here would import torch first
     if workers:
         from asyncflow.runtime import _idle
 
-        try:
-            env = dict(worker_env() if callable(worker_env) else worker_env)
-        except Exception:  # the session starts its workers then
-            logging.getLogger(__name__).warning("no worker starts ahead: their environment failed", exc_info=True)
-            ray_up.wait()
-        else:
-            ray_up.wait()
-            if ray.is_initialized():
-                _idle.start_ahead(workers, preload=modules, worker_env=env)
+        ray_up.wait()
+        if ray.is_initialized():
+            _idle.start_ahead(workers, preload=modules, worker_env=worker_env)
     for name in modules:
         try:
             importlib.import_module(name)

@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from workers import EngineLogs
+from workers import EngineLogs, engine_log_env
 
 LOG_NAME = "engines.log"
 """The file's name in the run's directory."""
@@ -39,6 +39,10 @@ class RunLog:
         self.terminal_level = terminal_level
         self._pending = run_dir is None
         self._driver = EngineLogs(terminal_level=terminal_level, log_file=self.path)
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment variables that route a worker's engine logs into this file."""
+        return engine_log_env(terminal_level=self.terminal_level, log_file=self.path)
 
     def move_into(self, run_dir: Path) -> None:
         """Rename the file into ``run_dir`` (the processes writing to it go on)."""

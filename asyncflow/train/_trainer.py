@@ -44,12 +44,12 @@ from asyncflow.train._metrics import (
 )
 from asyncflow.train._prompts import RunPrompts, TrainBatches, run_prompts
 from asyncflow.train._quiet import RunLog
-from asyncflow.train._ray_ahead import ray_started_ahead, run_worker_env
+from asyncflow.train._ray_ahead import ray_started_ahead
 from asyncflow.train._roles import role_specs
 from asyncflow.train._rundir import RunDirs
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from asyncflow.train._start_model import starting_model
-from asyncflow.train._user_modules import importable
+from asyncflow.train._user_modules import importable, worker_python_path
 from channels import AsyncflowError, ConfigError
 from workers.data import check_fits_context, generate_splits
 from workers.models import CharTokenizer
@@ -173,8 +173,7 @@ class Trainer:
                                max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings)
         with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
               importable(self.module_dirs)):
-            worker_env = run_worker_env(terminal_level=self.terminal_level, module_dirs=self.module_dirs,
-                                        log_file=self._log.path)
+            worker_env = self._log.worker_env() | worker_python_path(self.module_dirs)
             # Ray and the workers start while the driver prepares the model and the data.
             with ray_started_ahead(c, address=self.address, worker_env=worker_env):
                 return await self._run(worker_env)

@@ -27,12 +27,3 @@ def test_the_drivers_modules_load_no_model_class_until_a_model_is_built() -> Non
                          check=True, timeout=300).stdout.splitlines()
     assert out[-2] == "LOADED []"
     assert out[-1] == "BUILT LlamaForCausalLM True"
-
-
-def test_the_command_lines_early_ray_start_imports_no_torch() -> None:
-    # asyncflow train starts Ray from this module before the heavy imports, which then overlap ray.init.
-    probe = ("import sys, asyncflow.cli, asyncflow.train._ray_ahead; "
-             "print(sorted(m for m in ('torch', 'transformers', 'channels') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True,
-                         timeout=300).stdout.splitlines()
-    assert out[-1] == "[]"

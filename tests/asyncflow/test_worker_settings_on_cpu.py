@@ -1,13 +1,11 @@
 """Worker processes run at the session's niceness and with their pool's torch
 threads (real Ray workers), the default thread count follows the cores, a
 session takes over the Ray instance ``asyncflow.start_ray`` started, and a run
-starts Ray and its CPU workers ahead of its session (the command line starts
-Ray before its own imports)."""
+starts Ray and its CPU workers ahead of its session."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -17,21 +15,14 @@ import ray
 import torch
 
 import asyncflow as af
-from asyncflow.cli import main as cli_main
 from asyncflow.runtime import _idle
 from asyncflow.runtime._pool import worker_threads
 from asyncflow.train import load_config
 from asyncflow.train._config import RunConfig
-from asyncflow.train._ray_ahead import (
-    cpu_ranks,
-    early_cpu_ranks,
-    ray_started_ahead,
-    start_ray_early,
-)
+from asyncflow.train._ray_ahead import cpu_ranks, ray_started_ahead
 from asyncflow.train._sections import PoolSection
 from channels import ConfigError
 from support import Sleeper
-from workers.host._engine_logs import LOG_FILE_ENV
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "arith_grpo.toml"
 
@@ -188,74 +179,3 @@ def test_a_run_starts_nothing_ahead_on_a_cluster_or_a_running_ray() -> None:
         assert ray.is_initialized(), "an instance the run did not start outlives it"
     finally:
         af.shutdown_ray()
-
-
-def test_the_command_line_starts_ray_and_workers_early_and_the_run_adopts_them(tmp_path: Path) -> None:
-    af.shutdown_ray()
-    path = tmp_path / "run.toml"
-    path.write_text(EXAMPLE.read_text())  # pools: main = 1 rank
-    config = _run_config(main=PoolSection(devices=2, device="cpu"))
-    env = {"ASYNCFLOW_TEST_AHEAD": "1"}
-    run_env = env | {LOG_FILE_ENV: str(tmp_path / "engines.log")}  # read again when a worker is adopted
-
-    async def main() -> list[int]:
-        async with af.Session(worker_env=run_env) as session:
-            roles = await session.spawn({"s": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="main", devices=2,
-                                                                                          threads=1))})
-            return await roles.s.pid()
-
-    def waiting() -> list[int]:
-        return sorted(pid for pid, *_ in ray.get([a.identity.remote() for _, a in _idle._kept[_idle._connection()]]))
-
-    try:
-        assert start_ray_early(path, {"worker_nice": 3, "train.steps": 2}, address=None, worker_env=lambda: env)
-        early = waiting()
-        assert ray.is_initialized() and len(early) == 1  # the file's one CPU rank, started with Ray
-        assert not start_ray_early(path, {}, address=None, worker_env=lambda: env), "Ray runs already"
-        with ray_started_ahead(config, address=None, worker_env=run_env):
-            ahead = waiting()  # the run's second rank started now
-            assert len(ahead) == 2 and set(early) < set(ahead)
-            nices = [os.getpriority(os.PRIO_PROCESS, pid) for pid in ahead]
-            pids = asyncio.run(asyncio.wait_for(main(), timeout=300))
-        assert not ray.is_initialized(), "the early instance ends with the run"
-    finally:
-        af.shutdown_ray()
-    assert nices == [3, 3]  # the overrides' worker_nice
-    assert sorted(pids) == ahead
-
-
-def test_the_command_line_starts_no_ray_early_where_the_file_or_the_cluster_says_not_to(tmp_path: Path) -> None:
-    af.shutdown_ray()
-    good = tmp_path / "run.toml"
-    good.write_text(EXAMPLE.read_text())
-    assert not start_ray_early(good, {}, address="127.0.0.1:1", worker_env=dict)  # a cluster's run
-    broken = tmp_path / "broken.toml"
-    broken.write_text("[train\nsteps = 1\n")
-    assert not start_ray_early(broken, {}, address=None, worker_env=dict)  # loading it says what is wrong
-    assert not start_ray_early(tmp_path / "missing.toml", {}, address=None, worker_env=dict)
-    for nice in (-1, 20, "5", True):
-        assert not start_ray_early(good, {"worker_nice": nice}, address=None, worker_env=dict)
-    assert not ray.is_initialized()
-
-
-def test_the_early_start_counts_the_cpu_ranks_the_file_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = {"main": {"devices": 2, "device": "cpu"}, "side": {}}
-    assert early_cpu_ranks(cpu) == 3
-    assert early_cpu_ranks({"main": {"devices": 2, "device": "cuda"}, "side": {}}) == 0
-    for odd in (None, {}, {"main": 3}, {"main": {"devices": 0}}, {"main": {"devices": "2"}}):
-        assert early_cpu_ranks(odd) == 0
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU for torch: "auto" pools are CPU pools
-    assert early_cpu_ranks({"main": {"devices": 2}}) == 2
-
-
-def test_a_bad_configuration_ends_the_ray_the_command_line_started(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    af.shutdown_ray()
-    bad = tmp_path / "bad.toml"
-    bad.write_text(EXAMPLE.read_text() + "\n[critic]\nlrr = 0.1\n")
-    try:
-        assert cli_main(["train", str(bad)]) == 2
-        assert not ray.is_initialized()
-    finally:
-        af.shutdown_ray()
-    assert "lrr" in capsys.readouterr().err
