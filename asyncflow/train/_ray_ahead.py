@@ -43,4 +43,3 @@ def cpu_ranks(config: RunConfig) -> int:
     """The ranks of the run's pools when they are CPU pools (:func:`pools_on_cuda`
     false), else 0: GPU workers are not started ahead."""
     return 0 if pools_on_cuda(config) else sum(p.devices for p in config.pools.values())
-
