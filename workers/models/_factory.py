@@ -10,9 +10,10 @@ causal LM (actor, reference) or with a value head (critic, reward, cost).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import torch
 
@@ -245,8 +246,8 @@ def load_model(
     is_value = is_value_model_dir(path)
     if kind == "value":
         if is_value:
-            return ValueModel.from_pretrained(path)
-        return ValueModel.from_causal_lm(path, seed=head_seed)
+            return _in_aligned_memory(ValueModel.from_pretrained(path))
+        return _in_aligned_memory(ValueModel.from_causal_lm(path, seed=head_seed))
     if kind != "causal_lm":
         raise ConfigError(f"load_model kind must be 'causal_lm' or 'value', got {kind!r}")
     if is_value:
@@ -257,7 +258,30 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    return model.eval()
+    return _in_aligned_memory(model.eval())
+
+
+_ALIGNMENT = 64
+"""Bytes: where torch's CPU allocator starts every tensor (a cache line)."""
+
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+def _in_aligned_memory(model: _M) -> _M:
+    """``model`` with every parameter and buffer that does not start on an
+    :data:`_ALIGNMENT` boundary copied into fresh memory (in place: the modules and
+    parameters stay the same objects).
+
+    transformers loads a safetensors checkpoint's tensors 8 bytes off a cache line,
+    where every copy of them starts on one, and MKL's matrix products round
+    differently between the two (by about 1e-7 in a decode step's log-probs). Loaded
+    this way, the training parameters compute as any copy of them does: a rollout
+    engine's, or the weights another pool receives.
+    """
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type == "cpu" and tensor.data_ptr() % _ALIGNMENT:
+            tensor.data = tensor.data.clone()
+    return model
 
 
 def _generation_config(hf_config: PretrainedConfig) -> GenerationConfig:

@@ -4,8 +4,11 @@ Each rank holds a training engine (FSDP2/TP over the role's DeviceMesh on pools 
 more than one rank) and a rollout engine. Two ways to give the rollout engine the
 weights:
 
-- without a generation layout (the default), the rollout engine keeps a full copy
-  of the weights; after every optimizer update, and after a checkpoint load, the
+- without a generation layout (the default), the native rollout engine samples
+  from the training parameters themselves where each rank holds them whole in the
+  rollout's dtype and device (float32 on the CPU by default; rebound after every
+  optimizer update and checkpoint load, no copy); otherwise it keeps a full copy of
+  the weights, and after every optimizer update, and after a checkpoint load, the
   training weights are gathered and loaded into it;
 - with one (the placement's ``Layout.gen``, native engine), the hybrid engine
   reshards the training shards into generation shards at the start of every
@@ -45,7 +48,7 @@ from workers.roles._engine_choice import build_engine
 from workers.roles._episodes import EpisodeSetup
 from workers.roles._generation import checked_generate
 from workers.roles._hybrid import HybridWeights
-from workers.roles._rollout import build_rollout, model_eos
+from workers.roles._rollout import bind_training_weights, build_rollout, model_eos
 from workers.roles._staleness import VERSION_METRICS_REDUCE, staleness_columns, version_metrics
 from workers.roles._training import (
     UpdateConfig,
@@ -120,6 +123,9 @@ class ActorWorker(TrainedRole):
             assert isinstance(self.rollout, NativeRolloutEngine)
             self._hybrid = HybridWeights(ctx, self.engine.model, self.rollout,
                                          bucket_bytes=int(config.reshard_bucket_mb * (1 << 20)))
+        # Offloaded parameters move between devices: the rollout engine keeps its copy then.
+        self._shares_weights = (gen is None and not config.offload_params and self.engine.infers_alone
+                                and bind_training_weights(self.rollout, self.engine.named_full_weights()))
 
     @register(protocol=MicroDP(), reads=(F.PROMPT_IDS, F.PROMPT_MASK), carries="prompts",
               writes=(F.RESPONSE_IDS, F.RESPONSE_MASK, F.ROLLOUT_LOGPROBS), row_lengths=F.RESPONSE_MASK)
@@ -338,6 +344,8 @@ class ActorWorker(TrainedRole):
     def _sync_rollout(self) -> None:
         if self._hybrid is not None or self.rollout is None:
             return  # the next generate reshards the new weights, or there is no engine
+        if self._shares_weights and bind_training_weights(self.rollout, self.engine.named_full_weights()):
+            return
         # Collective: every rank gathers every tensor, in the same order.
         self.rollout.update_weights(self.engine.named_full_weights())
 

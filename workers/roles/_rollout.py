@@ -1,8 +1,9 @@
 """The actor's generation side: which rollout engine, and rows in and out of it.
 
 The engine is picked by the type of its config (``NativeRolloutConfig`` or
-``VLLMRolloutConfig``); it always holds a full copy of the actor's weights, which
-the actor refreshes after every update.
+``VLLMRolloutConfig``); it holds a full copy of the actor's weights, which the
+actor refreshes after every update, unless the native engine samples from the
+training parameters themselves (:func:`bind_training_weights`).
 
 vLLM runs in the worker's own process (``VLLMRolloutEngine`` keeps its
 ``torch.distributed`` set-up apart from the session's groups); weights reach it by
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import msgspec
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from channels import ConfigError
 from workers.engines import PrecisionName
@@ -92,9 +94,41 @@ def build_rollout(config: RolloutConfig, *, model: PreTrainedModel, model_dir: s
         return VLLMRolloutEngine(model_dir, config=seeded)
     native = dataclasses.replace(config, seed=config.seed + rank,
                                  dtype=ROLLOUT_DTYPES[precision] if config.dtype == "auto" else config.dtype)
+    # The copy never trains. Parameters that require gradients would also change how
+    # torch multiplies by them (``matmul`` folds a 3-D input into one 2-D product only
+    # against a weight that does not), so a copy and the training parameters
+    # themselves (bind_training_weights) would sample differently.
+    copied = copy.deepcopy(model).to(getattr(torch, native.dtype)).requires_grad_(False)
     # The tokenizer decodes responses for stop strings (SamplingParams.stop).
-    copied = copy.deepcopy(model).to(getattr(torch, native.dtype))
     return NativeRolloutEngine(copied, config=native, tokenizer=load_tokenizer(model_dir))
+
+
+def bind_training_weights(rollout: RolloutEngine | None, weights: Iterable[tuple[str, Tensor]]) -> bool:
+    """Make the native ``rollout`` engine sample from ``weights`` (the training
+    engine's, by Hugging Face name) themselves instead of its own copy, where that
+    takes no conversion: every parameter of its model is among them, whole (no
+    shard), with its shape, dtype and device, and it decodes without the static
+    cache (a bind would turn that cache's CUDA graphs off). The copy's memory is
+    freed. An optimizer step then changes the sampled weights in place; binding
+    again after it (see :meth:`NativeRolloutEngine.bind_weights`) ends the runs
+    opened before it and follows a parameter whose memory moved.
+
+    Returns:
+        Whether it bound them (False: the engine keeps its copy, to load with
+        ``update_weights``).
+    """
+    if not isinstance(rollout, NativeRolloutEngine) or rollout.static_cache:
+        return False
+    mine = dict(rollout.model.named_parameters())
+    given = {name: tensor for name, tensor in weights if name in mine}
+    if given.keys() != mine.keys() or any(
+        isinstance(tensor, DTensor) or isinstance(mine[name], DTensor) or tensor.shape != mine[name].shape
+        or tensor.dtype != mine[name].dtype or tensor.device != mine[name].device
+        for name, tensor in given.items()
+    ):
+        return False
+    rollout.bind_weights(given.items())
+    return True
 
 
 def unpadded_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:

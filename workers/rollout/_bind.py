@@ -55,7 +55,7 @@ def bind_parameters(model: nn.Module, named_tensors: Iterable[tuple[str, Tensor]
                 raise ConfigError(f"bind_weights got {name!r} as {tuple(tensor.shape)} {tensor.dtype}, but this "
                                   f"rank's parameter is {want} {local.dtype}")
             param.requires_grad_(False)
-            local.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+            local.set_(tensor)  # its storage, offset, size and stride
             bound += 1
     return bound
 

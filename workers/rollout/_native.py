@@ -129,6 +129,13 @@ class NativeRolloutEngine:
         return self._config
 
     @property
+    def static_cache(self) -> bool:
+        """Whether runs decode with the static cache (``NativeRolloutConfig.decode``):
+        weights bound from outside (:meth:`bind_weights`) then turn its CUDA graphs
+        and compiling off."""
+        return self._decoders is not None
+
+    @property
     def weights_version(self) -> int:
         """Changes whenever the weights do (a load, bind or release): a run started
         before refuses to step on."""
@@ -311,7 +318,8 @@ class NativeRolloutEngine:
     def bind_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Make the model's parameters view the given tensors (no copy): the hybrid
         engine's generation shards, kept alive by the caller until
-        :meth:`release_weights`. Open runs stop being valid.
+        :meth:`release_weights`, or the training engine's own parameters where they
+        are the whole model in the engine's dtype. Open runs stop being valid.
 
         Raises:
             ConfigError: a name is not a parameter, or a shape or dtype differs.

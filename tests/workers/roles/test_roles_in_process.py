@@ -12,7 +12,7 @@ from roles_testlib import TINY, advantages_for, local_ctx, prompt_columns
 from channels import Batch, ConfigError, MissingFieldError
 from workers import Adopt, Chunk, Finish, Handoff, Tail
 from workers.engines import TrainingConfig
-from workers.models import load_model, save_tiny_model
+from workers.models import TinyModelConfig, load_model, save_tiny_model
 from workers.objectives import PolicyLoss
 from workers.roles import (
     ActorConfig,
@@ -23,7 +23,8 @@ from workers.roles import (
     ReferenceWorker,
     UpdateConfig,
 )
-from workers.rollout import SamplingParams
+from workers.roles._rollout import build_rollout
+from workers.rollout import NativeRolloutConfig, SamplingParams
 
 torch.set_num_threads(1)
 R = 6
@@ -163,8 +164,20 @@ def test_log_prob_matches_the_rollout_logprobs(model_dir: str) -> None:
                                mine["old_logprobs"], atol=1e-6, rtol=0)
 
 
-def test_update_changes_the_weights_and_the_next_generate_uses_them(model_dir: str) -> None:
-    actor = _actor(model_dir, loss=PolicyLoss(kl_coef=0.1))
+def _shares_memory(actor: ActorWorker) -> list[bool]:
+    """Per parameter, whether the rollout engine's model samples from the training parameter's own memory."""
+    assert actor.rollout is not None
+    training = dict(actor.engine.model.named_parameters())
+    return [p.data_ptr() == training[name].data_ptr() for name, p in actor.rollout.model.named_parameters()]
+
+
+# The dynamic cache (the CPU's default) samples from the training parameters; the
+# static one keeps a copy (a bind would turn its CUDA graphs off), loaded after updates.
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_update_changes_the_weights_and_the_next_generate_uses_them(model_dir: str, decode: str) -> None:
+    actor = _actor(model_dir, loss=PolicyLoss(kl_coef=0.1), rollout=NativeRolloutConfig(decode=decode))
+    shared = decode == "dynamic"
+    assert set(_shares_memory(actor)) == {shared}
     prompts = Batch(prompt_columns())
     before = actor.generate(prompts, params=GREEDY)
     rollout = actor.generate(prompts, n=4)
@@ -180,6 +193,27 @@ def test_update_changes_the_weights_and_the_next_generate_uses_them(model_dir: s
     after = actor.generate(prompts, params=GREEDY)
     torch.testing.assert_close(actor.log_prob(Batch(after))["old_logprobs"],
                                after["rollout_logprobs"], atol=1e-5, rtol=0)
+    assert set(_shares_memory(actor)) == {shared}
+
+
+def test_the_rollout_samples_from_the_training_parameters_as_from_a_copy_of_them(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Bit for bit: a copy's parameters start on a cache line and require no
+    gradients, and the loaded training parameters must compute as they do (else a
+    run whose rollout engine holds a copy, another pool's, drifts from one that
+    samples from the training parameters). A model with two heads of 64: on
+    ``TINY`` the products round alike either way."""
+    model_dir = str(save_tiny_model(tmp_path_factory.mktemp("wider"), TinyModelConfig(), seed=0))
+    actor = _actor(model_dir)
+    assert set(_shares_memory(actor)) == {True}
+    copy = build_rollout(NativeRolloutConfig(), model=actor.engine.model, model_dir=model_dir, rank=0,
+                         precision="fp32")
+    prompts = Batch(prompt_columns())
+    bound = actor.generate(prompts, params=GREEDY, n=4)
+    actor.rollout = copy
+    copied = actor.generate(prompts, params=GREEDY, n=4)
+    assert torch.equal(bound["response_ids"], copied["response_ids"])
+    assert torch.equal(bound["rollout_logprobs"], copied["rollout_logprobs"])
 
 
 def test_update_names_missing_fields_and_too_few_rows(model_dir: str) -> None:
