@@ -55,7 +55,8 @@ def bind_parameters(model: nn.Module, named_tensors: Iterable[tuple[str, Tensor]
                 raise ConfigError(f"bind_weights got {name!r} as {tuple(tensor.shape)} {tensor.dtype}, but this "
                                   f"rank's parameter is {want} {local.dtype}")
             param.requires_grad_(False)
-            local.set_(tensor)  # its storage, offset, size and stride
+            # Its storage, offset, size and stride (torch's stubs lack this documented overload).
+            local.set_(tensor)  # type: ignore[call-overload]
             bound += 1
     return bound
 
