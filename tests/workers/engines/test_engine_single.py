@@ -46,6 +46,29 @@ def test_log_probs_equal_direct_forward_gather() -> None:
     assert torch.equal(alone, logprobs)
 
 
+def test_forwards_run_in_eval_mode_and_steps_in_training_mode_and_each_leaves_it() -> None:
+    def modes(model: torch.nn.Module) -> set[bool]:
+        return {m.training for m in model.modules()}
+
+    batch = make_batch()
+    engine = TrainingEngine(tiny_lm(), config=TrainingConfig(lr=1e-2), loss=NLLLoss())
+    seen: list[set[bool]] = []
+    hook = engine.model.model.layers[0].register_forward_pre_hook(lambda m, _: seen.append(modes(engine.model)))
+    engine.model.eval()
+    engine.log_probs(batch)
+    engine.train_step(batch)
+    assert modes(engine.model) == {True}, "a step leaves the whole model in training mode"
+    engine.log_probs(batch)
+    assert modes(engine.model) == {True}, "a forward leaves the mode it found"
+    engine.train_step(batch)
+    assert seen == [{False}, {True}, {False}, {True}]
+    hook.remove()
+    reference = TrainingEngine(tiny_lm(), config=TrainingConfig(), trainable=False)
+    reference.model.eval()
+    reference.log_probs(batch)
+    assert modes(reference.model) == {False}
+
+
 def test_values_read_positions_before_each_response_token() -> None:
     batch = make_batch()
     engine = TrainingEngine(TinyValueModel(), config=TrainingConfig(), head=ValueHead())
