@@ -222,7 +222,9 @@ def load_model(
     kind: Literal["causal_lm", "value"] = "causal_lm",
     head_seed: int = 0,
 ) -> PreTrainedModel | ValueModel:
-    """Load a local checkpoint of a supported architecture, in float32 and eval mode.
+    """Load a local checkpoint of a supported architecture, in float32 and eval mode,
+    every tensor in memory of its own that starts on a cache line (as copies of it
+    do: see ``_in_aligned_memory``).
 
     Args:
         directory: A Hugging Face checkpoint directory (nothing is downloaded).
