@@ -352,10 +352,9 @@ class PlacementSection(msgspec.Struct, **_CFG):
     """The actor only: its generation layout. Unset, every actor rank generates
     with a full copy of the weights, refreshed after every update (or, where the
     rank trains the whole model in the rollout's dtype, as on the CPU, from the
-    training parameters themselves); set, the hybrid
-    engine reshards the training shards into generation shards for each
-    generation (native rollout engine; the actor's data-parallel ranks then keep
-    whole tensor-parallel shards)."""
+    training parameters themselves); set, the hybrid engine reshards the training
+    shards into generation shards for each generation (native rollout engine; the
+    actor's data-parallel ranks then keep whole tensor-parallel shards)."""
 
 
 class EnvSection(msgspec.Struct, **_CFG):

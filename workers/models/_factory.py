@@ -281,7 +281,7 @@ def _in_aligned_memory(model: _M) -> _M:
     engine's, or the weights another pool receives.
     """
     for tensor in itertools.chain(model.parameters(), model.buffers()):
-        if tensor.device.type == "cpu" and tensor.data_ptr() % _ALIGNMENT:
+        if tensor.data_ptr() % _ALIGNMENT:  # loaded on the CPU
             tensor.data = tensor.data.clone()
     return model
 
