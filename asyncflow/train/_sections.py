@@ -206,7 +206,8 @@ class OptimSection(msgspec.Struct, **_CFG):
     warmup_steps: int = 0
     """Linear learning-rate warm-up (optimizer steps)."""
     micro_batch_size: int = 64
-    """Rows per forward/backward pass (gradients accumulate over micro-batches)."""
+    """Rows per forward/backward pass (gradients accumulate over micro-batches); rows of
+    similar length go together, so a pass pads little."""
     epochs: int = 1
     """Passes over each step's batch."""
     mini_batches: int = 1

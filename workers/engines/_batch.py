@@ -216,7 +216,15 @@ class MicroBatchPlanner(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class FixedSizeMicroBatches:
-    """Consecutive rows, ``size`` per micro-batch (the last may be smaller)."""
+    """``size`` rows per micro-batch (the last may have fewer), rows of similar
+    length together.
+
+    A micro-batch runs as wide as its longest row (:func:`build_inputs` trims it to
+    that), so the rows go in order of their token counts, the shortest first (ties
+    in row order): the same rows and count of micro-batches as in row order, with
+    less padding where lengths vary. The gradient is the same sum (each micro-batch's
+    loss is normalised over the whole batch), in another order.
+    """
 
     size: int
     """Rows per micro-batch."""
@@ -225,7 +233,7 @@ class FixedSizeMicroBatches:
         """See :meth:`MicroBatchPlanner.plan`."""
         rows = tokens.shape[0]
         count = agree(max(1, math.ceil(rows / self.size)))
-        chunks = list(torch.arange(rows).split(self.size))
+        chunks = list(torch.argsort(tokens, stable=True).split(self.size))
         empty = torch.zeros(0, dtype=torch.int64)
         return chunks + [empty] * (count - len(chunks))
 

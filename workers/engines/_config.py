@@ -49,7 +49,8 @@ class TrainingConfig:
     warmup_steps: int = 0
     """Linear warm-up: step s uses ``lr * min(1, (s + 1) / warmup_steps)``."""
     micro_batch_size: int | None = None
-    """Rows per micro-batch (gradient accumulation); exclusive with max_tokens_per_micro_batch."""
+    """Rows per micro-batch (gradient accumulation), rows of similar length together;
+    exclusive with max_tokens_per_micro_batch."""
     max_tokens_per_micro_batch: int | None = None
     """Token-balanced micro-batches of at most this many real tokens each."""
     loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN

@@ -48,6 +48,27 @@ def test_fixed_and_whole_batch_plans_pad_to_the_agreed_count() -> None:
     assert [m.tolist() for m in whole] == [[0, 1, 2, 3, 4], []]
 
 
+def test_fixed_size_plan_puts_rows_of_similar_length_together() -> None:
+    counts = torch.tensor([9, 1, 8, 2, 7, 3, 2])
+    plan = FixedSizeMicroBatches(size=2).plan(counts, agree=lambda n: n)
+    assert [m.tolist() for m in plan] == [[1, 3], [6, 5], [4, 2], [0]]  # shortest first, ties in row order
+
+
+@settings(max_examples=50, deadline=None)
+@given(tokens=st.lists(st.integers(1, 200), min_size=1, max_size=40), size=st.integers(1, 9))
+def test_fixed_size_plan_pads_no_more_than_row_order(tokens: list[int], size: int) -> None:
+    # A micro-batch runs as wide as its longest row: the padded tokens it computes.
+    counts = torch.tensor(tokens)
+
+    def padded(plan: list[torch.Tensor]) -> int:
+        return sum(m.numel() * int(counts[m].max()) for m in plan if m.numel())
+
+    plan = FixedSizeMicroBatches(size=size).plan(counts, agree=lambda n: n)
+    assert sorted(r for m in plan for r in m.tolist()) == list(range(len(tokens)))
+    assert all(m.numel() <= size for m in plan) and len(plan) == -(-len(tokens) // size)
+    assert padded(plan) <= padded(list(torch.arange(len(tokens)).split(size)))
+
+
 def test_balanced_plan_is_balanced() -> None:
     counts = torch.tensor([10, 9, 8, 7, 3, 2, 1])
     plan = TokenBalancedMicroBatches(max_tokens=20).plan(counts, agree=lambda n: n)
