@@ -23,9 +23,16 @@ one session per mode, on this machine's two cores:
 ``sync_tokens_per_s`` is the best synchronous placement (``sync_one``,
 ``sync_dp2``, or ``async0``, which trains as synchronous training does, metric
 for metric); ``async<k>_tokens_per_s`` counts the generated tokens of the measured
-steps over their wall time (after ``--warmup`` steps). Weight synchronisation (``bench._weight_sync``): seconds and
-bytes per rank for models of about 10 M, 100 M and 500 M parameters, pulled by a
-rollout role on another pool, and resharded in place by the hybrid engine.
+steps over their wall time (after ``--warmup`` steps). Each mode runs ``--rounds``
+sessions, the modes taking turns, and its median run is the one reported (the
+machine's speed drifts over minutes; ``<mode>_tokens_per_s_rounds`` has them
+all). ``<mode>_pool_step_ms`` is
+each pool's busy time a step in the steady state (:func:`step_busy`) and
+``<mode>_step_over_busiest`` the step time over the busiest pool's: the pools' idle
+time, 1 where the busiest never waits. Weight synchronisation
+(``bench._weight_sync``): seconds and bytes per rank for models of about 10 M,
+100 M and 500 M parameters, pulled by a rollout role on another pool, and
+resharded in place by the hybrid engine.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -45,7 +53,7 @@ import torch
 import asyncflow as af
 from asyncflow.algos import GRPOConfig, SamplingConfig, grpo_step
 from asyncflow.runtime import long_tail_lengths
-from asyncflow.tracing import summarise
+from asyncflow.tracing import Trace, summarise
 from asyncflow.train import Sampled, SamplesAhead
 from workers.engines import TrainingConfig
 from workers.models import TinyModelConfig, save_tiny_model
@@ -200,11 +208,35 @@ async def measure(job: AsyncJob, mode: str, *, steps: int, warmup: int, transpor
             tokens = sum(trained[s] for s in range(warmup + 1, total + 1))
             if ahead is not None and carried_before is not None:
                 tokens = await _generated(roles, trained, carried_before, first=warmup + 2 + ahead.k) * steps
-            summary = summarise(session.stop_trace())
+            trace = session.stop_trace()
+    summary = summarise(trace)
     return {"mode": mode, "tokens_per_s": tokens / elapsed, "s_per_step": elapsed / steps, "tokens": tokens,
             "mean_staleness": sum(staleness[warmup:]) / steps if staleness else 0.0,
             "stage_ms": {k: round(1000 * v / steps) for k, v in sorted(summary.stage_busy_s.items())},
-            "pool_busy_ms": {k: round(1000 * v / steps) for k, v in summary.busy_s.items()}}
+            "pool_busy_ms": {k: round(1000 * v / steps) for k, v in summary.busy_s.items()},
+            "pool_step_ms": {k: round(1000 * v, 1) for k, v in step_busy(trace, steps).items()}}
+
+
+def step_busy(trace: Trace, steps: int) -> dict[str, float]:
+    """Seconds each pool is busy per step in the steady state: each stage (``role.method``)
+    of the pool as many times as it runs a step, each time its mean call (the busiest
+    rank's span).
+
+    ``pool_busy_ms`` (the spans inside the measured window, over its steps) falls
+    short of it where a pool works ahead: the rollout's pool is generating a batch
+    when the window opens (a call the trace does not hold) and has no batch left to
+    generate for its last ``k`` steps. A stage runs ``ceil(calls / steps)`` times a
+    step (the window misses at most ``k`` of its calls).
+    """
+    spans: dict[tuple[str, str], list[float]] = {}
+    for call in trace.calls:
+        if call.ranks:
+            spans.setdefault((call.pool, f"{call.role}.{call.method}"), []).append(
+                max(span.seconds for span in call.ranks))
+    busy = dict.fromkeys(trace.pools, 0.0)
+    for (pool, _), seconds in spans.items():
+        busy[pool] = busy.get(pool, 0.0) + sum(seconds) / len(seconds) * math.ceil(len(seconds) / steps)
+    return busy
 
 
 async def _generated(roles: Any, trained: dict[int, float], carried_before: Any, *, first: int) -> float:
@@ -229,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="sessions of each mode, the modes alternating; the median run of each is kept")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--sizes", nargs="*", default=["10m", "100m", "500m"],
                         help="weight-sync model sizes (none: skip weight sync)")
@@ -244,20 +278,36 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     af.start_ray(preload=(), keep=True)  # one instance for every mode's session (and the weight sync's)
     try:
-        _report(args, job, {mode: asyncio.run(measure(job, mode, steps=args.steps, warmup=args.warmup,
-                                                      transport=args.transport, overlap=args.overlap))
-                            for mode in args.modes})
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+        for _ in range(args.rounds):
+            for mode in args.modes:
+                runs[mode].append(asyncio.run(measure(job, mode, steps=args.steps, warmup=args.warmup,
+                                                      transport=args.transport, overlap=args.overlap)))
+        _report(args, job, {mode: median_run(got) for mode, got in runs.items()},
+                {mode: [r["tokens_per_s"] for r in got] for mode, got in runs.items()})
     finally:
         af.shutdown_ray()
 
 
-def _report(args: argparse.Namespace, job: AsyncJob, records: dict[str, dict[str, Any]]) -> None:
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median throughput (of an even count, the slower of the middle two):
+    a run's own record, its stage and pool times with it."""
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+
+
+def _report(args: argparse.Namespace, job: AsyncJob, records: dict[str, dict[str, Any]],
+            rounds: dict[str, list[float]]) -> None:
     """Print the table; write the JSON (with the weight sync's measurements)."""
     out: dict[str, Any] = {"job": asdict(job) | {"budgets": job.budgets(), "tokens_per_step": job.tokens_per_step},
-                           "steps": args.steps, "warmup": args.warmup, "overlap_steps": args.overlap}
+                           "steps": args.steps, "warmup": args.warmup, "overlap_steps": args.overlap,
+                           "rounds": args.rounds}
     for mode, record in records.items():
+        out[f"{mode}_tokens_per_s_rounds"] = rounds[mode]
         out[f"{mode}_tokens_per_s"] = record["tokens_per_s"]
         out[f"{mode}_s_per_step"] = record["s_per_step"]
+        out[f"{mode}_pool_step_ms"] = record["pool_step_ms"]
+        busiest = max(record["pool_step_ms"].values(), default=0.0) / 1000
+        out[f"{mode}_step_over_busiest"] = record["s_per_step"] / busiest if busiest else math.nan
         if mode.startswith("async"):
             out[f"{mode}_mean_staleness"] = record["mean_staleness"]
     # Synchronous training's best placement: max_staleness = 0 on split pools is synchronous too.
@@ -267,11 +317,12 @@ def _report(args: argparse.Namespace, job: AsyncJob, records: dict[str, dict[str
         for mode in ("async1", "async2", "async1_partial", "async2_partial"):
             if mode in records:
                 out[f"{mode}_over_sync"] = records[mode]["tokens_per_s"] / out["sync_tokens_per_s"]
-    print("| mode | tokens/s | s/step | busy ms/step by pool | ms/step by stage (summed over ranks) |")
-    print("|---|---|---|---|---|")
+    print("| mode | tokens/s | s/step | a step's busy ms by pool | step / busiest | "
+          "busy ms/step in the window | ms/step by stage (summed over ranks) |")
+    print("|---|---|---|---|---|---|---|")
     for mode, record in records.items():
-        print(f"| {mode} | {record['tokens_per_s']:.0f} | {record['s_per_step']:.3f} | {record['pool_busy_ms']} | "
-              f"{record['stage_ms']} |")
+        print(f"| {mode} | {record['tokens_per_s']:.0f} | {record['s_per_step']:.3f} | {record['pool_step_ms']} | "
+              f"{out[f'{mode}_step_over_busiest']:.2f} | {record['pool_busy_ms']} | {record['stage_ms']} |")
         out[f"{mode}_stage_ms"] = record["stage_ms"]
     if args.sizes:
         from bench._weight_sync import weight_sync
