@@ -26,13 +26,12 @@ for metric); ``async<k>_tokens_per_s`` counts the generated tokens of the measur
 steps over their wall time (after ``--warmup`` steps). Each mode runs ``--rounds``
 sessions, the modes taking turns, and its median run is the one reported (the
 machine's speed drifts over minutes; ``<mode>_tokens_per_s_rounds`` has them
-all). ``<mode>_pool_step_ms`` is
-each pool's busy time a step in the steady state (:func:`step_busy`) and
-``<mode>_step_over_busiest`` the step time over the busiest pool's: the pools' idle
-time, 1 where the busiest never waits. Weight synchronisation
-(``bench._weight_sync``): seconds and bytes per rank for models of about 10 M,
-100 M and 500 M parameters, pulled by a rollout role on another pool, and
-resharded in place by the hybrid engine.
+all). ``<mode>_pool_step_ms`` is each pool's busy time a step in the steady state
+(:func:`step_busy`) and ``<mode>_step_over_busiest`` the step time over the
+busiest pool's: the pools' idle time, 1 where the busiest never waits. Weight
+synchronisation (``bench._weight_sync``): seconds and bytes per rank for models of
+about 10 M, 100 M and 500 M parameters, pulled by a rollout role on another pool,
+and resharded in place by the hybrid engine.
 """
 
 from __future__ import annotations
@@ -274,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="override the workload's sizes (AsyncJob fields), e.g. hidden=256")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     job = AsyncJob(**{k: type(getattr(AsyncJob(), k))(v) for k, v in (item.split("=", 1) for item in args.job)})
     torch.set_num_threads(1)
     af.start_ray(preload=(), keep=True)  # one instance for every mode's session (and the weight sync's)
