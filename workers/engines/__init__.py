@@ -2,7 +2,7 @@
 it minimises live in :mod:`workers.objectives`.
 
 - :class:`TrainingEngine` trains one role's model (causal LM or value model) with AdamW,
-  token-balanced or fixed-size micro-batching and a parallel layout over a
+  token-budget or fixed-size micro-batching and a parallel layout over a
   ``("pp", "dp", "tp")`` DeviceMesh (FSDP2 over ``dp``, DTensor TP over ``tp``).
 - Precision (``TrainingConfig.precision``: fp32, or bf16 compute with float32 master
   weights), activation checkpointing, and offload of the optimizer state and weights
@@ -24,7 +24,7 @@ from workers.engines._batch import (
     FixedSizeMicroBatches,
     MicroBatchPlanner,
     SequenceInputs,
-    TokenBalancedMicroBatches,
+    TokenBudgetMicroBatches,
     WholeBatch,
     build_inputs,
 )
@@ -60,7 +60,7 @@ __all__ = [
     "PrecisionName",
     "SequenceInputs",
     "TensorParallelPlan",
-    "TokenBalancedMicroBatches",
+    "TokenBudgetMicroBatches",
     "TrainingConfig",
     "TrainingEngine",
     "ValueHead",

@@ -11,7 +11,7 @@ FSDP forward is a collective.
 
 from __future__ import annotations
 
-import heapq
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -111,17 +111,18 @@ def dummy_row(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return row
 
 
-def token_counts(batch: Mapping[str, Tensor]) -> Tensor:
-    """Real (unpadded) tokens per row: prompt plus response.
+def row_lengths(batch: Mapping[str, Tensor]) -> Tensor:
+    """Each row's real (unpadded) tokens: its prompt's and its response's (sampled
+    and observed).
 
     Args:
         batch: the batch tensors.
 
     Returns:
-        ``[B]`` int64 counts (on the CPU).
+        ``[B, 2]`` int64 lengths (on the CPU): prompt, response.
     """
-    counts = batch["prompt_mask"].sum(dim=1) + _seen(batch).sum(dim=1)
-    return counts.to("cpu", torch.int64)
+    lengths = torch.stack([batch["prompt_mask"].sum(dim=1), _seen(batch).sum(dim=1)], dim=1)
+    return lengths.to("cpu", torch.int64)
 
 
 def _seen(batch: Mapping[str, Tensor]) -> Tensor:
@@ -200,11 +201,12 @@ Agree = Callable[[int], int]
 class MicroBatchPlanner(Protocol):
     """Splits a batch's rows into micro-batches."""
 
-    def plan(self, tokens: Tensor, *, agree: Agree) -> list[Tensor]:
+    def plan(self, lengths: Tensor, *, agree: Agree) -> list[Tensor]:
         """Row indices of each micro-batch.
 
         Args:
-            tokens: ``[B]`` real tokens per row.
+            lengths: ``[B, 2]`` each row's real prompt and response tokens
+                (:func:`row_lengths`).
             agree: makes the count equal on every data-parallel rank (see :data:`Agree`).
 
         Returns:
@@ -214,71 +216,95 @@ class MicroBatchPlanner(Protocol):
         ...
 
 
+def _shortest_first(lengths: Tensor) -> list[int]:
+    """The rows in order of their tokens, the shortest first (ties in row order)."""
+    return torch.argsort(lengths.sum(dim=1), stable=True).tolist()
+
+
+def _padded_to(count: int, micro_batches: list[Tensor]) -> list[Tensor]:
+    """``micro_batches`` and as many empty ones as make ``count``."""
+    return micro_batches + [torch.zeros(0, dtype=torch.int64)] * (count - len(micro_batches))
+
+
 @dataclass(frozen=True, kw_only=True)
 class FixedSizeMicroBatches:
-    """``size`` rows per micro-batch (the last may have fewer), rows of similar
-    length together.
+    """``size`` rows per micro-batch (one has fewer where ``size`` does not divide
+    the rows), rows of similar length together.
 
-    A micro-batch runs as wide as its longest row (:func:`build_inputs` trims it to
-    that), so the rows go in order of their token counts, the shortest first (ties
-    in row order): the same rows and count of micro-batches as in row order, with
-    less padding where lengths vary. The gradient is the same sum (each micro-batch's
-    loss is normalised over the whole batch), in another order.
+    A micro-batch runs as wide as its widest prompt plus its longest response
+    (:func:`build_inputs` trims it to that), so the rows go in order of their
+    tokens, the shortest first, and the smaller micro-batch goes where it pads
+    least: of every split of the rows into micro-batches of these sizes, the one
+    with the fewest padded tokens (counting a row's prompt and response together).
+    The same rows and count of micro-batches as in row order; the gradient is the
+    same sum (each micro-batch's loss is normalised over the whole batch), in
+    another order.
     """
 
     size: int
     """Rows per micro-batch."""
 
-    def plan(self, tokens: Tensor, *, agree: Agree) -> list[Tensor]:
+    def plan(self, lengths: Tensor, *, agree: Agree) -> list[Tensor]:
         """See :meth:`MicroBatchPlanner.plan`."""
-        rows = tokens.shape[0]
+        rows = lengths.shape[0]
         count = agree(max(1, math.ceil(rows / self.size)))
-        chunks = list(torch.argsort(tokens, stable=True).split(self.size))
-        empty = torch.zeros(0, dtype=torch.int64)
-        return chunks + [empty] * (count - len(chunks))
+        order = _shortest_first(lengths)
+        tokens = lengths.sum(dim=1)[order].tolist()
+        full, rest = divmod(rows, self.size)
 
+        def ends(smaller_at: int) -> list[int]:
+            """Where the micro-batches end in ``order``, the smaller one ``smaller_at``-th."""
+            sizes = [self.size] * full
+            if rest:
+                sizes.insert(smaller_at, rest)
+            return list(itertools.accumulate(sizes))
 
-def _balance(tokens: list[int], bins: int) -> list[list[int]]:
-    """Longest-processing-time-first assignment of rows to ``bins`` bins."""
-    heap = [(0, b) for b in range(bins)]
-    assignment: list[list[int]] = [[] for _ in range(bins)]
-    for row in sorted(range(len(tokens)), key=lambda r: (-tokens[r], r)):
-        load, b = heapq.heappop(heap)
-        assignment[b].append(row)
-        heapq.heappush(heap, (load + tokens[row], b))
-    return [sorted(rows) for rows in assignment]
+        def padded(cut: list[int]) -> int:
+            return sum((end - begin) * tokens[end - 1] for begin, end in itertools.pairwise([0, *cut]))
+
+        # Ties keep the smaller micro-batch last, as in row order.
+        cut = min((ends(k) for k in range(full if rest else 0, -1, -1)), key=padded)
+        return _padded_to(count, [torch.tensor(order[begin:end], dtype=torch.int64)
+                                  for begin, end in itertools.pairwise([0, *cut])])
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenBalancedMicroBatches:
-    """As few micro-batches as keep each under ``max_tokens`` real tokens, balanced.
+class TokenBudgetMicroBatches:
+    """As few micro-batches as keep each within ``max_tokens`` tokens as it runs:
+    its rows times its widest prompt plus its longest response (the width
+    :func:`build_inputs` gives it, padding included, which is what its forward
+    computes and holds).
 
-    A row longer than ``max_tokens`` gets a micro-batch of its own.
+    Rows go in order of their tokens, the shortest first, each micro-batch taking
+    as many as fit: of the ways to cut that order into micro-batches within the
+    budget, the fewest. A row wider than ``max_tokens`` runs alone.
     """
 
     max_tokens: int
-    """Most real tokens per micro-batch."""
+    """Most tokens per micro-batch, padding included."""
 
-    def plan(self, tokens: Tensor, *, agree: Agree) -> list[Tensor]:
+    def plan(self, lengths: Tensor, *, agree: Agree) -> list[Tensor]:
         """See :meth:`MicroBatchPlanner.plan`."""
-        counts = [int(t) for t in tokens]
-        # Never more bins than rows: an over-long row already gets a bin of its own.
-        bins = max(1, min(len(counts), math.ceil(sum(counts) / self.max_tokens)))
-        while bins < len(counts):
-            loads = [sum(counts[r] for r in rows) for rows in _balance(counts, bins)]
-            if max(loads) <= self.max_tokens:
-                break
-            bins += 1
-        bins = agree(bins)
-        return [torch.tensor(rows, dtype=torch.int64) for rows in _balance(counts, bins)]
+        pairs = lengths.tolist()
+        micro_batches: list[list[int]] = []
+        prompt = response = 0
+        for row in _shortest_first(lengths):
+            p, r = pairs[row]
+            rows = len(micro_batches[-1]) if micro_batches else 0
+            if rows and (rows + 1) * (max(prompt, p) + max(response, r)) <= self.max_tokens:
+                micro_batches[-1].append(row)
+                prompt, response = max(prompt, p), max(response, r)
+            else:
+                micro_batches.append([row])
+                prompt, response = p, r
+        count = agree(max(1, len(micro_batches)))
+        return _padded_to(count, [torch.tensor(rows, dtype=torch.int64) for rows in micro_batches])
 
 
 @dataclass(frozen=True, kw_only=True)
 class WholeBatch:
     """The whole batch as one micro-batch (no gradient accumulation)."""
 
-    def plan(self, tokens: Tensor, *, agree: Agree) -> list[Tensor]:
+    def plan(self, lengths: Tensor, *, agree: Agree) -> list[Tensor]:
         """See :meth:`MicroBatchPlanner.plan`."""
-        count = agree(1)
-        empty = torch.zeros(0, dtype=torch.int64)
-        return [torch.arange(tokens.shape[0])] + [empty] * (count - 1)
+        return _padded_to(agree(1), [torch.arange(lengths.shape[0])])

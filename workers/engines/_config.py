@@ -9,7 +9,7 @@ from typing import Literal
 from workers.engines._batch import (
     FixedSizeMicroBatches,
     MicroBatchPlanner,
-    TokenBalancedMicroBatches,
+    TokenBudgetMicroBatches,
     WholeBatch,
 )
 from workers.engines._errors import EngineConfigError, enum_field
@@ -52,7 +52,9 @@ class TrainingConfig:
     """Rows per micro-batch (gradient accumulation), rows of similar length together;
     exclusive with max_tokens_per_micro_batch."""
     max_tokens_per_micro_batch: int | None = None
-    """Token-balanced micro-batches of at most this many real tokens each."""
+    """Micro-batches of at most this many tokens each as they run: rows times the
+    widest prompt plus the longest response, padding included (what a micro-batch's
+    forward computes and holds); rows of similar length together."""
     loss_aggregation: LossAggregation = LossAggregation.TOKEN_MEAN
     """How per-token loss terms are averaged over the global batch, for objectives
     whose ``loss_agg`` is None (an objective's own setting wins)."""
@@ -139,10 +141,10 @@ class TrainingConfig:
         """The micro-batching strategy these settings select.
 
         Returns:
-            Token-balanced, fixed-size, or whole-batch planning.
+            Token-budget, fixed-size, or whole-batch planning.
         """
         if self.max_tokens_per_micro_batch is not None:
-            return TokenBalancedMicroBatches(max_tokens=self.max_tokens_per_micro_batch)
+            return TokenBudgetMicroBatches(max_tokens=self.max_tokens_per_micro_batch)
         if self.micro_batch_size is not None:
             return FixedSizeMicroBatches(size=self.micro_batch_size)
         return WholeBatch()

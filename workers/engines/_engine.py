@@ -35,7 +35,7 @@ from workers.engines._activation_checkpointing import enable_activation_checkpoi
 from workers.engines._batch import (
     build_inputs,
     check_batch,
-    token_counts,
+    row_lengths,
 )
 from workers.engines._config import TrainingConfig
 from workers.engines._errors import EngineConfigError
@@ -229,7 +229,7 @@ class TrainingEngine(EngineState):
         self._require_resident("log_probs/values", optimizer=False)
         rows = check_batch(batch)
         batch = self._to_device(batch)
-        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, torch.zeros((), device=self.device),
+        plan = agreed_plan(self._planner, row_lengths(batch), self.parallel, torch.zeros((), device=self.device),
                            over_dp=not self.parallel.replicated)
         self._check_positions(plan.longest)
         shape = (rows, batch["response_ids"].shape[1])
@@ -301,7 +301,7 @@ class TrainingEngine(EngineState):
         # other rank, so each plans alone and the normaliser's sum comes with the
         # gradients' all-reduce (the losses stay unnormalised until then).
         deferred = self.parallel.replicated
-        plan = agreed_plan(self._planner, token_counts(batch), self.parallel, aggregation.parts(mask, mask)[1],
+        plan = agreed_plan(self._planner, row_lengths(batch), self.parallel, aggregation.parts(mask, mask)[1],
                            over_dp=not deferred)
         self._check_positions(plan.longest)
         normaliser = 1.0 if deferred else max(plan.total, 1.0)

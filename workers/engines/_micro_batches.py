@@ -173,7 +173,7 @@ class AgreedPlan:
     """The longest row's tokens over the ranks (prompt and response)."""
 
 
-def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelism,
+def agreed_plan(planner: MicroBatchPlanner, lengths: Tensor, parallel: Parallelism,
                 local_sum: Tensor, *, over_dp: bool = True) -> AgreedPlan:
     """The planner's micro-batches, their count agreed over the data-parallel ranks
     together with ``local_sum``'s and the rows' sums and the longest row, in one
@@ -181,26 +181,27 @@ def agreed_plan(planner: MicroBatchPlanner, tokens: Tensor, parallel: Parallelis
 
     Args:
         planner: the engine's micro-batch planner.
-        tokens: this rank's token count per row.
+        lengths: ``[B, 2]`` this rank's real prompt and response tokens per row
+            (:func:`~workers.engines._batch.row_lengths`).
         parallel: the engine's parallelism (its data-parallel group).
         local_sum: this rank's addend (a scalar), on the device the group's
             collectives run on (the engine's: NCCL takes no CPU tensor).
         over_dp: False: this rank's own plan, sums and longest row, without a
             collective (a replicated model's forwards need no agreement).
     """
-    longest = float(tokens.max()) if tokens.numel() else 0.0
+    longest = float(lengths.sum(dim=1).max()) if len(lengths) else 0.0
     if not over_dp:
-        alone = planner.plan(tokens, agree=lambda count: count)
-        return AgreedPlan(micro_batches=alone, total=float(local_sum), rows=len(tokens), longest=int(longest))
+        alone = planner.plan(lengths, agree=lambda count: count)
+        return AgreedPlan(micro_batches=alone, total=float(local_sum), rows=len(lengths), longest=int(longest))
     addend = torch.stack([local_sum.to(torch.float64).reshape(()),
-                          local_sum.new_tensor(len(tokens), dtype=torch.float64)])
+                          local_sum.new_tensor(len(lengths), dtype=torch.float64)])
     agreed: list[tuple[Tensor, Tensor]] = []
 
     def agree(count: int) -> int:
         agreed.append(parallel.sums_and_maxes_over_dp(addend, addend.new_tensor([float(count), longest])))
         return int(agreed[-1][1][0])
 
-    plan = planner.plan(tokens, agree=agree)
+    plan = planner.plan(lengths, agree=agree)
     if not agreed:  # a planner that needed no agreement
         agree(1)
     sums, maxes = agreed[0]
