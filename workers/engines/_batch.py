@@ -216,9 +216,11 @@ class MicroBatchPlanner(Protocol):
         ...
 
 
-def _shortest_first(lengths: Tensor) -> list[int]:
-    """The rows in order of their tokens, the shortest first (ties in row order)."""
-    return torch.argsort(lengths.sum(dim=1), stable=True).tolist()
+def _shortest_first(lengths: Tensor) -> tuple[list[int], list[int]]:
+    """The rows in order of their tokens, the shortest first (ties in row order), and
+    their tokens in that order."""
+    tokens, order = torch.sort(lengths.sum(dim=1), stable=True)
+    return order.tolist(), tokens.tolist()
 
 
 def _padded_to(count: int, micro_batches: list[Tensor]) -> list[Tensor]:
@@ -246,26 +248,26 @@ class FixedSizeMicroBatches:
 
     def plan(self, lengths: Tensor, *, agree: Agree) -> list[Tensor]:
         """See :meth:`MicroBatchPlanner.plan`."""
-        rows = lengths.shape[0]
-        count = agree(max(1, math.ceil(rows / self.size)))
-        order = _shortest_first(lengths)
-        tokens = lengths.sum(dim=1)[order].tolist()
-        full, rest = divmod(rows, self.size)
-
-        def ends(smaller_at: int) -> list[int]:
-            """Where the micro-batches end in ``order``, the smaller one ``smaller_at``-th."""
-            sizes = [self.size] * full
-            if rest:
-                sizes.insert(smaller_at, rest)
-            return list(itertools.accumulate(sizes))
-
-        def padded(cut: list[int]) -> int:
-            return sum((end - begin) * tokens[end - 1] for begin, end in itertools.pairwise([0, *cut]))
-
-        # Ties keep the smaller micro-batch last, as in row order.
-        cut = min((ends(k) for k in range(full if rest else 0, -1, -1)), key=padded)
+        rows, size = lengths.shape[0], self.size
+        count = agree(max(1, math.ceil(rows / size)))
+        order, tokens = _shortest_first(lengths)
+        full, rest = divmod(rows, size)
+        smaller_at = full  # the smaller micro-batch's place among the others (last: as in row order)
+        if rest:
+            # With it at place k the micro-batches before it end at size * (i + 1), those
+            # after it at size * (i + 1) + rest; each pads to its last (longest) row.
+            # Ties keep it last.
+            before = [0, *itertools.accumulate(size * tokens[size * (i + 1) - 1] for i in range(full))]
+            after = [*itertools.accumulate((size * tokens[size * (i + 1) + rest - 1] for i in reversed(range(full))),
+                                           initial=0)][::-1]
+            smaller_at = min(range(full, -1, -1),
+                             key=lambda k: before[k] + rest * tokens[size * k + rest - 1] + after[k])
+        sizes = [size] * full
+        if rest:
+            sizes.insert(smaller_at, rest)
+        ends = list(itertools.accumulate(sizes))
         return _padded_to(count, [torch.tensor(order[begin:end], dtype=torch.int64)
-                                  for begin, end in itertools.pairwise([0, *cut])])
+                                  for begin, end in itertools.pairwise([0, *ends])])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,7 +290,7 @@ class TokenBudgetMicroBatches:
         pairs = lengths.tolist()
         micro_batches: list[list[int]] = []
         prompt = response = 0
-        for row in _shortest_first(lengths):
+        for row in _shortest_first(lengths)[0]:
             p, r = pairs[row]
             rows = len(micro_batches[-1]) if micro_batches else 0
             if rows and (rows + 1) * (max(prompt, p) + max(response, r)) <= self.max_tokens:
