@@ -23,6 +23,7 @@ from channels._protocols import (
     DP,
     AllToAll,
     Assignment,
+    Balance,
     Collected,
     MicroDP,
     OneToAll,
@@ -32,7 +33,6 @@ from channels._protocols import (
     RankZero,
     TensorShards,
     TransferProtocol,
-    split_rows,
 )
 from channels._pull import GroupPlan, Piece, PullPlan, assemble, plan_pull
 from channels._remote import (
@@ -54,11 +54,13 @@ from channels._schema import (
     runs_from_indices,
     runs_length,
 )
+from channels._split import split_rows
 from channels._store import ShardStore, StoreStats
 from channels._stream import ROW_ID_BITS, StreamItem, collect_parts, row_id
 
 __all__ = [
     "CHANNEL_CONCURRENCY_GROUPS", "DP", "ROW_ID_BITS", "AllToAll", "Assignment", "AsyncflowError",
+    "Balance",
     "Batch", "BatchMeta", "BlockingSendChannel", "BrokenResourceError", "ChannelAddress",
     "ChannelError", "ChannelHost", "ChannelStatistics", "ClosedResourceError", "Collected",
     "ColumnGroup", "ConfigError", "Coords", "EndOfStream", "FieldSpec", "GenCoords", "GenerationLayout",

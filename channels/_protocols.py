@@ -23,11 +23,18 @@ from channels._schema import (
     FieldSpec,
     RowRuns,
     Segment,
-    runs_from_indices,
 )
+from channels._split import split_rows
 
 Assignment = RowRuns | None
 """Rows one rank receives (None: the rank runs without input rows)."""
+
+Balance = Literal["rows", "tokens"]
+"""How a data-parallel protocol splits rows over its replicas: ``"rows"``, the
+contiguous even split (order kept); ``"tokens"``, the same counts with the rows'
+token counts balanced (:func:`~channels.split_rows` with weights: as few rows move
+off the even split as balance allows), which needs the rows' producer to declare
+them (``register(row_lengths=FIELD)``)."""
 
 
 class PullTiming(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,7 +189,7 @@ class _Replicated(TransferProtocol):
     """Split rows over replicas; every rank of a replica gets the replica's rows and
     the replica's output rank reports them."""
 
-    def __init__(self, *, balance: Literal["rows", "tokens"] = "rows", group_size: int = 1) -> None:
+    def __init__(self, *, balance: Balance = "rows", group_size: int = 1) -> None:
         if balance not in ("rows", "tokens"):
             raise ConfigError(f"balance must be 'rows' or 'tokens', got {balance!r}")
         if group_size < 1:
@@ -230,51 +237,13 @@ def _weights(balance: str, row_lengths: Sequence[int] | None, n: int) -> Sequenc
     return row_lengths
 
 
-def split_rows(n: int, parts: int, *, group_size: int = 1, weights: Sequence[int] | None = None) -> list[RowRuns]:
-    """Split rows ``0..n-1`` into ``parts`` selections.
-
-    Groups of ``group_size`` consecutive rows stay together. Without ``weights`` the
-    split is contiguous and even (order kept); with them, groups go to parts by
-    longest-processing-time-first under an equal-count constraint, so the parts'
-    summed weights are balanced. Within a part rows keep their order.
-
-    Raises:
-        ConfigError: ``n`` is not a multiple of ``group_size``.
-    """
-    if n % group_size:
-        raise ConfigError(f"{n} rows cannot be split into whole groups of {group_size}")
-    groups = n // group_size
-    if weights is None:
-        base, extra = divmod(groups, parts)
-        out: list[RowRuns] = []
-        g = 0
-        for p in range(parts):
-            k = base + (p < extra)
-            out.append(((g * group_size, (g + k) * group_size),) if k else ())
-            g += k
-        return out
-    gw = [sum(weights[g * group_size : (g + 1) * group_size]) for g in range(groups)]
-    cap = [groups // parts + (p < groups % parts) for p in range(parts)]
-    load = [0] * parts
-    members: list[list[int]] = [[] for _ in range(parts)]
-    for g in sorted(range(groups), key=lambda g: (-gw[g], g)):
-        p = min((p for p in range(parts) if len(members[p]) < cap[p]), key=lambda p: (load[p], p))
-        members[p].append(g)
-        load[p] += gw[g]
-    return [
-        runs_from_indices(i for g in sorted(m) for i in range(g * group_size, (g + 1) * group_size))
-        for m in members
-    ]
-
-
 class DP(_Replicated):
     """Data parallel: rows split over the ``d`` data-parallel groups, replicated
     within each group's tensor/pipeline ranks; collected from each group's output
     rank (last pipeline stage, tensor rank 0).
 
     Args:
-        balance: ``"rows"`` (contiguous, order kept) or ``"tokens"`` (balance the
-            producers' declared row lengths).
+        balance: ``"rows"`` or ``"tokens"`` (see :data:`Balance`).
         group_size: keep runs of this many consecutive rows (e.g. GRPO's samples of
             one prompt) on one rank.
     """
@@ -307,7 +276,7 @@ class MicroDP(_Replicated):
             callee layout's own ``gen`` (whole weights on every rank without one).
     """
 
-    def __init__(self, *, tg: int | None = None, balance: Literal["rows", "tokens"] = "rows",
+    def __init__(self, *, tg: int | None = None, balance: Balance = "rows",
                  group_size: int = 1) -> None:
         super().__init__(balance=balance, group_size=group_size)
         if tg is not None and (not isinstance(tg, int) or tg < 1):

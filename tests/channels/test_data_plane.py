@@ -31,7 +31,6 @@ from channels import (
     assemble,
     merge_meta,
     plan_pull,
-    runs_length,
     split_rows,
 )
 
@@ -91,30 +90,6 @@ def test_merge_keeps_each_columns_location() -> None:
     assert plan_pull(m, ((2, 4),), ["v"]).pieces[0].worker == 9
     with pytest.raises(SchemaError):
         merge_meta([a, BatchMeta(num_rows=5)])
-
-
-@settings(max_examples=80, deadline=None)
-@given(groups=st.integers(1, 30), gs=st.integers(1, 4), parts=st.integers(1, 6),
-       data=st.data())
-def test_balanced_split_keeps_groups_and_counts(groups: int, gs: int, parts: int, data) -> None:
-    n = groups * gs
-    weights = data.draw(st.lists(st.integers(1, 100), min_size=n, max_size=n))
-    out = split_rows(n, parts, group_size=gs, weights=weights)
-    rows = sorted(i for runs in out for a, b in runs for i in range(a, b))
-    assert rows == list(range(n))  # every row exactly once
-    sizes = [runs_length(r) // gs for r in out]
-    assert max(sizes) - min(sizes) <= 1  # equal counts
-    for runs in out:  # groups whole
-        for a, b in runs:
-            assert a % gs == 0 and b % gs == 0
-
-
-def test_balanced_split_beats_contiguous_on_skewed_lengths() -> None:
-    weights = [100] * 8 + [1] * 8
-    plain = [sum(weights[a:b]) for runs in split_rows(16, 2) for a, b in runs]
-    bal = [sum(weights[i] for a, b in runs for i in range(a, b)) for runs in split_rows(16, 2, weights=weights)]
-    assert max(plain) - min(plain) == 792
-    assert max(bal) - min(bal) == 0
 
 
 def test_dp_replicates_within_tensor_groups_and_collects_output_ranks() -> None:
