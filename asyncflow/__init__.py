@@ -9,14 +9,14 @@ imports no Ray: the command sets Ray's environment before Ray is imported.
 """
 
 # The imports under TYPE_CHECKING are for type checkers only; the names reach users
-# through __getattr__ (asyncflow._lazy).
+# through __getattr__ (channels._lazy).
 # ruff: noqa: F401
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asyncflow._lazy import lazy_exports
+from channels._lazy import lazy_exports
 
 _EXPORTS = {
     "asyncflow.runtime": ("CPU_SLOT", "CallTimeoutError", "DataFuture", "DataStream", "PoolBrokenError",

@@ -87,6 +87,15 @@ def _overrides(pairs: Sequence[str]) -> dict[str, object]:
     return out
 
 
+def _read_first(path: str) -> None:
+    """Read and decode the configuration file before the heavy imports (torch, the
+    roles: seconds), so that a missing file or a syntax error is reported at once;
+    :func:`~asyncflow.train.load_config` reads it again and checks the rest."""
+    from asyncflow.train import read_config_file
+
+    read_config_file(path)
+
+
 def _terminal_level(args: argparse.Namespace) -> int:
     """The lowest level the terminal shows: ``--verbose`` is INFO; else
     ``ASYNCFLOW_LOG`` (a level name), else WARNING."""
@@ -102,9 +111,10 @@ def _terminal_level(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    overrides = _overrides(args.set)
+    _read_first(args.config)
     from asyncflow.train import Trainer, algorithm_in, load_config, module_dirs
 
-    overrides = _overrides(args.set)
     if args.trace:
         overrides.setdefault("train.trace_steps", 3)
     config = load_config(args.config, overrides)
@@ -124,10 +134,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
+    overrides = _overrides(args.set)
+    _read_first(args.config)
     from asyncflow.train import Trainer, load_config, module_dirs
     from channels import ConfigError
 
-    config = load_config(args.config, _overrides(args.set))
+    config = load_config(args.config, overrides)
     if config.sft is None:
         raise ConfigError(f"{args.config} has no [sft] section; add one to run the SFT warm start "
                           "(examples/arith_grpo.toml has one)")
@@ -137,10 +149,12 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    overrides = _overrides(args.set)
+    _read_first(args.config)
     from asyncflow.train import algorithm_in, load_config
     from asyncflow.train._plan import current_placement, plan
 
-    config = load_config(args.config, _overrides(args.set))
+    config = load_config(args.config, overrides)
     cores = None if args.gpu else (os.cpu_count() or 1)
     devices = args.devices or max(sum(p.devices for p in config.pools.values()), cores or 0)
     _say(f"asyncflow plan: profiling {algorithm_in(config).name}'s roles on {devices} device(s) "

@@ -17,14 +17,14 @@ imports Ray and nothing heavier, so that Ray starts before torch imports.
 """
 
 # The imports under TYPE_CHECKING are for type checkers only; the names reach users
-# through __getattr__ (asyncflow._lazy).
+# through __getattr__ (channels._lazy).
 # ruff: noqa: F401
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asyncflow._lazy import lazy_exports
+from channels._lazy import lazy_exports
 
 _EXPORTS = {
     "asyncflow.runtime._calls": ("CallArgumentError",),

@@ -19,6 +19,7 @@ from asyncflow.algos import (
     get_algorithm,
 )
 from asyncflow.train._config import DEFAULT_ALGORITHM, RunConfig, run_config_type
+from asyncflow.train._file import read_config_file
 from asyncflow.train._user_modules import importable, module_dirs
 from asyncflow.train._validate import validate
 from channels import ConfigError
@@ -45,18 +46,8 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
         ConfigError: one line naming the file and the key, what is wrong and the fix.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    raw = path.read_bytes()
+    data = read_config_file(path)
     try:
-        if path.suffix == ".toml":
-            data = msgspec.toml.decode(raw)
-        elif path.suffix in (".yaml", ".yml"):
-            data = msgspec.yaml.decode(raw)
-        else:
-            raise ConfigError(f"config {path} must end in .toml, .yaml or .yml")
-        if not isinstance(data, dict):
-            raise ConfigError(f"the file must hold a table of keys, not a {type(data).__name__}")
         file_algorithm = data.get("algorithm")
         if isinstance(file_algorithm, dict):
             file_algorithm = file_algorithm.get("name", DEFAULT_ALGORITHM)  # the table changes below
@@ -72,8 +63,6 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
             validate(config)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{path}: {_with_valid_keys(_name_the_key(str(e)), data)}") from e
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {e}") from e
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
     return config

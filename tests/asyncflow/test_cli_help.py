@@ -24,8 +24,8 @@ for argv in (["--help"], ["train", "--help"], ["plan", "--help"], ["sft", "--hel
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         main(argv)
     print(out.getvalue())
-print("LOADED", sorted(m for m in ("torch", "ray", "transformers", "vllm", "channels", "workers",
-                                   "asyncflow.train", "asyncflow.runtime._session") if m in sys.modules))
+print("LOADED", sorted(m for m in ("torch", "ray", "transformers", "vllm", "channels._batch", "channels._remote",
+                                   "workers", "asyncflow.train", "asyncflow.runtime._session") if m in sys.modules))
 """
 
 

@@ -27,3 +27,33 @@ def test_the_drivers_modules_load_no_model_class_until_a_model_is_built() -> Non
                          check=True, timeout=300).stdout.splitlines()
     assert out[-2] == "LOADED []"
     assert out[-1] == "BUILT LlamaForCausalLM True"
+
+
+_FILE_ERRORS = """
+import sys
+from asyncflow.cli import main
+for path in sys.argv[1:]:
+    print("RC", main(["train", path, "--no-progress"]))
+from channels import ConfigError, DP
+print("HEAVY", sorted(m for m in ("torch", "ray", "transformers", "workers.roles") if m in sys.modules))
+"""
+
+
+def test_a_config_files_own_errors_come_before_torch_imports(tmp_path: Path) -> None:
+    # the command reads and decodes the file with msgspec alone: a typo in the path or
+    # the syntax is reported in a fraction of a second, not after seconds of imports
+    (tmp_path / "bad.toml").write_text("steps = [\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "run.json").write_text("{}")
+    paths = [str(tmp_path / "missing.toml"), str(tmp_path / "bad.toml"), str(tmp_path / "list.yaml"),
+             str(tmp_path / "run.json")]
+    done = subprocess.run([sys.executable, "-c", _FILE_ERRORS, *paths], cwd=ROOT, capture_output=True, text=True,
+                          check=True, timeout=120)
+    assert done.stdout.splitlines() == ["RC 2"] * 4 + ["HEAVY []"]  # nor does `from channels import ...`
+    errors = done.stderr.splitlines()
+    assert errors == [
+        f"asyncflow: configuration error: config file {paths[0]} does not exist",
+        f"asyncflow: configuration error: {paths[1]}: not valid TOML: Invalid value (at end of document)",
+        f"asyncflow: configuration error: {paths[2]}: the file must hold a table of keys, not a list",
+        f"asyncflow: configuration error: config {paths[3]} must end in .toml, .yaml or .yml",
+    ]

@@ -1,9 +1,11 @@
 """Names of a package's face that load on first use (PEP 562).
 
-``asyncflow`` and ``asyncflow.runtime`` re-export names from modules that import
-torch or Ray; importing the package itself stays light (the command line sets
-Ray's environment before Ray is imported; ``start_ray`` starts Ray before torch
-imports). Only the standard library is imported here.
+``channels``, ``asyncflow``, ``asyncflow.runtime`` and ``asyncflow.train`` re-export
+names from modules that import torch or Ray; importing a package itself stays light
+(the command line reads its configuration file and sets Ray's environment before
+either is imported; ``start_ray`` starts Ray before torch imports; ``from channels
+import ConfigError`` imports the errors only). It lives in the lowest package so
+that every package can use it. Only the standard library is imported here.
 """
 
 from __future__ import annotations
