@@ -87,13 +87,16 @@ def _overrides(pairs: Sequence[str]) -> dict[str, object]:
     return out
 
 
-def _read_first(path: str) -> None:
-    """Read and decode the configuration file before the heavy imports (torch, the
-    roles: seconds), so that a missing file or a syntax error is reported at once;
-    :func:`~asyncflow.train.load_config` reads it again and checks the rest."""
+def _overrides_and_file(args: argparse.Namespace) -> dict[str, object]:
+    """``--set``'s overrides, after reading and decoding the configuration file:
+    both before the heavy imports (torch, the roles: seconds), so that a malformed
+    pair, a missing file or a syntax error is reported at once;
+    :func:`~asyncflow.train.load_config` reads the file again and checks the rest."""
     from asyncflow.train import read_config_file
 
-    read_config_file(path)
+    overrides = _overrides(args.set)
+    read_config_file(args.config)
+    return overrides
 
 
 def _terminal_level(args: argparse.Namespace) -> int:
@@ -111,8 +114,7 @@ def _terminal_level(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    overrides = _overrides(args.set)
-    _read_first(args.config)
+    overrides = _overrides_and_file(args)
     from asyncflow.train import Trainer, algorithm_in, load_config, module_dirs
 
     if args.trace:
@@ -134,8 +136,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
-    overrides = _overrides(args.set)
-    _read_first(args.config)
+    overrides = _overrides_and_file(args)
     from asyncflow.train import Trainer, load_config, module_dirs
     from channels import ConfigError
 
@@ -149,8 +150,7 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    overrides = _overrides(args.set)
-    _read_first(args.config)
+    overrides = _overrides_and_file(args)
     from asyncflow.train import algorithm_in, load_config
     from asyncflow.train._plan import current_placement, plan
 

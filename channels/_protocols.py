@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
+import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -190,7 +191,7 @@ class _Replicated(TransferProtocol):
     the replica's output rank reports them."""
 
     def __init__(self, *, balance: Balance = "rows", group_size: int = 1) -> None:
-        if balance not in ("rows", "tokens"):
+        if balance not in typing.get_args(Balance):
             raise ConfigError(f"balance must be 'rows' or 'tokens', got {balance!r}")
         if group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {group_size}")

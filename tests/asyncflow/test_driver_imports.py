@@ -57,3 +57,13 @@ def test_a_config_files_own_errors_come_before_torch_imports(tmp_path: Path) -> 
         f"asyncflow: configuration error: {paths[2]}: the file must hold a table of keys, not a list",
         f"asyncflow: configuration error: config {paths[3]} must end in .toml, .yaml or .yml",
     ]
+
+
+def test_a_malformed_set_pair_comes_before_torch_imports(tmp_path: Path) -> None:
+    probe = ("import sys\nfrom asyncflow.cli import main\n"
+             "print('RC', main(['train', sys.argv[1], '--set', 'actor.lr']))\n"
+             "print('HEAVY', sorted(m for m in ('torch', 'ray') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "missing.toml")], cwd=ROOT,
+                          capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.splitlines() == ["RC 2", "HEAVY []"]
+    assert done.stderr.startswith("asyncflow: configuration error: --set expects key=value, got 'actor.lr'")
