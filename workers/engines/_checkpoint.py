@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from workers._dtensor import is_dtensor
 from workers.engines._errors import EngineConfigError
 
 ExportWriter = Callable[[dict[str, Tensor], Path], None]
@@ -254,7 +254,7 @@ def named_full_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         if key in gathered:
             yield name, gathered[key]
             continue
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = tensor.full_tensor() if is_dtensor(tensor) else tensor
         full = full.detach()
         if key in shared:
             gathered[key] = full

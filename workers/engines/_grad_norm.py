@@ -8,11 +8,12 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from workers._dtensor import is_dtensor
 
 
 def _layout_key(tensor: Tensor) -> tuple[object, ...]:
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         return (tensor.device_mesh, tuple(tensor.placements))
     return ()
 
@@ -62,7 +63,7 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float | None, *
     squares = [torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)]
     for group in group_by_layout(counted):
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         squares.append(norm.float().pow(2))
     total = torch.stack(squares).sum()

@@ -14,12 +14,13 @@ refuse.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+
+from workers._dtensor import is_dtensor
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -31,7 +32,7 @@ def local_tensor(tensor: Tensor) -> Tensor:
     Returns:
         A plain tensor sharing the storage.
     """
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def unique_storages(tensors: Iterable[Tensor], device: torch.device) -> list[torch.UntypedStorage]:
@@ -116,8 +117,9 @@ def parameter_tensors(model: nn.Module) -> Iterator[Tensor]:
     An FSDP2 model is resharded first, so that the parameters are the shards (after a
     forward without backward the root's may still be gathered).
     """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # no FSDP2 module exists before it is imported
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if fsdp is not None and isinstance(module, fsdp.FSDPModule):
             module.reshard()
     for param in model.parameters():
         yield param

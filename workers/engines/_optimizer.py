@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from workers._dtensor import is_dtensor
 from workers.engines._config import TrainingConfig
 from workers.engines._grad_norm import group_by_layout
 
@@ -26,7 +26,7 @@ def _kernel(params: Sequence[Tensor], device: torch.device) -> dict[str, bool]:
     """Which AdamW implementation a homogeneous group uses on ``device``."""
     if device.type not in ("cuda", "cpu") or not params:
         return {}
-    if isinstance(params[0], DTensor):
+    if is_dtensor(params[0]):
         return {"foreach": True} if device.type == "cuda" else {}
     return {"fused": True} if params[0].dtype in _FUSED_DTYPES else {}
 

@@ -14,21 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 
+from workers._dtensor import is_dtensor
 from workers.engines._errors import EngineConfigError
+
+if TYPE_CHECKING:  # FSDP2 and tensor parallelism import DTensor (0.8 s): on first use
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 """The names (in this order) a training DeviceMesh must have."""
@@ -86,6 +84,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
         EngineConfigError: ``tp`` does not divide a head count, or the plan names no
             linear layer of the model.
     """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
     plan = plan or TensorParallelPlan()
     tp = tp_mesh.size()
     config = getattr(model, "config", None)
@@ -128,6 +132,8 @@ def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPr
     # that only one block's full parameters exist at a time; ``units`` (called on
     # their own, not through the model's forward) come next; the root unit holds the
     # rest (embeddings, final norm, heads). Every unit gets the same precision policy.
+    from torch.distributed.fsdp import fully_shard
+
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
@@ -253,7 +259,11 @@ class Parallelism:
             apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
         self.replicated = replicate and self.dp_size > 1
         if self.mesh is not None and self.shards(replicate=replicate):
-            _apply_fully_shard(model, self.mesh["dp"], mp_policy or MixedPrecisionPolicy(), units)
+            if mp_policy is None:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                mp_policy = MixedPrecisionPolicy()
+            _apply_fully_shard(model, self.mesh["dp"], mp_policy, units)
         return model
 
     def normalise_gradients(self, model: nn.Module, sums: Tensor, maxes: Tensor) -> tuple[Tensor, Tensor]:
@@ -283,7 +293,7 @@ class Parallelism:
         for p in params:
             if p.grad is None:  # the same on every rank: each ran the same forwards
                 p.grad = torch.zeros_like(p)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)]
+        local = [g.to_local() if is_dtensor(g) else g for g in (p.grad for p in params)]
         device = local[0].device  # type: ignore[union-attr]
         values = torch.cat([sums.to(device), maxes.to(device)])
         pairs = torch.zeros(self.dp_size, 2 * values.numel(), dtype=torch.float32, device=device)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
+from workers._dtensor import is_dtensor
 from workers.engines._batch import SequenceInputs
 from workers.engines._checkpoint import named_full_weights
 from workers.engines._grad_norm import clip_grad_norm
@@ -160,7 +160,7 @@ class PipelineStages:
             tied.grad = torch.zeros_like(tied)
         # Sharded over the data-parallel ranks, both copies are cut alike: the local
         # shards of the two ranks of one data-parallel index match.
-        grad = tied.grad.to_local() if isinstance(tied.grad, DTensor) else tied.grad
+        grad = tied.grad.to_local() if is_dtensor(tied.grad) else tied.grad
         other = torch.empty_like(grad)
         works = [dist.isend(grad.contiguous(), self._tied_peer, group=self.group),
                  dist.irecv(other, self._tied_peer, group=self.group)]

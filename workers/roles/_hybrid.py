@@ -20,10 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from channels import ConfigError
 from hybrid_engine import ParamSpec, Resharder, TransitionStats, make_plan
+from workers._dtensor import is_dtensor
 from workers.engines import apply_tensor_parallel
 from workers.host import WorkerContext, mesh_from_groups, new_reconnectable_group
 from workers.rollout import NativeRolloutEngine
@@ -47,7 +47,12 @@ def training_shards(model: nn.Module, *, stage: int = 0) -> tuple[list[ParamSpec
     specs, shards = [], {}
     for name, param in model.named_parameters():
         dim = None
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
+            from torch.distributed.tensor import (  # imported already: param is a DTensor
+                Replicate,
+                Shard,
+            )
+
             if param.device_mesh.mesh_dim_names != ("tp",):
                 raise ConfigError(
                     f"the hybrid engine reshards tensor-parallel shards, but {name!r} is also sharded over the "

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import msgspec
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from channels import ConfigError
+from workers._dtensor import is_dtensor
 from workers.engines import PrecisionName
 from workers.roles import _fields as F
 from workers.rollout import (
@@ -122,7 +122,7 @@ def bind_training_weights(rollout: RolloutEngine | None, weights: Iterable[tuple
     mine = dict(rollout.model.named_parameters())
     given = {name: tensor for name, tensor in weights if name in mine}
     if given.keys() != mine.keys() or any(
-        isinstance(tensor, DTensor) or isinstance(mine[name], DTensor) or tensor.shape != mine[name].shape
+        is_dtensor(tensor) or is_dtensor(mine[name]) or tensor.shape != mine[name].shape
         or tensor.dtype != mine[name].dtype or tensor.device != mine[name].device
         for name, tensor in given.items()
     ):

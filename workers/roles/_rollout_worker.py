@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from channels import DP, Batch, ConfigError, OneToAll, TensorShards
+from workers._dtensor import is_dtensor
 from workers.engines import apply_tensor_parallel, resolve_precision
 from workers.episodes import EpisodeConfig
 from workers.host import Role, StreamMethod, WorkerContext, register
@@ -135,9 +135,7 @@ class RolloutWorker(Role):
             assert isinstance(self.rollout, NativeRolloutEngine)
             model = self.rollout.model  # the engine's own copy
             apply_tensor_parallel(model, ctx.mesh["tp"])
-        self._split = {name: (tuple(p._local_tensor.shape), p.placements[0].dim)
-                       for name, p in model.named_parameters()
-                       if isinstance(p, DTensor) and isinstance(p.placements[0], Shard)}
+        self._split = _split_parameters(model)
         """Tensor-parallel parameters: name -> (this rank's shard shape, split dim)."""
         self._replica = replica
         self.weights_version: int | None = None
@@ -281,3 +279,13 @@ class RolloutWorker(Role):
     def _loaded_in_part(self) -> str:
         assert self._partial is not None
         return f"{len(self._partial[1])} of {len(self._shapes)} parameters"
+
+
+def _split_parameters(model: nn.Module) -> dict[str, tuple[tuple[int, ...], int]]:
+    """``model``'s tensor-parallel parameters: name -> (this rank's shard shape, split dim)."""
+    if not any(is_dtensor(p) for p in model.parameters()):
+        return {}
+    from torch.distributed.tensor import Shard  # imported already: the model has DTensors
+
+    return {name: (tuple(p._local_tensor.shape), p.placements[0].dim) for name, p in model.named_parameters()
+            if is_dtensor(p) and isinstance(p.placements[0], Shard)}

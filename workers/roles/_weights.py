@@ -30,9 +30,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from channels import ConfigError, FieldSpec
+from workers._dtensor import is_dtensor
 from workers.host import WorkerContext
 
 WEIGHTS_VERSION = "weights_version"
@@ -65,14 +65,16 @@ def _tp_shard(param: Tensor) -> tuple[Tensor, bool]:
     parameter also sharded over data-parallel ranks (FSDP) is gathered over them first
     (collective over the data-parallel group; this path has no test yet: the tests
     publish tensor-parallel and replicated actors)."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return param.detach(), False
+    from torch.distributed.tensor import Replicate  # imported already: param is a DTensor
+
     mesh = param.device_mesh
     names = mesh.mesh_dim_names or ()
     keep = [p if names and names[i] == "tp" else Replicate() for i, p in enumerate(param.placements)]
     if keep != list(param.placements):
         param = param.redistribute(mesh, keep)
-    split = any(isinstance(p, Shard) for p in param.placements)
+    split = any(p.is_shard() for p in param.placements)
     return param.to_local().detach(), split
 
 

@@ -13,15 +13,15 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from channels import ConfigError
+from workers._dtensor import is_dtensor
 
 
 def _local(param: Tensor) -> Tensor:
     # DTensor.to_local() returns a fresh view for parameters; rebinding must reach
     # the shard the DTensor itself computes with.
-    return param._local_tensor if isinstance(param, DTensor) else param  # type: ignore[attr-defined]
+    return param._local_tensor if is_dtensor(param) else param  # type: ignore[attr-defined]
 
 
 def bind_parameters(model: nn.Module, named_tensors: Iterable[tuple[str, Tensor]],

@@ -27,9 +27,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from channels import ConfigError
+from workers._dtensor import is_dtensor
 
 from ._bind import bind_parameters, release_parameters
 from ._decode_batch import DecodeBatch, RunRules
@@ -304,7 +304,7 @@ class NativeRolloutEngine:
                         f"update_weights got {name!r}, which is not a tensor of the model; "
                         f"use the names of model.state_dict(), e.g. {example!r}"
                     )
-                if isinstance(target, DTensor):  # tensor parallel: this rank's shard
+                if is_dtensor(target):  # tensor parallel: this rank's shard
                     target = target._local_tensor
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise ConfigError(
