@@ -31,7 +31,7 @@ from workers.rewards._columns import row_columns, text_column
 from workers.rewards._decode import (
     Decoder,
 )
-from workers.rewards._inputs import ScoreInputs, Scorer
+from workers.rewards._inputs import ScoreInputs, Scorer, masked_token_lists
 from workers.rewards._model import ModelRewardConfig, ModelScorer
 from workers.rewards._rule import (
     DEFAULT_REWARD_FN,
@@ -66,6 +66,7 @@ __all__ = [
     "exact_match",
     "format_check",
     "load_reward_fn",
+    "masked_token_lists",
     "numeric_match",
     "row_columns",
     "split_function_spec",

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Protocol
 
-import torch
 from torch import Tensor
 
 from channels import SchemaError
@@ -74,7 +74,8 @@ class Scorer(Protocol):
 
 
 def masked_token_lists(ids: Tensor, mask: Tensor) -> list[list[int]]:
-    """The real tokens of each row (where ``mask`` is 1), in order.
+    """The real tokens of each row (where ``mask`` is non-zero), in order: a prompt's
+    without its left padding, a response's without its right padding.
 
     Args:
         ids: ``[B, L]`` token ids.
@@ -83,6 +84,6 @@ def masked_token_lists(ids: Tensor, mask: Tensor) -> list[list[int]]:
     Returns:
         One list of token ids per row.
     """
-    keep = mask.to(torch.bool).cpu()
-    rows = ids.cpu()
-    return [row[k].tolist() for row, k in zip(rows, keep, strict=True)]
+    # Two reads to the host and a filter in C: a row's mask applied as a tensor costs
+    # two tensor operations per row (0.3 ms for 32 rows, against 0.05).
+    return [list(compress(row, keep)) for row, keep in zip(ids.tolist(), mask.tolist(), strict=True)]

@@ -25,9 +25,8 @@ from workers.episodes import (
 from workers.host import Adopt, Chunk, Finish, Handoff, StreamMethod
 from workers.host import Step as StepEvent
 from workers.models import PromptTokenizer, load_prompt_tokenizer
-from workers.rewards import row_columns
+from workers.rewards import masked_token_lists, row_columns
 from workers.roles import _fields as F
-from workers.roles._rollout import unpadded_prompts
 from workers.rollout import SamplingParams
 
 __all__ = ["EpisodeSetup", "stream_episodes"]
@@ -58,7 +57,7 @@ def stream_episodes(engine: Any, prompts: Batch, *, n: int, params: SamplingPara
     episode ends (a streaming method, see ``workers.host``)."""
     width = config.max_tokens
     yield Chunk(rows=Batch(empty_episode_rows(dict(prompts), width=width), group_size=n), ids=())
-    lists = unpadded_prompts(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
+    lists = masked_token_lists(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
     env_columns = {k: v for k, v in prompts.items() if k not in _NOT_FOR_ENV and not k.startswith("_")}
     values = row_columns(env_columns, tokenizer)
     rows = [{name: column[g] for name, column in values.items()} for g in range(len(lists))]

@@ -27,6 +27,7 @@ from torch import Tensor
 from channels import ROW_ID_BITS, Batch, ConfigError, row_id
 from workers.host import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
 from workers.host import Step as StepEvent
+from workers.rewards import masked_token_lists
 from workers.roles import _fields as F
 from workers.roles._episodes import EpisodeSetup, stream_episodes
 from workers.roles._rollout import (
@@ -34,7 +35,6 @@ from workers.roles._rollout import (
     params_for_rank,
     prompt_budgets,
     rollout_rows,
-    unpadded_prompts,
 )
 from workers.roles._training import require_fields
 from workers.rollout import FinishedSample, PartialSample, RolloutOutput, SamplingParams
@@ -66,7 +66,7 @@ class _Rollout:
                  rank: int, version: int) -> None:
         self.n, self.params, self.version = n, params, version
         self.prompt_names = list(prompts)
-        lists = unpadded_prompts(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
+        lists = masked_token_lists(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
         budgets = prompt_budgets(prompts, params)
         self.groups: dict[int, _Group] = {}
         for g, prompt in enumerate(lists):
@@ -187,7 +187,7 @@ class _Rollout:
                 self.must_finish.add(key)
             if key not in self.groups:
                 cols = {k: tail[k][i:i + 1] for k in self.prompt_names}
-                prompt = unpadded_prompts(cols[F.PROMPT_IDS], cols[F.PROMPT_MASK])[0]
+                prompt = masked_token_lists(cols[F.PROMPT_IDS], cols[F.PROMPT_MASK])[0]
                 budgets = prompt_budgets(cols, self.params)
                 budget = None if budgets is None else budgets[0]
                 self.groups[key] = _Group(columns=cols, prompt=prompt, budget=budget)

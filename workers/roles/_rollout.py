@@ -131,12 +131,6 @@ def bind_training_weights(rollout: RolloutEngine | None, weights: Iterable[tuple
     return True
 
 
-def unpadded_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> list[list[int]]:
-    """Each row's real prompt tokens (the mask's ones), without the left padding."""
-    keep = prompt_mask.to(torch.bool).cpu()
-    return [row[k].tolist() for row, k in zip(prompt_ids.cpu(), keep, strict=True)]
-
-
 def prompt_budgets(prompts: Mapping[str, Tensor], params: SamplingParams) -> list[int] | None:
     """Each prompt row's token budget, from its ``max_new_tokens`` column (None without one).
 

@@ -18,6 +18,7 @@ from workers.rewards import (
     ScoreInputs,
     arithmetic_reward,
     load_reward_fn,
+    masked_token_lists,
 )
 from workers.rewards._decode import load_decoder
 
@@ -166,3 +167,15 @@ def test_config_checks_name_the_field(tmp_path: Path) -> None:
         RuleRewardConfig(tokenizer_dir="")
     with pytest.raises(ConfigError, match=r"tokenizer_dir .* holds no tokenizer"):
         load_decoder(tmp_path)
+
+
+def test_masked_token_lists_keep_each_rows_real_tokens_in_order() -> None:
+    ids = torch.tensor([[0, 0, 7, 8], [5, 6, 9, 0], [1, 2, 3, 4], [4, 4, 4, 4]])
+    left = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert masked_token_lists(ids, left) == [[7, 8], [5, 6, 9], [1, 2, 3, 4], []]
+    # a mask of any dtype: bool, float (0.0 drops), and a view of a wider tensor
+    right = torch.tensor([[1.0, 0.0, 1.0, 0.0]] * 4)
+    assert masked_token_lists(ids, right.bool()) == masked_token_lists(ids, right) == [[0, 7], [5, 9], [1, 3], [4, 4]]
+    wide = torch.arange(24).view(4, 6)
+    assert masked_token_lists(wide[:, 1:5], left) == [[3, 4], [7, 8, 9], [13, 14, 15, 16], []]
+    assert masked_token_lists(ids[:0], left[:0]) == []
