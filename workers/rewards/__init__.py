@@ -14,7 +14,8 @@
   :class:`~workers.models.ValueModel` read at the last response token.
 
 Both are :class:`Scorer` strategies over :class:`ScoreInputs`; the reward and cost
-roles in ``workers.roles`` host them on a pool.
+roles in ``workers.roles`` host them on a pool. :func:`masked_token_lists` reads a
+padded batch's real tokens per row (the rollout's prompts too).
 """
 
 from __future__ import annotations
