@@ -126,14 +126,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
                 setattr(parent, attr, count // tp)
 
 
-def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy,
+def _apply_fully_shard(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None,
                        units: Sequence[nn.Module] = ()) -> None:
     # Each block of every ModuleList (the transformer layers) is its own FSDP unit so
     # that only one block's full parameters exist at a time; ``units`` (called on
     # their own, not through the model's forward) come next; the root unit holds the
     # rest (embeddings, final norm, heads). Every unit gets the same precision policy.
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for module in list(model.modules()):
         if isinstance(module, nn.ModuleList):
             for block in module:
@@ -259,10 +260,6 @@ class Parallelism:
             apply_tensor_parallel(model, self.mesh["tp"], self.tp_plan)
         self.replicated = replicate and self.dp_size > 1
         if self.mesh is not None and self.shards(replicate=replicate):
-            if mp_policy is None:
-                from torch.distributed.fsdp import MixedPrecisionPolicy
-
-                mp_policy = MixedPrecisionPolicy()
             _apply_fully_shard(model, self.mesh["dp"], mp_policy, units)
         return model
 
