@@ -4,6 +4,7 @@ by the runtime tests (pickled by value so Ray workers need not import this file)
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import importlib.util
 import os
 import signal
@@ -110,9 +111,22 @@ class Sleeper(Role):
         return ray.get_runtime_context().get_node_id()
 
     @register(protocol=OneToAll())
-    def process_settings(self) -> dict[str, int]:
-        """This worker's niceness and torch intra-op threads."""
-        return {"nice": os.nice(0), "threads": torch.get_num_threads()}
+    def process_settings(self) -> dict[str, int | None]:
+        """This worker's niceness and torch intra-op threads, and the OpenMP threads
+        the calling thread saw before it called torch."""
+        return {"openmp": openmp_threads(), "nice": os.nice(0), "threads": torch.get_num_threads()}
+
+
+def openmp_threads() -> int | None:
+    """``omp_get_max_threads()`` in the calling thread, from the OpenMP runtime torch
+    loaded (None where this process maps none, or off Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    libraries = sorted({line.split()[-1] for line in maps
+                        if line.split()[-1].rsplit("/", 1)[-1].startswith(("libgomp", "libiomp", "libomp"))})
+    return int(ctypes.CDLL(libraries[0]).omp_get_max_threads()) if libraries else None
 
 
 class Probe(Role):

@@ -47,7 +47,7 @@ def test_bad_settings_are_refused() -> None:
 
 
 def test_workers_run_at_the_session_niceness_with_their_pools_threads() -> None:
-    async def main() -> tuple[list[dict[str, int]], list[dict[str, int]]]:
+    async def main() -> tuple[list[dict[str, int | None]], list[dict[str, int | None]]]:
         async with af.Session(worker_nice=7) as session:
             roles = await session.spawn({
                 "one": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="one", devices=1, threads=3)),
@@ -59,8 +59,8 @@ def test_workers_run_at_the_session_niceness_with_their_pools_threads() -> None:
         one, two = asyncio.run(asyncio.wait_for(main(), timeout=300))
     finally:
         af.shutdown_ray()
-    assert one == [{"nice": 7, "threads": 3}]
-    assert two == [{"nice": 7, "threads": 1}] * 2
+    assert one == [{"openmp": 3, "nice": 7, "threads": 3}]
+    assert two == [{"openmp": 1, "nice": 7, "threads": 1}] * 2
 
 
 def test_a_session_takes_over_the_ray_instance_start_ray_started() -> None:
@@ -69,7 +69,7 @@ def test_a_session_takes_over_the_ray_instance_start_ray_started() -> None:
     af.start_ray(worker_nice=5, preload=("wave",))
     assert ray.is_initialized() and "wave" in sys.modules  # imported while Ray started
 
-    async def main() -> list[dict[str, int]]:
+    async def main() -> list[dict[str, int | None]]:
         async with af.Session() as session:
             roles = await session.spawn({"one": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="one", devices=1,
                                                                                               threads=2))})
@@ -80,7 +80,7 @@ def test_a_session_takes_over_the_ray_instance_start_ray_started() -> None:
         assert not ray.is_initialized(), "the session shuts down the instance it took over"
     finally:
         af.shutdown_ray()
-    assert got == [{"nice": 5, "threads": 2}]
+    assert got == [{"openmp": 2, "nice": 5, "threads": 2}]
 
 
 def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
@@ -88,7 +88,7 @@ def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
     af.start_ray(worker_nice=6, preload=(), keep=True)
     gcs = ray.get_runtime_context().gcs_address
 
-    async def main() -> list[dict[str, int]]:
+    async def main() -> list[dict[str, int | None]]:
         async with af.Session(worker_nice=0) as session:
             roles = await session.spawn({"one": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="one", devices=1,
                                                                                               threads=1))})
@@ -101,7 +101,7 @@ def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
         assert ray.get_runtime_context().gcs_address == gcs
     finally:
         af.shutdown_ray()
-    assert first == second == [{"nice": 6, "threads": 1}], "the kept instance's settings, not the sessions'"
+    assert first == second == [{"openmp": 1, "nice": 6, "threads": 1}], "the kept instance's settings, not the sessions'"
 
 
 def test_workers_started_with_ray_are_the_first_sessions() -> None:

@@ -297,6 +297,11 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
                 poisoned first so that peers waiting on this rank fail at once.
         """
         with self._compute:
+            # A thread's OpenMP thread count is the machine's until torch first sets
+            # it there (torch does so lazily, on the thread's first parallel operation
+            # or query): native code that reads it before then, as vLLM's CPU attention
+            # does to plan its work, would plan for more threads than then run.
+            torch.get_num_threads()
             return self._execute_call(call, fetched)
 
     def _execute_call(self, call: CallArgs, fetched: Sequence[Any]) -> RankResult:
