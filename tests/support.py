@@ -124,8 +124,8 @@ def openmp_threads() -> int | None:
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return None
-    libraries = sorted({line.split()[-1] for line in maps
-                        if line.split()[-1].rsplit("/", 1)[-1].startswith(("libgomp", "libiomp", "libomp"))})
+    paths = {line.split()[-1] for line in maps}
+    libraries = sorted(p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp")))
     return int(ctypes.CDLL(libraries[0]).omp_get_max_threads()) if libraries else None
 
 

@@ -14,13 +14,12 @@ refuse.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from workers._dtensor import is_dtensor
+from workers._dtensor import is_dtensor, is_fsdp_module
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -117,9 +116,8 @@ def parameter_tensors(model: nn.Module) -> Iterator[Tensor]:
     An FSDP2 model is resharded first, so that the parameters are the shards (after a
     forward without backward the root's may still be gathered).
     """
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # no FSDP2 module exists before it is imported
     for module in model.modules():
-        if fsdp is not None and isinstance(module, fsdp.FSDPModule):
+        if is_fsdp_module(module):
             module.reshard()
     for param in model.parameters():
         yield param
