@@ -82,9 +82,12 @@ TYPED_FIXTURE := tests/typing/typed_algo_ok.py
 # the 2-core machine: 656 to 828 s in all over four clean runs (926 to 1053 s before
 # the shared Ray instances' workers were forked from a server that imported torch
 # once, tests/forked_workers.py; the machine's speed drifts by 15%; the target is 15
-# minutes). mypy (one core for about a minute from a fresh clone) starts first,
-# beside the byte-compiling of $(WARMED) on the other core, and its report follows
-# pytest's; either failing fails the target.
+# minutes), 1,017 to 1,161 s over seven clean runs on 2026-12-06, when the machine ran
+# about 1.5 times slower throughout (bench.e2e's plain-PyTorch step 0.108-0.127 s on
+# 2026-11-29, 0.15-0.23 s that day; importing torch 1.3-2.9 s). mypy (one core for
+# about a minute from a fresh clone) starts first, beside the byte-compiling of
+# $(WARMED) on the other core, and its report follows pytest's; either failing fails
+# the target.
 # It prints how long it took in all (installing included) and pytest's share.
 START := $(shell date +%s)
 PYTEST_WORKERS ?= 2
