@@ -39,9 +39,9 @@ offers ``cpu_slots`` of them. On a cluster whose nodes offer none (``ray start
 ``CPU`` instead (``asyncflow.runtime._pool.slot_resource``)."""
 
 HEAVY_MODULES = ("torch", "transformers.modeling_utils", "workers.roles")
-"""What :func:`start_ray` imports meanwhile by default: what a training script and
-its workers need (importing the roles loads no transformers model class; building
-or loading a model does)."""
+"""What :func:`start_ray` imports meanwhile by default, and its workers started
+ahead always: what a training script and its workers need (importing the roles
+loads no transformers model class; building or loading a model does)."""
 
 _lock = threading.Lock()
 _unclaimed = False  # a start_ray instance no session has taken over yet
@@ -67,9 +67,9 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
             other, which would otherwise start Ray for each, seconds every
             time); :func:`~asyncflow.shutdown_ray` stops it.
         workers: CPU worker processes to start as soon as Ray is up, importing
-            ``preload`` too while the script imports: the first session adopts
-            them (see ``asyncflow.runtime._idle``) instead of starting its own
-            once it spawns. As many as its CPU pools have ranks: one more is a
+            :data:`HEAVY_MODULES` while the script imports: the first session
+            adopts them (see ``asyncflow.runtime._idle``) instead of starting its
+            own once it spawns. As many as its CPU pools have ranks: one more is a
             process that imports for nothing.
         worker_env: those workers' environment variables: the session adopts
             them only if its own ``worker_env`` is the same (but for
@@ -106,14 +106,15 @@ def claim_started_instance() -> bool:
 def _import_quietly(modules: tuple[str, ...], workers: int, worker_env: dict[str, str],
                     ray_up: threading.Event) -> None:
     """Import ``modules``; with ``workers``, first start that many workers ahead
-    once Ray is up (which imports the worker module: torch, Ray, ``channels``)."""
+    once Ray is up (which imports the worker module: torch, Ray, ``channels``),
+    importing :data:`HEAVY_MODULES`."""
     # workers.host._worker has its twin; importing it from here would import torch first
     if workers:
         from asyncflow.runtime import _idle
 
         ray_up.wait()
         if ray.is_initialized():
-            _idle.start_ahead(workers, preload=modules, worker_env=worker_env)
+            _idle.start_ahead(workers, preload=HEAVY_MODULES, worker_env=worker_env)
     for name in modules:
         try:
             importlib.import_module(name)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from channels import ConfigError
-from workers.models import check_supported_checkpoint, read_gguf_header
+from workers.models import read_architecture, read_gguf_header
 from workers.rewards import load_reward_fn
 
 MODEL_ROLES = ("actor", "ref", "critic", "cost_critic")
@@ -49,11 +49,10 @@ def model_heads(key: str, model_dir: str) -> tuple[int, int]:
         raise ConfigError(f"{key} = {model_dir!r} has no config.json; point it at a Hugging Face model "
                           "directory (save_tiny_model and the SFT warm start write one)")
     try:
-        hf = check_supported_checkpoint(path)
-    except (OSError, ValueError) as e:
+        architecture = read_architecture(path)
+    except ConfigError as e:
         raise ConfigError(f"{key} = {model_dir!r}: {str(e).splitlines()[0]}") from None
-    heads = int(hf.num_attention_heads)
-    return heads, int(getattr(hf, "num_key_value_heads", None) or heads)
+    return architecture.num_attention_heads, architecture.num_key_value_heads
 
 
 def gguf_heads(key: str, file: str) -> tuple[int, int]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -29,6 +28,7 @@ from asyncflow.train._config import (
     sampling_of,
 )
 from workers.engines import REPLICATE_MAX_PARAMS, PrecisionName, estimate_memory
+from workers.models import Architecture, read_architecture
 
 GIB = 2**30
 HEADROOM = 0.9
@@ -49,19 +49,12 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def of(cls, hf_config: Any) -> ModelShape:
-        """The shape of a Hugging Face causal LM config (parameters counted on the
-        meta device: nothing is allocated)."""
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-        heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        return cls(parameters=sum(p.numel() for p in model.parameters()), layers=hf_config.num_hidden_layers,
-                   hidden=hf_config.hidden_size, intermediate=hf_config.intermediate_size,
-                   kv_width=(getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim,
-                   vocab=hf_config.vocab_size)
+    def of(cls, architecture: Architecture) -> ModelShape:
+        """The shape of a checkpoint's causal LM."""
+        a = architecture
+        return cls(parameters=a.parameters, layers=a.num_hidden_layers, hidden=a.hidden_size,
+                   intermediate=a.intermediate_size, kv_width=a.num_key_value_heads * a.head_dim,
+                   vocab=a.vocab_size)
 
 
 @dataclass(kw_only=True)
@@ -188,12 +181,10 @@ def check_memory(config: RunConfig, model_dir: str, *, context: int) -> list[str
     """:func:`memory_warnings` for ``config`` with the policy in ``model_dir`` and
     samples of at most ``context`` tokens, on the devices its pools will get (the
     driver's view: a GPU pool is checked when the driver sees a GPU)."""
-    from transformers import AutoConfig
-
     cuda = pools_on_cuda(config)
-    shape = ModelShape.of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    shape = ModelShape.of(read_architecture(model_dir))
     scorer = config.reward.model_dir or config.cost.model_dir
-    reward = ModelShape.of(AutoConfig.from_pretrained(scorer, local_files_only=True)) if scorer else None
+    reward = ModelShape.of(read_architecture(scorer)) if scorer else None
     estimates = estimate_pools(config, shape, context=context, cuda=cuda, reward_shape=reward)
     return memory_warnings(estimates, memory=device_memory("cuda" if cuda else "cpu"))
 

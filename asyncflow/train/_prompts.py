@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -31,7 +30,7 @@ from workers.data import (
     load_rows,
     prompt_batch,
 )
-from workers.models import CharTokenizer, check_supported_checkpoint, load_prompt_tokenizer
+from workers.models import CharTokenizer, load_prompt_tokenizer, read_architecture
 
 
 class RunPrompts(Protocol):
@@ -74,7 +73,7 @@ class ArithmeticPrompts:
     def build(cls, config: RunConfig, model_dir: str, max_new_tokens: int) -> ArithmeticPrompts:
         splits = generate_splits(config.data.arithmetic)
         tokenizer = CharTokenizer.from_pretrained(model_dir)
-        limit = int(check_supported_checkpoint(Path(model_dir)).max_position_embeddings)
+        limit = read_architecture(model_dir).max_position_embeddings
         problems = list(splits.train) + list(splits.eval)
         check_fits_context(problems, tokenizer, max_new_tokens=max_new_tokens, max_positions=limit)
         longest = max(len(tokenizer.encode(p.prompt)) for p in problems)
@@ -108,7 +107,7 @@ class FilePrompts:
     @classmethod
     def build(cls, config: RunConfig, model_dir: str, max_new_tokens: int) -> FilePrompts:
         d = config.data
-        limit = int(check_supported_checkpoint(Path(model_dir)).max_position_embeddings)
+        limit = read_architecture(model_dir).max_position_embeddings
         budget = d.max_prompt_tokens or limit - max_new_tokens
         if budget < 1 or budget + max_new_tokens > limit:
             raise ConfigError(f"data.max_prompt_tokens ({budget}) + max_new_tokens ({max_new_tokens}) must fit the "

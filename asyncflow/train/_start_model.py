@@ -17,7 +17,7 @@ from asyncflow.train._config import RunConfig, episode_config
 from asyncflow.train._rundir import cache_dir
 from asyncflow.train._sft import sft_warm_start
 from asyncflow.train._signals import Say
-from workers.models import check_supported_checkpoint, gguf_to_hf_dir
+from workers.models import gguf_to_hf_dir, read_architecture
 
 SFT_STAMP = "asyncflow_sft.json"
 """The settings an SFT warm start's directory was trained with (written last)."""
@@ -41,7 +41,7 @@ def starting_model(config: RunConfig, *, say: Say) -> str:
             target = cache_dir(output_dir, "model_from_gguf", os.fsencode(Path(config.model.gguf).resolve()))
             say(f"model: {config.model.gguf} -> {target} (dequantised; once per file)")
             return str(gguf_to_hf_dir(config.model.gguf, target, key="model.gguf"))
-        check_supported_checkpoint(Path(config.model.path))
+        read_architecture(config.model.path)
         return config.model.path
     sft, task = config.sft, config.data.arithmetic
     # The settings' bytes as when the task was SFTConfig's first field (and before

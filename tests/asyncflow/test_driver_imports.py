@@ -67,3 +67,28 @@ def test_a_malformed_set_pair_comes_before_torch_imports(tmp_path: Path) -> None
                           capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.splitlines() == ["RC 2", "HEAVY []"]
     assert done.stderr.startswith("asyncflow: configuration error: --set expects key=value, got 'actor.lr'")
+
+
+_SET_UP = """
+import sys
+from asyncflow.train import load_config
+from asyncflow.train._config import response_width
+from asyncflow.train._memory import check_memory
+from asyncflow.train._prompts import run_prompts
+from asyncflow.train._start_model import starting_model
+config = load_config("examples/arith_grpo.toml", {"sft": None, "model.path": sys.argv[1]})
+prompts = run_prompts(config, starting_model(config, say=print), response_width(config))
+print("WARNINGS", check_memory(config, sys.argv[1], context=prompts.context))
+print("TRANSFORMERS", "transformers" in sys.modules)
+"""
+
+
+def test_the_trainers_set_up_reads_checkpoints_without_transformers(tmp_path: Path) -> None:
+    # the driver checks the model (heads, context, memory) from its config.json; the
+    # workers import transformers to load it, the driver need not (seconds of CPU)
+    from workers.models import TinyModelConfig, save_tiny_model
+
+    model = save_tiny_model(tmp_path, TinyModelConfig())
+    out = subprocess.run([sys.executable, "-c", _SET_UP, str(model)], cwd=ROOT, capture_output=True, text=True,
+                         check=True, timeout=300).stdout.splitlines()
+    assert out[-2:] == ["WARNINGS []", "TRANSFORMERS False"]

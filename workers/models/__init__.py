@@ -5,12 +5,14 @@ local directory; critic, reward and cost roles wrap the same backbones in a
 :class:`ValueModel` (which also loads one-label sequence classifiers, the usual
 format of reward models). :func:`load_prompt_tokenizer` gives a policy's tokenizer
 as prompts and episodes need it (:class:`PromptTokenizer`). :func:`gguf_to_hf_dir` turns a user's GGUF file into a
-checkpoint directory. Examples and tests build tiny random models with
+checkpoint directory; :func:`read_architecture` reads a checkpoint's sizes without
+transformers. Examples and tests build tiny random models with
 :func:`save_tiny_model`; nothing is downloaded.
 """
 
 from __future__ import annotations
 
+from ._architecture import Architecture, read_architecture
 from ._checkpoint import check_supported_checkpoint, save_pretrained_here
 from ._factory import (
     TinyModelConfig,
@@ -29,6 +31,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TOKENIZER_FILES",
     "VALUE_HEAD_FILE",
+    "Architecture",
     "CharTokenizer",
     "CharTokenizerConfig",
     "GgufModel",
@@ -42,6 +45,7 @@ __all__ = [
     "load_model",
     "load_prompt_tokenizer",
     "load_tokenizer",
+    "read_architecture",
     "read_gguf_header",
     "save_pretrained_here",
     "save_tiny_model",

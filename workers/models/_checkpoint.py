@@ -11,19 +11,17 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch import Tensor
 
-from channels import ConfigError
+from ._architecture import read_architecture
 
 if TYPE_CHECKING:  # transformers' model classes: seconds to import; imported where a model is built
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "check_supported_checkpoint", "save_pretrained_here"]
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
-"""Values of ``model_type`` (in ``config.json``) that the loaders accept."""
+__all__ = ["check_supported_checkpoint", "save_pretrained_here"]
 
 
 def check_supported_checkpoint(path: Path) -> PretrainedConfig:
-    """Read a checkpoint's config and check its architecture is supported.
+    """Read a checkpoint's config and check its architecture is supported
+    (:func:`~._architecture.read_architecture`).
 
     Args:
         path: A local checkpoint directory.
@@ -32,23 +30,13 @@ def check_supported_checkpoint(path: Path) -> PretrainedConfig:
         The checkpoint's transformers config.
 
     Raises:
-        ConfigError: If ``path`` has no ``config.json``.
-        ValueError: If its ``model_type`` is not in :data:`SUPPORTED_ARCHITECTURES`.
+        ConfigError: If ``path`` has no readable ``config.json``, or its
+            ``model_type`` is not in :data:`~._architecture.SUPPORTED_ARCHITECTURES`.
     """
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"{path} has no config.json; pass a local Hugging Face checkpoint directory "
-            "(save_tiny_model writes one)"
-        )
+    read_architecture(path)
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(
-            f"{path} holds a {hf_config.model_type!r} model; supported architectures "
-            f"(config.json model_type) are {SUPPORTED_ARCHITECTURES}"
-        )
-    return hf_config
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 def _this_process_writes(is_main_process: bool) -> bool:

@@ -19,7 +19,8 @@ import torch
 
 from channels import ConfigError
 
-from ._checkpoint import SUPPORTED_ARCHITECTURES, check_supported_checkpoint, save_pretrained_here
+from ._architecture import SUPPORTED_ARCHITECTURES
+from ._checkpoint import check_supported_checkpoint, save_pretrained_here
 from ._tokenizer import CharTokenizer, CharTokenizerConfig
 from ._value_head import VALUE_HEAD_FILE, ValueModel, is_value_model_dir
 

@@ -26,7 +26,8 @@ import torch
 
 from channels import ConfigError
 
-from ._checkpoint import SUPPORTED_ARCHITECTURES, save_pretrained_here
+from ._architecture import SUPPORTED_ARCHITECTURES
+from ._checkpoint import save_pretrained_here
 from ._gguf_header import read_metadata
 
 __all__ = ["GGUF_STAMP_FILE", "GgufModel", "gguf_to_hf_dir", "read_gguf_header", "smollm2_gguf"]
