@@ -19,8 +19,8 @@ import torch
 
 from channels import ConfigError
 
-from ._architecture import SUPPORTED_ARCHITECTURES
-from ._checkpoint import check_supported_checkpoint, save_pretrained_here
+from ._architecture import SUPPORTED_ARCHITECTURES, read_architecture
+from ._checkpoint import save_pretrained_here
 from ._tokenizer import CharTokenizer, CharTokenizerConfig
 from ._value_head import VALUE_HEAD_FILE, ValueModel, is_value_model_dir
 
@@ -245,7 +245,7 @@ def load_model(
             value-model directory is loaded as a causal LM.
     """
     path = Path(directory)
-    check_supported_checkpoint(path)
+    read_architecture(path)
     is_value = is_value_model_dir(path)
     if kind == "value":
         if is_value:

@@ -26,6 +26,7 @@ from torch import nn
 
 from channels import ConfigError
 
+from ._architecture import read_architecture
 from ._checkpoint import check_supported_checkpoint, save_pretrained_here
 
 if TYPE_CHECKING:  # transformers' model classes: seconds to import; imported where a model is built
@@ -230,7 +231,7 @@ class ValueModel(nn.Module):
 def _load_backbone(path: Path) -> PreTrainedModel:
     from transformers import AutoModel, AutoModelForCausalLM
 
-    check_supported_checkpoint(path)
+    read_architecture(path)
     if (path / VALUE_HEAD_FILE).is_file():
         return AutoModel.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     # A causal-LM directory: load the whole model and keep its base model, rather than
