@@ -32,8 +32,9 @@ def ray_started_ahead(config: RunConfig, *, address: str | None, worker_env: Map
     if cluster_address(address) is not None or ray.is_initialized():
         yield
         return
-    # The configuration's check imported torch and the roles; the driver builds no
-    # model (it reads checkpoints' config.json alone), so it waits for no import.
+    # The configuration's check imported torch and the roles, and the driver reads
+    # checkpoints by their config.json alone: it waits for no import here (an SFT
+    # warm start imports transformers as it builds its model, while the workers do).
     start_ray(worker_nice=config.worker_nice, workers=cpu_ranks(config), worker_env=worker_env, preload=())
     try:
         yield
