@@ -22,20 +22,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the pool's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the workload and its pools' device")
+    parser.add_argument("--model-dir", help="the workload's model (default: saved by this run)")
     return parser
 
 
 if __name__ == "__main__":  # a run; bench.e2e imports this module for its names only
-    # Ray comes up while torch, transformers and the roles import, and so do the
-    # placement's CPU workers as soon as Ray is up (see asyncflow.start_ray).
+    # Ray comes up while torch and the roles import (and transformers, when this
+    # run builds the model itself), and so do the placement's CPU workers as soon
+    # as Ray is up (see asyncflow.start_ray).
     _args = _parser().parse_args()
-    af.start_ray(workers=sum(PLACEMENTS[_args.placement][0].values()) if _args.device == "cpu" else 0)
+    _workers = sum(PLACEMENTS[_args.placement][0].values()) if _args.device == "cpu" else 0
+    if _args.model_dir is None:
+        af.start_ray(workers=_workers)
+    else:  # the driver builds no model: transformers is the workers' to import
+        af.start_ray(workers=_workers, preload=("torch", "workers.roles"))
 
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -78,12 +83,14 @@ def role_specs(job: E2EJob, model_dir: str, placement: str, threads: int | None)
             for role, (cls, config) in built.items()}
 
 
-async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
-    """Start a session, run ``warmup + steps`` GRPO steps; the record."""
+async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threads: int | None,
+                  model_dir: str | None = None) -> dict[str, Any]:
+    """Start a session, run ``warmup + steps`` GRPO steps on the model in
+    ``model_dir`` (default: one this run saves); the record."""
     config = grpo_config(job)
     marks: dict[str, float] = {"imported": time.time() - _START}
-    with tempfile.TemporaryDirectory(prefix="asyncflow-e2e-") as tmp:
-        model_dir = job.save_model(Path(tmp) / "policy")
+    given = model_dir is not None
+    with job.model_dir(model_dir) as model_dir:
         async with af.Session() as session:
             marks["ray_started"] = time.time() - _START
             roles = await session.spawn(role_specs(job, model_dir, placement, threads))
@@ -110,7 +117,8 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threa
     return {
         "framework": "asyncflow", "placement": placement, "threads": threads, "device": job.device,
         "s_per_step": median, "tokens_per_s": job.tokens_per_step / median,
-        "steps_s": times, "startup_s": marks,
+        "steps_s": times, "startup_s": marks, "model_given": given,
+        "driver_imported_transformers": "transformers" in sys.modules,
         "stage_ms": {k: 1000 * v / steps for k, v in sorted(summary.stage_busy_s.items())},
         "stage_cpu_ms": {k: 1000 * v / steps for k, v in sorted(summary.stage_cpu_s.items())},
         "pool_busy_ms": {k: 1000 * v / steps for k, v in summary.busy_s.items()},
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run one placement; print its record as JSON on the last line."""
     args = _parser().parse_args(argv)
     record = asyncio.run(measure(E2EJob.on(args.device), args.placement, steps=args.steps, warmup=args.warmup,
-                                 threads=args.threads))
+                                 threads=args.threads, model_dir=args.model_dir))
     print(json.dumps(record))
 
 

@@ -26,8 +26,6 @@ import os  # noqa: E402
 import queue  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
@@ -158,13 +156,14 @@ def _rank(rank: int, world: int, port: int, job: E2EJob, steps: int, warmup: int
                                   "reward/mean": float(rewards.mean())}})
 
 
-def measure(job: E2EJob, *, ranks: int, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
-    """Run the workload on ``ranks`` processes; rank 0's record."""
+def measure(job: E2EJob, *, ranks: int, steps: int, warmup: int, threads: int | None,
+            model_dir: str | None = None) -> dict[str, Any]:
+    """Run the workload on ``ranks`` processes, on the model in ``model_dir``
+    (default: one this run saves); rank 0's record."""
     if job.prompts % ranks:
         raise ValueError(f"{job.prompts} prompts do not split over {ranks} ranks")
     per_rank_threads = threads or max(1, (os.cpu_count() or 1) // ranks)
-    with tempfile.TemporaryDirectory(prefix="floor-e2e-") as tmp:
-        model_dir = job.save_model(Path(tmp) / "policy")
+    with job.model_dir(model_dir) as model_dir:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         with socket.socket() as s:
@@ -213,9 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: the cores split over the ranks)")
+    parser.add_argument("--model-dir", help="the workload's model (default: saved by this run)")
     args = parser.parse_args(argv)
     print(json.dumps(measure(E2EJob(), ranks=args.ranks, steps=args.steps, warmup=args.warmup,
-                             threads=args.threads)))
+                             threads=args.threads, model_dir=args.model_dir)))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ directory, prompts, reward function and sizes; nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -71,6 +74,17 @@ class E2EJob:
     def save_model(self, directory: Path) -> str:
         """Write the model (and its tokenizer) to ``directory``; its path."""
         return str(save_tiny_model(directory, self.model(), seed=self.seed))
+
+    @contextlib.contextmanager
+    def model_dir(self, given: str | None) -> Iterator[str]:
+        """The model's directory: ``given`` (``bench.e2e`` saves it once and every run
+        loads it, as a user's checkpoint), else the model saved into a temporary
+        directory for this run alone (a run started by hand)."""
+        if given is not None:
+            yield given
+            return
+        with tempfile.TemporaryDirectory(prefix="e2e-model-") as tmp:
+            yield self.save_model(Path(tmp) / "policy")
 
     def prompt_ids(self) -> torch.Tensor:
         """``[prompts, prompt_len]`` token ids of the alphabet's symbols, fixed by the seed."""

@@ -19,7 +19,6 @@ import os  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench._e2e_job import E2EJob, digit_reward  # noqa: E402
@@ -80,8 +79,10 @@ def stage_ms(spent: dict[int, dict[str, float]], steps: list[int]) -> dict[str, 
             "log_prob": mean("batch") - mean("generate") - mean("reward"), "update": mean("step") - mean("batch")}
 
 
-def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dict[str, Any]:
-    """Train ``warmup + steps`` GRPO steps with TRL; the record."""
+def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None,
+            model_dir: str | None = None) -> dict[str, Any]:
+    """Train ``warmup + steps`` GRPO steps with TRL on the model in ``model_dir``
+    (default: one this run saves); the record."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -101,8 +102,7 @@ def measure(job: E2EJob, *, steps: int, warmup: int, threads: int | None) -> dic
             if len(times) == 1:
                 marks["first_step_done"] = time.time() - _START
 
-    with tempfile.TemporaryDirectory(prefix="trl-e2e-") as tmp:
-        model_dir = job.save_model(Path(tmp) / "policy")
+    with tempfile.TemporaryDirectory(prefix="trl-e2e-") as tmp, job.model_dir(model_dir) as model_dir:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         tokenizer.padding_side = "left"
         prompts = [tokenizer.decode(row, skip_special_tokens=True) for row in job.prompt_ids().tolist()]
@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the workload's device")
+    parser.add_argument("--model-dir", help="the workload's model (default: saved by this run)")
     args = parser.parse_args(argv)
-    print(json.dumps(measure(E2EJob.on(args.device), steps=args.steps, warmup=args.warmup, threads=args.threads)))
+    print(json.dumps(measure(E2EJob.on(args.device), steps=args.steps, warmup=args.warmup, threads=args.threads,
+                             model_dir=args.model_dir)))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ is installed, TRL's ``GRPOTrainer`` runs it too. Every run is its own process
 (``python -m bench._e2e_asyncflow`` / ``bench._e2e_trl``), the frameworks
 alternating round by round, so both see the same machine. Per run: seconds per
 step (the median of ``--steps`` after ``--warmup`` steps), generated tokens/s,
-asyncflow's per-stage milliseconds and where its start-up seconds went.
+asyncflow's per-stage milliseconds and where its start-up seconds went. The
+workload's model is saved once, before the runs, and every run loads it from that
+directory (``--model-dir``), as a user's script loads a checkpoint: no run's
+start-up includes building it (and asyncflow's driver, which loads no model, then
+imports no transformers).
 
 ``--device cuda`` runs the one-GPU workload (a random Qwen2.5-0.5B-shaped
 Llama, 64 prompts x 8 samples x 256 tokens, bf16; ``bench._e2e_job``) with every
@@ -45,6 +49,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +78,42 @@ def _burn() -> None:
 
 def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, threads: int | None,
             trl: bool, load: int, floor: bool = True, device: str = "cpu") -> dict[str, Any]:
-    """Every placement (and TRL, and the floor) once per round, alternating; the record."""
+    """Every placement (and TRL, and the floor) once per round, alternating, on one
+    saved model; the record."""
+    job = E2EJob.on(device)
+    with tempfile.TemporaryDirectory(prefix="e2e-model-") as tmp:
+        model = ["--model-dir", job.save_model(Path(tmp) / "policy")]
+        runs = _alternate(placements, model=model, rounds=rounds, steps=steps, warmup=warmup, threads=threads,
+                          trl=trl, load=load, floor=floor, device=device)
+    record: dict[str, Any] = {"job": job.as_dict(), "device": device, "rounds": rounds, "steps": steps, "warmup": warmup,
+                              "threads": threads, "load": load, "runs": runs}
+    for name, got in runs.items():
+        record[f"{name}_s_per_step"] = statistics.median(r["s_per_step"] for r in got)
+        record[f"{name}_first_step_s"] = first_step_s(got)
+    best = min(placements, key=lambda p: record[f"{p}_s_per_step"])
+    record["best_placement"] = best
+    record["asyncflow_tokens_per_s"] = job.tokens_per_step / record[f"{best}_s_per_step"]
+    record["asyncflow_first_step_s"] = record[f"{best}_first_step_s"]
+    if trl:
+        record["trl_tokens_per_s"] = job.tokens_per_step / record["trl_s_per_step"]
+        record["ratio"] = record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"]
+    floors = [name for name in runs if name.startswith("floor_")]
+    if floors:
+        record["floor_s_per_step"] = min(record[f"{name}_s_per_step"] for name in floors)
+        record["floor_tokens_per_s"] = job.tokens_per_step / record["floor_s_per_step"]
+        record["asyncflow_vs_floor"] = record["asyncflow_tokens_per_s"] / record["floor_tokens_per_s"]
+        if trl:
+            record["floor_ratio"] = record["floor_tokens_per_s"] / record["trl_tokens_per_s"]
+    record["load_avg"] = os.getloadavg()
+    return record
+
+
+def _alternate(placements: list[str], *, model: list[str], rounds: int, steps: int, warmup: int,
+               threads: int | None, trl: bool, load: int, floor: bool, device: str) -> dict[str, list[dict[str, Any]]]:
+    """Each run's records, the runs alternating round by round (with ``load`` busy
+    processes beside them)."""
     common = ["--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
+    common += model
     sides = ["--device", device]
     floors = {f"floor_{ranks}": ranks for ranks in FLOOR_RANKS} if floor else {}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in [*placements, *(["trl"] if trl else []), *floors]}
@@ -92,27 +131,7 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
     finally:
         for b in burners:
             b.terminate()
-    job = E2EJob.on(device)
-    record: dict[str, Any] = {"job": job.as_dict(), "device": device, "rounds": rounds, "steps": steps, "warmup": warmup,
-                              "threads": threads, "load": load, "runs": runs}
-    for name, got in runs.items():
-        record[f"{name}_s_per_step"] = statistics.median(r["s_per_step"] for r in got)
-        record[f"{name}_first_step_s"] = first_step_s(got)
-    best = min(placements, key=lambda p: record[f"{p}_s_per_step"])
-    record["best_placement"] = best
-    record["asyncflow_tokens_per_s"] = job.tokens_per_step / record[f"{best}_s_per_step"]
-    record["asyncflow_first_step_s"] = record[f"{best}_first_step_s"]
-    if trl:
-        record["trl_tokens_per_s"] = job.tokens_per_step / record["trl_s_per_step"]
-        record["ratio"] = record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"]
-    if floors:
-        record["floor_s_per_step"] = min(record[f"{name}_s_per_step"] for name in floors)
-        record["floor_tokens_per_s"] = job.tokens_per_step / record["floor_s_per_step"]
-        record["asyncflow_vs_floor"] = record["asyncflow_tokens_per_s"] / record["floor_tokens_per_s"]
-        if trl:
-            record["floor_ratio"] = record["floor_tokens_per_s"] / record["trl_tokens_per_s"]
-    record["load_avg"] = os.getloadavg()
-    return record
+    return runs
 
 
 def first_step_s(runs: list[dict[str, Any]]) -> float:

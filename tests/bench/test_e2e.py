@@ -34,6 +34,8 @@ def test_asyncflow_side_records_steps_stages_and_startup_and_the_floor_beside(tm
     assert run["startup_s"]["imported"] < run["startup_s"]["roles_spawned"] < run["startup_s"]["first_step_done"]
     assert record["asyncflow_first_step_s"] == record["split_first_step_s"] == run["startup_s"]["first_step_done"]
     assert 0 <= run["last_metrics"]["actor/logprob_mismatch"] < 1e-4
+    # every run loads the one model bench.e2e saved; asyncflow's driver then needs no transformers
+    assert run["model_given"] and run["driver_imported_transformers"] is False
     # The plain-PyTorch floor, on one and two ranks, in the same rounds.
     assert record["floor_s_per_step"] == min(record["floor_1_s_per_step"], record["floor_2_s_per_step"])
     assert record["asyncflow_vs_floor"] == pytest.approx(record["asyncflow_tokens_per_s"]
