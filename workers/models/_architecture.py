@@ -89,6 +89,14 @@ def read_architecture(path: str | Path) -> Architecture:
     keys = _KEYS + (_LLAMA_KEYS if model_type == "llama" else ())
     if any(raw.get(key) is None for key in keys):
         raw = _with_defaults(path)
+    try:
+        return _architecture(model_type, raw)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise ConfigError(f"{file} holds sizes that are not numbers: {e}") from None
+
+
+def _architecture(model_type: str, raw: dict[str, Any]) -> Architecture:
+    """The :class:`Architecture` of a config's keys (every one of ``_KEYS`` present)."""
     heads = int(raw["num_attention_heads"])
     llama_bias = model_type == "llama" and bool(raw["attention_bias"])
     return Architecture(

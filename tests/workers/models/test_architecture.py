@@ -71,6 +71,12 @@ def test_unusable_directories_are_configuration_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"config.json cannot be read as JSON: Expecting property name"):
         read_architecture(tmp_path)
+    sizes = {key: 8 for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **sizes, "tie_word_embeddings": False,
+                                                      "hidden_size": "wide"}))
+    with pytest.raises(ConfigError, match=r"config.json holds sizes that are not numbers: invalid literal"):
+        read_architecture(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match=r"holds a 'gpt2' model; supported architectures .* are \('llama', 'qwen2'\)"):
         read_architecture(tmp_path)
