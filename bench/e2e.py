@@ -81,10 +81,11 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
     """Every placement (and TRL, and the floor) once per round, alternating, on one
     saved model; the record."""
     job = E2EJob.on(device)
+    floors = {f"floor_{ranks}": ranks for ranks in FLOOR_RANKS} if floor else {}
     with tempfile.TemporaryDirectory(prefix="e2e-model-") as tmp:
         model = ["--model-dir", job.save_model(Path(tmp) / "policy")]
         runs = _alternate(placements, model=model, rounds=rounds, steps=steps, warmup=warmup, threads=threads,
-                          trl=trl, load=load, floor=floor, device=device)
+                          trl=trl, load=load, floors=floors, device=device)
     record: dict[str, Any] = {"job": job.as_dict(), "device": device, "rounds": rounds, "steps": steps, "warmup": warmup,
                               "threads": threads, "load": load, "runs": runs}
     for name, got in runs.items():
@@ -97,7 +98,6 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
     if trl:
         record["trl_tokens_per_s"] = job.tokens_per_step / record["trl_s_per_step"]
         record["ratio"] = record["asyncflow_tokens_per_s"] / record["trl_tokens_per_s"]
-    floors = [name for name in runs if name.startswith("floor_")]
     if floors:
         record["floor_s_per_step"] = min(record[f"{name}_s_per_step"] for name in floors)
         record["floor_tokens_per_s"] = job.tokens_per_step / record["floor_s_per_step"]
@@ -109,13 +109,13 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
 
 
 def _alternate(placements: list[str], *, model: list[str], rounds: int, steps: int, warmup: int,
-               threads: int | None, trl: bool, load: int, floor: bool, device: str) -> dict[str, list[dict[str, Any]]]:
-    """Each run's records, the runs alternating round by round (with ``load`` busy
-    processes beside them)."""
+               threads: int | None, trl: bool, load: int, floors: dict[str, int],
+               device: str) -> dict[str, list[dict[str, Any]]]:
+    """Each run's records (``floors``: the floor's runs by name, their ranks), the runs
+    alternating round by round (with ``load`` busy processes beside them)."""
     common = ["--steps", str(steps), "--warmup", str(warmup)] + (["--threads", str(threads)] if threads else [])
     common += model
     sides = ["--device", device]
-    floors = {f"floor_{ranks}": ranks for ranks in FLOOR_RANKS} if floor else {}
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in [*placements, *(["trl"] if trl else []), *floors]}
     burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(load)]
     for b in burners:

@@ -70,8 +70,8 @@ def read_architecture(path: str | Path) -> Architecture:
     loaders accept.
 
     Raises:
-        ConfigError: ``path`` has no readable ``config.json``, or its ``model_type``
-            is not in :data:`SUPPORTED_ARCHITECTURES`.
+        ConfigError: ``path`` has no readable ``config.json``, its ``model_type`` is
+            not in :data:`SUPPORTED_ARCHITECTURES`, or its sizes are not numbers.
     """
     path = Path(path)
     file = path / "config.json"
@@ -96,7 +96,8 @@ def read_architecture(path: str | Path) -> Architecture:
 
 
 def _architecture(model_type: str, raw: dict[str, Any]) -> Architecture:
-    """The :class:`Architecture` of a config's keys (every one of ``_KEYS`` present)."""
+    """The :class:`Architecture` of a config's keys (every one of ``_KEYS``, and of
+    ``_LLAMA_KEYS`` for a Llama, present)."""
     heads = int(raw["num_attention_heads"])
     llama_bias = model_type == "llama" and bool(raw["attention_bias"])
     return Architecture(
