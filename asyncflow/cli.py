@@ -115,6 +115,17 @@ def _terminal_level(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     overrides = _overrides_and_file(args)
+    from asyncflow.runtime import cluster_address, start_fork_server, stop_fork_server
+
+    if cluster_address(args.address) is None:
+        start_fork_server()  # the run's workers' libraries import while the configuration is checked
+    try:
+        return _run_training(args, overrides)
+    finally:
+        stop_fork_server()  # where the run did not start Ray (its shutdown ends the server)
+
+
+def _run_training(args: argparse.Namespace, overrides: dict[str, object]) -> int:
     from asyncflow.train import Trainer, algorithm_in, load_config, module_dirs
 
     if args.trace:

@@ -29,6 +29,7 @@ import asyncflow as af
 import fake_device
 import forked_workers
 import support
+from asyncflow.runtime import _forks as fork_server
 from scheduling import (  # noqa: F401 (pytest finds hooks here)
     pytest_collection_modifyitems,
     pytest_xdist_make_scheduler,
@@ -63,7 +64,7 @@ def loop_thread():
 
 _shared: dict[str, str] = {}
 """The shared Ray instance's GCS address while this process runs it."""
-_forks: list[forked_workers.Server] = []
+_forks: list[fork_server.ForkServer] = []
 """The fork server of the shared Ray instance's workers, while it runs."""
 
 
@@ -79,8 +80,8 @@ def shared_ray() -> Iterator[None]:
     in-process ``asyncflow train`` runs) find it running, use it and leave it
     running (their ``cpu_slots`` and ``worker_nice`` unused). It starts as asyncflow
     starts its own (every listener on loopback, 64 CPU slots, no dashboard), but
-    its worker processes are forks of a server that imported torch and
-    transformers once (forked_workers.py); its workers' output stays in their log
+    its worker processes are forks of asyncflow's server that imported torch and
+    transformers once, started without Ray's setup_worker (forked_workers.py); its workers' output stays in their log
     files, not interleaved with what a test
     reads; and its workers can import the tests' modules (support's reward functions): the
     repository, then tests/, on their path (whatever a run's working directory,
@@ -104,7 +105,7 @@ def _start_shared_ray() -> None:
     tests = Path(__file__).parent
     path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": path}  # the raylet's, so the workers'
-    server = forked_workers.start(env)
+    server = fork_server.start(env)
     _forks.append(server)
     env[forked_workers.ENV] = server.path
     before = {name: os.environ.get(name) for name in env}

@@ -1,6 +1,6 @@
-"""The shared Ray instance's workers forked from the suite's fork server
-(forked_workers.py): what a worker started that way is, and how it ends with its
-stub, the process the raylet started."""
+"""The shared Ray instance's workers forked from asyncflow's fork server through the
+suite's stub (forked_workers.py): what a worker started that way is, and how it
+ends with its stub, the process the raylet started."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import ray
 
 import forked_workers
+from asyncflow.runtime import _forks
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("shared_ray")
 class Probe:
     def facts(self) -> dict:
         return {"pid": os.getpid(), "parent": os.getppid(), "group": os.getpgid(0), "session": os.getsid(0),
-                "stub": int(os.environ[forked_workers.STUB_ENV]), "job": os.environ["RAY_JOB_ID"],
+                "stub": int(os.environ[_forks.STUB_ENV]), "job": os.environ["RAY_JOB_ID"],
                 "torch_loaded": "torch" in sys.modules, "argv0": sys.argv[0]}
 
 
@@ -46,7 +47,7 @@ def _started_probe() -> tuple[Any, dict[str, Any]]:
 def test_a_worker_is_a_fork_of_the_server_leading_its_own_group_running_rays_script() -> None:
     probe, facts = _started_probe()
     server = psutil.Process(facts["parent"])
-    assert "--serve" in server.cmdline() and server.cmdline()[1].endswith("forked_workers.py")
+    assert "--serve" in server.cmdline() and server.cmdline()[2].endswith("_forks.py")
     # a process group of its own in the driver's session, as the raylet's workers
     assert facts["group"] == facts["pid"] and facts["session"] == os.getsid(0)
     assert facts["torch_loaded"] and facts["argv0"].endswith("default_worker.py")

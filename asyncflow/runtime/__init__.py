@@ -29,6 +29,7 @@ from channels._lazy import lazy_exports
 _EXPORTS = {
     "asyncflow.runtime._calls": ("CallArgumentError",),
     "asyncflow.runtime._datastream": ("DataStream", "StreamOptions", "collect"),
+    "asyncflow.runtime._forks": ("start_fork_server", "stop_fork_server"),
     "asyncflow.runtime._errors": ("CallTimeoutError", "PoolBrokenError", "RemoteStageError", "SessionClosedError",
                                   "WorkerDiedError"),
     "asyncflow.runtime._future": ("DataFuture", "gather"),
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
         SessionClosedError,
         WorkerDiedError,
     )
+    from asyncflow.runtime._forks import start_fork_server, stop_fork_server
     from asyncflow.runtime._future import DataFuture, gather
     from asyncflow.runtime._migration import StepCost, long_tail_lengths, predicted_speedups
     from asyncflow.runtime._observed import auto_migration

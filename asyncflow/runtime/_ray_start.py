@@ -26,10 +26,12 @@ import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ray
 from ray._private import ray_constants
 
+from asyncflow.runtime._forks import start_fork_server, stop_fork_server
 from asyncflow.runtime._watchdog import watch_this_process
 
 CPU_SLOT = "asyncflow_cpu_slot"
@@ -87,7 +89,7 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
                                     name="asyncflow-preload", daemon=True)
         importer.start()
         try:
-            init_ray(None, cpu_slots, worker_nice)
+            init_ray(None, cpu_slots, worker_nice, worker_env=worker_env)
             _unclaimed = not keep
         finally:
             ray_up.set()
@@ -122,7 +124,8 @@ def _import_quietly(modules: tuple[str, ...], workers: int, worker_env: dict[str
             logging.getLogger(__name__).debug("preloading %s failed", name, exc_info=True)
 
 
-def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
+def init_ray(address: str | None, cpu_slots: int, worker_nice: int, *,
+             worker_env: Mapping[str, str] | None = None) -> None:
     """Start an embedded Ray instance on the loopback interface, or join a cluster.
 
     ``address`` (else ``RAY_ADDRESS``, as ``ray.init`` reads it; ``ray job submit``
@@ -131,7 +134,10 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
     starts (never a cluster a stale ``/tmp/ray/ray_current_cluster`` names) with
     every listener on 127.0.0.1 (:func:`_node_address`) and a watchdog that ends
     its processes should this one die without shutting it down
-    (:mod:`asyncflow.runtime._watchdog`).
+    (:mod:`asyncflow.runtime._watchdog`). Where it can, the embedded instance's
+    workers are forks of a server that imports torch and transformers while Ray
+    starts (:func:`~asyncflow.runtime._forks.start_fork_server`, given
+    ``worker_env``; ``shutdown_ray`` ends it with the instance).
 
     Start-up chatter a user cannot act on stays in Ray's session logs. Token
     authentication stays on: Ray 2.60 enables it for a new local instance and
@@ -144,11 +150,21 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int) -> None:
     try:
         _node_address(loopback=address is None)
         if address is None:
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
-                     include_dashboard=False, logging_level=logging.WARNING,
-                     _system_config={"worker_niceness": worker_nice})
+            server = start_fork_server(worker_env)
+            settings: dict[str, Any] = {"worker_niceness": worker_nice}
+            if server is not None:  # Ray's pre-started workers would be its own, unforked: none
+                settings |= {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+            try:
+                ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
+                         include_dashboard=False, logging_level=logging.WARNING,
+                         runtime_env=server.runtime_env() if server is not None else None,
+                         _system_config=settings)
+            except BaseException:
+                stop_fork_server()
+                raise
             watch_this_process()
         else:
+            stop_fork_server()  # one started for an embedded instance that a cluster replaces
             check_answers(address)
             try:
                 ray.init(address=address, logging_level=logging.WARNING)

@@ -24,6 +24,7 @@ import ray
 from asyncflow.runtime import _idle
 from asyncflow.runtime._control import Control, connect
 from asyncflow.runtime._errors import RemoteStageError, SessionClosedError
+from asyncflow.runtime._forks import stop_fork_server
 from asyncflow.runtime._pool import (
     Node,
     ResourcePool,
@@ -124,7 +125,7 @@ class Session(Runtime):
         if self._address is None and claim_started_instance():
             self._started_ray = True  # asyncflow.start_ray's instance: ours to shut down
         elif not ray.is_initialized():
-            init_ray(self._address, self._cpu_slots, self._worker_nice)
+            init_ray(self._address, self._cpu_slots, self._worker_nice, worker_env=self._worker_env)
             self._started_ray = True
         return self
 
@@ -337,11 +338,13 @@ def shutdown_ray() -> None:
     first use. No public API reaches it; ``ray.worker`` is Ray's own deprecation
     shim over its worker module, read here through the attribute that does not log
     a deprecation warning (a deliberate exception to our no-private-access rule).
-    Workers kept for later sessions (``asyncflow.runtime._idle``) end first.
+    Workers kept for later sessions (``asyncflow.runtime._idle``) end first, and the
+    embedded instance's fork server (``asyncflow.runtime._forks``) after Ray.
     """
     if ray.is_initialized():
         _idle.forget()
     ray.shutdown()
+    stop_fork_server()
     worker = getattr(getattr(ray, "worker", None), "_real_worker", None)
     global_worker = getattr(worker, "global_worker", None)
     if getattr(global_worker, "_rdt_manager", None) is not None:

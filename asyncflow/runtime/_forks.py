@@ -1,0 +1,382 @@
+"""Ray worker processes forked from one that has imported their libraries already.
+
+A worker process spends seconds of one core importing torch and transformers
+before it serves its first call (about 4 s on a laptop core, 6 on a slow one):
+on an embedded instance that is most of the wait for the first step, after Ray's
+own start, and a session of several ranks pays it once per rank, the ranks
+importing side by side. A fork server pays it once, while Ray starts:
+
+- :func:`start_fork_server` (one per process, for the embedded Ray instance it
+  starts) runs this file as a script, the **server** (``python -P _forks.py
+  --serve SOCKET``): it listens on a Unix socket at once, imports :data:`PRELOAD`,
+  then forks a child for each worker the raylet starts.
+- The raylet starts each worker through Ray's public ``py_executable`` (the
+  instance's ``runtime_env``, :meth:`ForkServer.runtime_env`), which runs this file
+  as the **stub** (``python -P _forks.py --stub SOCKET default_worker.py ARGS``):
+  it imports nothing heavy, hands its arguments, environment, working directory,
+  signal settings and standard streams to the server, and stays as the raylet's
+  child until the worker ends, with the worker's exit status; the signals it can
+  catch it passes on to the worker.
+- The child takes on the stub's environment and streams, leads a process group of
+  its own (as the raylet's workers do) and runs Ray's ``default_worker.py`` as
+  ``__main__``, as a new process would. It registers with the raylet under its own
+  pid, which is what Ray signals and kills; a worker whose stub dies without
+  ending it (``SIGKILL``) ends too.
+
+Where the server is not there, or ends before it forks, the stub runs Ray's script
+itself: a worker is never lost to the server, only slower to start. The server
+ends when its owner closes its standard input (:func:`stop_fork_server`) or dies;
+its workers are their own processes, which Ray ends. Linux only
+(:func:`available`): it forks a process that has imported torch, which is sound
+where the fork carries no thread or device state, so not where a GPU may be used.
+This file imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import subprocess
+
+PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils")
+"""What the server imports before it forks: torch, which every worker imports, and
+what those that host a Hugging Face model import next. Not Ray: its native library
+reads its settings and the worker's identity (job, token) from the environment
+when it loads, so each worker loads it itself, as a new process does. Never vLLM:
+a worker that loaded it is not adopted by a later session."""
+
+OFF_ENV = "ASYNCFLOW_FORK_WORKERS"
+"""``0`` starts every worker as Ray does, each importing its own libraries."""
+STUB_ENV = "ASYNCFLOW_FORK_STUB"
+"""A forked worker's stub's pid, in the worker's environment."""
+
+_BOUND_S = 30.0
+"""How long a stub waits for the server's socket to appear (it binds at once)."""
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+_GPU_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def available() -> bool:
+    """Whether workers are forked here: on Linux (``os.pidfd_open``), on a machine
+    with no GPU device (a fork must not share a GPU runtime's state, and GPU
+    workers start as Ray starts them), unless :data:`OFF_ENV` is ``0``."""
+    if os.environ.get(OFF_ENV, "1").strip() == "0":
+        return False
+    return sys.platform == "linux" and hasattr(os, "pidfd_open") and not any(map(os.path.exists, _GPU_DEVICES))
+
+
+# -- the owner's side --------------------------------------------------------------
+
+
+class ForkServer:
+    """A running fork server (:func:`start`); :meth:`close` ends it."""
+
+    def __init__(self, path: str, proc: subprocess.Popen[bytes]) -> None:
+        self.path = path
+        """The server's Unix socket."""
+        self._proc = proc
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        return self._proc.pid
+
+    def runtime_env(self) -> dict[str, str]:
+        """The ``runtime_env`` under which the raylet starts its workers through this
+        server (Ray's ``py_executable``: the stub, before Ray's worker script)."""
+        stub = [sys.executable, "-P", os.path.abspath(__file__), "--stub", self.path]
+        return {"py_executable": shlex.join(stub)}
+
+    def close(self) -> None:
+        """End the server (its workers go on: they are their own processes)."""
+        import shutil
+        import subprocess
+
+        proc = self._proc
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
+_server: ForkServer | None = None
+"""This process's server, for the embedded Ray instance it starts (one at a time)."""
+
+
+def start_fork_server(worker_env: Mapping[str, str] | None = None) -> ForkServer | None:
+    """This process's fork server: the one running, else one started now (None where
+    workers are not forked, :func:`available`). It imports :data:`PRELOAD` while the
+    caller goes on (stubs that come meanwhile wait for it), in this process's
+    environment with ``worker_env`` over it (the variables those libraries read
+    when they load). ``asyncflow train`` starts it first thing, beside its
+    configuration's check; ``init_ray`` starts one for an embedded instance if none
+    runs and passes :meth:`ForkServer.runtime_env` to ``ray.init``."""
+    global _server
+    if _server is None and available():
+        _server = start(worker_env)
+    return _server
+
+
+def stop_fork_server() -> None:
+    """End this process's fork server, if one runs (the workers forked from it are
+    their own processes: Ray's shutdown ends them)."""
+    global _server
+    server, _server = _server, None
+    if server is not None:
+        server.close()
+
+
+def start(worker_env: Mapping[str, str] | None = None) -> ForkServer:
+    """A new fork server (:func:`start_fork_server` keeps one per process): in this
+    process's environment with ``worker_env`` over it (``${NAME}`` expanded)."""
+    import subprocess
+    import tempfile
+
+    env = {**os.environ, **{name: os.path.expandvars(value) for name, value in (worker_env or {}).items()}}
+    path = os.path.join(tempfile.mkdtemp(prefix="asyncflow-forks-"), "sock")
+    # Its own output would reach the driver's terminal (an import's warning); its
+    # workers write where Ray gave their stubs.
+    proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--serve", path],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return ForkServer(path, proc)
+
+
+# -- messages ----------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, obj: object, fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    header = struct.pack("!I", len(data))
+    if fds:
+        socket.send_fds(sock, [header + data], fds)
+    else:
+        sock.sendall(header + data)
+
+
+def _recv(sock: socket.socket, with_fds: int = 0) -> tuple[Any, list[int]] | None:
+    """One message (and up to ``with_fds`` descriptors), None at the end of the stream."""
+    fds: list[int] = []
+    buf = b""
+    while len(buf) < 4 or len(buf) < 4 + struct.unpack("!I", buf[:4])[0]:
+        if with_fds and not fds:
+            chunk, got, _, _ = socket.recv_fds(sock, 1 << 20, with_fds)
+            fds = list(got)
+        else:
+            chunk = sock.recv(1 << 20)
+        if not chunk:
+            return None
+        buf += chunk
+    return json.loads(buf[4:]), fds
+
+
+def _signal_masks() -> dict[str, list[int]]:
+    """This process's ignored and blocked signals (/proc/self/status's ``SigIgn``
+    and ``SigBlk``), as ``{"ignored": [...], "blocked": [...]}``."""
+    fields = {"SigIgn": "ignored", "SigBlk": "blocked"}
+    masks: dict[str, list[int]] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in fields:
+                bits = int(value, 16)
+                masks[fields[name]] = [n for n in range(1, 65) if bits >> (n - 1) & 1]
+    return masks
+
+
+# -- the stub: what the raylet starts ----------------------------------------------
+
+
+def run_stub(path: str, argv: list[str]) -> NoReturn:
+    """Have the server at ``path`` fork the worker ``argv`` (Ray's script and its
+    arguments) and wait for it; run it here where the server cannot."""
+    sock = _connect(path)
+    if sock is None:
+        run_rays_script(argv)
+    _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), **_signal_masks(),
+                 "stub": os.getpid()}, [0, 1, 2])
+    got = _recv(sock)
+    if got is None:  # the server ended before it forked: nothing runs the worker yet
+        sock.close()
+        run_rays_script(argv)
+    pid = int(got[0])
+    for sig in _FORWARDED:
+        signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+    ended = _recv(sock)
+    status = int(ended[0]) if ended is not None else 1 << 8  # the server gone: exit code 1
+    if os.WIFSIGNALED(status):  # end as the worker did, for the raylet to see
+        if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _forward(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
+def _connect(path: str) -> socket.socket | None:
+    """A connection to the server, or None where there is none: no socket after
+    :data:`_BOUND_S`, or a socket nobody listens on any more."""
+    deadline = time.monotonic() + _BOUND_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except FileNotFoundError:
+            sock.close()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        except OSError:
+            sock.close()
+            return None
+
+
+def run_rays_script(argv: list[str]) -> NoReturn:
+    """Run Ray's worker script ``argv[0]`` with ``argv[1:]`` in this process, as
+    ``python default_worker.py ARGS`` would; it ends the process (``SystemExit``)."""
+    import runpy
+
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name="__main__")
+    sys.exit(0)
+
+
+# -- the server --------------------------------------------------------------------
+
+
+def _serve(path: str) -> None:
+    import importlib
+    import selectors
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the driver's to handle; its end closes stdin
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)  # stubs connect now and wait while the server imports
+    for name in PRELOAD:
+        with contextlib.suppress(Exception):  # the worker's own import raises it again, with context
+            importlib.import_module(name)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(sys.stdin, selectors.EVENT_READ, "owner")
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the stub's connection)
+    while True:
+        for key, _ in sel.select():
+            if key.data == "owner":
+                if not os.read(sys.stdin.fileno(), 4096):
+                    return
+            elif key.data == "accept":
+                started = _fork_for(listener.accept()[0], listener, sel, children)
+                if started is not None:
+                    pidfd, child = started
+                    children[pidfd] = child
+                    sel.register(pidfd, selectors.EVENT_READ, "child")
+            else:
+                pidfd = key.fd
+                pid, conn = children.pop(pidfd)
+                sel.unregister(pidfd)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                with contextlib.suppress(OSError):
+                    _send(conn, status)
+                conn.close()
+
+
+def _fork_for(conn: socket.socket, listener: socket.socket, sel: Any,
+              children: dict[int, tuple[int, socket.socket]]) -> tuple[int, tuple[int, socket.socket]] | None:
+    """Fork a worker for the stub on ``conn``: its pidfd and (pid, conn), or None when
+    the stub died before asking. In the child this never returns (the worker's
+    ``SystemExit`` ends the process)."""
+    try:
+        got = _recv(conn, with_fds=3)
+    except OSError:
+        got = None
+    if got is None:
+        conn.close()
+        return None
+    request, fds = got
+    pid = os.fork()
+    if pid == 0:
+        for pidfd, (_, other) in children.items():
+            os.close(pidfd)
+            other.close()
+        listener.close()
+        sel.close()
+        conn.close()
+        _become_worker(request, fds)
+    for fd in fds:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # the stub died: its worker sees it (_end_with)
+        _send(conn, pid)
+    return os.pidfd_open(pid), (pid, conn)
+
+
+def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.setpgid(0, 0)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ[STUB_ENV] = str(request["stub"])
+    ignored = set(request["ignored"])
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        handler = signal.SIG_IGN if sig in ignored else (
+            signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+    if "numpy" in sys.modules:  # a new process's numpy seeds its global generator from the OS
+        sys.modules["numpy"].random.seed()
+    _end_with(request["stub"])
+    run_rays_script(request["argv"])
+
+
+def _end_with(stub: int) -> None:
+    """End this worker when its stub dies without ending it first."""
+    import select
+    import threading
+
+    try:
+        pidfd = os.pidfd_open(stub)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="asyncflow-fork-stub-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        _serve(sys.argv[2])
+    elif sys.argv[1:2] == ["--stub"]:
+        run_stub(sys.argv[2], sys.argv[3:])
+    else:
+        sys.exit("usage: _forks.py --serve SOCKET | --stub SOCKET WORKER_SCRIPT [ARGS...]")
