@@ -25,8 +25,8 @@ importing side by side. A fork server pays it once, while Ray starts:
 
 Where the server is not there, or ends before it forks, the stub runs Ray's script
 itself: a worker is never lost to the server, only slower to start. The server
-ends when its owner closes its standard input (:func:`stop_fork_server`) or dies;
-its workers are their own processes, which Ray ends. Linux only
+ends when its owner ends it (:func:`stop_fork_server`, after Ray's shutdown) or
+dies (its standard input closes). Linux only
 (:func:`available`): it forks a process that has imported torch, which is sound
 where the fork carries no thread or device state, so not where a GPU may be used.
 This file imports the standard library only.
@@ -101,19 +101,17 @@ class ForkServer:
         return {"py_executable": shlex.join(stub)}
 
     def close(self) -> None:
-        """End the server (its workers go on: they are their own processes)."""
+        """End the server now, importing or not. A worker forked from it ends too,
+        with its stub, which waited on the server for the worker's end: close it
+        after Ray's shutdown, which ends them first."""
         import shutil
-        import subprocess
 
         proc = self._proc
+        proc.kill()  # it holds nothing to save
+        proc.wait()
         if proc.stdin is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
@@ -136,8 +134,7 @@ def start_fork_server(worker_env: Mapping[str, str] | None = None) -> ForkServer
 
 
 def stop_fork_server() -> None:
-    """End this process's fork server, if one runs (the workers forked from it are
-    their own processes: Ray's shutdown ends them)."""
+    """End this process's fork server, if one runs (:meth:`ForkServer.close`)."""
     global _server
     server, _server = _server, None
     if server is not None:
