@@ -20,6 +20,7 @@ SHARED_WORKER = {
     "tests/asyncflow/test_cluster_on_cpu.py": OWN_RAY,
     "tests/asyncflow/test_two_node_cluster_on_cpu.py": OWN_RAY,
     "tests/asyncflow/test_config.py": OWN_RAY,
+    "tests/asyncflow/test_forks_on_cpu.py": OWN_RAY,
     "tests/asyncflow/test_loopback.py": OWN_RAY,
     "tests/asyncflow/test_runtime_on_cpu.py": OWN_RAY,
     "tests/asyncflow/test_worker_settings_on_cpu.py": OWN_RAY,
