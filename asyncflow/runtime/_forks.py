@@ -125,11 +125,16 @@ def start_fork_server(worker_env: Mapping[str, str] | None = None) -> ForkServer
     caller goes on (stubs that come meanwhile wait for it), in this process's
     environment with ``worker_env`` over it (the variables those libraries read
     when they load). ``asyncflow train`` starts it first thing, beside its
-    configuration's check; ``init_ray`` starts one for an embedded instance if none
-    runs and passes :meth:`ForkServer.runtime_env` to ``ray.init``."""
+    configuration's check, and ``asyncflow.start_ray`` as it starts Ray, which then
+    starts its workers through it (:meth:`ForkServer.runtime_env`)."""
     global _server
     if _server is None and available():
         _server = start(worker_env)
+    return _server
+
+
+def running_fork_server() -> ForkServer | None:
+    """This process's fork server, if one runs."""
     return _server
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-from asyncflow.runtime._forks import start_fork_server, stop_fork_server
+from asyncflow.runtime._forks import running_fork_server, start_fork_server, stop_fork_server
 from asyncflow.runtime._watchdog import watch_this_process
 
 CPU_SLOT = "asyncflow_cpu_slot"
@@ -54,7 +54,10 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
     """Start a local Ray instance now, importing ``preload`` meanwhile.
 
     Call it at the top of a script, before its heavy imports (which then find
-    their modules loaded). The next :class:`~asyncflow.Session` without an
+    their modules loaded). Where it can (Linux, no GPU), the instance's worker
+    processes are forks of a server that imports torch and transformers while Ray
+    starts (``asyncflow.runtime._forks``): they start without importing either.
+    The next :class:`~asyncflow.Session` without an
     ``address`` takes the instance over and shuts it down when it closes; its own
     ``cpu_slots`` and ``worker_nice`` are then not used: pass them here. Does
     nothing when Ray already runs. A module that fails to import is skipped here
@@ -89,7 +92,7 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
                                     name="asyncflow-preload", daemon=True)
         importer.start()
         try:
-            init_ray(None, cpu_slots, worker_nice, worker_env=worker_env)
+            init_ray(None, cpu_slots, worker_nice, worker_env=worker_env, forked=True)
             _unclaimed = not keep
         finally:
             ray_up.set()
@@ -125,7 +128,7 @@ def _import_quietly(modules: tuple[str, ...], workers: int, worker_env: dict[str
 
 
 def init_ray(address: str | None, cpu_slots: int, worker_nice: int, *,
-             worker_env: Mapping[str, str] | None = None) -> None:
+             worker_env: Mapping[str, str] | None = None, forked: bool = False) -> None:
     """Start an embedded Ray instance on the loopback interface, or join a cluster.
 
     ``address`` (else ``RAY_ADDRESS``, as ``ray.init`` reads it; ``ray job submit``
@@ -134,10 +137,14 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int, *,
     starts (never a cluster a stale ``/tmp/ray/ray_current_cluster`` names) with
     every listener on 127.0.0.1 (:func:`_node_address`) and a watchdog that ends
     its processes should this one die without shutting it down
-    (:mod:`asyncflow.runtime._watchdog`). Where it can, the embedded instance's
+    (:mod:`asyncflow.runtime._watchdog`). With ``forked`` (:func:`start_ray`'s
+    instance, for a training script), or where this process runs a fork server
+    already (``asyncflow train`` starts one first thing), the embedded instance's
     workers are forks of a server that imports torch and transformers while Ray
     starts (:func:`~asyncflow.runtime._forks.start_fork_server`, given
-    ``worker_env``; ``shutdown_ray`` ends it with the instance).
+    ``worker_env``; ``shutdown_ray`` ends it with the instance). Not by default: a
+    session of roles that load no Hugging Face model would pay for the server's
+    imports more than its workers save.
 
     Start-up chatter a user cannot act on stays in Ray's session logs. Token
     authentication stays on: Ray 2.60 enables it for a new local instance and
@@ -150,7 +157,7 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int, *,
     try:
         _node_address(loopback=address is None)
         if address is None:
-            server = start_fork_server(worker_env)
+            server = start_fork_server(worker_env) if forked else running_fork_server()
             settings: dict[str, Any] = {"worker_niceness": worker_nice}
             if server is not None:  # Ray's pre-started workers would be its own, unforked: none
                 settings |= {"enable_worker_prestart": False, "prestart_worker_first_driver": False}

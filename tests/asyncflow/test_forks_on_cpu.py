@@ -1,9 +1,10 @@
-"""An embedded Ray instance's workers forked from asyncflow's fork server
-(asyncflow.runtime._forks; real Ray, through its public ``py_executable``): what
-such a worker is, that the instance's end ends the server, that
-``ASYNCFLOW_FORK_WORKERS=0`` starts workers as Ray does, that a stub with no
-server to answer runs Ray's worker script itself, and that ``asyncflow train``
-leaves nothing behind when its configuration is refused."""
+"""The workers of ``asyncflow.start_ray``'s Ray instance forked from asyncflow's fork
+server (asyncflow.runtime._forks; real Ray, through its public ``py_executable``):
+what such a worker is, that the instance's end ends the server, that
+``ASYNCFLOW_FORK_WORKERS=0`` and a session that starts Ray itself start workers as
+Ray does, that a stub with no server to answer runs Ray's worker script itself,
+and that ``asyncflow train`` leaves nothing behind when its configuration is
+refused."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def _rays_worker_script() -> str:
     return str(Path(ray.__file__).parent / "_private" / "workers" / "default_worker.py")
 
 
-def test_an_embedded_instances_workers_are_forks_of_its_server_which_ends_with_it() -> None:
-    init_ray(None, 64, 0, worker_env={"ASYNCFLOW_TEST_FORK_ENV": "${HOME}/x"})
+def test_start_rays_workers_are_forks_of_its_server_which_ends_with_it() -> None:
+    af.start_ray(preload=(), worker_env={"ASYNCFLOW_TEST_FORK_ENV": "${HOME}/x"})
     try:
         server = start_fork_server()  # the running one
         assert server is not None
@@ -75,12 +76,22 @@ def test_an_embedded_instances_workers_are_forks_of_its_server_which_ends_with_i
 def test_fork_workers_0_starts_workers_as_ray_does(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_forks.OFF_ENV, "0")
     assert not _forks.available()
-    init_ray(None, 64, 0)
+    af.start_ray(preload=())
     try:
         assert start_fork_server() is None
         facts = ray.get(Probe.remote().facts.remote(), timeout=120)
         assert not facts["torch_at_start"] and facts["stub"] is None
         assert "raylet" in psutil.Process(facts["parent"]).name()
+    finally:
+        af.shutdown_ray()
+
+
+def test_a_session_that_starts_ray_itself_starts_its_workers_as_ray_does() -> None:
+    init_ray(None, 64, 0)  # as a Session without an instance started for it does
+    try:
+        assert _forks.running_fork_server() is None
+        facts = ray.get(Probe.remote().facts.remote(), timeout=120)
+        assert not facts["torch_at_start"] and facts["stub"] is None
     finally:
         af.shutdown_ray()
 
