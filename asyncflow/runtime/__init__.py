@@ -29,9 +29,9 @@ from channels._lazy import lazy_exports
 _EXPORTS = {
     "asyncflow.runtime._calls": ("CallArgumentError",),
     "asyncflow.runtime._datastream": ("DataStream", "StreamOptions", "collect"),
-    "asyncflow.runtime._forks": ("start_fork_server", "stop_fork_server"),
     "asyncflow.runtime._errors": ("CallTimeoutError", "PoolBrokenError", "RemoteStageError", "SessionClosedError",
                                   "WorkerDiedError"),
+    "asyncflow.runtime._forks": ("start_fork_server", "stop_fork_server"),
     "asyncflow.runtime._future": ("DataFuture", "gather"),
     "asyncflow.runtime._migration": ("StepCost", "long_tail_lengths", "predicted_speedups"),
     "asyncflow.runtime._observed": ("auto_migration",),

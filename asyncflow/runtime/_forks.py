@@ -214,20 +214,28 @@ def run_stub(path: str, argv: list[str]) -> NoReturn:
         run_rays_script(argv)
     _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), **_signal_masks(),
                  "stub": os.getpid()}, [0, 1, 2])
-    got = _recv(sock)
+    got = _answer(sock)
     if got is None:  # the server ended before it forked: nothing runs the worker yet
         sock.close()
         run_rays_script(argv)
     pid = int(got[0])
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
-    ended = _recv(sock)
+    ended = _answer(sock)
     status = int(ended[0]) if ended is not None else 1 << 8  # the server gone: exit code 1
     if os.WIFSIGNALED(status):  # end as the worker did, for the raylet to see
         if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(status))
     sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _answer(sock: socket.socket) -> tuple[Any, list[int]] | None:
+    """The server's next message, None once it is gone."""
+    try:
+        return _recv(sock)
+    except OSError:
+        return None
 
 
 def _forward(pid: int, signum: int) -> None:

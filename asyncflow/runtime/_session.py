@@ -125,7 +125,7 @@ class Session(Runtime):
         if self._address is None and claim_started_instance():
             self._started_ray = True  # asyncflow.start_ray's instance: ours to shut down
         elif not ray.is_initialized():
-            init_ray(self._address, self._cpu_slots, self._worker_nice, worker_env=self._worker_env)
+            init_ray(self._address, self._cpu_slots, self._worker_nice)
             self._started_ray = True
         return self
 
