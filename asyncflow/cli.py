@@ -115,11 +115,9 @@ def _terminal_level(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     overrides = _overrides_and_file(args)
-    import ray
+    from asyncflow.runtime import start_fork_server, starts_own_instance, stop_fork_server
 
-    from asyncflow.runtime import cluster_address, start_fork_server, stop_fork_server
-
-    if cluster_address(args.address) is None and not ray.is_initialized():  # the run will start Ray
+    if starts_own_instance(args.address):
         start_fork_server()  # the run's workers' libraries import while the configuration is checked
     try:
         return _run_training(args, overrides)

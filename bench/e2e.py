@@ -49,7 +49,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +81,8 @@ def measure(placements: list[str], *, rounds: int, steps: int, warmup: int, thre
     saved model; the record."""
     job = E2EJob.on(device)
     floors = {f"floor_{ranks}": ranks for ranks in FLOOR_RANKS} if floor else {}
-    with tempfile.TemporaryDirectory(prefix="e2e-model-") as tmp:
-        model = ["--model-dir", job.save_model(Path(tmp) / "policy")]
+    with job.model_dir(None) as saved:
+        model = ["--model-dir", saved]
         runs = _alternate(placements, model=model, rounds=rounds, steps=steps, warmup=warmup, threads=threads,
                           trl=trl, load=load, floors=floors, device=device)
     record: dict[str, Any] = {"job": job.as_dict(), "device": device, "rounds": rounds, "steps": steps, "warmup": warmup,

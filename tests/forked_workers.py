@@ -46,8 +46,9 @@ def raylet_starts_stubs() -> Iterator[None]:
         services.start_raylet = original
 
 
-def _rays_worker_script() -> str:
-    import importlib.util  # Ray's script's path, without importing Ray
+def rays_worker_script() -> str:
+    """The path of Ray's ``default_worker.py``, found without importing Ray."""
+    import importlib.util
 
     spec = importlib.util.find_spec("ray")
     assert spec is not None and spec.origin is not None, "Ray is not installed"
@@ -59,7 +60,7 @@ if __name__ == "__main__":
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     from asyncflow.runtime import _forks
 
-    argv = [_rays_worker_script(), *sys.argv[1:]]
+    argv = [rays_worker_script(), *sys.argv[1:]]
     if os.environ.get(ENV):
         _forks.run_stub(os.environ[ENV], argv)
     else:

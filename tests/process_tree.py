@@ -31,6 +31,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8", **extra}
 
 
+def gone(pid: int, timeout_s: float = 30) -> bool:
+    """Whether process ``pid`` has ended (a zombie counts) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def is_loopback(ip: str) -> bool:
     """127.0.0.0/8, ::1, or an IPv4 loopback address held by an IPv6 socket."""
     address = ipaddress.ip_address(ip.split("%", 1)[0])

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import ray
 
 import forked_workers
 from asyncflow.runtime import _forks
+from process_tree import gone
 
 pytestmark = pytest.mark.usefixtures("shared_ray")
 
@@ -28,15 +28,6 @@ class Probe:
         return {"pid": os.getpid(), "parent": os.getppid(), "group": os.getpgid(0), "session": os.getsid(0),
                 "stub": int(os.environ[_forks.STUB_ENV]), "job": os.environ["RAY_JOB_ID"],
                 "torch_loaded": "torch" in sys.modules, "argv0": sys.argv[0]}
-
-
-def _gone(pid: int, timeout_s: float = 30) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _started_probe() -> tuple[Any, dict[str, Any]]:
@@ -54,19 +45,19 @@ def test_a_worker_is_a_fork_of_the_server_leading_its_own_group_running_rays_scr
     stub = psutil.Process(facts["stub"])
     assert stub.cmdline()[1].endswith("forked_workers.py") and "--serve" not in stub.cmdline()
     ray.kill(probe)
-    assert _gone(facts["pid"]) and _gone(facts["stub"]), "the worker or its stub outlived ray.kill"
+    assert gone(facts["pid"]) and gone(facts["stub"]), "the worker or its stub outlived ray.kill"
 
 
 def test_a_signal_to_the_stub_reaches_the_worker_and_both_end() -> None:
     _, facts = _started_probe()
     os.kill(facts["stub"], signal.SIGTERM)
-    assert _gone(facts["pid"]) and _gone(facts["stub"])
+    assert gone(facts["pid"]) and gone(facts["stub"])
 
 
 def test_a_worker_whose_stub_is_killed_ends_too() -> None:
     _, facts = _started_probe()
     os.kill(facts["stub"], signal.SIGKILL)
-    assert _gone(facts["pid"]), "the worker outlived its stub"
+    assert gone(facts["pid"]), "the worker outlived its stub"
 
 
 def test_without_a_server_the_stub_runs_rays_worker_script_itself() -> None:

@@ -38,7 +38,8 @@ _EXPORTS = {
     "asyncflow.runtime._ops": ("concat", "merge"),
     "asyncflow.runtime._pool": ("ResourcePool", "RoleSpec"),
     "asyncflow.runtime._proxy": ("RoleGroup", "Roles", "Stage", "Submit"),
-    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "cluster_address", "start_ray"),
+    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "cluster_address", "start_ray",
+                                     "starts_own_instance"),
     "asyncflow.runtime._session": ("Session", "shutdown_ray"),
     "asyncflow.runtime._transform": ("transform",),
 }
@@ -61,6 +62,12 @@ if TYPE_CHECKING:
     from asyncflow.runtime._ops import concat, merge
     from asyncflow.runtime._pool import ResourcePool, RoleSpec
     from asyncflow.runtime._proxy import RoleGroup, Roles, Stage, Submit
-    from asyncflow.runtime._ray_start import CPU_SLOT, check_answers, cluster_address, start_ray
+    from asyncflow.runtime._ray_start import (
+        CPU_SLOT,
+        check_answers,
+        cluster_address,
+        start_ray,
+        starts_own_instance,
+    )
     from asyncflow.runtime._session import Session, shutdown_ray
     from asyncflow.runtime._transform import transform

@@ -183,6 +183,12 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int, *,
         auth.setLevel(level)
 
 
+def starts_own_instance(address: str | None) -> bool:
+    """Whether a run given ``address`` starts an embedded Ray instance of its own: no
+    cluster to join (:func:`cluster_address`) and no Ray running in this process."""
+    return cluster_address(address) is None and not ray.is_initialized()
+
+
 def cluster_address(address: str | None) -> str | None:
     """The cluster to join: ``address``, else ``RAY_ADDRESS`` (as ``ray.init`` reads
     it; ``ray job submit`` sets it for its drivers); None: start an embedded one."""

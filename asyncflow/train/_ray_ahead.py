@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 
-import ray
-
-from asyncflow.runtime import cluster_address, shutdown_ray, start_ray
+from asyncflow.runtime import shutdown_ray, start_ray, starts_own_instance
 from asyncflow.train._config import RunConfig, pools_on_cuda
 
 
@@ -29,7 +27,7 @@ def ray_started_ahead(config: RunConfig, *, address: str | None, worker_env: Map
     Nothing is started when the run joins a cluster (``address``, or
     ``RAY_ADDRESS``) or Ray runs already (a script's or a test's own instance).
     """
-    if cluster_address(address) is not None or ray.is_initialized():
+    if not starts_own_instance(address):
         yield
         return
     # The configuration's check imported torch and the roles, and the driver reads

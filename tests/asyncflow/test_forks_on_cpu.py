@@ -24,7 +24,8 @@ import ray
 import asyncflow as af
 from asyncflow.runtime import _forks, start_fork_server
 from asyncflow.runtime._ray_start import init_ray
-from process_tree import REPO, clean_env
+from forked_workers import rays_worker_script
+from process_tree import REPO, clean_env, gone
 
 pytestmark = pytest.mark.usefixtures("no_shared_ray")  # each test starts its own instance, or none
 
@@ -37,19 +38,6 @@ class Probe:
     def facts(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "parent": os.getppid(), "torch_at_start": self._torch_at_start,
                 "stub": os.environ.get(_forks.STUB_ENV), "argv0": sys.argv[0]}
-
-
-def _gone(pid: int, timeout_s: float = 30) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _rays_worker_script() -> str:
-    return str(Path(ray.__file__).parent / "_private" / "workers" / "default_worker.py")
 
 
 def test_start_rays_workers_are_forks_of_its_server_which_ends_with_it() -> None:
@@ -68,8 +56,8 @@ def test_start_rays_workers_are_forks_of_its_server_which_ends_with_it() -> None
         assert stub.cmdline()[2:5] == [_forks.__file__, "--stub", server.path]
     finally:
         af.shutdown_ray()
-    assert _gone(server.pid), "the fork server outlived its Ray instance"
-    assert _gone(facts["pid"]) and _gone(stub.pid), "a forked worker or its stub outlived ray.shutdown"
+    assert gone(server.pid), "the fork server outlived its Ray instance"
+    assert gone(facts["pid"]) and gone(stub.pid), "a forked worker or its stub outlived ray.shutdown"
     assert not Path(server.path).exists()
 
 
@@ -99,7 +87,7 @@ def test_a_session_that_starts_ray_itself_starts_its_workers_as_ray_does() -> No
 def test_a_stub_whose_server_is_gone_runs_rays_worker_script_itself(tmp_path: Path) -> None:
     gone = tmp_path / "sock"  # a server's socket that nobody listens on any more
     socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(str(gone))
-    out = subprocess.run([sys.executable, "-P", _forks.__file__, "--stub", str(gone), _rays_worker_script(), "--help"],
+    out = subprocess.run([sys.executable, "-P", _forks.__file__, "--stub", str(gone), rays_worker_script(), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--worker-launch-time-ms" in out.stdout  # default_worker.py's own options
@@ -110,7 +98,7 @@ def test_a_stub_whose_server_ends_before_it_forks_runs_the_worker_itself(tmp_pat
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(1)
-    proc = subprocess.Popen([sys.executable, "-P", _forks.__file__, "--stub", str(path), _rays_worker_script(),
+    proc = subprocess.Popen([sys.executable, "-P", _forks.__file__, "--stub", str(path), rays_worker_script(),
                              "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     conn, _ = listener.accept()
     conn.recv(1 << 20)  # the stub's request
@@ -138,7 +126,7 @@ def test_a_refused_configuration_leaves_no_fork_server() -> None:
     assert proc.returncode == 2, out
     assert "no_such_key" in out
     assert servers, "asyncflow train started no fork server beside its configuration's check"
-    assert all(_gone(pid) for pid in servers), "the fork server outlived the refused run"
+    assert all(gone(pid) for pid in servers), "the fork server outlived the refused run"
     marked = [p for p in psutil.process_iter() if _marked(p, mark)]
     assert not marked, f"processes of the refused run still run: {marked}"
 
