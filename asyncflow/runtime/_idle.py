@@ -27,7 +27,9 @@ created does.
 The session's rendezvous store server (``workers.StoreServer``, half a second of
 CPU to start) comes back on the same terms: one per Ray connection, which the next
 session takes wherever its workers run, once it emptied (``StoreServer.reset``,
-which a server some rank still waits in refuses: that one is replaced).
+which a server some rank still waits in refuses: that one is replaced). Workers
+started ahead come with one (:func:`start_ahead`), and a session that finds none
+starts its own beside its workers: its ranks need it only once they are up.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers import CONCURRENCY_GROUPS, LIVE_ENV, WorkerProcess, split_env
+from workers import CONCURRENCY_GROUPS, LIVE_ENV, StoreServer, WorkerProcess, split_env
 
 KEPT_WORKERS = 8
 """The most idle workers one driver's Ray connection keeps."""
@@ -112,14 +114,23 @@ def take(fit: Fit) -> Any | None:
 
 def start_ahead(count: int, *, preload: Sequence[str], worker_env: Mapping[str, str] | None = None) -> None:
     """Start ``count`` CPU workers on this node now, before any session, importing
-    ``preload`` meanwhile: the next session on this Ray connection adopts them
-    (with ``worker_env``'s environment) instead of starting its own."""
+    ``preload`` meanwhile, and a rendezvous store server: the next session on this
+    Ray connection adopts them (the workers with ``worker_env``'s environment)
+    instead of starting its own."""
     node = ray.get_runtime_context().get_node_id()
     env = dict(worker_env or {})
     blank = {"index": -1, "pool": "", "rank": -1, "pool_size": 0, "world": 0, "num_threads": None,
              "preload": tuple(preload)}
     for _ in range(count):
         keep(Fit.of(node, None, env), start_keepable(node, env, blank))
+    if count:  # and the session's rendezvous store server, which it takes too
+        keep_store(start_store())
+
+
+def start_store() -> Any:
+    """A new rendezvous store server (``workers.StoreServer``), starting now; it asks
+    Ray for nothing (a process of the standard library, mostly waiting)."""
+    return ray.remote(StoreServer).options(num_cpus=0).remote()  # type: ignore[attr-defined]
 
 
 def keep(fit: Fit, actor: Any) -> None:

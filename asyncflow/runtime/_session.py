@@ -40,7 +40,6 @@ from asyncflow.runtime._runtime import Runtime
 from asyncflow.runtime._transport import RayTransport
 from asyncflow.runtime._workers import Workers
 from channels import AsyncflowError, ConfigError, Layout
-from workers import StoreServer
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +188,13 @@ class Session(Runtime):
         self._workers = Workers(worker_env=self._worker_env, adopt=self._keep_workers,
                                 keep=self._keep_workers and not self._started_ray,
                                 placement_timeout_s=self._placement_timeout)
-        ranks = await self._workers.create(pools, device, slot, _role_modules(roles))
+        # The rendezvous store's process starts beside the workers': the first call
+        # that needs it comes once they are up.
+        store = asyncio.ensure_future(_rendezvous_store(self._keep_workers))
+        try:
+            ranks = await self._workers.create(pools, device, slot, _role_modules(roles))
+        finally:
+            self._store = await store
         self._actors = self._workers.actors
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)
@@ -234,8 +239,6 @@ class Session(Runtime):
         identities = await asyncio.gather(*(a.identity.remote() for a in self._actors))
         self._actor_ids = [aid for _, aid, _, _ in identities]
         self._actor_nodes = [node for *_, node in identities]
-        kept = await _kept_store() if self._keep_workers else None
-        self._store = kept or ray.remote(StoreServer).options(num_cpus=0).remote()  # type: ignore[attr-defined]
         await asyncio.gather(*(
             a.init_world.remote(self._store, node_ip=ip, timeout_s=self._rendezvous_timeout,
                                 collective_timeout_s=self._collective_timeout)
@@ -290,6 +293,13 @@ class Session(Runtime):
 
 STORE_ANSWER_S = 10.0
 """How long a kept rendezvous store server has to answer before it is replaced."""
+
+
+async def _rendezvous_store(kept_ok: bool) -> Any:
+    """The session's rendezvous store server: the one its driver's last session (or
+    ``asyncflow.start_ray``) kept, when ``kept_ok`` and it answers, else a new one."""
+    kept = await _kept_store() if kept_ok else None
+    return kept or _idle.start_store()
 
 
 async def _kept_store() -> Any | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -108,19 +109,21 @@ def test_workers_started_with_ray_are_the_first_sessions() -> None:
     af.shutdown_ray()
     af.start_ray(preload=(), workers=2)
     ahead = sorted(ray.get([actor.identity.remote() for _, actor in _idle._kept[_idle._connection()]]))
+    store_ahead = _idle._kept_stores[_idle._connection()]._actor_id
 
-    async def main() -> list[int]:
+    async def main() -> tuple[list[int], Any]:
         async with af.Session() as session:
             roles = await session.spawn({"s": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="main", devices=2,
                                                                                           threads=1))})
-            assert _idle.kept_count() == 0
-            return await roles.s.pid()
+            assert _idle.kept_count() == 0 and _idle.take_store() is None
+            return await roles.s.pid(), session._store._actor_id
 
     try:
-        pids = asyncio.run(asyncio.wait_for(main(), timeout=300))
+        pids, store = asyncio.run(asyncio.wait_for(main(), timeout=300))
     finally:
         af.shutdown_ray()
     assert sorted(pids) == [pid for pid, *_ in ahead]
+    assert store == store_ahead, "the rendezvous store server started with them"
 
 
 def _run_config(**pools: PoolSection) -> RunConfig:
