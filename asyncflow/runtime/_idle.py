@@ -29,7 +29,8 @@ CPU to start) comes back on the same terms: one per Ray connection, which the ne
 session takes wherever its workers run, once it emptied (``StoreServer.reset``,
 which a server some rank still waits in refuses: that one is replaced). Workers
 started ahead come with one (:func:`start_ahead`), and a session that finds none
-starts its own beside its workers: its ranks need it only once they are up.
+starts its own beside its workers: its ranks need it only once they are up. A
+session of one worker process has none: its world meets nobody.
 """
 
 from __future__ import annotations
@@ -114,16 +115,16 @@ def take(fit: Fit) -> Any | None:
 
 def start_ahead(count: int, *, preload: Sequence[str], worker_env: Mapping[str, str] | None = None) -> None:
     """Start ``count`` CPU workers on this node now, before any session, importing
-    ``preload`` meanwhile, and a rendezvous store server: the next session on this
-    Ray connection adopts them (the workers with ``worker_env``'s environment)
-    instead of starting its own."""
+    ``preload`` meanwhile, and for more than one a rendezvous store server: the
+    next session on this Ray connection adopts them (the workers with
+    ``worker_env``'s environment) instead of starting its own."""
     node = ray.get_runtime_context().get_node_id()
     env = dict(worker_env or {})
     blank = {"index": -1, "pool": "", "rank": -1, "pool_size": 0, "world": 0, "num_threads": None,
              "preload": tuple(preload)}
     for _ in range(count):
         keep(Fit.of(node, None, env), start_keepable(node, env, blank))
-    if count:  # and the session's rendezvous store server, which it takes too
+    if count > 1:  # and the rendezvous store server a session of several needs
         keep_store(start_store())
 
 

@@ -72,11 +72,11 @@ def start_ray(*, cpu_slots: int = 64, worker_nice: int = 0, preload: Sequence[st
             other, which would otherwise start Ray for each, seconds every
             time); :func:`~asyncflow.shutdown_ray` stops it.
         workers: CPU worker processes to start as soon as Ray is up, importing
-            :data:`HEAVY_MODULES` while the script imports (with the session's
-            rendezvous store server): the first session adopts them (see
-            ``asyncflow.runtime._idle``) instead of starting its own once it
-            spawns. As many as its CPU pools have ranks: one more is a
-            process that imports for nothing.
+            :data:`HEAVY_MODULES` while the script imports (with, for more
+            than one, the session's rendezvous store server): the first
+            session adopts them (see ``asyncflow.runtime._idle``) instead of
+            starting its own once it spawns. As many as its CPU pools have
+            ranks: one more is a process that imports for nothing.
         worker_env: those workers' environment variables: the session adopts
             them only if its own ``worker_env`` is the same (but for
             :data:`workers.LIVE_ENV`).

@@ -188,13 +188,14 @@ class Session(Runtime):
         self._workers = Workers(worker_env=self._worker_env, adopt=self._keep_workers,
                                 keep=self._keep_workers and not self._started_ray,
                                 placement_timeout_s=self._placement_timeout)
-        # The rendezvous store's process starts beside the workers': the first call
-        # that needs it comes once they are up.
-        store = asyncio.ensure_future(_rendezvous_store(self._keep_workers))
+        # The rendezvous store's process starts beside the workers' (the first call
+        # that needs it comes once they are up); a world of one process needs none.
+        store = (asyncio.ensure_future(_rendezvous_store(self._keep_workers))
+                 if sum(p.devices for p in pools) > 1 else None)
         try:
             ranks = await self._workers.create(pools, device, slot, _role_modules(roles))
         finally:
-            self._store = await store
+            self._store = await store if store is not None else None
         self._actors = self._workers.actors
         await self._init_groups(pools, ranks, roles, layouts)
         rank_local = await self._add_roles(ranks, roles, layouts)

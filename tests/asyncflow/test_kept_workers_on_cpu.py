@@ -152,3 +152,20 @@ def test_the_next_session_takes_the_rendezvous_store_over_emptied() -> None:
     assert fourth == first and not left
     fifth, _ = run()
     assert fifth != fourth, "the server of a session closed in a call ended with it"
+
+
+def test_a_session_of_one_worker_starts_no_store_server_and_its_worker_meets_others_next() -> None:
+    """A world of one process meets nobody: no rendezvous store server starts for
+    it. The worker it keeps joins the next session's world of two through one."""
+
+    async def session(ranks: int) -> tuple[Any, list[dict[str, Any]]]:
+        async with af.Session() as s:
+            roles = await s.spawn(_probe(ranks))
+            return s._store, await roles.probe.report()
+
+    store, one = asyncio.run(asyncio.wait_for(session(1), timeout=300))
+    assert store is None and _idle.take_store() is None
+    assert [(r["world"], r["rank"]) for r in one] == [(1, 0)]
+    store, two = asyncio.run(asyncio.wait_for(session(2), timeout=300))
+    assert store is not None and sorted((r["world"], r["rank"]) for r in two) == [(2, 0), (2, 1)]
+    assert one[0]["pid"] in {r["pid"] for r in two}, "the kept worker joined the larger world"

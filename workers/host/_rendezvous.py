@@ -12,6 +12,9 @@ travels over Ray's own (authenticated) channels and opens no port of its own::
     bind_gloo_to_node(ray.util.get_node_ip_address())   # workers.host._binding
     dist.init_process_group("gloo", store=RayStore(server, timeout), rank=r, world_size=n)
 
+A world of one process (a session of one worker) meets nobody: it keeps its
+groups' keys in a ``dist.HashStore`` of its own, and no server starts for it.
+
 What torch 2.13 asks of a store, and how it reaches a Python one: torch calls a
 Python ``Store`` subclass through a C++ trampoline, which forwards ``set``, ``get``,
 ``add``, ``compare_set``, ``check``, ``wait`` (with and without a timeout),

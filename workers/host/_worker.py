@@ -222,7 +222,9 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
 
         Args:
             store: the session's rendezvous store actor (a ``workers.StoreServer``);
-                the rendezvous goes through Ray's authenticated channels.
+                the rendezvous goes through Ray's authenticated channels. None for
+                a world of this one process, which meets nobody: its groups keep
+                their keys in a ``HashStore`` of its own.
             node_ip: this node's cluster address; gloo listens on it only.
             timeout_s: timeout of the rendezvous.
             collective_timeout_s: timeout of the pool's collectives (a backstop:
@@ -233,8 +235,9 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, store=RayStore(store, timedelta(seconds=timeout_s)),
-                                rank=self.index, world_size=self.world, timeout=self._timeout)
+        rendezvous = RayStore(store, timedelta(seconds=timeout_s)) if store is not None else dist.HashStore()
+        dist.init_process_group(backend, store=rendezvous, rank=self.index, world_size=self.world,
+                                timeout=self._timeout)
         # Done before add_role's arguments (the role classes) are unpickled: two
         # threads importing one package at once can deadlock on its module locks.
         for thread in self._preloads:
