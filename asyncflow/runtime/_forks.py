@@ -9,7 +9,8 @@ importing side by side. A fork server pays it once, while Ray starts:
 - :func:`start_fork_server` (one per process, for the embedded Ray instance it
   starts) runs this file as a script, the **server** (``python -P _forks.py
   --serve SOCKET``): it listens on a Unix socket at once, imports :data:`PRELOAD`,
-  then forks a child for each worker the raylet starts.
+  fills :data:`WARM`'s caches, then forks a child for each worker the raylet
+  starts.
 - The raylet starts each worker through Ray's public ``py_executable`` (the
   instance's ``runtime_env``, :meth:`ForkServer.runtime_env`), which runs this file
   as the **stub** (``python -P _forks.py --stub SOCKET default_worker.py ARGS``):
@@ -49,12 +50,19 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     import subprocess
 
-PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils")
+PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils", "transformers.models.llama.modeling_llama")
 """What the server imports before it forks: torch, which every worker imports, and
-what those that host a Hugging Face model import next. Not Ray: its native library
-reads its settings and the worker's identity (job, token) from the environment
-when it loads, so each worker loads it itself, as a new process does. Never vLLM:
-a worker that loaded it is not adopted by a later session."""
+what those that host a Hugging Face model import next (Llama's, the family of the
+examples' and most small models). Not Ray: its native library reads its settings
+and the worker's identity (job, token) from the environment when it loads, so
+each worker loads it itself, as a new process does. Never vLLM: a worker that
+loaded it is not adopted by a later session."""
+
+WARM = (("transformers.conversion_mapping", "get_checkpoint_conversion_mapping", "llama"),)
+"""``(module, function, argument)``: calls the server makes after its imports, to
+fill caches a worker's first model load would fill: transformers' table of
+checkpoint key conversions (0.2 s of a core: it compiles some 650 regular
+expressions, for every model type at once)."""
 
 OFF_ENV = "ASYNCFLOW_FORK_WORKERS"
 """``0`` starts every worker as Ray does, each importing its own libraries."""
@@ -287,6 +295,9 @@ def _serve(path: str) -> None:
     for name in PRELOAD:
         with contextlib.suppress(Exception):  # the worker's own import raises it again, with context
             importlib.import_module(name)
+    for module, function, argument in WARM:
+        with contextlib.suppress(Exception):  # a cache left empty: the worker fills it
+            getattr(importlib.import_module(module), function)(argument)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(sys.stdin, selectors.EVENT_READ, "owner")

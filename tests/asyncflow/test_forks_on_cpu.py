@@ -34,9 +34,13 @@ pytestmark = pytest.mark.usefixtures("no_shared_ray")  # each test starts its ow
 class Probe:
     def __init__(self) -> None:
         self._torch_at_start = "torch" in sys.modules  # Ray's worker script imports no torch
+        self._llama_at_start = "transformers.models.llama.modeling_llama" in sys.modules
+        conversions = sys.modules.get("transformers.conversion_mapping")
+        self._conversions_at_start = getattr(conversions, "_checkpoint_conversion_mapping_cache", None) is not None
 
     def facts(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "parent": os.getppid(), "torch_at_start": self._torch_at_start,
+                "llama_at_start": self._llama_at_start, "conversions_at_start": self._conversions_at_start,
                 "stub": os.environ.get(_forks.STUB_ENV), "argv0": sys.argv[0]}
 
 
@@ -47,6 +51,8 @@ def test_start_rays_workers_are_forks_of_its_server_which_ends_with_it() -> None
         assert server is not None
         facts = ray.get(Probe.remote().facts.remote(), timeout=120)
         assert facts["parent"] == server.pid and facts["torch_at_start"]
+        # what a worker's first Llama load would import and fill, done once in the server (_forks.WARM)
+        assert facts["llama_at_start"] and facts["conversions_at_start"]
         assert facts["argv0"].endswith("default_worker.py")
         serving = psutil.Process(server.pid)
         assert "--serve" in serving.cmdline()
