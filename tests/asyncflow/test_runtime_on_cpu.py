@@ -20,6 +20,7 @@ from ray.util.state import list_objects
 
 import asyncflow as af
 from asyncflow import Layout, ResourcePool, RoleSpec
+from asyncflow.runtime import start_fork_server
 from support import (
     Collective,
     Consumer,
@@ -38,8 +39,12 @@ C3 = ResourcePool(name="c3", devices=3)
 
 @pytest.fixture(scope="module")
 def env(loop_thread, no_shared_ray):
-    # The dashboard serves ray.util.state, which the object-store check reads.
-    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=True, log_to_driver=False)
+    # The dashboard serves ray.util.state, which the object-store check reads. Its
+    # nine workers are forks of a server that imported torch once (as start_ray's).
+    server = start_fork_server()
+    ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=True, log_to_driver=False,
+             runtime_env=server.runtime_env() if server is not None else None,
+             _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
     session = af.Session()
     roles = loop_thread.run(_start(session))
     yield loop_thread, session, roles
