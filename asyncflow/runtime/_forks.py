@@ -102,6 +102,13 @@ class ForkServer:
         """The server's process id."""
         return self._proc.pid
 
+    @staticmethod
+    def system_config() -> dict[str, bool]:
+        """Ray's settings for an instance whose workers are forked: no pre-started
+        workers (they would be Ray's own, unforked, and a job with a ``runtime_env``
+        cannot use them)."""
+        return {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+
     def runtime_env(self) -> dict[str, str]:
         """The ``runtime_env`` under which the raylet starts its workers through this
         server (Ray's ``py_executable``: the stub, before Ray's worker script)."""

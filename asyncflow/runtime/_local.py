@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncflow.runtime._pool import RoleSpec, check_placement
+from asyncflow.runtime._pool import RoleSpec, check_placement, world_size
 from asyncflow.runtime._proxy import Roles
 from asyncflow.runtime._runtime import Runtime
 from asyncflow.runtime._transport import BoundTransforms, WorkerGone
@@ -188,7 +188,7 @@ class LocalSession(Runtime):
         pools, layouts = check_placement(roles)
         workers: list[WorkerProcess] = []
         ranks: dict[str, list[int]] = {}
-        world = sum(p.devices for p in pools)
+        world = world_size(pools)
         for pool in pools:
             ranks[pool.name] = []
             for rank in range(pool.devices):

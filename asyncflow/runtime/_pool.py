@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -201,6 +201,11 @@ def check_fits(pools: list[ResourcePool], device: str, slot: str, nodes: list[No
             asks = ", ".join(f"{p.name}: {p.bundle(device, slot).get(k, 0.0) * p.devices:g}" for p in pools)
             raise ConfigError(f"the pools ask for {v:g} {k} in all ({asks}) but the Ray cluster has "
                               f"{has(k, nodes):g} ({inventory(k, nodes)})")
+
+
+def world_size(pools: Sequence[ResourcePool]) -> int:
+    """Worker processes over every pool of a session: one per device."""
+    return sum(p.devices for p in pools)
 
 
 def worker_threads(pool: ResourcePool, *, world: int, device: str, cores: int | None = None,

@@ -160,8 +160,8 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int, *,
         if address is None:
             server = start_fork_server(worker_env) if forked else running_fork_server()
             settings: dict[str, Any] = {"worker_niceness": worker_nice}
-            if server is not None:  # Ray's pre-started workers would be its own, unforked: none
-                settings |= {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
+            if server is not None:
+                settings |= server.system_config()
             try:
                 ray.init(address="local", num_cpus=os.cpu_count() or 1, resources={CPU_SLOT: cpu_slots},
                          include_dashboard=False, logging_level=logging.WARNING,

@@ -33,6 +33,7 @@ from asyncflow.runtime._pool import (
     check_placement,
     live_nodes,
     slot_resource,
+    world_size,
 )
 from asyncflow.runtime._proxy import Roles
 from asyncflow.runtime._ray_start import claim_started_instance, init_ray
@@ -191,7 +192,7 @@ class Session(Runtime):
         # The rendezvous store's process starts beside the workers' (the first call
         # that needs it comes once they are up); a world of one process needs none.
         store = (asyncio.ensure_future(_rendezvous_store(self._keep_workers))
-                 if sum(p.devices for p in pools) > 1 else None)
+                 if world_size(pools) > 1 else None)
         try:
             ranks = await self._workers.create(pools, device, slot, _role_modules(roles))
         finally:

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from asyncflow.runtime import _idle
-from asyncflow.runtime._pool import ResourcePool, worker_threads
+from asyncflow.runtime._pool import ResourcePool, worker_threads, world_size
 from channels import ConfigError
 from workers import LIVE_ENV
 
@@ -56,7 +56,7 @@ class Workers:
                      preload: Mapping[str, tuple[str, ...]]) -> dict[str, list[int]]:
         """Reserve every pool's devices, then start or adopt a worker per rank;
         returns each pool's workers' indices, in rank order."""
-        world = sum(p.devices for p in pools)
+        world = world_size(pools)
         groups = {}
         for pool in sorted(pools, key=lambda p: not p.labels):  # the pools with fewer nodes to go to first
             groups[pool.name] = await self._place(pool, device, slot)

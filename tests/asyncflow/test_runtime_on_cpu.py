@@ -44,7 +44,7 @@ def env(loop_thread, no_shared_ray):
     server = start_fork_server()
     ray.init(address="local", num_cpus=2, resources={af.CPU_SLOT: 32}, include_dashboard=True, log_to_driver=False,
              runtime_env=server.runtime_env() if server is not None else None,
-             _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
+             _system_config=server.system_config() if server is not None else None)
     session = af.Session()
     roles = loop_thread.run(_start(session))
     yield loop_thread, session, roles
