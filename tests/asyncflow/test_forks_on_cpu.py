@@ -8,6 +8,7 @@ refused."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -26,6 +27,12 @@ from asyncflow.runtime import _forks, start_fork_server
 from asyncflow.runtime._ray_start import init_ray
 from forked_workers import rays_worker_script
 from process_tree import REPO, clean_env, gone
+
+_RAYS_LIBRARIES = {"pydantic": "pydantic_core/_pydantic_core", "google.protobuf": "google/_upb/_message",
+                   "requests": "charset_normalizer/md", "jsonschema": "rpds/rpds", "msgpack": "msgpack/_cmsgpack",
+                   "msgspec": "msgspec/_core", "uvloop": "uvloop/loop"}
+"""Libraries of ``_forks.PRELOAD`` and a compiled module each loads (``rpds`` is
+jsonschema's, ``charset_normalizer`` requests')."""
 
 pytestmark = pytest.mark.usefixtures("no_shared_ray")  # each test starts its own instance, or none
 
@@ -56,6 +63,13 @@ def test_start_rays_workers_are_forks_of_its_server_which_ends_with_it() -> None
         assert facts["argv0"].endswith("default_worker.py")
         serving = psutil.Process(server.pid)
         assert "--serve" in serving.cmdline()
+        # the libraries every Ray worker imports as it starts came from the server too
+        # (seen by their compiled modules in its memory), but not pyarrow (it starts a thread)
+        mapped = {m.path for m in serving.memory_maps()}
+        for library, compiled in _RAYS_LIBRARIES.items():
+            if importlib.util.find_spec(library) is not None:
+                assert any(f"/{compiled}." in path for path in mapped), f"the fork server did not import {library}"
+        assert not any("/pyarrow/lib." in path for path in mapped)
         # the server's environment is the driver's with the session's worker_env over it
         assert serving.environ()["ASYNCFLOW_TEST_FORK_ENV"] == f"{os.environ['HOME']}/x"
         stub = psutil.Process(int(facts["stub"]))  # what the raylet started, through py_executable
