@@ -50,21 +50,27 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     import subprocess
 
+RAY_LIBRARIES = ("google.protobuf.json_format", "requests", "jsonschema", "pydantic.fields", "pydantic.v1.fields",
+                 "starlette.datastructures", "uvloop", "msgpack", "msgspec")
+"""The libraries a Ray process imports beside Ray itself by the time it runs its
+first task or creates its first actor: protobuf, requests and jsonschema (Ray's
+imports), pydantic's field modules and starlette's data structures (Ray
+registers serializers for the libraries it finds installed as it builds its
+serialization context, at its first call or actor), uvloop, msgpack, and msgspec (``channels``): about 0.3 s of a
+core, which a new process would spend on its critical path. Not pyarrow, whose
+serializers Ray registers too: it starts a thread as it loads, which a fork would
+leave behind (the driver, which forks nothing, imports it with these:
+``asyncflow.runtime._ray_start``). None reads the process's environment as it
+loads."""
+
 PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
-           "google.protobuf.json_format", "requests", "jsonschema", "pydantic.fields", "pydantic.v1.fields",
-           "starlette.datastructures", "uvloop", "msgpack", "msgspec")
+           *RAY_LIBRARIES)
 """What the server imports before it forks: torch, which every worker imports;
 what those that host a Hugging Face model import next (Llama's, the family of the
-examples' and most small models); and the libraries every Ray worker imports as it
-starts, beside Ray itself: protobuf, requests and jsonschema (Ray's imports),
-pydantic's field modules and starlette's data structures (the serializers Ray
-registers for them, where they are installed), uvloop, msgpack, and msgspec
-(``channels``): about 0.3 s of a core per worker. Not Ray: its native library
-reads its settings and the worker's identity (job, token) from the environment
-when it loads, so each worker loads it itself, as a new process does. Not
-pyarrow, which Ray's serializers also import: it starts a thread as it loads,
-which a fork would leave behind. Never vLLM: a worker that loaded it is not
-adopted by a later session."""
+examples' and most small models); and :data:`RAY_LIBRARIES`. Not Ray: its native
+library reads its settings and the worker's identity (job, token) from the
+environment when it loads, so each worker loads it itself, as a new process does.
+Never vLLM: a worker that loaded it is not adopted by a later session."""
 
 WARM = (("transformers.conversion_mapping", "get_checkpoint_conversion_mapping", "llama"),)
 """``(module, function, argument)``: calls the server makes after its imports, to

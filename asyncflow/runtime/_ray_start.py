@@ -31,7 +31,12 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-from asyncflow.runtime._forks import running_fork_server, start_fork_server, stop_fork_server
+from asyncflow.runtime._forks import (
+    RAY_LIBRARIES,
+    running_fork_server,
+    start_fork_server,
+    stop_fork_server,
+)
 from asyncflow.runtime._watchdog import watch_this_process
 
 CPU_SLOT = "asyncflow_cpu_slot"
@@ -111,9 +116,12 @@ def claim_started_instance() -> bool:
 
 def _import_quietly(modules: tuple[str, ...], workers: int, worker_env: dict[str, str],
                     ray_up: threading.Event) -> None:
-    """Import ``modules``; with ``workers``, first start that many workers ahead
-    once Ray is up (which imports the worker module: torch, Ray, ``channels``),
-    importing :data:`HEAVY_MODULES`."""
+    """Import what the driver's first Ray call or actor would import (the
+    libraries of Ray's serializers: :data:`~asyncflow.runtime._forks.RAY_LIBRARIES`
+    and pyarrow) while Ray starts; with ``workers``, then start that many workers
+    ahead once Ray is up, importing :data:`HEAVY_MODULES` (starting them imports
+    the worker module: torch, Ray, ``channels``); then import ``modules``."""
+    _import_all((*RAY_LIBRARIES, "pyarrow"))
     # workers.host._worker has its twin; importing it from here would import torch first
     if workers:
         from asyncflow.runtime import _idle
@@ -121,6 +129,10 @@ def _import_quietly(modules: tuple[str, ...], workers: int, worker_env: dict[str
         ray_up.wait()
         if ray.is_initialized():
             _idle.start_ahead(workers, preload=HEAVY_MODULES, worker_env=worker_env)
+    _import_all(modules)
+
+
+def _import_all(modules: Sequence[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)

@@ -92,3 +92,22 @@ def test_the_trainers_set_up_reads_checkpoints_without_transformers(tmp_path: Pa
     out = subprocess.run([sys.executable, "-c", _SET_UP, str(model)], cwd=ROOT, capture_output=True, text=True,
                          check=True, timeout=300).stdout.splitlines()
     assert out[-2:] == ["WARNINGS []", "TRANSFORMERS False"]
+
+
+_RAYS_LIBRARIES = """
+import importlib.util, sys, threading
+from asyncflow.runtime import _forks, _ray_start
+wanted = [m for m in (*_forks.RAY_LIBRARIES, "pyarrow") if importlib.util.find_spec(m.split(".")[0])]
+print("BEFORE", sorted(m for m in wanted if m in sys.modules))
+_ray_start._import_quietly((), 0, {}, threading.Event())  # start_ray's thread, beside ray.init
+print("MISSING", sorted(m for m in wanted if m not in sys.modules))
+"""
+
+
+def test_start_rays_thread_imports_the_libraries_of_rays_serializers_while_ray_starts() -> None:
+    # else the driver's first actor (the workers started ahead) imports them after Ray is up
+    out = subprocess.run([sys.executable, "-c", _RAYS_LIBRARIES], cwd=ROOT, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    before = out[-2].removeprefix("BEFORE ")
+    assert "pydantic.v1.fields" not in before and "pyarrow" not in before  # what importing Ray leaves out
+    assert out[-1] == "MISSING []"
