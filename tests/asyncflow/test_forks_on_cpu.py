@@ -8,6 +8,7 @@ refused."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import socket
@@ -44,10 +45,12 @@ class Probe:
         self._llama_at_start = "transformers.models.llama.modeling_llama" in sys.modules
         conversions = sys.modules.get("transformers.conversion_mapping")
         self._conversions_at_start = getattr(conversions, "_checkpoint_conversion_mapping_cache", None) is not None
+        self._frozen_at_start = gc.get_freeze_count()  # objects the collector skips
 
     def facts(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "parent": os.getppid(), "torch_at_start": self._torch_at_start,
                 "llama_at_start": self._llama_at_start, "conversions_at_start": self._conversions_at_start,
+                "frozen_at_start": self._frozen_at_start,
                 "stub": os.environ.get(_forks.STUB_ENV), "argv0": sys.argv[0]}
 
 
@@ -60,6 +63,8 @@ def test_start_rays_workers_are_forks_of_its_server_which_ends_with_it() -> None
         assert facts["parent"] == server.pid and facts["torch_at_start"]
         # what a worker's first Llama load would import and fill, done once in the server (_forks.WARM)
         assert facts["llama_at_start"] and facts["conversions_at_start"]
+        # the server's imported objects reach the worker frozen: its collections skip them
+        assert facts["frozen_at_start"] > 100_000
         assert facts["argv0"].endswith("default_worker.py")
         serving = psutil.Process(server.pid)
         assert "--serve" in serving.cmdline()
@@ -88,7 +93,7 @@ def test_fork_workers_0_starts_workers_as_ray_does(monkeypatch: pytest.MonkeyPat
     try:
         assert start_fork_server() is None
         facts = ray.get(Probe.remote().facts.remote(), timeout=120)
-        assert not facts["torch_at_start"] and facts["stub"] is None
+        assert not facts["torch_at_start"] and facts["stub"] is None and facts["frozen_at_start"] == 0
         assert "raylet" in psutil.Process(facts["parent"]).name()
     finally:
         af.shutdown_ray()
