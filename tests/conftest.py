@@ -29,7 +29,7 @@ import asyncflow as af
 import fake_device
 import forked_workers
 import support
-from asyncflow.runtime import _forks as fork_server
+from asyncflow.runtime import _fork_server as fork_server
 from scheduling import (  # noqa: F401 (pytest finds hooks here)
     pytest_collection_modifyitems,
     pytest_xdist_make_scheduler,
@@ -64,7 +64,7 @@ def loop_thread():
 
 _shared: dict[str, str] = {}
 """The shared Ray instance's GCS address while this process runs it."""
-_forks: list[fork_server.ForkServer] = []
+_fork_servers: list[fork_server.ForkServer] = []
 """The fork server of the shared Ray instance's workers, while it runs."""
 
 
@@ -106,7 +106,7 @@ def _start_shared_ray() -> None:
     path = os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": path}  # the raylet's, so the workers'
     server = fork_server.start(env)
-    _forks.append(server)
+    _fork_servers.append(server)
     env[forked_workers.ENV] = server.path
     before = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
@@ -132,8 +132,8 @@ def _stop_ray() -> None:
     _shared.clear()
     if ray.is_initialized():
         af.shutdown_ray()
-    while _forks:
-        _forks.pop().close()
+    while _fork_servers:
+        _fork_servers.pop().close()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -31,7 +31,7 @@ _EXPORTS = {
     "asyncflow.runtime._datastream": ("DataStream", "StreamOptions", "collect"),
     "asyncflow.runtime._errors": ("CallTimeoutError", "PoolBrokenError", "RemoteStageError", "SessionClosedError",
                                   "WorkerDiedError"),
-    "asyncflow.runtime._forks": ("start_fork_server", "stop_fork_server"),
+    "asyncflow.runtime._fork_server": ("start_fork_server", "stop_fork_server"),
     "asyncflow.runtime._future": ("DataFuture", "gather"),
     "asyncflow.runtime._migration": ("StepCost", "long_tail_lengths", "predicted_speedups"),
     "asyncflow.runtime._observed": ("auto_migration",),
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
         SessionClosedError,
         WorkerDiedError,
     )
-    from asyncflow.runtime._forks import start_fork_server, stop_fork_server
+    from asyncflow.runtime._fork_server import start_fork_server, stop_fork_server
     from asyncflow.runtime._future import DataFuture, gather
     from asyncflow.runtime._migration import StepCost, long_tail_lengths, predicted_speedups
     from asyncflow.runtime._observed import auto_migration

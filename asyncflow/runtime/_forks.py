@@ -6,13 +6,13 @@ on an embedded instance that is most of the wait for the first step, after Ray's
 own start, and a session of several ranks pays it once per rank, the ranks
 importing side by side. A fork server pays it once, while Ray starts:
 
-- :func:`start_fork_server` (one per process, for the embedded Ray instance it
-  starts) runs this file as a script, the **server** (``python -P _forks.py
+- :func:`~asyncflow.runtime._fork_server.start_fork_server` (one per process,
+  for the embedded Ray instance it starts) runs this file as a script, the **server** (``python -P _forks.py
   --serve SOCKET``): it listens on a Unix socket at once, imports :data:`PRELOAD`,
   fills :data:`WARM`'s caches, then forks a child for each worker the raylet
   starts.
 - The raylet starts each worker through Ray's public ``py_executable`` (the
-  instance's ``runtime_env``, :meth:`ForkServer.runtime_env`), which runs this file
+  instance's ``runtime_env``, ``ForkServer.runtime_env``), which runs this file
   as the **stub** (``python -P _forks.py --stub SOCKET default_worker.py ARGS``):
   it imports nothing heavy, hands its arguments, environment, working directory,
   signal settings and standard streams to the server, and stays as the raylet's
@@ -26,11 +26,12 @@ importing side by side. A fork server pays it once, while Ray starts:
 
 Where the server is not there, or ends before it forks, the stub runs Ray's script
 itself: a worker is never lost to the server, only slower to start. The server
-ends when its owner ends it (:func:`stop_fork_server`, after Ray's shutdown) or
-dies (its standard input closes). Linux only
-(:func:`available`): it forks a process that has imported torch, which is sound
-where the fork carries no thread or device state, so not where a GPU may be used.
-This file imports the standard library only.
+ends when its owner ends it (``stop_fork_server``, after Ray's shutdown) or dies
+(its standard input closes). The owner's side (starting, ending, and whether
+workers are forked here: Linux, and no GPU) is :mod:`asyncflow.runtime._fork_server`.
+The server forks a process that has imported torch, which is sound where the
+fork carries no thread or device state, so not where a GPU may be used. This
+file imports the standard library only.
 """
 
 from __future__ import annotations
@@ -40,17 +41,13 @@ import contextlib
 import gc
 import json
 import os
-import shlex
 import signal
 import socket
 import struct
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
-
-if TYPE_CHECKING:
-    import subprocess
+from collections.abc import Iterator
+from typing import Any, NoReturn
 
 RAY_LIBRARIES = ("google.protobuf.json_format", "requests", "jsonschema", "pydantic.fields", "pydantic.v1.fields",
                  "starlette.datastructures", "uvloop", "msgpack", "msgspec")
@@ -80,8 +77,6 @@ fill caches a worker's first model load would fill: transformers' table of
 checkpoint key conversions (0.2 s of a core: it compiles some 650 regular
 expressions, for every model type at once)."""
 
-OFF_ENV = "ASYNCFLOW_FORK_WORKERS"
-"""``0`` starts every worker as Ray does, each importing its own libraries."""
 STUB_ENV = "ASYNCFLOW_FORK_STUB"
 """A forked worker's stub's pid, in the worker's environment."""
 
@@ -89,9 +84,6 @@ _BOUND_S = 30.0
 """How long a stub waits for the server's socket to appear (it binds at once)."""
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-
-_GPU_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
-
 
 @contextlib.contextmanager
 def _imports_uncollected() -> Iterator[None]:
@@ -113,105 +105,6 @@ def _imports_uncollected() -> Iterator[None]:
         gc.freeze()
         if enabled:
             gc.enable()
-
-
-def available() -> bool:
-    """Whether workers are forked here: on Linux (``os.pidfd_open``), on a machine
-    with no GPU device (a fork must not share a GPU runtime's state, and GPU
-    workers start as Ray starts them), unless :data:`OFF_ENV` is ``0``."""
-    if os.environ.get(OFF_ENV, "1").strip() == "0":
-        return False
-    return sys.platform == "linux" and hasattr(os, "pidfd_open") and not any(map(os.path.exists, _GPU_DEVICES))
-
-
-# -- the owner's side --------------------------------------------------------------
-
-
-class ForkServer:
-    """A running fork server (:func:`start`); :meth:`close` ends it."""
-
-    def __init__(self, path: str, proc: subprocess.Popen[bytes]) -> None:
-        self.path = path
-        """The server's Unix socket."""
-        self._proc = proc
-
-    @property
-    def pid(self) -> int:
-        """The server's process id."""
-        return self._proc.pid
-
-    @staticmethod
-    def system_config() -> dict[str, bool]:
-        """Ray's settings for an instance whose workers are forked: no pre-started
-        workers (they would be Ray's own, unforked, and a job with a ``runtime_env``
-        cannot use them)."""
-        return {"enable_worker_prestart": False, "prestart_worker_first_driver": False}
-
-    def runtime_env(self) -> dict[str, str]:
-        """The ``runtime_env`` under which the raylet starts its workers through this
-        server (Ray's ``py_executable``: the stub, before Ray's worker script)."""
-        stub = [sys.executable, "-P", os.path.abspath(__file__), "--stub", self.path]
-        return {"py_executable": shlex.join(stub)}
-
-    def close(self) -> None:
-        """End the server now, importing or not. A worker forked from it ends too,
-        with its stub, which waited on the server for the worker's end: close it
-        after Ray's shutdown, which ends them first."""
-        import shutil
-
-        proc = self._proc
-        proc.kill()  # it holds nothing to save
-        proc.wait()
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
-
-
-_server: ForkServer | None = None
-"""This process's server, for the embedded Ray instance it starts (one at a time)."""
-
-
-def start_fork_server(worker_env: Mapping[str, str] | None = None) -> ForkServer | None:
-    """This process's fork server: the one running, else one started now (None where
-    workers are not forked, :func:`available`). It imports :data:`PRELOAD` while the
-    caller goes on (stubs that come meanwhile wait for it), in this process's
-    environment with ``worker_env`` over it (the variables those libraries read
-    when they load). ``asyncflow train`` starts it first thing, beside its
-    configuration's check, and ``asyncflow.start_ray`` as it starts Ray, which then
-    starts its workers through it (:meth:`ForkServer.runtime_env`)."""
-    global _server
-    if _server is None and available():
-        _server = start(worker_env)
-    return _server
-
-
-def running_fork_server() -> ForkServer | None:
-    """This process's fork server, if one runs."""
-    return _server
-
-
-def stop_fork_server() -> None:
-    """End this process's fork server, if one runs (:meth:`ForkServer.close`)."""
-    global _server
-    server, _server = _server, None
-    if server is not None:
-        server.close()
-
-
-def start(worker_env: Mapping[str, str] | None = None) -> ForkServer:
-    """A new fork server (:func:`start_fork_server` keeps one per process): in this
-    process's environment with ``worker_env`` over it (``${NAME}`` expanded)."""
-    import subprocess
-    import tempfile
-
-    env = {**os.environ, **{name: os.path.expandvars(value) for name, value in (worker_env or {}).items()}}
-    path = os.path.join(tempfile.mkdtemp(prefix="asyncflow-forks-"), "sock")
-    # Its own output would reach the driver's terminal (an import's warning); its
-    # workers write where Ray gave their stubs.
-    proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), "--serve", path],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    return ForkServer(path, proc)
 
 
 # -- messages ----------------------------------------------------------------------

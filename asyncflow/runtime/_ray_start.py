@@ -31,12 +31,8 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 
-from asyncflow.runtime._forks import (
-    RAY_LIBRARIES,
-    running_fork_server,
-    start_fork_server,
-    stop_fork_server,
-)
+from asyncflow.runtime._fork_server import running_fork_server, start_fork_server, stop_fork_server
+from asyncflow.runtime._forks import RAY_LIBRARIES
 from asyncflow.runtime._watchdog import watch_this_process
 
 CPU_SLOT = "asyncflow_cpu_slot"
@@ -154,7 +150,7 @@ def init_ray(address: str | None, cpu_slots: int, worker_nice: int, *,
     instance, for a training script), or where this process runs a fork server
     already (``asyncflow train`` starts one first thing), the embedded instance's
     workers are forks of a server that imports torch and transformers while Ray
-    starts (:func:`~asyncflow.runtime._forks.start_fork_server`, given
+    starts (:func:`~asyncflow.runtime._fork_server.start_fork_server`, given
     ``worker_env``; ``shutdown_ray`` ends it with the instance). Not by default: a
     session of roles that load no Hugging Face model would pay for the server's
     imports more than its workers save.

@@ -24,7 +24,7 @@ import ray
 from asyncflow.runtime import _idle
 from asyncflow.runtime._control import Control, connect
 from asyncflow.runtime._errors import RemoteStageError, SessionClosedError
-from asyncflow.runtime._forks import stop_fork_server
+from asyncflow.runtime._fork_server import stop_fork_server
 from asyncflow.runtime._pool import (
     Node,
     ResourcePool,

@@ -24,7 +24,7 @@ import pytest
 import ray
 
 import asyncflow as af
-from asyncflow.runtime import _forks, start_fork_server
+from asyncflow.runtime import _fork_server, _forks, start_fork_server
 from asyncflow.runtime._ray_start import init_ray
 from forked_workers import rays_worker_script
 from process_tree import REPO, clean_env, gone
@@ -87,8 +87,8 @@ def test_start_rays_workers_are_forks_of_its_server_which_ends_with_it() -> None
 
 
 def test_fork_workers_0_starts_workers_as_ray_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(_forks.OFF_ENV, "0")
-    assert not _forks.available()
+    monkeypatch.setenv(_fork_server.OFF_ENV, "0")
+    assert not _fork_server.available()
     af.start_ray(preload=())
     try:
         assert start_fork_server() is None
@@ -102,7 +102,7 @@ def test_fork_workers_0_starts_workers_as_ray_does(monkeypatch: pytest.MonkeyPat
 def test_a_session_that_starts_ray_itself_starts_its_workers_as_ray_does() -> None:
     init_ray(None, 64, 0)  # as a Session without an instance started for it does
     try:
-        assert _forks.running_fork_server() is None
+        assert _fork_server.running_fork_server() is None
         facts = ray.get(Probe.remote().facts.remote(), timeout=120)
         assert not facts["torch_at_start"] and facts["stub"] is None
     finally:
