@@ -7,10 +7,10 @@ own start, and a session of several ranks pays it once per rank, the ranks
 importing side by side. A fork server pays it once, while Ray starts:
 
 - :func:`~asyncflow.runtime._fork_server.start_fork_server` (one per process,
-  for the embedded Ray instance it starts) runs this file as a script, the **server** (``python -P _forks.py
-  --serve SOCKET``): it listens on a Unix socket at once, imports :data:`PRELOAD`,
-  fills :data:`WARM`'s caches, then forks a child for each worker the raylet
-  starts.
+  for the embedded Ray instance it starts) runs this file as a script, the
+  **server** (``python -P _forks.py --serve SOCKET``): it listens on a Unix socket
+  at once, imports :data:`PRELOAD`, fills :data:`WARM`'s caches, then forks a
+  child for each worker the raylet starts.
 - The raylet starts each worker through Ray's public ``py_executable`` (the
   instance's ``runtime_env``, ``ForkServer.runtime_env``), which runs this file
   as the **stub** (``python -P _forks.py --stub SOCKET default_worker.py ARGS``):
@@ -55,12 +55,12 @@ RAY_LIBRARIES = ("google.protobuf.json_format", "requests", "jsonschema", "pydan
 first task or creates its first actor: protobuf, requests and jsonschema (Ray's
 imports), pydantic's field modules and starlette's data structures (Ray
 registers serializers for the libraries it finds installed as it builds its
-serialization context, at its first call or actor), uvloop, msgpack, and msgspec (``channels``): about 0.3 s of a
-core, which a new process would spend on its critical path. Not pyarrow, whose
-serializers Ray registers too: it starts a thread as it loads, which a fork would
-leave behind (the driver, which forks nothing, imports it with these:
-``asyncflow.runtime._ray_start``). None reads the process's environment as it
-loads."""
+serialization context, at its first call or actor), uvloop, msgpack, and
+msgspec (``channels``): about 0.3 s of a core, which a new process would spend
+on its critical path. Not pyarrow, whose serializers Ray registers too: it
+starts a thread as it loads, which a fork would leave behind (the driver, which
+forks nothing, imports it with these: ``asyncflow.runtime._ray_start``). None
+reads the process's environment as it loads."""
 
 PRELOAD = ("torch", "torch.distributed", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
            *RAY_LIBRARIES)
