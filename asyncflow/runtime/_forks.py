@@ -46,7 +46,6 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any, NoReturn
 
 RAY_LIBRARIES = ("google.protobuf.json_format", "requests", "jsonschema", "pydantic.fields", "pydantic.v1.fields",
@@ -84,28 +83,6 @@ _BOUND_S = 30.0
 """How long a stub waits for the server's socket to appear (it binds at once)."""
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-
-@contextlib.contextmanager
-def _imports_uncollected() -> Iterator[None]:
-    """Run a block of imports with the garbage collector off, then freeze what
-    it built (``gc.freeze``) and turn the collector back on as it was.
-
-    Importing torch and transformers builds some 400,000 objects that live as
-    long as the process: collecting among them as they arrive costs about a tenth
-    of the imports' CPU, and every later full collection walks them all (0.15-0.3
-    s of a core). Frozen, they are skipped by the collector, and in a fork their
-    pages stay shared with the parent (Python's advice for fork servers). The few
-    objects the imports leave as garbage stay too.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        if enabled:
-            gc.enable()
-
 
 # -- messages ----------------------------------------------------------------------
 
@@ -230,13 +207,21 @@ def _serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)  # stubs connect now and wait while the server imports
-    with _imports_uncollected():  # a worker's collections skip what the server imported
-        for name in PRELOAD:
-            with contextlib.suppress(Exception):  # the worker's own import raises it again, with context
-                importlib.import_module(name)
-        for module, function, argument in WARM:
-            with contextlib.suppress(Exception):  # a cache left empty: the worker fills it
-                getattr(importlib.import_module(module), function)(argument)
+    # The imports build some 600,000 objects that live as long as the process:
+    # collecting among them as they arrive costs about a tenth of the imports' CPU,
+    # and a worker's every full collection would walk them all (0.15-0.3 s of a
+    # core, writing to pages it shares with the server). So the collector is off
+    # while they import and they are frozen before the first fork (Python's advice
+    # for fork servers); the few objects the imports leave as garbage stay too.
+    gc.disable()
+    for name in PRELOAD:
+        with contextlib.suppress(Exception):  # the worker's own import raises it again, with context
+            importlib.import_module(name)
+    for module, function, argument in WARM:
+        with contextlib.suppress(Exception):  # a cache left empty: the worker fills it
+            getattr(importlib.import_module(module), function)(argument)
+    gc.freeze()
+    gc.enable()
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(sys.stdin, selectors.EVENT_READ, "owner")
