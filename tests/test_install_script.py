@@ -1,6 +1,7 @@
 """scripts/install.py hands pip's configuration to uv: the same indexes, find-links
 locations, constraints and CA bundle, with pip's precedence; its ``warm`` caches the
-bytecode of what runs import, Ray's own processes included."""
+bytecode of what runs import, every module of our packages and Ray's own processes
+included."""
 
 from __future__ import annotations
 
@@ -66,6 +67,25 @@ def test_warm_writes_the_bytecode_of_what_it_imports_and_skips_what_is_missing(t
     assert install.main(["warm", "warm_probe_module", "no_such_module_anywhere"]) == 0
     assert list((tmp_path / "__pycache__").glob("warm_probe_module.*.pyc"))
     assert "no_such_module_anywhere not imported (ModuleNotFoundError)" in capsys.readouterr().err
+
+
+def test_warm_compiles_every_module_of_a_package_without_importing_it(tmp_path, monkeypatch, capsys) -> None:
+    """``--package``: a package whose ``__init__`` imports none of its modules (as
+    ours load their names on first use) gets every module's bytecode, nested ones
+    included, and nothing of it runs."""
+    package = tmp_path / "warm_probe_package"
+    (package / "inner").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "_lazy.py").write_text("raise RuntimeError('imported')\n")
+    (package / "inner" / "__init__.py").write_text("")
+    (package / "inner" / "_deep.py").write_text("VALUE = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert install.main(["warm", "--package", "warm_probe_package", "--package", "no_such_package_anywhere"]) == 0
+    assert list((package / "__pycache__").glob("_lazy.*.pyc"))
+    assert list((package / "inner" / "__pycache__").glob("_deep.*.pyc"))
+    assert "warm_probe_package" not in sys.modules
+    assert "package 'no_such_package_anywhere' not compiled" in capsys.readouterr().err
 
 
 def test_warm_with_ray_caches_what_rays_own_processes_import(tmp_path) -> None:
