@@ -46,11 +46,12 @@ PACKAGES := asyncflow channels workers hybrid_engine bench
 # so importing one compiles nothing else), and with --ray those Ray's own processes
 # import (its dashboard, agents and monitors: started once, about 7 s). A target of
 # its own so that `make test` runs it beside the type check.
-WARM := $(INSTALL) warm --ray $(foreach p,$(PACKAGES),--package $(p)) torch torch.distributed ray \
-	transformers.modeling_utils transformers.models.auto.modeling_auto transformers.models.auto.tokenization_auto \
-	transformers.models.llama.modeling_llama vllm torch.distributed.checkpoint torch.utils.tensorboard matplotlib.pyplot \
-	matplotlib.backends.backend_agg psutil asyncflow.cli \
-	asyncflow.train workers.roles workers.rollout && touch $(WARMED)
+# (psutil before Ray, whose import puts its own copy first on the path.)
+WARM := $(INSTALL) warm --ray $(foreach p,$(PACKAGES),--package $(p)) psutil torch torch.distributed \
+	torch.distributed.checkpoint.state_dict ray transformers.modeling_utils transformers.models.auto.modeling_auto \
+	transformers.models.auto.tokenization_auto transformers.models.llama.modeling_llama vllm torch.utils.tensorboard \
+	matplotlib.pyplot matplotlib.backends.backend_agg asyncflow.cli asyncflow.train workers.roles workers.rollout \
+	&& touch $(WARMED)
 
 $(WARMED): $(STAMP)
 	$(WARM)
