@@ -43,15 +43,15 @@ PACKAGES := asyncflow channels workers hybrid_engine bench
 # the examples load, vLLM, TensorBoard's writer and matplotlib's pyplot, which a run
 # writes its metrics and plots with; all of site-packages would take 85 s of CPU),
 # every module of our packages (--package: their __init__ loads names on first use,
-# so importing one compiles nothing else), and with --ray those Ray's own processes
+# so importing one compiles nothing else; the roles are imported too, for the
+# libraries they import), and with --ray those Ray's own processes
 # import (its dashboard, agents and monitors: started once, about 7 s). A target of
 # its own so that `make test` runs it beside the type check.
 # (psutil before Ray, whose import puts its own copy first on the path.)
 WARM := $(INSTALL) warm --ray $(foreach p,$(PACKAGES),--package $(p)) psutil torch torch.distributed \
 	torch.distributed.checkpoint.state_dict ray transformers.modeling_utils transformers.models.auto.modeling_auto \
 	transformers.models.auto.tokenization_auto transformers.models.llama.modeling_llama vllm torch.utils.tensorboard \
-	matplotlib.pyplot matplotlib.backends.backend_agg asyncflow.cli asyncflow.train workers.roles workers.rollout \
-	&& touch $(WARMED)
+	matplotlib.pyplot matplotlib.backends.backend_agg workers.roles workers.rollout && touch $(WARMED)
 
 $(WARMED): $(STAMP)
 	$(WARM)
