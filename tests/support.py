@@ -116,6 +116,38 @@ class Sleeper(Role):
         the calling thread saw before it called torch."""
         return {"openmp": openmp_threads(), "nice": os.nice(0), "threads": torch.get_num_threads()}
 
+    @register(protocol=OneToAll())
+    def refaults(self) -> float:
+        """:func:`malloc_refaults` on the thread role methods run on."""
+        return malloc_refaults()
+
+
+def malloc_refaults(blocks: int = 40, size: int = 512 << 10) -> float:
+    """Page faults of the calling thread per round of mallocing ``blocks`` blocks of
+    ``size`` bytes, writing them and freeing them all (the C library's ``malloc``,
+    as torch's CPU tensors get theirs), after a few rounds first: about
+    ``blocks * size / 4096`` where freed memory goes back to the system, about 0
+    where the process keeps it (``workers.host._allocator``)."""
+    import resource
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def round_() -> None:
+        pointers = [libc.malloc(size) for _ in range(blocks)]
+        for p in pointers:
+            ctypes.memset(p, 1, size)
+        for p in pointers:
+            libc.free(p)
+
+    for _ in range(3):
+        round_()
+    start = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(10):
+        round_()
+    return (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - start) / 10
+
 
 def openmp_threads() -> int | None:
     """``omp_get_max_threads()`` in the calling thread, from the OpenMP runtime torch

@@ -50,6 +50,7 @@ from channels import (
     unpack,
 )
 from workers.host import _groups, _meshes
+from workers.host._allocator import keep_freed_memory
 from workers.host._binding import bind_gloo_to_node
 from workers.host._call import CallArgs, CallSpec, RankError, ungroup
 from workers.host._control import ControlHost
@@ -111,6 +112,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
                  env: Mapping[str, str] | None = None) -> None:
         set_env(env or {})
         route_from_environment()  # before the engines log anything (the driver's worker_env says where)
+        keep_freed_memory()  # before the roles allocate (see workers.host._allocator)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
