@@ -9,7 +9,8 @@ is installed, TRL's ``GRPOTrainer`` runs it too. Every run is its own process
 (``python -m bench._e2e_asyncflow`` / ``bench._e2e_trl``), the frameworks
 alternating round by round, so both see the same machine. Per run: seconds per
 step (the median of ``--steps`` after ``--warmup`` steps), generated tokens/s,
-asyncflow's per-stage milliseconds and where its start-up seconds went. The
+asyncflow's per-stage milliseconds (traced in three steps after the timed ones,
+which run untraced) and where its start-up seconds went. The
 workload's model is saved once, before the runs, and every run loads it from that
 directory (``--model-dir``), as a user's script loads a checkpoint: no run's
 start-up includes building it (and asyncflow's driver, which loads no model, then

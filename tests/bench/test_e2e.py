@@ -31,6 +31,9 @@ def test_asyncflow_side_records_steps_stages_and_startup_and_the_floor_beside(tm
     assert set(run["stage_ms"]) == {"actor.generate", "actor.update", "ref.log_prob", "reward.score",
                                     "reward.stats"}, "GRPO's stages, and no actor.log_prob (on-policy)"
     assert set(run["pool_busy_ms"]) == {"policy", "side"}
+    # The timed steps (1 warm-up, 1 timed) ran untraced; the stages come from the traced ones after them.
+    assert len(run["steps_s"]) == 2 + run["traced_steps"] and run["traced_steps"] >= 1
+    assert run["s_per_step"] == run["steps_s"][1]
     assert run["startup_s"]["imported"] < run["startup_s"]["roles_spawned"] < run["startup_s"]["first_step_done"]
     assert record["asyncflow_first_step_s"] == record["split_first_step_s"] == run["startup_s"]["first_step_done"]
     assert 0 <= run["last_metrics"]["actor/logprob_mismatch"] < 1e-4
