@@ -11,7 +11,10 @@ penalty, gradient clipping and AdamW. With two ranks each takes half the prompts
 (whole groups) and the gradients are averaged with one all-reduce over gloo.
 Nothing is scheduled, serialised or sent between processes besides that
 all-reduce: the better of these figures is about the fastest the workload's
-eager arithmetic runs on this machine, which a framework only adds to.
+eager arithmetic runs on this machine, which a framework only adds to. Each rank
+runs with the process settings asyncflow's workers have (torch threads, glibc
+keeping freed memory: ``workers.host._allocator``), so the two differ by what
+the framework does, not by how their processes are set up.
 """
 
 from __future__ import annotations
@@ -96,7 +99,10 @@ def _rank(rank: int, world: int, port: int, job: E2EJob, steps: int, warmup: int
     """One rank's run; rank 0 puts the record on ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from workers.host._allocator import keep_freed_memory
+
     torch.set_num_threads(threads)
+    keep_freed_memory()  # the allocator setting asyncflow's workers run with
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(job.seed + rank)
