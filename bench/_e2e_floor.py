@@ -24,6 +24,7 @@ import time
 _START = time.time()
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import queue  # noqa: E402
@@ -94,72 +95,96 @@ def token_logprobs(model: Any, sequences: torch.Tensor, prompt_len: int) -> torc
     return torch.log_softmax(logits, dim=-1).gather(2, sequences[:, prompt_len:, None])[..., 0]
 
 
-def _rank(rank: int, world: int, port: int, job: E2EJob, steps: int, warmup: int, threads: int,
-          model_dir: str, out: Any) -> None:
-    """One rank's run; rank 0 puts the record on ``out``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+STAGES = ("generate", "reward", "ref", "update")
+"""The parts of a floor step, timed."""
 
-    from workers.host._allocator import keep_freed_memory
 
-    torch.set_num_threads(threads)
-    keep_freed_memory()  # the allocator setting asyncflow's workers run with
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.manual_seed(job.seed + rank)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    reference.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=job.lr)
-    per_rank = job.prompts // world
-    prompts = job.prompt_ids()[rank * per_rank:(rank + 1) * per_rank].repeat_interleave(job.n, dim=0)
-    texts: list[str] = tokenizer.batch_decode(prompts.tolist(), skip_special_tokens=True)
-    stages: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "ref", "update")}
-    times: list[float] = []
-    marks = {"ready": time.time() - _START}
-    for k in range(warmup + steps):
+class FloorRank:
+    """One rank of the floor: its models, optimizer and prompts, set up in this
+    process (joining the ranks' gloo group when ``world`` > 1), and :meth:`step`."""
+
+    def __init__(self, rank: int, world: int, port: int, job: E2EJob, threads: int, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from workers.host._allocator import keep_freed_memory
+
+        torch.set_num_threads(threads)
+        keep_freed_memory()  # the allocator setting asyncflow's workers run with
+        if world > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.manual_seed(job.seed + rank)
+        self.job, self.world, self.threads = job, world, threads
+        self.policy = AutoModelForCausalLM.from_pretrained(model_dir)
+        self.reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.reference.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=job.lr)
+        per_rank = job.prompts // world
+        self.prompts = job.prompt_ids()[rank * per_rank:(rank + 1) * per_rank].repeat_interleave(job.n, dim=0)
+        self.texts: list[str] = self.tokenizer.batch_decode(self.prompts.tolist(), skip_special_tokens=True)
+        self.metrics: dict[str, float] = {}
+
+    def step(self) -> list[float]:
+        """One GRPO step; the seconds of each of :data:`STAGES`."""
+        job = self.job
         clock = [time.perf_counter()]
-        responses, old = generate(policy, prompts, job.new_tokens)
+        responses, old = generate(self.policy, self.prompts, job.new_tokens)
         clock.append(time.perf_counter())
-        completions = tokenizer.batch_decode(responses.tolist(), skip_special_tokens=True)
-        rewards = torch.tensor(digit_reward(texts, completions)).view(-1, job.n)
+        completions = self.tokenizer.batch_decode(responses.tolist(), skip_special_tokens=True)
+        rewards = torch.tensor(digit_reward(self.texts, completions)).view(-1, job.n)
         advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1, 1)
         clock.append(time.perf_counter())
-        sequences = torch.cat([prompts, responses], dim=1)
+        sequences = torch.cat([self.prompts, responses], dim=1)
         with torch.no_grad():
-            ref_lp = token_logprobs(reference, sequences, job.prompt_len)
+            ref_lp = token_logprobs(self.reference, sequences, job.prompt_len)
         clock.append(time.perf_counter())
-        logprobs = token_logprobs(policy, sequences, job.prompt_len)
+        logprobs = token_logprobs(self.policy, sequences, job.prompt_len)
         ratio = torch.exp(logprobs - old)
         surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - _CLIP, 1 + _CLIP) * advantages)
         kl = torch.exp(ref_lp - logprobs) - (ref_lp - logprobs) - 1
         loss = (job.kl_coef * kl - surrogate).mean()
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if world > 1:
-            grads = [p.grad for p in policy.parameters() if p.grad is not None]
+        if self.world > 1:
+            grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
-            for g, part in zip(grads, flat.div_(world).split([g.numel() for g in grads]), strict=True):
+            for g, part in zip(grads, flat.div_(self.world).split([g.numel() for g in grads]), strict=True):
                 g.copy_(part.view_as(g))
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
+        self.optimizer.step()
         clock.append(time.perf_counter())
-        times.append(clock[-1] - clock[0])
+        self.metrics = {"loss": loss.item(), "kl_to_ref": kl.mean().item(), "reward/mean": rewards.mean().item()}
+        return [end - start for start, end in itertools.pairwise(clock)]
+
+    def close(self) -> None:
+        """Leave the ranks' group."""
+        if self.world > 1:
+            dist.destroy_process_group()
+
+
+def _rank(rank: int, world: int, port: int, job: E2EJob, steps: int, warmup: int, threads: int,
+          model_dir: str, out: Any) -> None:
+    """One rank's run; rank 0 puts the record on ``out``."""
+    me = FloorRank(rank, world, port, job, threads, model_dir)
+    stages: dict[str, list[float]] = {k: [] for k in STAGES}
+    times: list[float] = []
+    marks = {"ready": time.time() - _START}
+    for k in range(warmup + steps):
+        parts = me.step()
+        times.append(sum(parts))
         if k == 0:
             marks["first_step_done"] = time.time() - _START
         if k >= warmup:
-            for name, start, end in zip(stages, clock, clock[1:], strict=False):
-                stages[name].append(end - start)
-    if world > 1:
-        dist.destroy_process_group()
+            for name, seconds in zip(STAGES, parts, strict=True):
+                stages[name].append(seconds)
+    me.close()
     if rank == 0:
         median = statistics.median(times[warmup:])
         out.put({"framework": "floor", "ranks": world, "threads": threads, "s_per_step": median,
                  "tokens_per_s": job.tokens_per_step / median, "steps_s": times, "startup_s": marks,
                  "stage_ms": {k: 1000 * statistics.median(v) for k, v in stages.items()},
-                 "last_metrics": {"loss": float(loss), "kl_to_ref": float(kl.mean()),
-                                  "reward/mean": float(rewards.mean())}})
+                 "last_metrics": me.metrics})
 
 
 def measure(job: E2EJob, *, ranks: int, steps: int, warmup: int, threads: int | None,

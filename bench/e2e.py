@@ -29,6 +29,13 @@ machine, which a framework's scheduling only adds to. ``--no-floor`` skips it.
 each keeps its own default. ``--load K`` runs K busy processes beside the runs
 (a shared machine).
 
+``--paired`` measures the ratio to the floor instead in runs where asyncflow and
+both floors take their steps in turn (``bench._e2e_paired``: one run per
+placement per round), so that a machine changing speed from one minute to the
+next moves both sides alike; keys ``<placement>_vs_floor_paired`` (the median
+over rounds of each run's median ratio of step times) and
+``asyncflow_vs_floor_paired`` (the best placement's), with ``paired_runs``.
+
 Top-level keys: ``asyncflow_tokens_per_s`` (best placement), ``trl_tokens_per_s``
 and ``ratio`` (their quotient), ``<placement>_s_per_step``, ``trl_s_per_step``,
 ``best_placement``, ``<run>_first_step_s`` (every run, the floor's and TRL's too:
@@ -134,6 +141,35 @@ def _alternate(placements: list[str], *, model: list[str], rounds: int, steps: i
     return runs
 
 
+def measure_paired(placements: list[str], *, rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Each placement's paired run (``bench._e2e_paired``) once per round, on one saved model; the record."""
+    job = E2EJob.on("cpu")
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in placements}
+    with job.model_dir(None) as saved:
+        for _ in range(rounds):
+            for placement in placements:
+                runs[placement].append(run_one("bench._e2e_paired", [
+                    "--placement", placement, "--steps", str(steps), "--warmup", str(warmup), "--model-dir", saved]))
+    record: dict[str, Any] = {"job": job.as_dict(), "device": "cpu", "rounds": rounds, "steps": steps,
+                              "warmup": warmup, "paired_runs": runs}
+    for placement, got in runs.items():
+        record[f"{placement}_vs_floor_paired"] = statistics.median(r["asyncflow_vs_floor"] for r in got)
+    best = max(placements, key=lambda p: record[f"{p}_vs_floor_paired"])
+    record["best_placement"] = best
+    record["asyncflow_vs_floor_paired"] = record[f"{best}_vs_floor_paired"]
+    record["load_avg"] = os.getloadavg()
+    return record
+
+
+def paired_table(record: dict[str, Any]) -> str:
+    """Each paired run's medians and ratio."""
+    rows = [{"placement": p, "round": i + 1, "asyncflow s/step": r["asyncflow_s_per_step"],
+             "floor_1 s/step": r["floor_1_s_per_step"], "floor_2 s/step": r["floor_2_s_per_step"],
+             "asyncflow / best floor (paired)": r["asyncflow_vs_floor"]}
+            for p, got in record["paired_runs"].items() for i, r in enumerate(got)]
+    return markdown_table(rows, list(rows[0]))
+
+
 def first_step_s(runs: list[dict[str, Any]]) -> float:
     """The median over ``runs`` of the seconds from process start to the end of the first step."""
     return statistics.median(r["startup_s"]["first_step_done"] for r in runs)
@@ -167,7 +203,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-floor", action="store_true", help="skip the plain-PyTorch floor")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the one-GPU workload, placement 'one', no floor")
+    parser.add_argument("--paired", action="store_true",
+                        help="the ratio to the floor from runs where both sides step in turn (CPU)")
     args = parser.parse_args(argv)
+    if args.paired:
+        if args.device != "cpu" or args.no_floor or args.threads or args.load:
+            parser.error("--paired runs the CPU workload against the floor, with default threads and no load")
+        record = measure_paired(args.placement or list(PLACEMENTS), rounds=args.rounds, steps=args.steps,
+                                warmup=args.warmup)
+        print(paired_table(record))
+        print(f"\nasyncflow / plain-PyTorch floor, paired ({record['best_placement']}): "
+              f"{record['asyncflow_vs_floor_paired']:.2f}x")
+        _write(args.json, record)
+        return
     if args.device == "cuda":
         import torch
 
@@ -187,9 +235,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"asyncflow / plain-PyTorch floor tokens/s: {record['asyncflow_vs_floor']:.2f}x")
     if "floor_ratio" in record:
         print(f"floor / TRL tokens/s (about the most a framework could reach here): {record['floor_ratio']:.2f}x")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2))
+    _write(args.json, record)
+
+
+def _write(path: Path | None, record: dict[str, Any]) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``python -m bench.e2e`` runs the workload end to end (real Ray workers, one
 process per run) and writes the keys the issue names; with TRL installed, TRL's
-side too. Timings are reported, never asserted."""
+side too; with ``--paired``, asyncflow and the floor step in turn in one run.
+Timings are reported, never asserted."""
 
 from __future__ import annotations
 
@@ -50,6 +51,30 @@ def test_asyncflow_side_records_steps_stages_and_startup_and_the_floor_beside(tm
         assert record[f"floor_{ranks}_first_step_s"] == floor["startup_s"]["first_step_done"]
         assert set(floor["stage_ms"]) == {"generate", "reward", "ref", "update"}
         assert 0 <= floor["last_metrics"]["kl_to_ref"] < 1, "one step of lr 1e-4 from the reference"
+
+
+@pytest.mark.slow
+def test_paired_runs_step_both_sides_in_turn_and_take_the_ratio_round_by_round(tmp_path: Path) -> None:
+    record = _run(tmp_path, "--placement", "one", "--paired")
+    (run,) = record["paired_runs"]["one"]
+    assert set(run["steps_s"]) == {"asyncflow", "floor_1", "floor_2"}
+    assert all(len(steps) == run["rounds"] == 1 for steps in run["steps_s"].values())
+    floor = run["best_floor"]
+    assert run[f"{floor}_s_per_step"] == min(run["floor_1_s_per_step"], run["floor_2_s_per_step"])
+    assert run["asyncflow_vs_floor"] == pytest.approx(run["steps_s"][floor][0] / run["steps_s"]["asyncflow"][0])
+    assert record["asyncflow_vs_floor_paired"] == record["one_vs_floor_paired"] == run["asyncflow_vs_floor"]
+    assert record["best_placement"] == "one"
+
+
+def test_a_paired_record_takes_the_median_of_each_rounds_ratio() -> None:
+    from bench._e2e_job import E2EJob
+    from bench._e2e_paired import record
+
+    times = {"asyncflow": [0.2, 0.4, 0.1], "floor_1": [0.3, 0.3, 0.3], "floor_2": [0.1, 0.2, 0.2]}
+    got = record(E2EJob(), "dp2", times)
+    assert got["best_floor"] == "floor_2" and got["floor_2_s_per_step"] == 0.2
+    assert got["asyncflow_vs_floor"] == pytest.approx(0.5), "rounds 0.5, 0.5, 2.0: their median"
+    assert got["asyncflow_s_per_step"] == 0.2 and got["rounds"] == 3
 
 
 def test_trl_side_and_the_ratio(tmp_path: Path) -> None:
