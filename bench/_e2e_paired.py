@@ -139,8 +139,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, model
                     return time.perf_counter() - start
 
                 sides: dict[str, Callable[[int], Awaitable[float]]] = {"asyncflow": asyncflow_step}
-                for name, floor in floors.items():
-                    sides[name] = lambda k, floor=floor: asyncio.to_thread(floor.step)
+                sides |= {name: _stepper(floor) for name, floor in floors.items()}
                 names = list(sides)
                 times: dict[str, list[float]] = {name: [] for name in names}
                 for k in range(warmup + steps):
@@ -154,6 +153,13 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, model
                 floor.close()
     af.shutdown_ray()
     return record(job, placement, times)
+
+
+def _stepper(floor: _Floor) -> Callable[[int], Awaitable[float]]:
+    """A step of ``floor``, waited for off the event loop (the session's calls stay served)."""
+    def step(_: int) -> Awaitable[float]:
+        return asyncio.to_thread(floor.step)
+    return step
 
 
 def record(job: E2EJob, placement: str, times: dict[str, list[float]]) -> dict[str, Any]:
