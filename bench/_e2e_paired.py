@@ -54,6 +54,7 @@ if __name__ == "__main__":  # a run; bench.e2e imports this module for its names
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import queue  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 from collections.abc import Awaitable, Callable  # noqa: E402
@@ -98,15 +99,28 @@ class _Floor:
             p.start()
 
     def ready(self) -> None:
-        for q in self.done:
-            q.get(timeout=READY_S)
+        """Wait for every rank to be set up."""
+        for rank in range(len(self.procs)):
+            self._answer(rank)
 
     def step(self) -> float:
         """One step of every rank; rank 0's seconds (as ``bench._e2e_floor`` reports)."""
         for q in self.go:
             q.put(1)
-        seconds = [q.get(timeout=READY_S)[1] for q in self.done]
+        seconds = [self._answer(rank)[1] for rank in range(len(self.procs))]
         return float(seconds[0])
+
+    def _answer(self, rank: int) -> Any:
+        """``rank``'s next message; raises as soon as a rank ended without one (its
+        peer would wait in the all-reduce), or after :data:`READY_S`."""
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline:
+            try:
+                return self.done[rank].get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode is not None for p in self.procs):
+                    raise RuntimeError(f"a floor rank ended: exit codes {[p.exitcode for p in self.procs]}") from None
+        raise TimeoutError(f"floor rank {rank} gave no answer within {READY_S:.0f} s")
 
     def close(self) -> None:
         for q in self.go:
@@ -131,7 +145,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, model
                                              "uid": torch.arange(job.prompts)},
                                             pool=PLACEMENTS[placement][1]["actor"], group_size=1)
                 for floor in floors.values():
-                    floor.ready()
+                    await asyncio.to_thread(floor.ready)
 
                 async def asyncflow_step(k: int) -> float:
                     start = time.perf_counter()

@@ -77,6 +77,18 @@ def test_a_paired_record_takes_the_median_of_each_rounds_ratio() -> None:
     assert got["asyncflow_s_per_step"] == 0.2 and got["rounds"] == 3
 
 
+def test_a_paired_run_says_when_a_floor_rank_ends_instead_of_waiting(tmp_path: Path) -> None:
+    from bench._e2e_job import E2EJob
+    from bench._e2e_paired import _Floor
+
+    floor = _Floor(1, E2EJob(), str(tmp_path / "no-model"))  # the rank cannot load its model
+    try:
+        with pytest.raises(RuntimeError, match=r"a floor rank ended: exit codes \[1\]"):
+            floor.ready()
+    finally:
+        floor.close()
+
+
 def test_trl_side_and_the_ratio(tmp_path: Path) -> None:
     pytest.importorskip("trl", reason="the optional compare extra (pip install -e '.[compare]')")
     record = _run(tmp_path, "--placement", "one", "--no-floor")
