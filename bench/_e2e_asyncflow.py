@@ -13,7 +13,7 @@ _START = time.time()
 import argparse  # noqa: E402
 
 import asyncflow as af  # noqa: E402 (light: its names load on first use)
-from bench._e2e_placements import PLACEMENTS  # noqa: E402 (data only)
+from bench._e2e_placements import PLACEMENTS, start_ray_for  # noqa: E402 (light)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,15 +28,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":  # a run; bench.e2e imports this module for its names only
-    # Ray comes up while torch and the roles import (and transformers, when this
-    # run builds the model itself), and so do the placement's CPU workers as soon
-    # as Ray is up (see asyncflow.start_ray).
     _args = _parser().parse_args()
-    _workers = sum(PLACEMENTS[_args.placement][0].values()) if _args.device == "cpu" else 0
-    if _args.model_dir is None:
-        af.start_ray(workers=_workers)
-    else:  # the driver builds no model: transformers is the workers' to import
-        af.start_ray(workers=_workers, preload=("torch", "workers.roles"))
+    start_ray_for(_args.placement, device=_args.device, model_given=_args.model_dir is not None)
 
 import asyncio  # noqa: E402
 import json  # noqa: E402
@@ -84,6 +77,13 @@ def role_specs(job: E2EJob, model_dir: str, placement: str, threads: int | None)
             for role, (cls, config) in built.items()}
 
 
+async def put_prompts(session: af.Session, job: E2EJob, placement: str) -> af.DataFuture[Any]:
+    """The workload's prompts, stored on ``placement``'s actor pool (one group each)."""
+    prompt_ids = job.prompt_ids()
+    return await session.put({"prompt_ids": prompt_ids, "prompt_mask": prompt_ids.ne(-1).long(),
+                              "uid": torch.arange(job.prompts)}, pool=PLACEMENTS[placement][1]["actor"], group_size=1)
+
+
 TRACED_STEPS = 3
 """Steps after the timed ones, traced for the per-stage breakdown (tracing costs
 the steps it records 1-4 %: the timed steps run without it, as a run does)."""
@@ -102,10 +102,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, threa
             marks["ray_started"] = time.time() - _START
             roles = await session.spawn(role_specs(job, model_dir, placement, threads))
             marks["roles_spawned"] = time.time() - _START
-            prompt_ids = job.prompt_ids()
-            prompts = await session.put({"prompt_ids": prompt_ids, "prompt_mask": prompt_ids.ne(-1).long(),
-                                         "uid": torch.arange(job.prompts)},
-                                        pool=PLACEMENTS[placement][1]["actor"], group_size=1)
+            prompts = await put_prompts(session, job, placement)
             times: list[float] = []
             metrics: dict[str, float] = {}
             for k in range(warmup + steps + TRACED_STEPS):

@@ -193,19 +193,16 @@ def measure(job: E2EJob, *, ranks: int, steps: int, warmup: int, threads: int | 
     (default: one this run saves); rank 0's record."""
     if job.prompts % ranks:
         raise ValueError(f"{job.prompts} prompts do not split over {ranks} ranks")
-    per_rank_threads = threads or max(1, (os.cpu_count() or 1) // ranks)
     with job.model_dir(model_dir) as model_dir:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port, per_rank_threads = free_port(), rank_threads(ranks, threads)
         procs = [ctx.Process(target=_rank, args=(r, ranks, port, job, steps, warmup, per_rank_threads, model_dir, out))
                  for r in range(ranks)]
         for p in procs:
             p.start()
         try:
-            record = _wait_for_record(out, procs, timeout_s=600)
+            record: dict[str, Any] = wait_for_ranks(out, procs, timeout_s=600)
             for p in procs:
                 p.join(timeout=60)
         finally:
@@ -213,26 +210,39 @@ def measure(job: E2EJob, *, ranks: int, steps: int, warmup: int, threads: int | 
                 if p.is_alive():
                     p.terminate()
         if any(p.exitcode != 0 for p in procs):
-            raise _rank_failed(procs)
+            raise _rank_ended(procs)
     return record
 
 
-def _rank_failed(procs: list[Any]) -> RuntimeError:
-    return RuntimeError(f"a floor rank failed: exit codes {[p.exitcode for p in procs]}")
+def free_port() -> int:
+    """A free port of the loopback interface, for the ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
 
 
-def _wait_for_record(out: Any, procs: list[Any], *, timeout_s: float) -> dict[str, Any]:
-    """Rank 0's record from ``out``; raises as soon as a rank dies without one (its
-    peer would wait in the all-reduce) or after ``timeout_s``."""
+def rank_threads(ranks: int, threads: int | None = None) -> int:
+    """Each rank's torch threads: ``threads``, else the cores split over the ranks."""
+    return threads or max(1, (os.cpu_count() or 1) // ranks)
+
+
+def _rank_ended(procs: list[Any]) -> RuntimeError:
+    return RuntimeError(f"a floor rank ended: exit codes {[p.exitcode for p in procs]}")
+
+
+def wait_for_ranks(out: Any, procs: list[Any], *, timeout_s: float) -> Any:
+    """The next message on ``out`` (a rank's record or answer); raises as soon as a
+    rank ended with an error instead (its peer would wait in the all-reduce), or
+    after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            record: dict[str, Any] = out.get(timeout=1.0)
-            return record
+            return out.get(timeout=1.0)
         except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
-                raise _rank_failed(procs) from None
-    raise TimeoutError(f"the floor gave no record within {timeout_s:.0f} s")
+                raise _rank_ended(procs) from None
+    raise TimeoutError(f"the floor's ranks gave no answer within {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> None:

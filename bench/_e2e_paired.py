@@ -28,7 +28,7 @@ _START = time.time()
 import argparse  # noqa: E402
 
 import asyncflow as af  # noqa: E402 (light: its names load on first use)
-from bench._e2e_placements import PLACEMENTS  # noqa: E402 (data only)
+from bench._e2e_placements import PLACEMENTS, start_ray_for  # noqa: E402 (light)
 
 FLOORS = {"floor_1": 1, "floor_2": 2}
 """The floor's sides: name, ranks."""
@@ -44,28 +44,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":  # a run; bench.e2e imports this module for its names only
-    _args = _parser().parse_args()  # Ray and the placement's workers come up while the rest imports
-    _workers = sum(PLACEMENTS[_args.placement][0].values())
-    if _args.model_dir is None:
-        af.start_ray(workers=_workers)
-    else:
-        af.start_ray(workers=_workers, preload=("torch", "workers.roles"))
+    _args = _parser().parse_args()
+    start_ray_for(_args.placement, model_given=_args.model_dir is not None)
 
 import asyncio  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import queue  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 from collections.abc import Awaitable, Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
-import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from asyncflow.algos import grpo_step  # noqa: E402
-from bench._e2e_asyncflow import grpo_config, role_specs  # noqa: E402
-from bench._e2e_floor import FloorRank  # noqa: E402
+from bench._e2e_asyncflow import grpo_config, put_prompts, role_specs  # noqa: E402
+from bench._e2e_floor import FloorRank, free_port, rank_threads, wait_for_ranks  # noqa: E402
 from bench._e2e_job import E2EJob  # noqa: E402
 
 READY_S = 300.0
@@ -87,10 +79,7 @@ class _Floor:
 
     def __init__(self, ranks: int, job: E2EJob, model_dir: str) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        threads = max(1, (os.cpu_count() or 1) // ranks)
+        port, threads = free_port(), rank_threads(ranks)
         self.go = [ctx.Queue() for _ in range(ranks)]
         self.done = [ctx.Queue() for _ in range(ranks)]
         self.procs = [ctx.Process(target=_serve, args=(r, ranks, port, job, threads, model_dir, self.go[r],
@@ -100,27 +89,15 @@ class _Floor:
 
     def ready(self) -> None:
         """Wait for every rank to be set up."""
-        for rank in range(len(self.procs)):
-            self._answer(rank)
+        for q in self.done:
+            wait_for_ranks(q, self.procs, timeout_s=READY_S)
 
     def step(self) -> float:
         """One step of every rank; rank 0's seconds (as ``bench._e2e_floor`` reports)."""
         for q in self.go:
             q.put(1)
-        seconds = [self._answer(rank)[1] for rank in range(len(self.procs))]
+        seconds = [wait_for_ranks(q, self.procs, timeout_s=READY_S)[1] for q in self.done]
         return float(seconds[0])
-
-    def _answer(self, rank: int) -> Any:
-        """``rank``'s next message; raises as soon as a rank ended without one (its
-        peer would wait in the all-reduce), or after :data:`READY_S`."""
-        deadline = time.monotonic() + READY_S
-        while time.monotonic() < deadline:
-            try:
-                return self.done[rank].get(timeout=1.0)
-            except queue.Empty:
-                if any(p.exitcode is not None for p in self.procs):
-                    raise RuntimeError(f"a floor rank ended: exit codes {[p.exitcode for p in self.procs]}") from None
-        raise TimeoutError(f"floor rank {rank} gave no answer within {READY_S:.0f} s")
 
     def close(self) -> None:
         for q in self.go:
@@ -140,10 +117,7 @@ async def measure(job: E2EJob, placement: str, *, steps: int, warmup: int, model
         try:
             async with af.Session() as session:
                 roles = await session.spawn(role_specs(job, model_dir, placement, None))
-                prompt_ids = job.prompt_ids()
-                prompts = await session.put({"prompt_ids": prompt_ids, "prompt_mask": prompt_ids.ne(-1).long(),
-                                             "uid": torch.arange(job.prompts)},
-                                            pool=PLACEMENTS[placement][1]["actor"], group_size=1)
+                prompts = await put_prompts(session, job, placement)
                 for floor in floors.values():
                     await asyncio.to_thread(floor.ready)
 

@@ -133,7 +133,7 @@ def test_a_floor_rank_that_dies_fails_the_run_at_once() -> None:
     import multiprocessing
     import time
 
-    from bench._e2e_floor import _wait_for_record
+    from bench._e2e_floor import wait_for_ranks
 
     ctx = multiprocessing.get_context("fork")
     dead = ctx.Process(target=_exit_with, args=(3,))
@@ -141,7 +141,7 @@ def test_a_floor_rank_that_dies_fails_the_run_at_once() -> None:
     dead.join()
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"exit codes \[3\]"):
-        _wait_for_record(ctx.Queue(), [dead], timeout_s=60)
+        wait_for_ranks(ctx.Queue(), [dead], timeout_s=60)
     assert time.monotonic() - started < 30
 
 
