@@ -13,8 +13,9 @@ Nothing is scheduled, serialised or sent between processes besides that
 all-reduce: the better of these figures is about the fastest the workload's
 eager arithmetic runs on this machine, which a framework only adds to. Each rank
 runs with the process settings asyncflow's workers have (torch threads, glibc
-keeping freed memory: ``workers.host._allocator``), so the two differ by what
-the framework does, not by how their processes are set up.
+keeping freed memory: ``workers.host._allocator``; the threads' scheduling
+policy: ``workers.host._cpu_policy``), so the two differ by what the framework
+does, not by how their processes are set up.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ class FloorRank:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from workers.host._allocator import keep_freed_memory
+        from workers.host._cpu_policy import run_as_batch
 
         torch.set_num_threads(threads)
         keep_freed_memory()  # the allocator setting asyncflow's workers run with
+        run_as_batch()  # and their scheduling policy
         if world > 1:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         torch.manual_seed(job.seed + rank)

@@ -111,15 +111,35 @@ class Sleeper(Role):
         return ray.get_runtime_context().get_node_id()
 
     @register(protocol=OneToAll())
-    def process_settings(self) -> dict[str, int | None]:
-        """This worker's niceness and torch intra-op threads, and the OpenMP threads
-        the calling thread saw before it called torch."""
-        return {"openmp": openmp_threads(), "nice": os.nice(0), "threads": torch.get_num_threads()}
+    def process_settings(self) -> dict[str, Any]:
+        """This worker's niceness and torch intra-op threads, the OpenMP threads
+        the calling thread saw before it called torch, and the scheduling policies
+        its threads run under (:func:`thread_policies`)."""
+        return {"openmp": openmp_threads(), "nice": os.nice(0), "threads": torch.get_num_threads(),
+                "policies": thread_policies()}
 
     @register(protocol=OneToAll())
     def refaults(self) -> float:
         """:func:`malloc_refaults` on the thread role methods run on."""
         return malloc_refaults()
+
+
+POLICY_NAMES = {"SCHED_OTHER": "normal", "SCHED_BATCH": "batch", "SCHED_IDLE": "idle", "SCHED_FIFO": "fifo",
+             "SCHED_RR": "rr"}
+
+
+def thread_policies(pid: int | str = "self") -> list[str]:
+    """The scheduling policies the threads of process ``pid`` run under, by name
+    (``"normal"``, ``"batch"``, ``"idle"``, ...), each once, sorted."""
+    names = {getattr(os, k): v for k, v in POLICY_NAMES.items() if hasattr(os, k)}
+    found = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            policy = os.sched_getscheduler(int(tid))
+        except OSError:  # the thread ended
+            continue
+        found.add(names.get(policy, str(policy)))
+    return sorted(found)
 
 
 def malloc_refaults(blocks: int = 40, size: int = 512 << 10) -> float:

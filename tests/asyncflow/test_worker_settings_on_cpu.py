@@ -1,12 +1,13 @@
 """Worker processes run at the session's niceness and with their pool's torch
-threads, and keep the memory they free (real Ray workers), the default thread
-count follows the cores, a session takes over the Ray instance
-``asyncflow.start_ray`` started, and a run starts Ray and its CPU workers ahead
-of its session."""
+threads, their threads under the batch scheduling policy, and keep the memory
+they free (real Ray workers), the default thread count follows the cores, a
+session takes over the Ray instance ``asyncflow.start_ray`` started, and a run
+starts Ray and its CPU workers ahead of its session."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "arith_grpo.toml"
 
 pytestmark = pytest.mark.usefixtures("no_shared_ray")  # its sessions start Ray with their settings
 
+BATCH = ["batch"] if hasattr(os, "SCHED_BATCH") else ["normal"]
+"""Every thread of a CPU worker (``workers.host._cpu_policy``), at its niceness."""
+
 
 def test_default_threads_split_the_cores_and_follow_omp_num_threads() -> None:
     pool = af.ResourcePool(name="p", devices=2)
@@ -49,7 +53,7 @@ def test_bad_settings_are_refused() -> None:
         af.Session(worker_nice=-5)
 
 
-def test_workers_run_at_the_session_niceness_with_their_pools_threads_and_keep_freed_memory() -> None:
+def test_workers_run_at_the_session_niceness_with_their_pools_threads_batch_policy_and_keep_freed_memory() -> None:
     async def main() -> tuple[list[dict[str, int | None]], list[dict[str, int | None]], list[float]]:
         async with af.Session(worker_nice=7) as session:
             roles = await session.spawn({
@@ -63,8 +67,8 @@ def test_workers_run_at_the_session_niceness_with_their_pools_threads_and_keep_f
         one, two, refaults = asyncio.run(asyncio.wait_for(main(), timeout=300))
     finally:
         af.shutdown_ray()
-    assert one == [{"openmp": 3, "nice": 7, "threads": 3}]
-    assert two == [{"openmp": 1, "nice": 7, "threads": 1}] * 2
+    assert one == [{"openmp": 3, "nice": 7, "threads": 3, "policies": BATCH}]
+    assert two == [{"openmp": 1, "nice": 7, "threads": 1, "policies": BATCH}] * 2
     if platform.libc_ver()[0] == "glibc":  # workers.host._allocator: 5,120 pages a round where memory went back
         assert all(r < 256 for r in refaults), refaults
 
@@ -86,7 +90,7 @@ def test_a_session_takes_over_the_ray_instance_start_ray_started() -> None:
         assert not ray.is_initialized(), "the session shuts down the instance it took over"
     finally:
         af.shutdown_ray()
-    assert got == [{"openmp": 2, "nice": 5, "threads": 2}]
+    assert got == [{"openmp": 2, "nice": 5, "threads": 2, "policies": BATCH}]
 
 
 def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
@@ -107,7 +111,8 @@ def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
         assert ray.get_runtime_context().gcs_address == gcs
     finally:
         af.shutdown_ray()
-    assert first == second == [{"openmp": 1, "nice": 6, "threads": 1}], "the kept instance's settings, not the sessions'"
+    assert first == second == [{"openmp": 1, "nice": 6, "threads": 1, "policies": BATCH}], (
+        "the kept instance's settings, not the sessions'")
 
 
 def test_workers_started_with_ray_are_the_first_sessions() -> None:

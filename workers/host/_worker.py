@@ -54,6 +54,7 @@ from workers.host._allocator import keep_freed_memory
 from workers.host._binding import bind_gloo_to_node
 from workers.host._call import CallArgs, CallSpec, RankError, ungroup
 from workers.host._control import ControlHost
+from workers.host._cpu_policy import run_as_batch
 from workers.host._engine_logs import route_from_environment
 from workers.host._environment import LIVE_ENV, set_env
 from workers.host._pulls import Pull, Sender, receive
@@ -114,6 +115,8 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
         route_from_environment()  # before the engines log anything (the driver's worker_env says where)
         keep_freed_memory()  # before the roles allocate (see workers.host._allocator)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+        if self.device.type == "cpu":
+            run_as_batch()  # before the roles start threads (see workers.host._cpu_policy)
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
         self._compute = threading.Lock()
