@@ -9,6 +9,7 @@ rank applies it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,36 @@ class Transform:
         self.fn, self.reads, self.writes, self.optional = fn, reads, writes, optional
         self.__name__ = getattr(fn, "__name__", "transform")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+        self.__module__ = getattr(fn, "__module__", None)  # type: ignore[assignment]
         self.__doc__ = fn.__doc__
 
     def __call__(self, batch: Batch, **kwargs: Any) -> Mapping[str, torch.Tensor]:
         return self.fn(batch, **kwargs)
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """Pickled by reference where it is what its module's name for it holds (a
+        ``@transform`` at a module's top level), as a function is: a rank that
+        applies it imports it, instead of receiving its code with every call.
+        Otherwise (in ``__main__``, inside a function, in a module pickled by
+        value) its function travels, as Ray's pickler sends such a function."""
+        if _by_reference(self):
+            return self.__qualname__
+        return Transform, (self.fn, self.reads, self.writes, self.optional)
+
+
+def _by_reference(t: Transform) -> bool:
+    """Whether ``t`` is what its module's attribute of its qualified name holds, in
+    a module that pickles by reference."""
+    module = sys.modules.get(t.__module__ or "")
+    if module is None or t.__module__ == "__main__" or "<locals>" in t.__qualname__:
+        return False
+    found: Any = module
+    for part in t.__qualname__.split("."):
+        found = getattr(found, part, None)
+    if found is not t:
+        return False
+    cloudpickle = sys.modules.get("ray.cloudpickle.cloudpickle")  # loaded: it may pickle the module by value
+    return cloudpickle is None or not cloudpickle._is_registered_pickle_by_value(module)
 
 
 def transform(*, reads: Sequence[str] | None = None, writes: Sequence[str] | None = None,
