@@ -149,6 +149,8 @@ class SequenceInputs:
     """P': prompt columns kept (the leading all-padding columns are dropped)."""
     response_width: int
     """R': response columns kept (the trailing all-padding columns are dropped)."""
+    dense: bool = False
+    """No kept column is padding in any row: every row's positions are ``0 .. P' + R' - 1``."""
 
 
 def build_inputs(batch: Mapping[str, Tensor]) -> SequenceInputs:
@@ -178,6 +180,7 @@ def build_inputs(batch: Mapping[str, Tensor]) -> SequenceInputs:
         response_ids=response_ids,
         prompt_width=batch["prompt_mask"].shape[1] - left,
         response_width=width,
+        dense=bool(attention_mask.all()),
     )
 
 

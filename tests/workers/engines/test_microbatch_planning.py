@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
-from engines_testlib import make_batch
+from engines_testlib import make_batch, tiny_lm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.engines import (
+    CausalLMHead,
     FixedSizeMicroBatches,
     TokenBudgetMicroBatches,
     WholeBatch,
@@ -116,3 +118,22 @@ def test_build_inputs_trims_padding_columns_and_counts_positions() -> None:
     mask = inputs.attention_mask
     torch.testing.assert_close(inputs.position_ids, (mask.cumsum(1) - 1).clamp(min=0))
     torch.testing.assert_close(inputs.response_ids, batch["response_ids"][:, :5])
+    assert not inputs.dense
+
+
+def test_rows_without_padding_are_dense_and_a_hugging_face_model_gets_one_row_of_positions() -> None:
+    batch = make_batch(rows=3, prompt=6, response=7)
+    batch["prompt_mask"][:] = 1
+    batch["response_mask"][:] = 1
+    dense = build_inputs(batch)
+    assert dense.dense and dense.position_ids.tolist() == [list(range(13))] * 3
+    model = tiny_lm()
+    seen: list[tuple[int, ...]] = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(tuple(kwargs["position_ids"].shape)),
+                                    with_kwargs=True)
+    head = CausalLMHead()
+    with torch.no_grad():
+        got = head(model, dense, entropy_grad=False)
+        each = head(model, dataclasses.replace(dense, dense=False), entropy_grad=False)
+    assert seen == [(1, 13), (3, 13)]
+    assert torch.equal(got.logprobs, each.logprobs) and torch.equal(got.entropy, each.entropy)
