@@ -1,6 +1,6 @@
 """Worker processes run at the session's niceness and with their pool's torch
-threads, their threads under the batch scheduling policy, and keep the memory
-they free (real Ray workers), the default thread count follows the cores, a
+threads (those of one thread under the batch scheduling policy), and keep the
+memory they free (real Ray workers), the default thread count follows the cores, a
 session takes over the Ray instance ``asyncflow.start_ray`` started, and a run
 starts Ray and its CPU workers ahead of its session."""
 
@@ -33,7 +33,8 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "arith_grpo.toml"
 pytestmark = pytest.mark.usefixtures("no_shared_ray")  # its sessions start Ray with their settings
 
 BATCH = ["batch"] if hasattr(os, "SCHED_BATCH") else ["normal"]
-"""Every thread of a CPU worker (``workers.host._cpu_policy``), at its niceness."""
+"""Every thread of a CPU worker of one torch thread (``workers.host._cpu_policy``),
+at its niceness; a worker of several keeps the normal policy."""
 
 
 def test_default_threads_split_the_cores_and_follow_omp_num_threads() -> None:
@@ -67,7 +68,7 @@ def test_workers_run_at_the_session_niceness_with_their_pools_threads_batch_poli
         one, two, refaults = asyncio.run(asyncio.wait_for(main(), timeout=300))
     finally:
         af.shutdown_ray()
-    assert one == [{"openmp": 3, "nice": 7, "threads": 3, "policies": BATCH}]
+    assert one == [{"openmp": 3, "nice": 7, "threads": 3, "policies": ["normal"]}]
     assert two == [{"openmp": 1, "nice": 7, "threads": 1, "policies": BATCH}] * 2
     if platform.libc_ver()[0] == "glibc":  # workers.host._allocator: 5,120 pages a round where memory went back
         assert all(r < 256 for r in refaults), refaults
@@ -90,7 +91,7 @@ def test_a_session_takes_over_the_ray_instance_start_ray_started() -> None:
         assert not ray.is_initialized(), "the session shuts down the instance it took over"
     finally:
         af.shutdown_ray()
-    assert got == [{"openmp": 2, "nice": 5, "threads": 2, "policies": BATCH}]
+    assert got == [{"openmp": 2, "nice": 5, "threads": 2, "policies": ["normal"]}]
 
 
 def test_an_instance_started_to_be_kept_outlives_its_sessions() -> None:
@@ -121,18 +122,19 @@ def test_workers_started_with_ray_are_the_first_sessions() -> None:
     ahead = sorted(ray.get([actor.identity.remote() for _, actor in _idle._kept[_idle._connection()]]))
     store_ahead = _idle._kept_stores[_idle._connection()]._actor_id
 
-    async def main() -> tuple[list[int], Any]:
+    async def main() -> tuple[list[int], Any, list[dict[str, Any]]]:
         async with af.Session() as session:
             roles = await session.spawn({"s": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="main", devices=2,
                                                                                           threads=1))})
             assert _idle.kept_count() == 0 and _idle.take_store() is None
-            return await roles.s.pid(), session._store._actor_id
+            return await roles.s.pid(), session._store._actor_id, await roles.s.process_settings()
 
     try:
-        pids, store = asyncio.run(asyncio.wait_for(main(), timeout=300))
+        pids, store, settings = asyncio.run(asyncio.wait_for(main(), timeout=300))
     finally:
         af.shutdown_ray()
     assert sorted(pids) == [pid for pid, *_ in ahead]
+    assert [s["policies"] for s in settings] == [BATCH] * 2, "moved when the session gave them their one thread"
     assert store == store_ahead, "the rendezvous store server started with them"
 
 

@@ -1,5 +1,6 @@
-"""A CPU worker's threads run under Linux's ``SCHED_BATCH`` policy: compute that
-does not preempt the thread running when it wakes.
+"""A CPU worker whose torch computes on one thread runs its threads under Linux's
+``SCHED_BATCH`` policy: compute that does not preempt the thread running when it
+wakes.
 
 Under the normal policy a thread that wakes may preempt the one running on its
 core: the driver's event loop when it writes a call to a worker (the worker's
@@ -19,6 +20,13 @@ under either). Measured on the 2-core machine, steps of
 policy: ``dp2`` steps took 0.964-0.977 times as long (median of 25-40 pairs, four
 runs), ``one`` 0.988 and 0.997, the plain-PyTorch floor's 0.972-0.976
 (``docs/benchmarks.md``).
+
+A worker of several torch threads keeps the normal policy: its compute wakes its
+OpenMP team at every parallel operation, and those wake-ups must not wait for a
+core the driver holds. ``make run`` (one worker of two threads, beside a driver
+that does more than wait) took 58, 52 and 50 s for its 150 RL steps with that
+worker under ``SCHED_BATCH`` against 51, 49 and 41 s under the normal policy,
+alternating.
 
 :func:`run_as_batch` moves the process's threads that run under the normal
 policy, so a worker started under another one (``chrt --idle``, say) keeps it;
@@ -43,7 +51,8 @@ moved (by one not yet moved) is moved on the next pass."""
 
 def run_as_batch(environ: Mapping[str, str] | None = None) -> int:
     """Move this process's threads that run under the normal policy to
-    ``SCHED_BATCH`` (see the module docstring); how many were moved. None where
+    ``SCHED_BATCH`` (see the module docstring; ``WorkerProcess`` calls it when it
+    joins a session with one torch thread on the CPU); how many were moved. None where
     ``environ`` (default: this process's) sets :data:`OFF_VARIABLE` to ``0``,
     or where the system has no such policy or no ``/proc/self/task``."""
     env = os.environ if environ is None else environ

@@ -115,8 +115,6 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
         route_from_environment()  # before the engines log anything (the driver's worker_env says where)
         keep_freed_memory()  # before the roles allocate (see workers.host._allocator)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
-        if self.device.type == "cpu":
-            run_as_batch()  # before the roles start threads (see workers.host._cpu_policy)
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
         self._compute = threading.Lock()
@@ -134,6 +132,8 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
         session adopts, see ``asyncflow.start_ray``)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        if num_threads == 1 and self.device.type == "cpu":
+            run_as_batch()  # before the roles start threads (see workers.host._cpu_policy)
         if preload := [name for name in preload if name not in sys.modules]:
             thread = threading.Thread(target=_import_quietly, args=(tuple(preload), tuple(self._preloads)),
                                       name="asyncflow-preload", daemon=True)
