@@ -39,29 +39,31 @@ class Transform:
         return self.fn(batch, **kwargs)
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        """Pickled by reference where it is what its module's name for it holds (a
-        ``@transform`` at a module's top level), as a function is: a rank that
-        applies it imports it, instead of receiving its code with every call.
-        Otherwise (in ``__main__``, inside a function, in a module pickled by
-        value) its function travels, as Ray's pickler sends such a function."""
+        """The framework's own transforms (``asyncflow.algos``' ``group_advantages``,
+        say) pickle by reference: every worker imports their modules, so a rank that
+        applies one imports it instead of receiving its code with every call. Any
+        other travels with its function, as before: a user's module may not be
+        importable where the rows land."""
         if _by_reference(self):
             return self.__qualname__
         return Transform, (self.fn, self.reads, self.writes, self.optional)
 
 
+FRAMEWORK_PACKAGES = frozenset({"asyncflow", "workers", "channels", "hybrid_engine"})
+"""Packages every worker imports: their transforms travel by reference."""
+
+
 def _by_reference(t: Transform) -> bool:
-    """Whether ``t`` is what its module's attribute of its qualified name holds, in
-    a module that pickles by reference."""
-    module = sys.modules.get(t.__module__ or "")
-    if module is None or t.__module__ == "__main__" or "<locals>" in t.__qualname__:
+    """Whether ``t`` is a framework module's top-level transform (what the module's
+    attribute of its qualified name holds)."""
+    name = t.__module__ or ""
+    module = sys.modules.get(name)
+    if module is None or name.partition(".")[0] not in FRAMEWORK_PACKAGES or "<locals>" in t.__qualname__:
         return False
     found: Any = module
     for part in t.__qualname__.split("."):
         found = getattr(found, part, None)
-    if found is not t:
-        return False
-    cloudpickle = sys.modules.get("ray.cloudpickle.cloudpickle")  # loaded: it may pickle the module by value
-    return cloudpickle is None or not cloudpickle._is_registered_pickle_by_value(module)
+    return found is t
 
 
 def transform(*, reads: Sequence[str] | None = None, writes: Sequence[str] | None = None,

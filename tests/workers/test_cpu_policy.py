@@ -1,7 +1,8 @@
 """A CPU worker's threads run under the batch scheduling policy
 (``workers.host._cpu_policy``): the threads it has, the ones it starts later,
 not one that runs under another policy, and none where the environment turns it
-off. Each case runs in a fresh process (the policy is the threads' for good)."""
+off (each case in a fresh process: the policy is the threads' for good); and an
+in-process session leaves its caller's process as it was."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from support import POLICY_NAMES
+import asyncflow as af
+from support import POLICY_NAMES, Sleeper, run_local, thread_policies
 from workers.host import _cpu_policy
 from workers.host._cpu_policy import OFF_VARIABLE, run_as_batch
 
@@ -25,6 +28,7 @@ import importlib.util, json, os, threading
 spec = importlib.util.spec_from_file_location("cpu_policy", PATH)
 cpu_policy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cpu_policy)
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # whatever the test runner runs under
 
 def _own() -> str:
     names = {getattr(os, k): v for k, v in POLICY_NAMES.items() if hasattr(os, k)}
@@ -74,3 +78,16 @@ def test_the_environment_can_turn_it_off() -> None:
     got = _probe(**{OFF_VARIABLE: "0"})
     assert got == {"moved": 0, "main": "normal", "nice": 3, "before": "normal", "idle": "idle", "after": "normal"}, got
     assert run_as_batch({OFF_VARIABLE: "0"}) == 0  # returns before touching this process's threads
+
+
+def test_a_local_session_leaves_its_callers_threads_as_they_were() -> None:
+    before, threads = thread_policies(), torch.get_num_threads()
+    torch.set_num_threads(1)  # the in-process worker then has one thread, as a batch worker would
+    try:
+        async def main(session: object, roles: object, src: object) -> None:
+            await roles.one.work(0.0)  # type: ignore[attr-defined]
+        run_local({"one": af.RoleSpec(cls=Sleeper, pool=af.ResourcePool(name="one", devices=1))},
+                  {"x": torch.zeros(2, 1)}, "one", main)
+    finally:
+        torch.set_num_threads(threads)
+    assert thread_policies() == before

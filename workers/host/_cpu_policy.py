@@ -52,7 +52,8 @@ moved (by one not yet moved) is moved on the next pass."""
 def run_as_batch(environ: Mapping[str, str] | None = None) -> int:
     """Move this process's threads that run under the normal policy to
     ``SCHED_BATCH`` (see the module docstring; ``WorkerProcess`` calls it when it
-    joins a session with one torch thread on the CPU); how many were moved. None where
+    joins a session with one torch thread on the CPU in a process of its own, not
+    in a ``LocalSession``'s caller); how many were moved. None where
     ``environ`` (default: this process's) sets :data:`OFF_VARIABLE` to ``0``,
     or where the system has no such policy or no ``/proc/self/task``."""
     env = os.environ if environ is None else environ

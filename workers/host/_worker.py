@@ -113,7 +113,11 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
                  env: Mapping[str, str] | None = None) -> None:
         set_env(env or {})
         route_from_environment()  # before the engines log anything (the driver's worker_env says where)
-        keep_freed_memory()  # before the roles allocate (see workers.host._allocator)
+        self._own_process = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+        """A Ray actor, alone in its process, whose settings it may change (not one
+        that ``LocalSession`` runs in its caller's process)."""
+        if self._own_process:
+            keep_freed_memory()  # before the roles allocate (see workers.host._allocator)
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
         self._alive = threading.Event()
         self._streams_lock = threading.Lock()
@@ -132,7 +136,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
         session adopts, see ``asyncflow.start_ray``)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        if num_threads == 1 and self.device.type == "cpu":
+        if num_threads == 1 and self.device.type == "cpu" and self._own_process:
             run_as_batch()  # before the roles start threads (see workers.host._cpu_policy)
         if preload := [name for name in preload if name not in sys.modules]:
             thread = threading.Thread(target=_import_quietly, args=(tuple(preload), tuple(self._preloads)),
