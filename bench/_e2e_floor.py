@@ -112,8 +112,7 @@ class FloorRank:
 
         torch.set_num_threads(threads)
         keep_freed_memory()  # the allocator setting asyncflow's workers run with
-        if threads == 1:
-            run_as_batch()  # and their scheduling policy
+        run_as_batch(threads)  # and their scheduling policy
         if world > 1:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         torch.manual_seed(job.seed + rank)

@@ -49,7 +49,7 @@ for name, idle in (("before", False), ("idle", True)):
     threads[-1].start()
     started.wait()
 nice = os.nice(3)
-moved = cpu_policy.run_as_batch()
+moved = cpu_policy.run_as_batch(1)
 started = threading.Event()
 threads.append(threading.Thread(target=waiting, args=("after",)))
 threads[-1].start()
@@ -77,7 +77,7 @@ def test_the_threads_a_worker_has_and_starts_run_as_batch_at_their_niceness() ->
 def test_the_environment_can_turn_it_off() -> None:
     got = _probe(**{OFF_VARIABLE: "0"})
     assert got == {"moved": 0, "main": "normal", "nice": 3, "before": "normal", "idle": "idle", "after": "normal"}, got
-    assert run_as_batch({OFF_VARIABLE: "0"}) == 0  # returns before touching this process's threads
+    assert run_as_batch(1, {OFF_VARIABLE: "0"}) == 0  # returns before touching this process's threads
 
 
 def test_a_local_session_leaves_its_callers_threads_as_they_were() -> None:

@@ -49,24 +49,26 @@ _PASSES = 3
 moved (by one not yet moved) is moved on the next pass."""
 
 
-def run_as_batch(environ: Mapping[str, str] | None = None) -> int:
-    """Move this process's threads that run under the normal policy to
-    ``SCHED_BATCH`` (see the module docstring; ``WorkerProcess`` calls it when it
-    joins a session with one torch thread on the CPU in a process of its own, not
-    in a ``LocalSession``'s caller); how many were moved. None where
-    ``environ`` (default: this process's) sets :data:`OFF_VARIABLE` to ``0``,
-    or where the system has no such policy or no ``/proc/self/task``."""
+def run_as_batch(threads: int, environ: Mapping[str, str] | None = None) -> int:
+    """For a process whose torch computes on ``threads`` threads: move its threads
+    that run under the normal policy to ``SCHED_BATCH`` where ``threads`` is 1 (see
+    the module docstring; ``WorkerProcess`` calls it when it joins a session on the
+    CPU in a process of its own, not in a ``LocalSession``'s caller); how many were
+    moved. None with several threads, where ``environ`` (default: this process's)
+    sets :data:`OFF_VARIABLE` to ``0``, or where the system has no such policy or
+    no ``/proc/self/task``."""
     env = os.environ if environ is None else environ
     batch, normal = getattr(os, "SCHED_BATCH", None), getattr(os, "SCHED_OTHER", None)
-    if env.get(OFF_VARIABLE) == "0" or batch is None or normal is None or not os.path.isdir("/proc/self/task"):
+    if (threads != 1 or env.get(OFF_VARIABLE) == "0" or batch is None or normal is None
+            or not os.path.isdir("/proc/self/task")):
         return 0
     seen: set[int] = set()
     moved = 0
     for _ in range(_PASSES):
-        threads = {int(tid) for tid in os.listdir("/proc/self/task")} - seen
-        if not threads:
+        listed = {int(tid) for tid in os.listdir("/proc/self/task")} - seen
+        if not listed:
             break
-        for tid in threads:
+        for tid in listed:
             seen.add(tid)
             try:
                 if os.sched_getscheduler(tid) == normal:

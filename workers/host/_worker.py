@@ -136,8 +136,8 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
         session adopts, see ``asyncflow.start_ray``)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        if num_threads == 1 and self.device.type == "cpu" and self._own_process:
-            run_as_batch()  # before the roles start threads (see workers.host._cpu_policy)
+        if num_threads is not None and self.device.type == "cpu" and self._own_process:
+            run_as_batch(num_threads)  # before the roles start threads (see workers.host._cpu_policy)
         if preload := [name for name in preload if name not in sys.modules]:
             thread = threading.Thread(target=_import_quietly, args=(tuple(preload), tuple(self._preloads)),
                                       name="asyncflow-preload", daemon=True)
