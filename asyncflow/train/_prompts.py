@@ -24,6 +24,7 @@ from channels import ConfigError
 from workers.data import (
     ArithmeticProblem,
     PromptDataset,
+    batch_widths,
     check_fits_context,
     generate_splits,
     iter_problem_batches,
@@ -68,6 +69,9 @@ class ArithmeticPrompts:
     eval: list[ArithmeticProblem]
     tokenizer: CharTokenizer
     context: int
+    widths: tuple[int, int]
+    """Every batch's prompt and answer widths (the longest of all the problems), so
+    that the run's batches can be joined."""
 
     @classmethod
     def build(cls, config: RunConfig, model_dir: str, max_new_tokens: int) -> ArithmeticPrompts:
@@ -76,9 +80,9 @@ class ArithmeticPrompts:
         limit = read_architecture(model_dir).max_position_embeddings
         problems = list(splits.train) + list(splits.eval)
         check_fits_context(problems, tokenizer, max_new_tokens=max_new_tokens, max_positions=limit)
-        longest = max(len(tokenizer.encode(p.prompt)) for p in problems)
+        widths = batch_widths(problems, tokenizer)
         return cls(train=list(splits.train), eval=list(splits.eval)[: config.train.eval_size],
-                   tokenizer=tokenizer, context=longest + max_new_tokens)
+                   tokenizer=tokenizer, context=widths[0] + max_new_tokens, widths=widths)
 
     @property
     def train_size(self) -> int:
@@ -88,10 +92,11 @@ class ArithmeticPrompts:
         return [f"task: {len(self.train)} training and {len(self.eval)} held-out arithmetic problems"]
 
     def train_batch(self, indices: Sequence[int], *, first_uid: int) -> dict[str, Tensor]:
-        return prompt_batch([self.train[i] for i in indices], self.tokenizer, first_uid=first_uid)
+        return prompt_batch([self.train[i] for i in indices], self.tokenizer, first_uid=first_uid,
+                            widths=self.widths)
 
     def eval_batch(self, *, first_uid: int) -> dict[str, Tensor]:
-        return prompt_batch(self.eval, self.tokenizer, first_uid=first_uid)
+        return prompt_batch(self.eval, self.tokenizer, first_uid=first_uid, widths=self.widths)
 
 
 @dataclass

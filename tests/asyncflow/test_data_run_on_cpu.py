@@ -120,6 +120,20 @@ def test_own_model_data_and_reward_train(tmp_path: Path, model_dir: str, suffix:
     assert torch.isfinite(next(model.parameters())).all()
 
 
+def test_dapo_joins_the_batches_of_a_file_of_prompts_of_many_lengths(tmp_path: Path, model_dir: str) -> None:
+    """Dynamic sampling concatenates the batches of its rounds: a file's prompts and
+    answers of different lengths give every batch the same widths, so they join."""
+    train = _write(tmp_path / "train.jsonl", _rows(12, chat=False) + _rows(4, chat=False, offset=1000))
+    held_out = _write(tmp_path / "eval.jsonl", _rows(4, chat=False, offset=100))
+    cfg = config_file(tmp_path, "run")
+    cfg.write_text(CONFIG.format(out=tmp_path / "out", model=model_dir, train=train, eval=held_out,
+                                 prompt="prompt", algorithm="dapo"))
+    assert main(["train", str(cfg), "--no-progress", "--set", "train.steps=1"]) == 0
+    rows = [r for r in read_metrics(tmp_path / "out" / "latest" / "metrics.jsonl") if "dapo/rounds" in r]
+    # The untrained policy never answers, so no group varies: every round is drawn.
+    assert [r["dapo/rounds"] for r in rows] == [4.0]
+
+
 @pytest.mark.slow
 def test_a_resumed_run_draws_the_data_an_uninterrupted_one_does(tmp_path: Path, model_dir: str) -> None:
     train = _write(tmp_path / "train.jsonl", _rows(12, chat=True))

@@ -19,7 +19,8 @@ files (``[data] source = "files"``) or the built-in arithmetic problems
 - The arithmetic source: :class:`ArithmeticTaskConfig` names a problem family and
   the sizes of its splits, :func:`generate_splits` draws them from a seed,
   :func:`prompt_batch` and :func:`sft_batch` tokenize problems with the character
-  tokenizer, :func:`decode_responses` turns generated ids back into text for the
+  tokenizer (:func:`batch_widths`: the widths that give all of a run's batches one
+  shape), :func:`decode_responses` turns generated ids back into text for the
   verifier (``workers.rewards.arithmetic_reward``).
 - :func:`iter_problem_batches`: the seeded order in which a run draws training
   prompts (any source), a function of the seed and of the number of batches drawn.
@@ -36,6 +37,7 @@ from workers.data._arithmetic import (
     generate_splits,
 )
 from workers.data._arithmetic_batches import (
+    batch_widths,
     check_fits_context,
     decode_responses,
     iter_problem_batches,
@@ -51,6 +53,7 @@ __all__ = [
     "ColumnKind",
     "PromptDataset",
     "TaskSplits",
+    "batch_widths",
     "check_fits_context",
     "decode_responses",
     "generate_splits",

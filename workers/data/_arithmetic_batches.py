@@ -28,7 +28,8 @@ T = TypeVar("T")
 
 
 def prompt_batch(
-    problems: Sequence[ArithmeticProblem], tokenizer: CharTokenizer, *, first_uid: int = 0
+    problems: Sequence[ArithmeticProblem], tokenizer: CharTokenizer, *, first_uid: int = 0,
+    widths: tuple[int, int] | None = None,
 ) -> dict[str, Tensor]:
     """Tokenize problems into a generation batch.
 
@@ -37,19 +38,23 @@ def prompt_batch(
         tokenizer: The model's tokenizer; prompts start with ``<bos>`` when it adds one.
         first_uid: ``uid`` of the first row; row ``i`` gets ``first_uid + i`` (give each
             step its own range so that groups of different steps never share an id).
+        widths: ``(P, A)``; by default the batch's longest prompt and answer. A run
+            gives :func:`batch_widths` of all its problems, so that its batches can be
+            joined (partial rollouts finish one batch's samples with the next's).
 
     Returns:
         ``prompt_ids``, ``prompt_mask`` ``[B, P]`` left-padded; ``uid`` ``[B]``;
         ``answer_ids`` ``[B, A]`` right-padded with ``<pad>`` (no ``<bos>``/``<eos>``).
 
     Raises:
-        ConfigError: If ``problems`` is empty.
+        ConfigError: If ``problems`` is empty, or a prompt or answer is longer than ``widths``.
     """
     require_problems(problems, "prompt_batch")
     prompts = [tokenizer.encode(problem.prompt) for problem in problems]
     answers = [tokenizer.encode(problem.answer, add_bos=False) for problem in problems]
-    prompt_ids, prompt_mask = _pad(prompts, tokenizer.pad_token_id, left=True)
-    answer_ids, _ = _pad(answers, tokenizer.pad_token_id, left=False)
+    prompt_width, answer_width = widths if widths is not None else (None, None)
+    prompt_ids, prompt_mask = _pad(prompts, tokenizer.pad_token_id, left=True, width=prompt_width)
+    answer_ids, _ = _pad(answers, tokenizer.pad_token_id, left=False, width=answer_width)
     uid = torch.arange(first_uid, first_uid + len(problems), dtype=torch.int64)
     return {
         "prompt_ids": prompt_ids,
@@ -181,8 +186,20 @@ def require_problems(problems: Sequence[ArithmeticProblem], where: str) -> None:
         raise ConfigError(f"{where} got no problems; the split is empty")
 
 
-def _pad(rows: list[list[int]], pad: int, *, left: bool) -> tuple[Tensor, Tensor]:
-    width = max(len(row) for row in rows)
+def batch_widths(problems: Sequence[ArithmeticProblem], tokenizer: CharTokenizer) -> tuple[int, int]:
+    """The longest prompt and answer of ``problems`` in tokens: the ``widths`` of
+    :func:`prompt_batch` that fit every batch of them."""
+    require_problems(problems, "batch_widths")
+    return (max(len(tokenizer.encode(p.prompt)) for p in problems),
+            max(len(tokenizer.encode(p.answer, add_bos=False)) for p in problems))
+
+
+def _pad(rows: list[list[int]], pad: int, *, left: bool, width: int | None = None) -> tuple[Tensor, Tensor]:
+    longest = max(len(row) for row in rows)
+    if width is None:
+        width = longest
+    elif longest > width:
+        raise ConfigError(f"prompt_batch: a row of {longest} tokens does not fit the width of {width}")
     ids = torch.full((len(rows), width), pad, dtype=torch.int64)
     mask = torch.zeros((len(rows), width), dtype=torch.int64)
     for index, row in enumerate(rows):

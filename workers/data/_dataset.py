@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -144,10 +145,17 @@ class PromptDataset:
         """Rows dropped as longer than :attr:`max_prompt_tokens`."""
         return self.total_rows - len(self)
 
-    @property
+    @cached_property
     def longest_prompt(self) -> int:
         """Tokens in the longest kept prompt."""
         return max(len(ids) for ids in self.prompt_ids)
+
+    @cached_property
+    def text_widths(self) -> dict[str, int]:
+        """Per carried field travelling as text (text and JSON kinds): its longest
+        value's UTF-8 bytes (at least 1), the width of its column in every batch."""
+        return {name: max(len(v.encode("utf-8")) for v in values) or 1
+                for name, values in self.columns.items() if self.kinds[name] in ("text", "json")}
 
     def describe(self) -> str:
         """One line for the run's log: rows kept and dropped, the fields carried.
@@ -173,11 +181,16 @@ class PromptDataset:
             indices: rows of this dataset (``0 .. len - 1``), in batch order.
             first_uid: the uid of the batch's first row.
 
+        Every batch of the dataset has the same columns of the same widths, so a
+        run's batches can be joined (partial rollouts finish one batch's samples
+        with the next batch's, DAPO concatenates the batches it samples).
+
         Returns:
             ``prompt_ids`` and ``prompt_mask``: int64 ``[B, P]``, left-padded with the
-            pad id (``P``: the batch's longest prompt); ``uid``: int64 ``[B]``,
-            ``first_uid + i``; and one column per carried field (see the module
-            docstring).
+            pad id (``P``: :attr:`longest_prompt`, the dataset's longest prompt; the
+            engines drop columns that are padding in every row); ``uid``: int64
+            ``[B]``, ``first_uid + i``; and one column per carried field (see the
+            module docstring; text as wide as :attr:`text_widths` says).
 
         Raises:
             IndexError: an index is outside the dataset.
@@ -189,7 +202,7 @@ class PromptDataset:
             if not 0 <= i < len(self):
                 raise IndexError(f"{self.key}: row index {i} is outside [0, {len(self)})")
         rows = [self.prompt_ids[i] for i in indices]
-        width = max(len(ids) for ids in rows)
+        width = self.longest_prompt
         prompt_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.int64)
         prompt_mask = torch.zeros((len(rows), width), dtype=torch.int64)
         for r, ids in enumerate(rows):
@@ -199,7 +212,7 @@ class PromptDataset:
         out = {F.PROMPT_IDS: prompt_ids, F.PROMPT_MASK: prompt_mask,
                F.UID: torch.arange(first_uid, first_uid + len(rows), dtype=torch.int64)}
         for name, values in self.columns.items():
-            out[name] = _column([values[i] for i in indices], self.kinds[name])
+            out[name] = _column([values[i] for i in indices], self.kinds[name], self.text_widths.get(name))
         return out
 
 
@@ -313,11 +326,11 @@ def _carried_values(values: list[Any], kind: ColumnKind, numbers: list[int], nam
     return values
 
 
-def _column(values: list[Any], kind: ColumnKind) -> Tensor:
+def _column(values: list[Any], kind: ColumnKind, width: int | None) -> Tensor:
     if kind == "bool":
         return torch.tensor(values, dtype=torch.bool)
     if kind == "int":
         return torch.tensor(values, dtype=torch.int64)
     if kind == "float":
         return torch.tensor(values, dtype=torch.float64)
-    return text_column(values)
+    return text_column(values, width=width)

@@ -31,24 +31,32 @@ TOKEN_SUFFIX = "_ids"
 """A column ``<name>_ids`` holds token ids, decoded into the text column ``<name>``."""
 
 
-def text_column(texts: Sequence[str]) -> Tensor:
+def text_column(texts: Sequence[str], *, width: int | None = None) -> Tensor:
     """Encode texts as a uint8 ``[B, L]`` column (UTF-8, right-padded with zero bytes),
     the tokenizer-free way to carry text such as a reference solution with the prompts.
 
     Args:
         texts: one string per row (without NUL characters).
+        width: ``L``; by default the longest encoding (at least 1). Give a data set's
+            longest so that all its batches have the same column width.
 
     Returns:
-        ``[len(texts), L]`` uint8, ``L`` the longest encoding (at least 1).
+        ``[len(texts), L]`` uint8.
 
     Raises:
-        SchemaError: a text holds a NUL character (it would read as padding).
+        SchemaError: a text holds a NUL character (it would read as padding), or its
+            encoding is longer than ``width``.
     """
     encoded = [t.encode("utf-8") for t in texts]
     for i, b in enumerate(encoded):
         if b"\0" in b:
             raise SchemaError(f"text_column: text {i} holds a NUL character, which reads as padding; remove it")
-    width = max((len(b) for b in encoded), default=0) or 1
+    longest = max((len(b) for b in encoded), default=0)
+    if width is None:
+        width = longest or 1
+    elif longest > width:
+        raise SchemaError(f"text_column: text {max(range(len(encoded)), key=lambda i: len(encoded[i]))} takes "
+                          f"{longest} bytes in UTF-8, more than the column's width of {width}")
     out = torch.zeros(len(encoded), width, dtype=torch.uint8)
     for i, b in enumerate(encoded):
         if b:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from channels import ROW_ID_BITS, Batch, ConfigError, row_id
+from channels import ROW_ID_BITS, Batch, ConfigError, SchemaError, row_id
 from workers.host import Adopt, Chunk, Finish, Handoff, StreamMethod, Tail
 from workers.host import Step as StepEvent
 from workers.rewards import masked_token_lists
@@ -66,6 +66,8 @@ class _Rollout:
                  rank: int, version: int) -> None:
         self.n, self.params, self.version = n, params, version
         self.prompt_names = list(prompts)
+        self.row_shapes = {name: tuple(column.shape[1:]) for name, column in prompts.items()}
+        """Each prompt column's row shape: an adopted sample's columns must match."""
         lists = masked_token_lists(prompts[F.PROMPT_IDS], prompts[F.PROMPT_MASK])
         budgets = prompt_budgets(prompts, params)
         self.groups: dict[int, _Group] = {}
@@ -170,6 +172,7 @@ class _Rollout:
         call's carried samples: they take row ids after this call's own, and the
         groups carried ``limit`` times already must finish in this call (see
         :meth:`may_stop`)."""
+        self._check_shapes(tail, carried=limit is not None)
         partial: list[PartialSample] = []
         ids = tail[_ID].tolist()
         carries = tail[_CARRIES].tolist()
@@ -211,6 +214,21 @@ class _Rollout:
                                          logprobs=logprobs, rng_state=rng, max_new_tokens=group.budget))
         if partial:
             self.run.admit(partial)
+
+    def _check_shapes(self, tail: Batch, *, carried: bool) -> None:
+        """Adopted rows join this call's output: their prompt columns need its row shapes."""
+        for name in self.prompt_names:
+            column = tail.get(name)
+            got = None if column is None else tuple(column.shape[1:])
+            if got == self.row_shapes[name]:
+                continue
+            source = "samples carried over from an earlier call" if carried else "adopted samples"
+            have = "lack it" if got is None else f"have rows of shape {list(got)}"
+            raise SchemaError(
+                f"generate: the {source} {have} in prompt column {name!r}, this call's prompts "
+                f"{list(self.row_shapes[name])}; they join this call's output, so every batch a generate with "
+                "partial rollouts gets needs the same columns and widths: pad each column to one width for "
+                "the run (as PromptDataset.batch does)")
 
 
 @dataclass(eq=False)

@@ -10,6 +10,7 @@ import torch
 from channels import ConfigError
 from workers.data import (
     ArithmeticProblem,
+    batch_widths,
     check_fits_context,
     decode_responses,
     iter_problem_batches,
@@ -68,6 +69,21 @@ def test_decode_responses_keeps_eos_and_drops_padding() -> None:
     ids = torch.tensor([[*_ids("46", bos=False), eos, 0], [*_ids("1", bos=False), eos, six, six]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     assert decode_responses(ids, mask, TOKENIZER) == ["46<eos>", "1<eos>66"]
+
+
+def test_batches_of_a_runs_widths_have_one_shape() -> None:
+    widths = batch_widths(PROBLEMS, TOKENIZER)
+    assert widths == (7, 3)
+    batches = [prompt_batch([p], TOKENIZER, first_uid=i, widths=widths) for i, p in enumerate(PROBLEMS)]
+    assert {b["prompt_ids"].shape for b in batches} == {b["prompt_mask"].shape for b in batches} == {(1, 7)}
+    assert {b["answer_ids"].shape for b in batches} == {(1, 3)}
+    alone = prompt_batch(PROBLEMS, TOKENIZER)
+    for i, batch in enumerate(batches):  # the rows are the whole list's own rows
+        for name in ("prompt_ids", "prompt_mask", "answer_ids"):
+            assert torch.equal(batch[name][0], alone[name][i]), name
+    assert prompt_batch([PROBLEMS[2]], TOKENIZER)["answer_ids"].shape == (1, 1)  # by default the batch's own
+    with pytest.raises(ConfigError, match="a row of 7 tokens does not fit the width of 6"):
+        prompt_batch(PROBLEMS, TOKENIZER, widths=(6, 3))
 
 
 def test_empty_problem_lists_raise_config_errors() -> None:

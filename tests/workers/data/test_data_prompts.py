@@ -239,6 +239,26 @@ def test_bad_limit_and_no_rows(tokenizer: PromptTokenizer) -> None:
         _dataset([], tokenizer)
 
 
+def test_every_batch_of_a_dataset_has_the_same_widths(tokenizer: PromptTokenizer) -> None:
+    """A run's batches can be joined (partial rollouts, DAPO's concatenation): the
+    prompts are as wide as the dataset's longest, text fields as its longest text."""
+    rows = [{"question": "Hi", "answer": "1", "tags": []},
+            {"question": "What is 12 + 7? Think.", "answer": "nineteen", "tags": ["add", "two digits"]},
+            {"question": "Hello world", "answer": "é", "tags": ["x"]}]
+    data = _dataset(rows, tokenizer)
+    longest = max(len(tokenizer.encode_text(r["question"])) for r in rows)
+    assert data.longest_prompt == longest and data.text_widths == {"answer": 8, "tags": 21}
+    batches = [data.batch([i], first_uid=i) for i in range(3)]
+    for name in batches[0]:
+        assert {tuple(b[name].shape) for b in batches} == {tuple(batches[0][name].shape)}, name
+    assert batches[0]["prompt_ids"].shape == (1, longest)
+    for i, batch in enumerate(batches):
+        assert tokenizer.decode(batch["prompt_ids"][0].tolist()) == rows[i]["question"]
+        columns = row_columns({k: v for k, v in batch.items() if k not in ENGINE_COLUMNS}, tokenizer)
+        assert columns["answer"] == [rows[i]["answer"]]
+        assert [json.loads(t) for t in columns["tags"]] == [rows[i]["tags"]]
+
+
 def test_batch_indices(tokenizer: PromptTokenizer) -> None:
     data = _dataset([{"question": "Hi"}], tokenizer)
     with pytest.raises(IndexError, match=r"data\.train: row index 1 is outside \[0, 1\)"):

@@ -134,6 +134,15 @@ def test_an_explicit_text_column_wins_over_decoding_its_ids() -> None:
         text_column(["a\0b"])
 
 
+def test_a_text_column_of_a_given_width() -> None:
+    column = text_column(["é", "ab"], width=5)  # "é" takes two bytes
+    assert column.shape == (2, 5)
+    assert row_columns({"answer": column}, TOK) == {"answer": ["é", "ab"]}
+    assert text_column(["abc"]).shape == (1, 3) and text_column([""]).shape == (1, 1)
+    with pytest.raises(SchemaError, match="text 1 takes 3 bytes in UTF-8, more than the column's width of 2"):
+        text_column(["a", "abc"], width=2)
+
+
 def test_ids_outside_the_tokenizer_decode_as_replacement_characters(tokenizer_dir: str) -> None:
     big = TOK.vocab_size + 4  # a model vocabulary padded past the tokenizer's alphabet
     one, two = TOK.encode("1", add_bos=False)[0], TOK.encode("2", add_bos=False)[0]

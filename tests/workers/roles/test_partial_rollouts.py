@@ -9,7 +9,7 @@ import pytest
 import torch
 from roles_testlib import TINY, local_ctx, prompt_columns
 
-from channels import Batch, ConfigError
+from channels import Batch, ConfigError, SchemaError
 from workers.models import load_model, save_tiny_model
 from workers.roles import PartialRollout, RolloutWorker, RolloutWorkerConfig
 from workers.roles._weights import weight_rows
@@ -139,6 +139,21 @@ def test_a_sample_is_carried_over_up_to_max_carries_calls(model_dir: str) -> Non
         versions = third["policy_version"][row].tolist()
         assert int(third["response_mask"][row].sum()) == R
         assert versions == sorted(versions) and set(versions) == {0, 1, 2}, versions
+
+
+def test_carried_samples_need_the_next_batch_to_have_their_widths(model_dir: str) -> None:
+    """Carried rows join the next call's output, so its prompt columns must be as
+    wide as theirs: a batch padded to other widths is refused by name, not left to
+    fail in a concatenation (data sources pad every batch of a run alike)."""
+    rollout = _rollout(model_dir)
+    partial = PartialRollout(decode_steps=2)
+    rollout.generate(_prompts(100), n=N, partial=partial)
+    wider = _prompts(200)
+    pad = torch.full((wider.num_rows, 1), int(wider["answer_ids"].max()) + 1)
+    wider = wider.update({"answer_ids": torch.cat([wider["answer_ids"], pad], dim=1)})
+    with pytest.raises(SchemaError, match=r"samples carried over from an earlier call have rows of shape \[\d+\] "
+                                          r"in prompt column 'answer_ids', this call's prompts \[\d+\]"):
+        rollout.generate(wider, n=N, partial=partial)
 
 
 def test_partial_rollout_settings_are_checked() -> None:
