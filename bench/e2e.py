@@ -176,16 +176,17 @@ def first_step_s(runs: list[dict[str, Any]]) -> float:
 
 
 def table(record: dict[str, Any]) -> str:
-    """Seconds per step, tokens/s and asyncflow's per-stage breakdown."""
+    """Seconds per step (the rounds' median, and each round's: the machine's spells
+    show as one slow round), tokens/s and asyncflow's per-stage breakdown."""
     stages_key = "stages (ms/step summed over ranks, run 1)"
     rows = []
     for name, got in record["runs"].items():
         s = record[f"{name}_s_per_step"]
         stages = got[0].get("stage_ms", {})
-        rows.append({"run": name, "s/step": s, "tokens/s": record["job"]["tokens_per_step"] / s,
-                     "first step at s": first_step_s(got),
+        rows.append({"run": name, "s/step": s, "rounds' s/step": ", ".join(f"{r['s_per_step']:.3f}" for r in got),
+                     "tokens/s": record["job"]["tokens_per_step"] / s, "first step at s": first_step_s(got),
                      stages_key: ", ".join(f"{k} {v:.0f}" for k, v in stages.items())})
-    return markdown_table(rows, ["run", "s/step", "tokens/s", "first step at s", stages_key])
+    return markdown_table(rows, ["run", "s/step", "rounds' s/step", "tokens/s", "first step at s", stages_key])
 
 
 def main(argv: list[str] | None = None) -> None:

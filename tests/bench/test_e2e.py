@@ -77,6 +77,17 @@ def test_a_paired_record_takes_the_median_of_each_rounds_ratio() -> None:
     assert got["asyncflow_s_per_step"] == 0.2 and got["rounds"] == 3
 
 
+def test_the_table_shows_each_rounds_step_beside_their_median() -> None:
+    from bench.e2e import table
+
+    runs = {"dp2": [{"s_per_step": s, "startup_s": {"first_step_done": 7.0}, "stage_ms": {"actor.update": 60.4}}
+                    for s in (0.156, 0.217, 0.129)]}
+    text = table({"runs": runs, "dp2_s_per_step": 0.156, "job": {"tokens_per_step": 2048}})
+    header, _, row = text.splitlines()
+    assert "rounds' s/step" in header
+    assert "| 0.156, 0.217, 0.129 |" in row and "actor.update 60" in row
+
+
 def test_a_paired_run_says_when_a_floor_rank_ends_instead_of_waiting(tmp_path: Path) -> None:
     from bench._e2e_job import E2EJob
     from bench._e2e_paired import _Floor
