@@ -60,8 +60,7 @@ class CausalLMHead:
     last positions' logits, and, where no row has padding (``SequenceInputs.dense``),
     get one row of position ids for all the rows: they broadcast it, so their rotary
     embedding's angles are computed once instead of once per row (the same results;
-    a forward of 32 rows of 40 tokens of ``bench.e2e``'s model took 3 % less time, a
-    forward and backward 0.6 % less).
+    measured in ``docs/benchmarks.md``).
     """
 
     temperature: float = 1.0

@@ -5,28 +5,19 @@ wakes.
 Under the normal policy a thread that wakes may preempt the one running on its
 core: the driver's event loop when it writes a call to a worker (the worker's
 control thread wakes and takes the driver's core, and the driver's write to the
-pool's next rank waits until the scheduler moves it: on the 2-core test machine
-the driver's writes of a ``dp2`` step took 3-4 ms in all, a tenth of them 2 ms
-or more, against 0.3-0.7 ms under this policy), and a rank's compute thread
-whenever one of its helper threads wakes (Ray's signal check and gloo's loops,
-a few hundred times a second). ``SCHED_BATCH`` is the kernel's policy for CPU-bound
+pool's next rank waits until the scheduler moves it), and a rank's compute thread
+whenever one of its helper threads wakes (Ray's signal check and gloo's loops, a
+few hundred times a second). ``SCHED_BATCH`` is the kernel's policy for CPU-bound
 work that is not interactive: the same share of the CPU and the same niceness,
 but a thread that wakes runs on an idle core or when the running one sleeps or
-its time slice ends, instead of at once (the price: one that wakes while every
-core is busy waits for one; a call's frame reached a rank's compute thread within
-0.15 ms at the median under either policy, the slowest tenth in 1.5 ms or more
-under either). Measured on the 2-core machine, steps of
-``bench.e2e``'s workload taken in turn with the workers' threads under each
-policy: ``dp2`` steps took 0.964-0.977 times as long (median of 25-40 pairs, four
-runs), ``one`` 0.988 and 0.997, the plain-PyTorch floor's 0.972-0.976
-(``docs/benchmarks.md``).
+its time slice ends, instead of at once. Its price: a thread that wakes while
+every core is busy waits for one.
 
 A worker of several torch threads keeps the normal policy: its compute wakes its
 OpenMP team at every parallel operation, and those wake-ups must not wait for a
-core the driver holds. ``make run`` (one worker of two threads, beside a driver
-that does more than wait) took 58, 52 and 50 s for its 150 RL steps with that
-worker under ``SCHED_BATCH`` against 51, 49 and 41 s under the normal policy,
-alternating.
+core the driver holds. What either choice gained and cost, measured, is in
+``docs/benchmarks.md`` ("The call path's parts, and the workers' scheduling
+policy").
 
 :func:`run_as_batch` moves the process's threads that run under the normal
 policy, so a worker started under another one (``chrt --idle``, say) keeps it;
@@ -54,7 +45,7 @@ def run_as_batch(threads: int, environ: Mapping[str, str] | None = None) -> int:
     that run under the normal policy to ``SCHED_BATCH`` where ``threads`` is 1 (see
     the module docstring; ``WorkerProcess`` calls it when it joins a session on the
     CPU in a process of its own, not in a ``LocalSession``'s caller); how many were
-    moved. None with several threads, where ``environ`` (default: this process's)
+    moved: 0 with several threads, where ``environ`` (default: this process's)
     sets :data:`OFF_VARIABLE` to ``0``, or where the system has no such policy or
     no ``/proc/self/task``."""
     env = os.environ if environ is None else environ
