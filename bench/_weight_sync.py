@@ -9,9 +9,8 @@ downloaded):
   copy) publishes ``actor.weights()`` and a rollout role on a 1-rank pool ``gen``
   pulls them (``rollout.load_weights``), peer to peer over the session's data
   plane. Seconds: ``await rollout.load_weights(actor.weights())``, the median over
-  ``repeats`` after one warm-up; bytes: the parameter bytes of the future's rows,
-  what the one rollout rank receives (t = 1: no padding rows), checked against
-  the checkpoint's parameter bytes.
+  ``repeats`` after one warm-up; bytes: what the one rollout rank's store received
+  in the last pull (``Session.store_stats``), less the weights' version column.
 - Colocated (keys ``weight_sync_<size>_colocated_s`` / ``_bytes``): the hybrid
   engine's reshard of the same Llama shape on 2 gloo processes, training layout
   p1-t2-d1 to generation tg = 1 (``121-1121``, method ``hybridflow``), with
@@ -44,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import bench.transition as transition
+from channels import StoreStats
 from hybrid_engine import ParamSpec, Resharder, expected_bytes, layout_from, make_plan
 
 COLOCATED = layout_from(2, 1)
@@ -100,7 +100,7 @@ def _tensor_bytes(file: Path) -> int:
 async def _pull(model_dir: str, repeats: int) -> tuple[list[float], int]:
     """One session: the actor on ``train``, the rollout role on ``gen``; the
     seconds of ``1 + repeats`` pulls (the first a warm-up) and the parameter bytes
-    of the last future's rows."""
+    the rollout rank received in the last one."""
     # Imported here, as in _save_model: the gloo ranks need neither Ray nor the roles.
     import asyncflow as af
     from workers.roles import (
@@ -122,13 +122,20 @@ async def _pull(model_dir: str, repeats: int) -> tuple[list[float], int]:
         })
         seconds = []
         for _ in range(repeats + 1):
+            before = _pulled_by(await session.store_stats(), "gen")
             start = time.perf_counter()
             weights = roles.actor.weights()
             await roles.rollout.load_weights(weights)
             seconds.append(time.perf_counter() - start)
+        pulled = _pulled_by(await session.store_stats(), "gen") - before  # the last pull's
         meta = await weights
-        received = meta.num_rows * sum(f.row_bytes() for f in meta.fields if f.name != WEIGHTS_VERSION)
-    return seconds[1:], received
+        version = meta.num_rows * sum(f.row_bytes() for f in meta.fields if f.name == WEIGHTS_VERSION)
+    return seconds[1:], pulled - version
+
+
+def _pulled_by(stores: list[tuple[str, int, StoreStats]], pool: str) -> int:
+    """The most bytes one rank of ``pool`` has pulled from other workers."""
+    return max(s.bytes_received for p, _, s in stores if p == pool)
 
 
 def disaggregated(size: str, *, repeats: int) -> tuple[list[float], int, int]:
@@ -172,7 +179,13 @@ def _reshard_rank(rank: int, job: _ReshardJob) -> None:
     resharder = Resharder(make_plan(COLOCATED, specs, method="hybridflow", bucket_bytes=BUCKET_BYTES), rank,
                           transition._shards(COLOCATED, rank, specs), transition._group)
     resharder.connect()  # group creation is not part of a transition
-    rows = [transition._measure_one(resharder, specs, "hybridflow") for _ in range(job.repeats + 1)]
+    rows = []
+    for _ in range(job.repeats + 1):
+        row = transition._measure_one(resharder, specs, "hybridflow")
+        assert resharder.stats is not None
+        received = torch.tensor([resharder.stats.received_bytes], dtype=torch.float64)
+        dist.all_reduce(received, op=dist.ReduceOp.MAX)  # the most one rank received
+        rows.append([*row, received.item()])
     if rank == 0:
         Path(job.out).write_text(json.dumps(rows[1:]))  # the first is a warm-up
     dist.destroy_process_group()
@@ -195,12 +208,14 @@ def colocated(size: str, *, repeats: int) -> tuple[list[float], int]:
                           out=os.path.join(tmp, "rows.json"))
         mp.start_processes(_reshard_rank, args=(job,), nprocs=COLOCATED.world, start_method="spawn", join=True)
         rows = json.loads(Path(job.out).read_text())
-    # _measure_one's row: seconds, sent bytes, peak bytes, 1 if a figure differs from the formulas, back seconds.
-    if any(row[3] for row in rows):
-        want = expected_bytes(COLOCATED, specs, "hybridflow")
-        raise RuntimeError(f"weight sync {size}: colocated reshard moved {[int(r[1]) for r in rows]} bytes per rank; "
-                           f"hybrid_engine.expected_bytes says {want.sent} sent, {want.resident} resident")
-    return [row[0] for row in rows], max(int(row[1]) for row in rows)
+    # _measure_one's row: seconds, sent bytes, peak bytes, 1 if a figure differs from the formulas, back seconds;
+    # then the received bytes (_reshard_rank's).
+    want = expected_bytes(COLOCATED, specs, "hybridflow")
+    if any(row[3] or int(row[5]) != want.sent for row in rows):  # the formula's sent is also what each rank receives
+        raise RuntimeError(f"weight sync {size}: colocated reshard moved {[int(r[1]) for r in rows]} bytes per rank "
+                           f"and received {[int(r[5]) for r in rows]}; hybrid_engine.expected_bytes says "
+                           f"{want.sent} sent (= received), {want.resident} resident")
+    return [row[0] for row in rows], max(int(row[5]) for row in rows)
 
 
 def weight_sync(sizes: Sequence[str] = ("10m", "100m", "500m"), *, repeats: int = 2,

@@ -24,9 +24,10 @@ def test_both_ways_measured_with_the_models_and_the_formulas_bytes() -> None:
     specs = model_specs("small")
     params = sum(math.prod(s.shape) for s in specs)
     assert record["weight_sync_small_params"] == params
-    # fp32, t = 1: the rollout rank receives each parameter byte once, no padding.
+    # Measured where they arrive (the rollout rank's store, the version column
+    # left out): fp32, t = 1, each parameter byte once, no padding.
     assert record["weight_sync_small_bytes"] == 4 * params == sum(s.nbytes for s in specs)
-    # 121-1121: each rank gathers the other's half of the split parameters; the
+    # 121-1121: each rank receives the other's half of the split parameters; the
     # norms, held whole, do not move.
     split = sum(s.nbytes for s in specs if s.dim is not None)
     assert record["weight_sync_small_colocated_bytes"] == expected_bytes(COLOCATED, specs, "hybridflow").sent
