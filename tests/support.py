@@ -342,10 +342,13 @@ def tcp_listeners(pid: int) -> set[Listener]:
 def probe_with_tcpstore_clients(listeners: list[Listener], node_ip: str) -> list[str]:
     """The listeners where a TCPStore client could ``set`` then ``get`` a key.
 
-    In a child process: a TCPStore client blocks without a deadline (inside its
-    connection ping) on a peer that reads and never answers, which gloo's
-    listeners do, so the child is abandoned after 3 s; Ray's gRPC ports answer
-    with HTTP/2 frames and the client fails at once.
+    In a child process, one forked process per listener: a TCPStore client blocks
+    without a deadline (inside its connection ping) on a peer that reads and never
+    answers, which gloo's listeners do, so the probes still running 8 s after the
+    last fork are killed; Ray's gRPC ports answer with HTTP/2 frames and the client
+    fails (retrying until its 2 s timeout). Clients on threads of one process held
+    each other up: with some fifty listeners, most had not connected when the
+    probe gave up, a real TCPStore among them included.
     """
     targets = [f"{node_ip if ip in ('0.0.0.0', '::') else ip}:{port}" for ip, port in listeners]
     try:
@@ -357,7 +360,7 @@ def probe_with_tcpstore_clients(listeners: list[Listener], node_ip: str) -> list
 
 
 _PROBE = textwrap.dedent("""
-    import sys, threading, time
+    import os, signal, sys, time
     from datetime import timedelta
     import torch.distributed as dist
 
@@ -367,18 +370,28 @@ _PROBE = textwrap.dedent("""
                               wait_for_workers=False)
             s.set("probe", "1")
             if s.get("probe") == b"1":
-                print(f"SERVED {host} {port}", flush=True)
+                os.write(1, f"SERVED {host} {port}\\n".encode())
         except Exception:
             pass
 
-    threads = []
+    children = set()
     for arg in sys.argv[1:]:
         host, port = arg.rsplit(":", 1)
-        threads.append(threading.Thread(target=probe, args=(host, int(port)), daemon=True))
-        threads[-1].start()
-    deadline = time.monotonic() + 3
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        pid = os.fork()
+        if pid == 0:
+            probe(host, int(port))
+            os._exit(0)
+        children.add(pid)
+    deadline = time.monotonic() + 8
+    while children and time.monotonic() < deadline:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            children.discard(pid)
+        else:
+            time.sleep(0.01)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 """)
 
 

@@ -134,7 +134,9 @@ def asyncio_run(coro):
 
 def test_prompts_for_grpo_keep_groups_whole_across_ranks(model_dir) -> None:
     """With two actor ranks, every prompt's n samples land on one rank (the group
-    advantages would be wrong otherwise)."""
+    advantages would be wrong otherwise), and a data-parallel consumer of the
+    rollout on two ranks gets whole groups too: 5 groups of 3 split 3 + 2 groups,
+    9 and 6 rows (a split group would give 8 and 7)."""
     tok = CharTokenizer.from_pretrained(model_dir)
     problems = list(generate_splits(ArithmeticTaskConfig(train_size=8, eval_size=2)).train)
 
@@ -147,14 +149,22 @@ def test_prompts_for_grpo_keep_groups_whole_across_ranks(model_dir) -> None:
                                       config=ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir))),
             })
             prompts = await session.put(prompt_batch(problems[:5], tok))
+            await session.start_trace()
             rollout = roles.actor.generate(prompts, n=3, params=SAMPLING.params(seed=1))
             meta = await rollout
+            await roles.reward.score(rollout)
+            trace = session.stop_trace()
             rows = await rollout.fetch()
-            return meta, rows
+            return meta, rows, trace
 
-    meta, rows = asyncio_run(main())
+    meta, rows, trace = asyncio_run(main())
     assert meta.group_size == 3 and meta.num_rows == 15
     assert torch.equal(rows["uid"].view(5, 3), rows["uid"].view(5, 3)[:, :1].expand(5, 3))
+    per_rank = {c.method: sorted((r.rank, r.rows_in, r.rows) for r in c.ranks) for c in trace.calls}
+    assert set(per_rank) == {"generate", "score"}, per_rank
+    # generate: 3 and 2 prompts in, their 9 and 6 samples out; score: the same rows in.
+    assert per_rank["generate"] == [(0, 3, 9), (1, 2, 6)], per_rank
+    assert per_rank["score"] == [(0, 9, 9), (1, 6, 6)], per_rank
 
 
 def test_streamed_grpo_and_ppo_steps_train_exactly_as_the_batch_steps(model_dir) -> None:

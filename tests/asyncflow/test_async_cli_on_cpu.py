@@ -25,7 +25,9 @@ import psutil
 import pytest
 
 from asyncflow.cli import main
-from asyncflow.train import read_metrics
+from asyncflow.train import load_config, read_metrics
+from asyncflow.train._roles import role_specs
+from channels import Layout
 from support import config_file, wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
 
@@ -204,12 +206,25 @@ def test_a_tensor_parallel_rollout_role_trains_ahead(tmp_path: Path, tmp_path_fa
                                 num_key_value_heads=2, head_dim=32, num_hidden_layers=1)
     model = str(save_tiny_model(tmp_path_factory.mktemp("two_heads"), two_heads, seed=0))
     cfg = _config(tmp_path, model, "tp", steps=3, staleness=1)
-    assert main(["train", str(cfg), "--no-progress", "--set", "pools.gen.devices=2",
-                 "--set", "placement.rollout.t=2"]) == 0
+    overrides: dict[str, object] = {"pools.gen.devices": 2, "placement.rollout.t": 2, "train.trace_steps": 3}
+    specs = role_specs(load_config(cfg, overrides), model)
+    assert specs["rollout"].pool.name == "gen" and specs["rollout"].layout == Layout(p=1, t=2, d=1)
+    assert main(["train", str(cfg), "--no-progress",
+                 *(a for key, value in overrides.items() for a in ("--set", f"{key}={value}"))]) == 0
     steps = [r for r in read_metrics(tmp_path / "tp" / "latest" / "metrics.jsonl") if "actor/loss" in r]
     assert [r["async/staleness"] for r in steps] == [0, 1, 1]
     assert any(r["actor/loss"] != 0 for r in steps)
     assert steps[0]["actor/logprob_mismatch"] < 1e-4  # fresh tokens: the rollout's log-probs are the actor's
+    # The split parameters reached the rollout as shards: every load_weight_shards
+    # call ran on both tensor ranks of its pool, each pulling from the actor.
+    events = json.loads((tmp_path / "tp" / "latest" / "trace.json").read_text())["traceEvents"]
+    (gen,) = [e["pid"] for e in events if e["name"] == "process_name" and e["args"]["name"] == "pool gen"]
+    shards = [e for e in events if e.get("ph") == "X" and e["pid"] == gen and e["name"] == "rollout.load_weight_shards"]
+    ranks_of: dict[int, set[int]] = {}
+    for e in shards:
+        ranks_of.setdefault(e["args"]["call_id"], set()).add(e["tid"])
+    assert ranks_of and all(ranks == {0, 1} for ranks in ranks_of.values()), shards
+    assert all(e["args"]["bytes_pulled"] > 0 for e in shards), shards
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,7 +132,13 @@ def test_raising_reward_function_is_named_with_the_sample(tmp_path, model_dir, c
                   extra='\n[reward]\nfunction = "support:raising_reward"\n')
     assert main(["train", str(cfg), "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "support:raising_reward" in err and "sample" in err and "ZeroDivisionError" in err
+    # The message that names the failing sample (its index, uid and text), not the
+    # fallback for a function that fails on a batch only.
+    named = re.search(r"reward function support:raising_reward raised on sample 0 of the 8 on this rank "
+                      r"\(uid \d+\): ZeroDivisionError: reward bug; prompt=.+ response=.* answer=.+; "
+                      r"fix the function so that it scores this sample", err)
+    assert named, err
+    assert "on none of them alone" not in err, err
 
 
 def _start(tmp_path: Path, run: Path, name: str) -> tuple[subprocess.Popen[str], Path]:

@@ -7,6 +7,8 @@ updates are the same."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,7 +78,8 @@ def _restore_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def _run(tmp_path: Path, model_dir: str, name: str, *, fuse: bool) -> list[dict]:
+def _run(tmp_path: Path, model_dir: str, name: str, *, fuse: bool) -> tuple[list[dict], Counter[str]]:
+    """The run's metrics, and how many calls of each ``role.method`` its traced first step made."""
     path = config_file(tmp_path, name)
     path.write_text(CONFIG.format(out=tmp_path / name, model=model_dir, fuse=str(fuse).lower()))
     specs = role_specs(load_config(path), model_dir)
@@ -85,14 +88,20 @@ def _run(tmp_path: Path, model_dir: str, name: str, *, fuse: bool) -> list[dict]
     # Sharing the actor's pipeline ranks, the critic runs its pipeline the other way.
     assert specs["critic"].config.training.pipeline_reversed and not specs["actor"].config.training.pipeline_reversed
     assert fusable(specs["actor"], specs["critic"])  # PPO's step takes the fused call
-    assert main(["train", str(path), "--no-progress"]) == 0
-    return read_metrics(tmp_path / name / "latest" / "metrics.jsonl")
+    assert main(["train", str(path), "--no-progress", "--set", "train.trace_steps=1"]) == 0
+    events = json.loads((tmp_path / name / "latest" / "trace.json").read_text())["traceEvents"]
+    calls = Counter(e["name"] for e in events if e.get("ph") == "X" and e.get("cat") == "driver")
+    return read_metrics(tmp_path / name / "latest" / "metrics.jsonl"), calls
 
 
 def test_ppo_with_actor_critic_and_reference_in_two_pipeline_stages(tmp_path: Path, capsys) -> None:
     model_dir = str(save_tiny_model(tmp_path / "model", TWO_LAYERS, seed=0))
-    apart = _run(tmp_path, model_dir, "apart", fuse=False)
-    rows = _run(tmp_path, model_dir, "run", fuse=True)
+    apart, apart_calls = _run(tmp_path, model_dir, "apart", fuse=False)
+    rows, calls = _run(tmp_path, model_dir, "run", fuse=True)
+    # Fused, the first step's updates are one actor.update (the critic's inside it);
+    # apart, the critic updates on its own.
+    assert (calls["actor.update"], calls["critic.update"]) == (1, 0), calls
+    assert (apart_calls["actor.update"], apart_calls["critic.update"]) == (1, 1), apart_calls
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("accuracy: ")
     updates = [r for r in rows if "actor/loss" in r]
     assert [r["step"] for r in updates] == [1, 2]

@@ -351,7 +351,9 @@ def test_1000_calls_between_two_pools_with_100_failing_leak_nothing(env) -> None
 def test_no_listener_of_the_session_serves_a_tcpstore_client(env) -> None:
     """Every TCP listener of the session's processes (this driver, Ray's daemons,
     the workers and the rendezvous store's actor) is on the loopback interface, and
-    none answers as a TCPStore (the unauthenticated rendezvous of before)."""
+    none answers as a TCPStore (the unauthenticated rendezvous of before); a real
+    TCPStore, started after the listeners are listed, is probed alongside to show
+    the probe would notice one."""
     lt, _, roles = env
     lt.run(_await(roles.tp.dp_sum()))  # every group is up
     me = psutil.Process()
@@ -364,4 +366,8 @@ def test_no_listener_of_the_session_serves_a_tcpstore_client(env) -> None:
     assert listeners
     exposed = sorted(x for x in listeners if not ipaddress.ip_address(x[0]).is_loopback)
     assert exposed == [], f"listening beyond loopback: {exposed}"
-    assert probe_with_tcpstore_clients(sorted(listeners), "127.0.0.1") == []
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    control = ("127.0.0.1", store.port)
+    assert control not in listeners
+    served = probe_with_tcpstore_clients([*sorted(listeners), control], "127.0.0.1")
+    assert served == [f"SERVED {control[0]} {control[1]}"], f"served a TCPStore client: {served}"

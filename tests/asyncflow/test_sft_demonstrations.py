@@ -103,7 +103,8 @@ def test_a_demonstration_is_the_episode_of_a_policy_that_acts_so_position_by_pos
     shown = dict(zip(problems[:4], demonstrate(problems[:4], TOKENIZER, TURNS, config), strict=True))
     batch = sft_rows(problems, TOKENIZER, shown)
     played = _episodes_acting_as(problems[:4], config)
-    for i, (problem, episode) in enumerate(zip(problems, played, strict=False)):
+    assert [e.index for e in played] == [0, 1, 2, 3]  # one episode per demonstrated problem
+    for i, (problem, episode) in enumerate(zip(problems[:4], played, strict=True)):
         assert episode.outcome == "done" and episode.turns == 2 and episode.reward == 1.0
         prompt = TOKENIZER.encode(problem.prompt)
         row = episode_rows({"prompt_ids": torch.tensor([prompt]), "prompt_mask": torch.ones(1, len(prompt))},

@@ -7,6 +7,7 @@ The vLLM case is in ``test_streaming_vllm_on_cpu.py``."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import ray
@@ -43,6 +44,7 @@ def env(loop_thread, tmp_path_factory, shared_ray):
         "scorer": RoleSpec(cls=Scorer, pool=GEN),
         "remote_scorer": RoleSpec(cls=Scorer, pool=INF),
         "ticker": RoleSpec(cls=Ticker, pool=TOY),
+        "toy_scorer": RoleSpec(cls=Scorer, pool=TOY),  # rank-local on the ticker's pool
     }), timeout=300)
     tok = CharTokenizer.from_pretrained(model)
     problems = list(generate_splits(ArithmeticTaskConfig(train_size=48, eval_size=2)).train)
@@ -91,11 +93,27 @@ def test_migration_gives_the_same_rows_and_frees_a_rank_for_rank_local_calls(env
         src = await session.put({"idx": torch.arange(12), "steps": steps}, pool=TOY)
         baseline = await roles.ticker.tick(src).fetch()
         stream = roles.ticker.tick(src, delay=0.05, stream=StreamOptions(micro_batch=1, migrate=2, targets=1))
-        return baseline, await collect(stream).fetch()
+        scored = roles.toy_scorer.score(stream)  # same pool, rank-local: runs on the freed rank
+        arrived = []  # each micro-batch, with when the driver saw it (monotonic: the workers' clock too)
+        async for fut in stream:
+            await fut
+            arrived.append((fut, time.monotonic()))
+        when = {}
+        for fut, t in arrived:
+            for i in (await fut.fetch())["idx"].tolist():
+                when[i] = t
+        return baseline, await collect(merge(stream, scored)).fetch(), when
 
-    baseline, migrated = _guarded(lt, main())
+    baseline, migrated, when = _guarded(lt, main())
     _same(baseline, migrated, ["idx", "steps", "value"])
-    assert migrated["done_by"][5] == migrated["done_by"][11]  # both long rows ended on one rank
+    assert sorted(when) == list(range(12))
+    tail_rank = migrated["done_by"][5].item()
+    assert migrated["done_by"][11] == tail_rank  # both long rows ended on one rank
+    # The other rank, given back by the stream, scored rows while the tail still
+    # ran: before the 30-step row came out, 10 steps (0.5 s) ahead of the 40-step one.
+    assert when[11] < when[5]
+    freed = migrated["scored_by"] != tail_rank
+    assert bool((freed & (migrated["scored_at"] < when[11])).any()), (migrated["scored_by"], migrated["scored_at"], when)
 
 
 def test_actor_tail_migrates_between_ranks_with_identical_rows(env) -> None:

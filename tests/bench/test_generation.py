@@ -5,6 +5,7 @@ keys the bench promises. Timings are reported, never asserted."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,13 @@ def test_the_engines_are_timed_and_written(tmp_path: Path, capsys: pytest.Captur
         assert {"device", "dtype", "batch", "engine", "tokens_per_s", "ms_per_step", "seconds_runs", "warmup_s"} <= set(r)
         assert (r["device"], r["dtype"], r["batch"], len(r["seconds_runs"])) == ("cpu", "float32", 4, 2)
         assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["warmup_s"] > 0
+    # From the runs themselves: the medians, 4 prompts x 8 new tokens per call.
+    native, hf = (statistics.median(r["seconds_runs"]) for r in records)
+    assert records[0]["over_hf_generate"] == pytest.approx(hf / native)
     assert records[1]["over_hf_generate"] == pytest.approx(1.0)
+    for r, median in zip(records, (native, hf), strict=True):
+        assert r["tokens_per_s"] == pytest.approx(4 * 8 / median)
+        assert r["ms_per_step"] == pytest.approx(median / 8 * 1e3)
     table = capsys.readouterr().out
     assert all(engine in table for engine in ENGINES)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow.train import load_config
-from bench.gpu_check import ALGORITHMS, STREAMING, _overrides, line
+from asyncflow.train import algorithm_in, load_config
+from bench.gpu_check import ALGORITHMS, PER_ALGORITHM, STREAMING, _overrides, line
 from workers.models import TinyModelConfig, save_tiny_model
 
 MAIN_JOB = "examples/arith_grpo.toml"
@@ -56,6 +56,16 @@ def test_every_run_is_a_valid_main_job(algorithm: str, sft_model: str, tmp_path:
         assert config.sft is None and config.model.path == sft_model
         assert config.actor.precision == "bf16" and config.pools["main"].device == "cuda"
         assert config.train.steps == 15 and config.train.stream is stream
+        assert algorithm_in(config).name == algorithm
+        for key, value in PER_ALGORITHM.get(algorithm, {}).items():  # what the algorithm needs beyond the job's
+            assert _setting(config, key) == value, (algorithm, key)
+
+
+def _setting(config: object, key: str) -> object:
+    """The value at a dotted override key (``"algorithm.sampling.n"``) of a loaded config."""
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
 
 
 def test_one_run_end_to_end_on_the_cpu(tmp_path: Path) -> None:

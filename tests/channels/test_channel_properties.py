@@ -206,9 +206,16 @@ class ChannelMachine(RuleBasedStateMachine):
         item = self.new_item(i)
         try:
             self.senders[i].send_nowait(item)
-        except (WouldBlock, BrokenResourceError):
+        except WouldBlock:  # only a full buffer refuses, and only while someone can receive
+            assert self.open_receivers(), "WouldBlock after every receive handle closed"
+            assert self.buffered() == self.capacity, "WouldBlock with room in the buffer"
             self.unsent.add(item)
             return
+        except BrokenResourceError:
+            assert not self.open_receivers(), "BrokenResourceError with a receive handle open"
+            self.unsent.add(item)
+            return
+        assert self.open_receivers(), "an item was accepted after every receive handle closed"
         self.sent.append(item)
 
     def receive_nowait(self, j: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ def layouts(draw: st.DrawFn, grouping: str | None = None) -> Layout:
     return Layout(p=p, t=t, d=d, gen=GenerationLayout(pg=pg, tg=tg, grouping=grouping))  # type: ignore[arg-type]
 
 
-def _specs(layout: Layout, draw: st.DrawFn) -> list[ParamSpec]:
+def _specs(layout: Layout, draw: Callable[[st.SearchStrategy[Any]], Any]) -> list[ParamSpec]:
     out = []
     for i in range(draw(st.integers(1, 6))):
         dim = draw(st.sampled_from([0, 1, None]))
@@ -53,10 +55,35 @@ def test_generation_groups_partition_the_ranks(layout: Layout) -> None:
     # A replica lies inside one training replica.
     for r in range(layout.world):
         assert coords[r].replica // layout.dg == layout.coords(r).dp
-    # The transfer protocol sends each replica's rows to its members, one output rank each.
+    # The transfer protocol sends each replica's rows to its members, one output rank
+    # each (generation TP rank 0 of the last generation stage), the replicas numbered
+    # as the grouping says, from the rank's own digits.
     replicas = MicroDP().replicas(layout)
-    assert [i for i, _ in replicas] == [c.replica for c in coords]
+    assert replicas == [_expected_replica(layout.p, layout.t, layout.d, gen.pg, gen.tg, gen.grouping, r)
+                        for r in range(layout.world)]
     assert Counter(i for i, out in replicas if out) == {i: 1 for i in range(layout.d * layout.dg)}
+    # MicroDP(tg=...) on a layout without its own gen: hybridflow, pg = 1.
+    bare = Layout(p=layout.p, t=layout.t, d=layout.d)
+    assert MicroDP(tg=gen.tg).replicas(bare) == [
+        _expected_replica(layout.p, layout.t, layout.d, 1, gen.tg, "hybridflow", r) for r in range(layout.world)]
+    # No gen and no tg: every rank is a replica of its own (whole weights) and outputs.
+    pt = layout.p * layout.t
+    assert MicroDP().replicas(bare) == [((r // layout.t % layout.d) * pt + r // (layout.t * layout.d) * layout.t
+                                         + r % layout.t, True) for r in range(layout.world)]
+
+
+def _expected_replica(p: int, t: int, d: int, pg: int, tg: int, grouping: str, rank: int) -> tuple[int, bool]:
+    """Rank ``rank``'s micro-DP replica and whether it outputs, from the rank's digits
+    (``rank = (pp * d + dp) * t + tp``) and the grouping's definition alone: hybridflow
+    takes TP ranks (stages) at stride ``t/tg`` (``p/pg``), so a replica is one residue;
+    vanilla takes consecutive ones, so a replica is one block."""
+    pp, dp, tp = rank // (t * d), rank // t % d, rank % t
+    ap, at = p // pg, t // tg
+    if grouping == "hybridflow":
+        gpp, gtp, micro = pp // ap, tp // at, (pp % ap) * at + tp % at
+    else:
+        gpp, gtp, micro = pp % pg, tp % tg, (pp // pg) * at + tp // tg
+    return dp * ap * at + micro, gtp == 0 and gpp == pg - 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -102,10 +129,15 @@ def test_every_plan_delivers_exactly_the_generation_shards(data: st.DataObject) 
             for member in bucket.group:
                 have[member] |= sent
         for r in range(layout.world):
+            need_all: set[tuple[str, int, int]] = set()
             for s in specs:
                 rows = s.chunk_shape(layout.t)[0]
                 need = {(s.name, c, i) for c in plan.generation_chunks(r, s) for i in range(rows)}
                 assert need <= have[r], (str(layout), method, r, s)
+                need_all |= need
+            if method == "hybridflow":  # zero redundancy: nothing arrives that the rank neither had nor needs
+                extra = have[r] - have_initial(plan, r, specs) - need_all
+                assert not extra, (str(layout), method, r, sorted(extra))
 
 
 def have_initial(plan, rank: int, specs: list[ParamSpec]) -> set[tuple[str, int, int]]:  # type: ignore[no-untyped-def]

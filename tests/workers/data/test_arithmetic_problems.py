@@ -39,8 +39,17 @@ def test_mirror_images_of_a_non_commutative_operator_stay_apart_only_if_equal() 
     config = ArithmeticTaskConfig(digits=1, operators=("-",), train_size=60, eval_size=20)
     splits = generate_splits(config)
     assert not set(splits.eval) & set(splits.train)
-    # 7-3 and 3-7 are different problems, so the train split may hold a held-out mirror.
     assert len(splits.train) + len(splits.eval) <= config.num_distinct_problems
+    # 7-3 and 3-7 are different problems, so the train split may hold a held-out
+    # mirror, and the eval split may hold both (with seed 0 both happen).
+    train, held_out = set(splits.train), set(splits.eval)
+    mirrored = [p for p in splits.eval if p.left != p.right]
+    assert any(_mirror(p) in train for p in mirrored)
+    assert any(_mirror(p) in held_out for p in mirrored)
+    # A commutative operator's mirror stays out of both (a-a is its own mirror).
+    added = generate_splits(msgspec.structs.replace(config, operators=("+",)))
+    assert not {_mirror(p) for p in added.eval} & set(added.train)
+    assert all(_mirror(p) not in set(added.eval) for p in added.eval if p.left != p.right)
 
 
 def test_growing_the_train_split_keeps_the_eval_split() -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from engines_testlib import EXACT, TinyValueModel, make_batch, run_ranks, tiny_config, tiny_lm
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
 from workers.engines import (
@@ -39,6 +40,49 @@ def _weights(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
 
 
+def _full_weights(engine: TrainingEngine) -> dict[str, torch.Tensor]:
+    """The whole model's parameters, gathered (collective)."""
+    return {name: t.detach().clone() for name, t in engine.named_full_weights()}
+
+
+def _assert_weights_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], *,
+                          exact: bool = False) -> None:
+    """Equal weights: bit for bit when ``exact`` (the same rank and layout), else within
+    the tolerance of another layout's arithmetic."""
+    assert got.keys() == expected.keys()
+    tolerance = 0.0 if exact else 1e-5
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=tolerance, atol=tolerance, msg=name)
+
+
+def _optimizer_state(engine: TrainingEngine) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer's per-parameter state (AdamW: ``step``, ``exp_avg``,
+    ``exp_avg_sq``) by parameter name, cloned (this rank's shard of a DTensor)."""
+    assert engine.optimizer is not None
+    names = {id(p): name for name, p in engine.model.named_parameters()}
+    return {names[id(p)]: {key: (value.to_local() if isinstance(value, DTensor) else torch.as_tensor(value)).clone()
+                           for key, value in state.items()}
+            for p, state in engine.optimizer.state.items()}
+
+
+def _assert_optimizer_state_close(got: dict[str, dict[str, torch.Tensor]],
+                                  expected: dict[str, dict[str, torch.Tensor]], *, exact: bool = False) -> None:
+    """Equal optimizer states, every parameter's moments and step present: the
+    weights after one more step can hide lost moments (AdamW with ``eps=1`` moves
+    them by ``lr`` times about the gradient either way)."""
+    assert expected and all(expected.values())  # there is a state to compare
+    assert got.keys() == expected.keys()
+    for param, state in expected.items():
+        assert got[param].keys() == state.keys(), param
+        for key, tensor in state.items():
+            if exact:
+                torch.testing.assert_close(got[param][key], tensor, rtol=0, atol=0, msg=f"{param} {key}")
+            else:  # moments are ~grad and ~grad**2: a tolerance relative to the largest
+                scale = float(tensor.abs().max())
+                torch.testing.assert_close(got[param][key], tensor, rtol=1e-5, atol=1e-5 * scale,
+                                           msg=f"{param} {key}")
+
+
 def _run(engine: TrainingEngine, steps: int) -> dict:
     batch = make_batch()
     logprobs, entropy = engine.log_probs(batch)
@@ -59,13 +103,19 @@ def _pipeline_ranks(rank: int, out: Path, *, pp: int, chunks: int, micro: int, r
     result = {"actor": _run(actor, steps=1)}
     # A checkpoint of the stages resumes exactly, here and in one process (the test).
     actor.save(out / "ckpt")
+    saved_state = _optimizer_state(actor)
     result["actor"]["metrics"].append(actor.train_step(make_batch()))
     result["actor"]["weights"] = _weights(actor)
     result["actor"]["full"] = {name: t.clone() for name, t in actor.named_full_weights()}
     actor.export_hf(out / "hf")
     resumed = TrainingEngine(tiny_lm(layers=LAYERS, seed=5), config=config, mesh=mesh, loss=LOSS)
     resumed.load(out / "ckpt")
+    # The metrics come before the optimizer step: the optimizer state (AdamW's moments
+    # and step) and the weights after the step show that it resumed too.
+    _assert_optimizer_state_close(_optimizer_state(resumed), saved_state, exact=True)
     result["resumed"] = resumed.train_step(make_batch())
+    _assert_weights_close(_weights(resumed), result["actor"]["weights"], exact=True)
+    result["resumed_weights"] = _weights(resumed)
     if chunks == 1:
         critic = TrainingEngine(TinyValueModel(layers=LAYERS), config=config, mesh=mesh, head=ValueHead(),
                                 loss=ValueLoss())
@@ -95,14 +145,18 @@ def test_pipelined_engine_equals_one_process(tmp_path: Path, pp: int, chunks: in
     loaded.load(out / "ckpt")  # the stages' checkpoint in one process
     reloaded = TrainingEngine(tiny_lm(layers=LAYERS), config=config, loss=LOSS)
     reloaded.train_step(make_batch())
+    _assert_optimizer_state_close(_optimizer_state(loaded), _optimizer_state(reloaded))
     one_step = reloaded.train_step(make_batch())
     _assert_close_metrics(loaded.train_step(make_batch()), one_step)
+    _assert_weights_close(_weights(loaded), _weights(reloaded))
     exported = LlamaForCausalLM.from_pretrained(out / "hf")
     for name, tensor in exported.state_dict().items():
         torch.testing.assert_close(tensor, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
     for rank in range(pp):
         got = torch.load(out / f"pp{rank}.pt", weights_only=False)
         _assert_close_metrics(got["resumed"], expected["metrics"][1])
+        for name, tensor in got["resumed_weights"].items():
+            torch.testing.assert_close(tensor, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
         assert got["actor"]["full"].keys() == expected["weights"].keys()
         for name, tensor in got["actor"]["full"].items():
             torch.testing.assert_close(tensor, expected["weights"][name], rtol=1e-5, atol=1e-5, msg=name)
@@ -135,12 +189,19 @@ def test_checkpoints_with_the_optimizer_state_in_one_list_still_load(tmp_path: P
     dcp.save({"model": model_state, "optim": optim_state, "engine": {"step": torch.tensor(1)}},
              checkpoint_id=str(tmp_path / "old"), no_dist=True)
     engine.save(tmp_path / "new")
+    saved_state = _optimizer_state(engine)
+    expected_metrics = engine.train_step(make_batch())  # the uninterrupted second step
+    expected_weights = _weights(engine)
     for name in ("old", "new"):
         resumed = TrainingEngine(tiny_lm(seed=4), config=config, loss=LOSS)
         resumed.load(tmp_path / name)
         assert resumed.step == 1
-        _assert_close_metrics(resumed.train_step(make_batch()), engine.train_step(make_batch()))
-        engine.load(tmp_path / "new")  # back to step 1 for the next comparison
+        # The optimizer state came back, tensor for tensor, so the next step's metrics
+        # (computed before the optimizer step) and the weights after it are the
+        # uninterrupted engine's.
+        _assert_optimizer_state_close(_optimizer_state(resumed), saved_state, exact=True)
+        _assert_close_metrics(resumed.train_step(make_batch()), expected_metrics)
+        _assert_weights_close(_weights(resumed), expected_weights, exact=True)
 
 
 def _fused_ranks(rank: int, out: Path, *, pp: int) -> None:
@@ -228,7 +289,10 @@ def test_tied_embeddings_train_in_two_stages_like_one_process(tmp_path: Path) ->
     # The stages' checkpoint resumes in one process.
     resumed = TrainingEngine(_tied_lm(seed=5), config=TrainingConfig(**CONFIG, micro_batch_size=3), loss=LOSS)
     resumed.load(out / "tied-ckpt")
+    # The optimizer state resumed too (the metrics come before the optimizer step).
+    _assert_optimizer_state_close(_optimizer_state(resumed), _optimizer_state(engine))
     _assert_close_metrics(resumed.train_step(make_batch()), engine.train_step(make_batch()))
+    _assert_weights_close(_weights(resumed), _weights(engine))
 
 
 def _mixed_ranks(rank: int, out: Path, *, shape: tuple[int, int, int], data_parallel: str, tied: bool) -> None:
@@ -246,8 +310,13 @@ def _mixed_ranks(rank: int, out: Path, *, shape: tuple[int, int, int], data_para
     engine.save(out / "mixed-ckpt")
     resumed = TrainingEngine(model(seed=5), config=config, mesh=mesh, loss=LOSS)
     resumed.load(out / "mixed-ckpt")
+    # The optimizer state resumed too (the metrics come before the optimizer step).
+    _assert_optimizer_state_close(_optimizer_state(resumed), _optimizer_state(engine), exact=True)
+    resumed_metrics, continued_metrics = resumed.train_step(batch), engine.train_step(batch)
     torch.save({"logprobs": logprobs, "rows": rows, "metrics": metrics, "full": full,
-                "resumed": resumed.train_step(batch), "continued": engine.train_step(batch)}, out / f"mixed{rank}.pt")
+                "resumed": resumed_metrics, "continued": continued_metrics,
+                "resumed_full": _full_weights(resumed), "continued_full": _full_weights(engine)},
+               out / f"mixed{rank}.pt")
 
 
 @pytest.mark.parametrize(("shape", "data_parallel", "tied"),
@@ -269,3 +338,4 @@ def test_pipeline_stages_with_tensor_or_data_parallelism_equal_one_process(
         for name, tensor in expected["weights"].items():
             torch.testing.assert_close(got["full"][name], tensor, rtol=1e-5, atol=1e-5, msg=name)
         _assert_close_metrics(got["resumed"], got["continued"])
+        _assert_weights_close(got["resumed_full"], got["continued_full"], exact=True)

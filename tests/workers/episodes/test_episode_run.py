@@ -191,15 +191,20 @@ def test_observation_tokens_carry_no_loss_weight(model: PreTrainedModel, tokeniz
     engine = Recording(model, tokenizer)
     config = EpisodeConfig(env=Counter, settings={"turns": 2}, max_turns=2, max_tokens=64)
     rows = _rows(_run(engine, tokenizer, config, prompts=2), tokenizer, 64, 2)
+    assert rows["observation_mask"].any()
     generator = torch.Generator().manual_seed(0)
     advantages = torch.randn(rows["response_ids"].shape, generator=generator) * rows["response_mask"]
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     weights = []
     for on_observations in (0.0, 1e3):
         batch = dict(rows, advantages=advantages + on_observations * rows["observation_mask"],
                      old_logprobs=rows["rollout_logprobs"])
         trainer = TrainingEngine(copy.deepcopy(model), config=TrainingConfig(lr=1e-2), loss=PolicyLoss())
-        trainer.train_step(batch)
+        metrics = trainer.train_step(batch)
+        assert metrics["step_skipped"] == 0.0 and metrics["grad_norm"] > 0, metrics  # the update happened
         weights.append({k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    assert weights[0].keys() == initial.keys()
+    assert any(not torch.equal(tensor, initial[name]) for name, tensor in weights[0].items())
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, rtol=0, atol=0, msg=name)
 

@@ -10,7 +10,13 @@ import torch
 from channels import Batch, ConfigError, Layout
 from workers import WorkerContext
 from workers.models import TinyModelConfig, ValueModel, save_tiny_model
-from workers.rewards import ModelRewardConfig, RewardFunctionError, RuleRewardConfig, ScoreInputs
+from workers.rewards import (
+    ModelRewardConfig,
+    RewardFunctionError,
+    RuleRewardConfig,
+    RuleScorer,
+    ScoreInputs,
+)
 from workers.roles import COSTS, SCORES, CostWorker, RewardWorker, ScoreConfig
 
 torch.set_num_threads(1)
@@ -91,9 +97,21 @@ def test_rule_reward_role_names_the_uid_of_the_failing_sample(model_dir: str) ->
     x = _inputs()
     batch = Batch({"prompt_ids": x.prompt_ids, "prompt_mask": x.prompt_mask,
                    "response_ids": x.response_ids, "response_mask": x.response_mask,
-                   "answer_ids": torch.zeros(4, 3, dtype=torch.int64), "uid": torch.arange(4)})
+                   "answer_ids": torch.zeros(4, 3, dtype=torch.int64), "uid": torch.arange(20, 24)})
     assert role.score(batch)[SCORES].shape == (4,)
-    role.scorer.fn = lambda p, r, a: [1.0, 2.0]  # wrong count
+    scorer = role.scorer
+    assert isinstance(scorer, RuleScorer)
+
+    def by_length(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+        return [1.0 / len(response) for response in responses]  # sample 1's response is empty
+
+    scorer.fn = by_length
+    with pytest.raises(RewardFunctionError) as raised:
+        role.score(batch)
+    message = str(raised.value)
+    assert "by_length raised on sample 1 of the 4 on this rank (uid 21): ZeroDivisionError" in message
+    assert "response=''" in message
+    scorer.fn = lambda p, r, a: [1.0, 2.0]  # wrong count
     with pytest.raises(RewardFunctionError, match="returned 2 scores for 4 samples"):
         role.score(batch)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import pytest
 import torch
@@ -270,5 +271,5 @@ def test_format_check_default_and_custom_patterns() -> None:
     assert think(prompts=[""] * 2, completions=["<think>a\nb</think> <answer>1</answer>", "<answer>1</answer>"]) \
         == [1.0, 0.0]
     assert function_labels([think, format_check]) == ("think_answer", "format_check")
-    with pytest.raises(Exception, match=r"unterminated|missing"):
+    with pytest.raises(re.error, match=r"unterminated|missing"):
         FormatCheck("(")

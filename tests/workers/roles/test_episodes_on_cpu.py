@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,9 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MAIN = ResourcePool(name="main", devices=2)
 KINDS = ("raises", "hangs", "malformed", "fine")
+GRADED = 100
+"""Prompts from this uid on are ``graded``: as ``fine``, but the last turn's reward
+is a score of the model's text, so the samples of a group get different rewards."""
 
 
 def mul(a: int, b: int) -> int:
@@ -37,14 +41,16 @@ def mul(a: int, b: int) -> int:
 
 
 class Scripted:
-    """What each episode meets depends on its prompt's uid (``KINDS[uid % 4]``)."""
+    """What each episode meets depends on its prompt's uid (``KINDS[uid % 4]``, or
+    ``graded`` from :data:`GRADED` on)."""
 
     def __init__(self, answer_on: int = 2) -> None:
         self.answer_on, self.kind, self.turn = answer_on, "", 0
         self.tools = ToolEnv(tools=[mul])
 
     def reset(self, row: Mapping[str, Any]) -> str:
-        self.kind = KINDS[int(row["uid"]) % 4]
+        uid = int(row["uid"])
+        self.kind = "graded" if uid >= GRADED else KINDS[uid % 4]
         return f"Task {row['uid']}: use mul(a, b)."
 
     async def step(self, action: str) -> tuple[str | None, float, bool]:
@@ -57,6 +63,8 @@ class Scripted:
             call = "mul(12, 3" if self.kind == "malformed" else "mul(12, 3)"
             observation, _, done = await self.tools.step(call)
             return observation, 0.0, done
+        if self.kind == "graded":  # in [0, 1), the same for the same text on every run
+            return None, zlib.crc32(action.encode()) / 2**32, True
         return None, 1.0, True
 
 
@@ -104,9 +112,9 @@ def test_each_failure_ends_only_its_episode_as_recorded(setup: Any) -> None:
     assert rows["episode_reward"].tolist() == [0.0] * 4 + [1.0] * 4
     observed = [tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=False)
                 for row, mask in zip(rows["response_ids"], rows["observation_mask"], strict=True)]
-    for text in observed[4:6]:  # the malformed call was answered, and the episode went on
+    for row, text in enumerate(observed[4:6], start=4):  # the malformed call was answered, and the episode went on
         assert "error: the tool call is not valid" in text
-        assert rows["episode_turns"][4] == 2
+        assert rows["episode_turns"][row] == 2
     for text in observed[6:]:
         assert "\n36<|im_end|>" in text
     assert all(text.startswith("<|im_start|>tool\nTask ") for text in observed)
@@ -133,11 +141,24 @@ def test_grpo_trains_on_episodes(setup: Any, stream: StreamOptions | None) -> No
     loop, session, roles, tokenizer = setup
     config = GRPOConfig(sampling=SamplingConfig(n=2, max_new_tokens=8))
 
-    async def go() -> dict[str, float]:
-        prompts = await session.put(_prompts(tokenizer, [2, 3, 6, 7]))
-        return await grpo_step(roles, prompts, config, seed=1, stream=stream)
+    async def go() -> tuple[dict[str, float], Any, Any]:
+        # Fixed rows whose log-probs the update should move.
+        probe = roles.actor.generate(await session.put(_prompts(tokenizer, [3])), n=2)
+        before = await af.merge(probe, roles.actor.log_prob(probe)).fetch()
+        prompts = await session.put(_prompts(tokenizer, [GRADED + u for u in range(4)]))
+        metrics = await grpo_step(roles, prompts, config, seed=1, stream=stream)
+        return metrics, before, await roles.actor.log_prob(probe).fetch()
 
-    metrics = loop.run(go())
-    assert metrics["reward/mean"] == 1.0  # every episode here ends well
+    metrics, before, after = loop.run(go())
+    assert metrics["episode/done"] == 1.0 and metrics["episode/turns"] == 2.0  # every episode here ends well
+    # The last turn scores the text, so rewards vary and the group-normalised
+    # advantages are not all 0 (the gradient is not)...
+    assert 0.0 <= metrics["reward/min"] < metrics["reward/max"] < 1.0
     assert metrics["actor/response_tokens"] > 0
     assert all(v == v for v in metrics.values())  # no NaN
+    # ...and the update moved the policy.
+    assert metrics["actor/steps"] == 1 and metrics["actor/steps_skipped"] == 0
+    assert metrics["actor/grad_norm"] > 0
+    sampled = before["response_mask"].bool()
+    moved = (after["old_logprobs"] - before["old_logprobs"])[sampled].abs().max()
+    assert moved > 1e-4, float(moved)

@@ -72,7 +72,11 @@ def test_a_call_returns_what_finished_and_the_next_finishes_the_rest_under_its_w
     uids = second["uid"].tolist()
     assert sorted(set(uids)) == [101, 103, 200, 202, 204]
     assert uids[-2 * N:] == [101, 101, 103, 103]
-    assert rollout.carried()["rows"] is not None  # its own long groups wait for the next call
+    # Its own long groups wait for the next call, 5 tokens each so far (the call ran
+    # until the carried samples had their last 5).
+    waiting = rollout.carried()
+    assert waiting["rows"]["uid"].tolist() == [201, 201, 203, 203]
+    assert waiting["tokens"] == 2 * N * 5
     carried = second["uid"] >= 100
     carried &= second["uid"] < 200
     for row in carried.nonzero().flatten().tolist():
@@ -114,10 +118,16 @@ def test_partial_rollouts_are_reproducible_and_resume_from_the_carried_samples(m
 def test_without_partial_a_call_keeps_the_carried_samples_for_the_next_partial_one(model_dir: str) -> None:
     rollout = _rollout(model_dir)
     rollout.generate(_prompts(100), n=N, partial=PartialRollout(decode_steps=2))
+    carried = rollout.carried()
+    carried["rows"] = {name: column.clone() for name, column in carried["rows"].items()}
+    assert carried["rows"]["uid"].tolist() == [101, 101, 103, 103] and carried["tokens"] == 2 * N * 3
     plain = rollout.generate(_prompts(300), n=N)  # evaluation: its own prompts, to the end
     assert sorted(set(plain["uid"].tolist())) == [300, 301, 302, 303, 304]
     assert sorted(set(_lengths(plain))) == [1, 2, 3, 8]
-    assert rollout.carried()["rows"] is not None
+    kept = rollout.carried()  # the same samples, untouched
+    assert kept["tokens"] == carried["tokens"] and kept["rows"].keys() == carried["rows"].keys()
+    for name, column in carried["rows"].items():
+        assert torch.equal(kept["rows"][name], column), name
 
 
 def test_a_sample_is_carried_over_up_to_max_carries_calls(model_dir: str) -> None:

@@ -177,17 +177,27 @@ def test_seeded_sampling_with_options_is_reproducible(model: PreTrainedModel) ->
 
 def test_a_migrated_sample_counts_its_carried_tokens_towards_min_new_tokens(model: PreTrainedModel) -> None:
     eos = _frequent_token(model, SamplingParams(max_new_tokens=12, temperature=0.0))
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_id=eos, min_new_tokens=6)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, eos_token_id=eos, min_new_tokens=4)
     engine = _engine(model)
-    whole = engine.generate(PROMPTS, params)
+    whole = _responses(engine.generate(PROMPTS, params))
     run = engine.start(PROMPTS, params)
     run.step()  # prefill + first token, then one decode step
     moved = run.export()
+    carried = {partial.index: len(partial.response_ids) for partial in moved}
+    assert len(carried) == len(PROMPTS)  # the running samples and the waiting ones
+    # A moved sample with tokens ends at EOS sooner after the move than min_new_tokens:
+    # had the engine not counted its carried tokens, it would have held EOS out there.
+    assert any(
+        carried[i] > 0 and whole[i][-1] == eos
+        and params.min_new_tokens < len(whole[i]) <= params.min_new_tokens + carried[i]
+        for i in carried
+    ), (carried, whole)
     other = engine.start([], params)
     other.admit(moved)
     samples = {sample.index: sample.response_ids for sample in _drain(other)}
-    for partial in moved:
-        assert samples[partial.index] == _responses(whole)[partial.index]
+    assert samples.keys() == carried.keys()
+    for index in carried:
+        assert samples[index] == whole[index], index
 
 
 def _drain(run: object) -> list:  # type: ignore[type-arg]
