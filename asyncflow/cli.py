@@ -217,7 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = _command(sub, "train")
     train.add_argument("--resume", action="store_true",
-                       help="continue the newest run under output_dir (its 'latest') from its latest checkpoint")
+                       help="continue the newest run under output_dir that has a checkpoint (its 'latest', unless "
+                            "newer runs ended before their first) from its latest checkpoint")
     train.add_argument("--clean", action="store_true",
                        help="delete the earlier runs under output_dir first (without it nothing is deleted)")
     train.add_argument("--address", metavar="HOST:PORT",

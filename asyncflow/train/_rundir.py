@@ -4,7 +4,8 @@ Each ``asyncflow train`` writes into a directory of its own, ``version_0``,
 ``version_1``, ... (the convention of Lightning's loggers), and ``latest`` links the
 newest: its metrics, TensorBoard files, curves, traces, checkpoints and exported
 policy. A new run never changes an earlier run's files; ``--resume`` continues the
-``latest`` run in place, and only ``--clean`` deletes earlier runs.
+newest run with a checkpoint in place (``latest``, unless newer runs ended before
+their first checkpoint), and only ``--clean`` deletes earlier runs.
 
 Beside the runs lie caches that runs with the same settings share: the SFT warm
 start's model and a GGUF file's conversion, each in a directory named after a hash
@@ -18,6 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
+from asyncflow.train._checkpoint import CheckpointDir
 from channels import ConfigError
 
 VERSION_PREFIX = "version_"
@@ -57,16 +59,30 @@ class RunDirs:
         runs = self.versions()
         return runs[-1] if runs else None
 
-    def to_resume(self) -> Path:
-        """The newest run's directory, which ``--resume`` continues.
+    def to_resume(self, *, steps: int) -> tuple[Path, Path]:
+        """The run ``--resume`` continues, and its newest complete checkpoint: the
+        newest run that has one. Where newer runs ended before their first (a
+        configuration error found once the workers were up, a run stopped at once),
+        ``latest`` links the run resumed again.
+
+        Args:
+            steps: the configuration's ``train.steps``.
 
         Raises:
-            ConfigError: there is no run.
+            ConfigError: there is no run, no complete checkpoint, or the checkpoint
+                is past ``steps`` (nothing to train).
         """
-        run = self.latest()
-        if run is None:
+        latest = self.latest()
+        if latest is None:
             raise ConfigError(f"--resume: no run under {self.root} to continue; start one without --resume")
-        return run
+        run = next((r for r in reversed(self.versions()) if CheckpointDir(r / "checkpoints").complete()), latest)
+        if run.name != latest.name:
+            self._link_latest(run)
+        checkpoint = CheckpointDir(run / "checkpoints").latest()
+        if (done := int(CheckpointDir.state(checkpoint)["step"])) > steps:
+            raise ConfigError(f"--resume: {checkpoint} is step {done}, past train.steps = {steps}; "
+                              "raise train.steps to train on")
+        return run, checkpoint
 
     def new(self) -> Path:
         """Make the next run's directory and point ``latest`` at it.
@@ -84,13 +100,16 @@ class RunDirs:
                 break
             except FileExistsError:  # a run started beside this one took it
                 number += 1
+        self._link_latest(path)
+        return path
+
+    def _link_latest(self, run: Path) -> None:
         # A new link under a temporary name replaces the old one atomically: a reader
         # sees the previous run or this one, never no link.
         tmp = self.root / f".{LATEST}.{os.getpid()}"
         tmp.unlink(missing_ok=True)
-        tmp.symlink_to(path.name, target_is_directory=True)
+        tmp.symlink_to(run.name, target_is_directory=True)
         os.replace(tmp, self.root / LATEST)
-        return path
 
     def clean(self) -> list[Path]:
         """Delete every run's directory and ``latest`` (the caches stay).
@@ -103,6 +122,25 @@ class RunDirs:
         for path in runs:
             shutil.rmtree(path)
         return runs
+
+
+def make_output_dir(output_dir: Path) -> None:
+    """Make ``output_dir`` (and its parents) where it is missing.
+
+    Raises:
+        ConfigError: it is a file, lies under one, or cannot be made or written to.
+    """
+    where = f"output_dir = '{output_dir}'"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{where} is a file, not a directory; name a directory") from None
+    except NotADirectoryError:
+        raise ConfigError(f"{where} lies under a file, not a directory; name a directory") from None
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be made: {e.strerror or e}; name a directory this user may write") from None
+    if not os.access(output_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where} is not writable by this user; name a directory it may write")
 
 
 def cache_dir(output_dir: Path, name: str, key: bytes) -> Path:

@@ -46,7 +46,7 @@ from asyncflow.train._prompts import RunPrompts, TrainBatches, run_prompts
 from asyncflow.train._quiet import RunLog
 from asyncflow.train._ray_ahead import ray_started_ahead
 from asyncflow.train._roles import role_specs
-from asyncflow.train._rundir import RunDirs
+from asyncflow.train._rundir import RunDirs, make_output_dir
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from asyncflow.train._start_model import starting_model
 from asyncflow.train._user_modules import importable, worker_python_path
@@ -85,8 +85,9 @@ class Trainer:
 
     Args:
         config: the validated run configuration.
-        resume: continue the newest run under ``output_dir`` (its ``latest``) from its
-            latest checkpoint, in its directory; else a new run gets a new directory.
+        resume: continue the newest run under ``output_dir`` that has a checkpoint (its
+            ``latest``, unless newer runs ended before their first) from its latest
+            checkpoint, in its directory; else a new run gets a new directory.
         clean: delete the earlier runs under ``output_dir`` before a new run starts.
         say: where human-readable progress lines go (the CLI prints them).
         progress_bar: show a tqdm bar over RL steps.
@@ -139,6 +140,7 @@ class Trainer:
         """The policy's starting directory: ``[model]``'s, a GGUF file's conversion or
         the SFT warm start's, the last two made once and shared by the runs with the
         same settings (see :func:`~asyncflow.train._start_model.starting_model`)."""
+        make_output_dir(self.output_dir)  # where a warm start or a conversion is kept
         with importable(self.module_dirs):  # an SFT warm start's demonstrations call the config's modules
             return starting_model(self.config, say=self.say)
 
@@ -157,20 +159,24 @@ class Trainer:
         """Train; returns held-out accuracy before and after RL.
 
         Raises:
-            ConfigError: ``resume`` without a run or a complete checkpoint to continue
-                (before the SFT warm start or a GGUF conversion starts).
+            ConfigError: ``resume`` without a run or a complete checkpoint to continue, or
+                an ``output_dir`` that cannot be made or written (before the SFT warm
+                start or a GGUF conversion starts).
             CheckpointError: a checkpoint or the export could not be written.
             RunInterruptedError: see its docstring.
         """
         check_answers(self.address)  # before minutes of SFT, not after
         if self.resume:  # likewise
-            self._run_dir = self.runs.to_resume()
-            self._resumed = self.checkpoints.latest()
+            latest = self.runs.latest()
+            self._run_dir, self._resumed = self.runs.to_resume(steps=self.config.train.steps)
+            if latest is not None and latest.name != self._run_dir.name:
+                self.say(f"--resume: {latest.name} ended before its first checkpoint; continuing {self._run_dir.name}")
         c = self.config
         if c.sft is not None:  # likewise, and before Ray starts
             splits = generate_splits(c.data.arithmetic)
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
                                max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings)
+        make_output_dir(self.output_dir)
         with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
               importable(self.module_dirs)):
             worker_env = self._log.worker_env() | worker_python_path(self.module_dirs)

@@ -45,17 +45,27 @@ def test_a_config_files_own_errors_come_before_torch_imports(tmp_path: Path) -> 
     (tmp_path / "bad.toml").write_text("steps = [\n")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     (tmp_path / "run.json").write_text("{}")
+    (tmp_path / "bad.yaml").write_text("train:\n  steps: 2\n  lr: a: 1\n")
+    (tmp_path / "tab.yml").write_text("train:\n\tsteps: 2\n")
+    (tmp_path / "configs").mkdir()
     paths = [str(tmp_path / "missing.toml"), str(tmp_path / "bad.toml"), str(tmp_path / "list.yaml"),
-             str(tmp_path / "run.json")]
+             str(tmp_path / "run.json"), str(tmp_path / "bad.yaml"), str(tmp_path / "tab.yml"),
+             str(tmp_path / "configs")]
     done = subprocess.run([sys.executable, "-c", _FILE_ERRORS, *paths], cwd=ROOT, capture_output=True, text=True,
                           check=True, timeout=120)
-    assert done.stdout.splitlines() == ["RC 2"] * 4 + ["HEAVY []"]  # nor does `from channels import ...`
+    assert done.stdout.splitlines() == ["RC 2"] * 7 + ["HEAVY []"]  # nor does `from channels import ...`
     errors = done.stderr.splitlines()
     assert errors == [
         f"asyncflow: configuration error: config file {paths[0]} does not exist",
         f"asyncflow: configuration error: {paths[1]}: not valid TOML: Invalid value (at end of document)",
         f"asyncflow: configuration error: {paths[2]}: the file must hold a table of keys, not a list",
         f"asyncflow: configuration error: config {paths[3]} must end in .toml, .yaml or .yml",
+        # PyYAML's problem and its place, on one line
+        f"asyncflow: configuration error: {paths[4]}: not valid YAML: mapping values are not allowed in this "
+        "context (line 3, column 8)",
+        f"asyncflow: configuration error: {paths[5]}: not valid YAML: found character that cannot start any "
+        "token (line 2, column 1)",
+        f"asyncflow: configuration error: config {paths[6]} is a directory; name a .toml or .yaml file",
     ]
 
 

@@ -83,6 +83,31 @@ def test_clean_deletes_the_runs_and_keeps_the_caches(tmp_path: Path) -> None:
     assert runs.new().name == "version_0"
 
 
+def _checkpoint(run: Path, step: int) -> Path:
+    """A complete checkpoint of ``run`` at ``step`` (its state file: what makes one complete)."""
+    path = run / "checkpoints" / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    (path / "state.json").write_text(f'{{"step": {step}}}')
+    return path
+
+
+def test_resume_continues_the_newest_run_with_a_checkpoint(tmp_path: Path) -> None:
+    runs = RunDirs(tmp_path)
+    with pytest.raises(ConfigError, match="--resume: no run under"):
+        runs.to_resume(steps=10)
+    first = runs.new()
+    with pytest.raises(ConfigError, match=rf"--resume: no complete checkpoint under {first / 'checkpoints'};"):
+        runs.to_resume(steps=10)
+    kept = _checkpoint(first, 4)
+    second, third = runs.new(), runs.new()  # both ended before their first checkpoint
+    assert runs.to_resume(steps=10) == (first, kept)
+    assert os.readlink(tmp_path / "latest") == "version_0"  # latest links the run resumed again
+    assert runs.to_resume(steps=10) == (first, kept)
+    newer = _checkpoint(second, 2)
+    assert runs.to_resume(steps=10) == (second, newer)
+    assert os.readlink(tmp_path / "latest") == "version_1" and third.is_dir()  # nothing deleted
+
+
 def test_resume_and_clean_together_are_refused(tmp_path: Path) -> None:
     config = load_config(_sft_job(tmp_path), {})
     with pytest.raises(ConfigError, match="--clean would delete the run --resume continues"):
@@ -102,6 +127,34 @@ def test_resume_without_a_run_is_refused_before_the_sft_warm_start(tmp_path: Pat
         "asyncflow: configuration error: --resume: no complete checkpoint under "
         f"{tmp_path / 'out' / 'version_0' / 'checkpoints'}; start a new run without --resume\n")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["latest", "version_0"]  # no SFT model
+
+
+def test_resume_past_the_configured_steps_is_refused_before_anything_starts(tmp_path: Path, capsys, no_sft) -> None:
+    job = _sft_job(tmp_path)
+    step = _checkpoint(tmp_path / "out" / "version_0", 6)
+    assert main(["train", str(job), "--resume", "--set", "train.steps=2"]) == 2
+    assert capsys.readouterr().err == (f"asyncflow: configuration error: --resume: {step} is step 6, past "
+                                       "train.steps = 2; raise train.steps to train on\n")
+
+
+@pytest.mark.parametrize(("where", "said"), [
+    ("a file", "is a file, not a directory"),
+    ("under a file", "lies under a file, not a directory"),
+    ("/sys/asyncflow-out", "cannot be made: "),  # then the system's reason (EPERM as root, else EACCES)
+])
+def test_an_output_dir_that_cannot_be_a_directory_is_named_before_anything_starts(
+        tmp_path: Path, capsys, no_sft, where: str, said: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = {"a file": afile, "under a file": afile / "out"}.get(where, Path(where))
+    job = _sft_job(tmp_path)
+    for command in (["train", str(job)], ["sft", str(job)]):
+        assert main([*command, "--set", f"output_dir={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"asyncflow: configuration error: output_dir = '{out}' {said}"), err
+        assert err.endswith("; name a directory\n" if where != "/sys/asyncflow-out"
+                            else "; name a directory this user may write\n"), err
+        assert err.count("\n") == 1, err  # one line, no traceback
 
 
 def test_sft_warm_starts_with_other_settings_keep_their_own_directories(tmp_path: Path, monkeypatch) -> None:

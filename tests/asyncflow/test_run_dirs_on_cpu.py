@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncflow.cli import main
-from asyncflow.train import CheckpointDir, read_metrics
+from asyncflow.train import CheckpointDir, RunDirs, read_metrics
 from disk_faults import FAILING_CHECKPOINT, FAILING_EXPORT, state_json_on_a_full_disk
 from support import config_file
 from tiny_runs import grpo_toml, save_model
@@ -107,8 +107,12 @@ def test_a_full_disk_ends_the_run_in_one_line_and_resume_goes_on(tmp_path, model
     kept = CheckpointDir(run / "checkpoints").latest()
     assert kept.name == (run / "checkpoints" / "latest").read_text()
 
+    RunDirs(tmp_path / "run").new()  # a run that ended before its first checkpoint (a late config error)
     assert main(["train", str(config), "--resume", "--no-progress", "--set", f"reward.function={PLAIN}"]) == 0
-    assert f"resuming from {kept} (step {CheckpointDir.state(kept)['step']})" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--resume: version_1 ended before its first checkpoint; continuing version_0" in out
+    assert f"resuming from {kept} (step {CheckpointDir.state(kept)['step']})" in out
+    assert os.readlink(tmp_path / "run" / "latest") == "version_0"
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
     assert (run / "policy" / "config.json").is_file() and not list(run.rglob(".tmp_*"))
 

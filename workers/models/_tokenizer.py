@@ -224,10 +224,13 @@ class CharTokenizer:
             The tokenizer.
 
         Raises:
-            ValueError: If the files do not describe a symbol-level tokenizer with this
-                module's special tokens.
+            ConfigError: If ``directory`` holds no ``tokenizer.json``, or its files do
+                not describe a symbol-level tokenizer with this module's special tokens.
         """
         path = Path(directory)
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"{path} holds no tokenizer.json: the character tokenizer of the arithmetic task "
+                              "is saved beside its model (CharTokenizer.save_pretrained, as the SFT warm start does)")
         spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
         vocab: dict[str, int] = spec.get("model", {}).get("vocab", {})
         tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]

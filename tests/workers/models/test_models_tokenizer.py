@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from channels import ConfigError
 from workers.models import CharTokenizer, CharTokenizerConfig
 from workers.models._tokenizer import ARITHMETIC_SYMBOLS
 
@@ -112,6 +113,12 @@ def test_multi_character_symbols_take_the_longest_match(tmp_path: Path) -> None:
 
 def test_from_pretrained_restores_the_config(saved: Path) -> None:
     assert CharTokenizer.from_pretrained(saved).config == CharTokenizerConfig()
+
+
+def test_a_directory_without_the_tokenizer_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a model's directory, saved without its tokenizer
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} holds no tokenizer.json: the character tokenizer"):
+        CharTokenizer.from_pretrained(tmp_path)
 
 
 @settings(max_examples=60, deadline=None)
