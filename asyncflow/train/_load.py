@@ -8,6 +8,7 @@ all before any Ray or SFT work.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
         with importable(module_dirs(path)):  # where the run will import the config's modules from
             validate(config)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{path}: {_with_valid_keys(_name_the_key(str(e)), data)}") from e
+        message = _with_valid_keys(_name_the_key(str(e)), data)
+        raise ConfigError(f"{_given_by(path, str(e), overrides or {})}: {message}") from e
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
     return config
@@ -155,6 +157,23 @@ def _name_the_key(message: str) -> str:
     Other messages, and sections inside a table (``$.pools[...]``), stay as they are."""
     m = _AT_SECTION.fullmatch(message)
     return f"{m['section']}.{m['field']}{m['rest']}" if m else message
+
+
+def _given_by(path: Path, message: str, overrides: dict[str, object]) -> str:
+    """Where the value msgspec refused (``- at `$.actor.lr```) came from: the
+    ``--set`` that gave it (its value as typed, and a note where a value that is
+    not JSON was read as a string), else the file."""
+    at = re.search(r"at `\$\.([^`]+)`", message)
+    if at is None:
+        return str(path)
+    where = re.escape(at[1]).replace(re.escape("[...]"), r"\.[^.]+")  # a table's entry: any name
+    for key, value in overrides.items():
+        if re.fullmatch(where, key) or at[1].startswith((f"{key}.", f"{key}[")):
+            if not isinstance(value, str):
+                return f"--set {key}={json.dumps(value)}"
+            note = " (not JSON: read as a string)" if "got `str`" in message else ""
+            return f"--set {key}={value}{note}"
+    return str(path)
 
 
 def _set(data: dict[str, object], dotted: str, value: object) -> None:

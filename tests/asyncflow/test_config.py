@@ -238,6 +238,18 @@ def test_overrides_are_checked_like_the_file(tmp_path: Path, model_dir: str, not
     assert "placement.actor.p" in capsys.readouterr().err
     assert main(["train", str(path), "--set", "actor.lr"]) == 2
     assert "--set expects key=value" in capsys.readouterr().err
+    # A value of the wrong type is named by the --set that gave it, as typed, not by the file.
+    for pair, said in [
+        ("actor.lr=1e-3x", "--set actor.lr=1e-3x (not JSON: read as a string): Expected `float`, got `str` - at "
+                           "`$.actor.lr`"),
+        ("algorithm.sampling={n: 2", "--set algorithm.sampling={n: 2 (not JSON: read as a string): Expected "
+                                     "`object`, got `str` - at `$.algorithm.sampling`"),
+        ("train.steps=[1]", "--set train.steps=[1]: Expected `int`, got `array` - at `$.train.steps`"),
+        ("pools.main.devices=two", "--set pools.main.devices=two (not JSON: read as a string): Expected `int`, "
+                                   "got `str` - at `$.pools[...].devices`"),
+    ]:
+        assert main(["train", str(path), "--set", pair]) == 2
+        assert capsys.readouterr().err == f"asyncflow: configuration error: {said}\n"
 
 
 def test_reward_function_is_imported_from_the_tests_and_the_working_directory(
