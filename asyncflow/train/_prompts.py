@@ -79,7 +79,9 @@ class ArithmeticPrompts:
         tokenizer = CharTokenizer.from_pretrained(model_dir)
         limit = read_architecture(model_dir).max_position_embeddings
         problems = list(splits.train) + list(splits.eval)
-        check_fits_context(problems, tokenizer, max_new_tokens=max_new_tokens, max_positions=limit)
+        check_fits_context(problems, tokenizer, max_new_tokens=max_new_tokens, max_positions=limit,
+                           fix=f"lower {response_key(config)} or data.arithmetic.digits, or start from a model "
+                               "with a longer context")
         widths = batch_widths(problems, tokenizer)
         return cls(train=list(splits.train), eval=list(splits.eval)[: config.train.eval_size],
                    tokenizer=tokenizer, context=widths[0] + max_new_tokens, widths=widths)
@@ -111,15 +113,21 @@ class FilePrompts:
 
     @classmethod
     def build(cls, config: RunConfig, model_dir: str, max_new_tokens: int) -> FilePrompts:
-        d = config.data
+        d, response = config.data, f"{response_key(config)} ({max_new_tokens})"
         limit = read_architecture(model_dir).max_position_embeddings
-        budget = d.max_prompt_tokens or limit - max_new_tokens
-        if budget < 1 or budget + max_new_tokens > limit:
-            raise ConfigError(f"data.max_prompt_tokens ({budget}) + max_new_tokens ({max_new_tokens}) must fit the "
-                              f"model's context of {limit} tokens; lower one of them")
+        if d.max_prompt_tokens:
+            budget, longer = d.max_prompt_tokens, "raise data.max_prompt_tokens or shorten the prompts"
+            if budget + max_new_tokens > limit:
+                raise ConfigError(f"data.max_prompt_tokens ({budget}) + {response} is more than the model's context "
+                                  f"of {limit} tokens; lower one of them")
+        else:  # the prompts get what the responses leave of the context
+            budget, longer = limit - max_new_tokens, f"lower {response} or shorten the prompts"
+            if budget < 1:
+                raise ConfigError(f"{response} leaves no room for a prompt in the model's context of {limit} "
+                                  "tokens; lower it")
         tokenizer = load_prompt_tokenizer(model_dir)
         sets = [PromptDataset.from_rows(load_rows(file, key=key), tokenizer, prompt_field=d.prompt,
-                                        max_prompt_tokens=budget, key=key, source=file)
+                                        max_prompt_tokens=budget, key=key, source=file, longer=longer)
                 for key, file in (("data.train", d.train), ("data.eval", d.eval))]
         train, held_out = sets
         return cls(train=train, eval=held_out, eval_rows=list(range(min(len(held_out), config.train.eval_size))),
@@ -141,10 +149,27 @@ class FilePrompts:
 
 
 def run_prompts(config: RunConfig, model_dir: str, max_new_tokens: int) -> RunPrompts:
-    """The run's prompts, from ``[data]``'s source."""
+    """The run's prompts, from ``[data]``'s source.
+
+    Raises:
+        ConfigError: a prompt does not fit the model's context with the responses,
+            or a step takes more prompts (``train.prompts_per_step``) than there are.
+    """
+    prompts: RunPrompts
     if config.data.kind == "files":
-        return FilePrompts.build(config, model_dir, max_new_tokens)
-    return ArithmeticPrompts.build(config, model_dir, max_new_tokens)
+        prompts, source = FilePrompts.build(config, model_dir, max_new_tokens), f"data.train = '{config.data.train}'"
+    else:
+        prompts, source = ArithmeticPrompts.build(config, model_dir, max_new_tokens), "data.arithmetic.train_size"
+    if config.train.prompts_per_step > prompts.train_size:
+        raise ConfigError(f"train.prompts_per_step = {config.train.prompts_per_step} is more than the "
+                          f"{prompts.train_size} training prompts ({source}); lower it or give more prompts")
+    return prompts
+
+
+def response_key(config: RunConfig) -> str:
+    """The key that sets how many tokens follow a prompt
+    (:func:`~asyncflow.train._config.response_width`)."""
+    return "[env] max_tokens" if config.env is not None else "algorithm.sampling.max_new_tokens"
 
 
 class TrainBatches:

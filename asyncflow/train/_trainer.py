@@ -42,7 +42,7 @@ from asyncflow.train._metrics import (
     read_metrics,
     truncate_after,
 )
-from asyncflow.train._prompts import RunPrompts, TrainBatches, run_prompts
+from asyncflow.train._prompts import RunPrompts, TrainBatches, response_key, run_prompts
 from asyncflow.train._quiet import RunLog
 from asyncflow.train._ray_ahead import ray_started_ahead
 from asyncflow.train._roles import role_specs
@@ -175,7 +175,9 @@ class Trainer:
         if c.sft is not None:  # likewise, and before Ray starts
             splits = generate_splits(c.data.arithmetic)
             check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
-                               max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings)
+                               max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings,
+                               fix=f"raise sft.model.max_position_embeddings, or lower {response_key(c)} or "
+                                   "data.arithmetic.digits")
         make_output_dir(self.output_dir)
         with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
               importable(self.module_dirs)):

@@ -155,6 +155,7 @@ def check_fits_context(
     *,
     max_new_tokens: int,
     max_positions: int,
+    fix: str = "raise TinyModelConfig.max_position_embeddings or lower ArithmeticTaskConfig.digits",
 ) -> None:
     """Check that every prompt plus ``max_new_tokens`` fits the model's context.
 
@@ -163,9 +164,10 @@ def check_fits_context(
         tokenizer: The model's tokenizer.
         max_new_tokens: Tokens generated (or trained on) after the prompt.
         max_positions: The model's ``max_position_embeddings``.
+        fix: What to change, in the caller's terms (its configuration's keys).
 
     Raises:
-        ConfigError: Naming the longest prompt and the settings to change.
+        ConfigError: Naming the longest prompt and ``fix``.
     """
     longest = max(problems, key=lambda problem: len(problem.prompt), default=None)
     if longest is None:
@@ -175,8 +177,7 @@ def check_fits_context(
         raise ConfigError(
             f"prompt {longest.prompt!r} has {length} tokens; with {max_new_tokens} answer tokens "
             f"that is {length + max_new_tokens} > the model's max_position_embeddings="
-            f"{max_positions}; raise TinyModelConfig.max_position_embeddings or lower "
-            "ArithmeticTaskConfig.digits"
+            f"{max_positions}; {fix}"
         )
 
 

@@ -84,7 +84,8 @@ class PromptDataset:
 
     @classmethod
     def from_rows(cls, rows: Sequence[Mapping[str, Any]], tokenizer: PromptTokenizer, *, prompt_field: str,
-                  max_prompt_tokens: int, key: str, source: str) -> PromptDataset:
+                  max_prompt_tokens: int, key: str, source: str,
+                  longer: str = "raise the prompt length limit or shorten the prompts") -> PromptDataset:
         """Tokenize the prompts of ``rows``, dropping (and counting) those longer than
         ``max_prompt_tokens``.
 
@@ -100,6 +101,8 @@ class PromptDataset:
                 the chat template included).
             key: the config key of the file (``data.train``), for messages.
             source: the file, for messages.
+            longer: what to change when no prompt is within ``max_prompt_tokens``,
+                in the caller's terms (its configuration's keys).
 
         Returns:
             The dataset.
@@ -129,7 +132,7 @@ class PromptDataset:
                 kept.append(number - 1)
         if not kept:
             raise ConfigError(f"{where}: all {len(rows)} prompts are longer than {max_prompt_tokens} tokens (the "
-                              f"shortest has {shortest}); raise the prompt length limit or shorten the prompts")
+                              f"shortest has {shortest}); {longer}")
         kinds = {f: _kind([row[f] for row in rows]) for f in fields}
         columns = {f: _carried_values([rows[i][f] for i in kept], kinds[f], [i + 1 for i in kept], f, where)
                    for f in fields}
