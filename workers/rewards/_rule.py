@@ -42,6 +42,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +107,7 @@ def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") ->
         first = str(e).splitlines()[0] if str(e) else ""
         raise ConfigError(
             f"{key} = {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {first}; "
-            "put the module beside the config file or in the working directory, or on PYTHONPATH"
+            + _import_fix(e, module_name)
         ) from None
     for part in attr_path.split("."):
         if not hasattr(target, part):
@@ -118,6 +119,21 @@ def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") ->
                           "fn(prompts, completions, **columns) -> list[float]")
     return target
 
+
+
+def _import_fix(error: Exception, module_name: str) -> str:
+    """What to do about ``module_name`` failing to import with ``error``: put it where
+    it is found when it was not, else fix where its own import failed."""
+    missing = error.name if isinstance(error, ModuleNotFoundError) else None
+    if missing is not None and (module_name == missing or module_name.startswith(f"{missing}.")):
+        return "put the module beside the config file or in the working directory, or on PYTHONPATH"
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"the module was found, but {error.filename}:{error.lineno} is not valid Python; fix it"
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "importlib" not in f.filename]
+    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    if missing is not None:
+        return f"the module was found, but it imports {missing!r}, which is not installed{at}; install it"
+    return f"the module was found, but running it failed{at}; fix it"
 
 
 def _check_weight(key: str, w: object) -> float:

@@ -160,6 +160,27 @@ def test_load_reward_fn_by_import_path_and_its_errors() -> None:
         load_reward_fn("workers.rewards:DEFAULT_REWARD_FN")
 
 
+@pytest.mark.parametrize(("source", "fix"), [
+    ("import af_not_installed_xyz\n",
+     r"ModuleNotFoundError: No module named 'af_not_installed_xyz'; the module was found, but it imports "
+     r"'af_not_installed_xyz', which is not installed \({module}:1\); install it$"),
+    ("x = 1\nraise RuntimeError('no classifier')\n",
+     r"RuntimeError: no classifier; the module was found, but running it failed \({module}:2\); fix it$"),
+    ("def f(:\n", r"SyntaxError: .*; the module was found, but {module}:1 is not valid Python; fix it$"),
+])
+def test_a_module_that_fails_to_import_is_told_apart_from_one_not_found(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, fix: str) -> None:
+    module = tmp_path / "af_failing_reward.py"
+    module.write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^RuleRewardConfig.fn = 'af_failing_reward:f': cannot import module "
+                                          r"'af_failing_reward': " + fix.format(module=module)):
+        load_reward_fn("af_failing_reward:f")
+    with pytest.raises(ConfigError, match=r"No module named 'af_absent_reward'; put the module beside the config "
+                                          r"file or in the working directory, or on PYTHONPATH$"):
+        load_reward_fn("af_absent_reward:f")
+
+
 def test_config_checks_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"RuleRewardConfig\.fn"):
         RuleRewardConfig(fn="no_colon", tokenizer_dir="x")
