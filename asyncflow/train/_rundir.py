@@ -15,9 +15,12 @@ of what made it, so that runs with other settings never overwrite it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
+
+import msgspec
 
 from asyncflow.train._checkpoint import CheckpointDir
 from channels import ConfigError
@@ -122,6 +125,42 @@ class RunDirs:
         for path in runs:
             shutil.rmtree(path)
         return runs
+
+
+SETTINGS = "run_config.json"
+"""The file in a run's directory holding the settings it started with."""
+
+FREE_ON_RESUME = ("output_dir", "train.steps", "train.max_seconds", "train.checkpoint_every",
+                  "train.keep_checkpoints", "train.trace_steps", "train.export_hf", "train.eval_every")
+"""Settings a resumed run may change without changing what it computes: its budget,
+where and how often it writes, what it traces."""
+
+
+def save_settings(run: Path, config: object) -> None:
+    """Keep ``config`` (a run configuration) in ``run``'s directory, for ``--resume``
+    to compare (:func:`changed_settings`)."""
+    (run / SETTINGS).write_text(json.dumps(msgspec.to_builtins(config), indent=1, sort_keys=True) + "\n")
+
+
+def changed_settings(run: Path, config: object) -> list[str]:
+    """The settings of ``config`` other than those ``run`` started with, as ``"key:
+    old -> new"``, but for :data:`FREE_ON_RESUME`; none where the run kept none."""
+    path = run / SETTINGS
+    if not path.is_file():
+        return []
+    old = _flat(json.loads(path.read_text()))
+    new = _flat(json.loads(json.dumps(msgspec.to_builtins(config))))
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key) and not key.startswith(FREE_ON_RESUME)]
+
+
+def _flat(table: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(table, dict):
+        return {prefix: table}
+    out: dict[str, object] = {}
+    for key, value in table.items():
+        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {f"{prefix}{key}": value}
+    return out
 
 
 def make_output_dir(output_dir: Path) -> None:

@@ -46,7 +46,7 @@ from asyncflow.train._prompts import RunPrompts, TrainBatches, response_key, run
 from asyncflow.train._quiet import RunLog
 from asyncflow.train._ray_ahead import ray_started_ahead
 from asyncflow.train._roles import role_specs
-from asyncflow.train._rundir import RunDirs, make_output_dir
+from asyncflow.train._rundir import RunDirs, changed_settings, make_output_dir, save_settings
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from asyncflow.train._start_model import starting_model
 from asyncflow.train._user_modules import importable, worker_python_path
@@ -149,6 +149,7 @@ class Trainer:
         if self.clean and (gone := self.runs.clean()):
             self.say(f"--clean: deleted {len(gone)} earlier run(s) under {self.output_dir}")
         self._run_dir = self.runs.new()
+        save_settings(self._run_dir, self.config)
         if self._log is not None:
             self._log.move_into(self._run_dir)
         self.say(f"run directory: {self.run_dir}")
@@ -171,6 +172,9 @@ class Trainer:
             self._run_dir, self._resumed = self.runs.to_resume(steps=self.config.train.steps)
             if latest is not None and latest.name != self._run_dir.name:
                 self.say(f"--resume: {latest.name} ended before its first checkpoint; continuing {self._run_dir.name}")
+            if changed := changed_settings(self._run_dir, self.config):
+                self.say(f"warning: --resume with other settings than {self._run_dir.name} started with "
+                         f"({'; '.join(changed)}): the run will not repeat the uninterrupted one")
         c = self.config
         if c.sft is not None:  # likewise, and before Ray starts
             splits = generate_splits(c.data.arithmetic)

@@ -18,6 +18,7 @@ from asyncflow import RemoteStageError
 from asyncflow.cli import main
 from asyncflow.train import CheckpointDir, CheckpointError, RunDirs, Trainer, load_config
 from asyncflow.train._checkpoint import staged
+from asyncflow.train._rundir import changed_settings, save_settings
 from channels import ConfigError
 from disk_faults import enospc, state_json_on_a_full_disk
 
@@ -106,6 +107,20 @@ def test_resume_continues_the_newest_run_with_a_checkpoint(tmp_path: Path) -> No
     newer = _checkpoint(second, 2)
     assert runs.to_resume(steps=10) == (second, newer)
     assert os.readlink(tmp_path / "latest") == "version_1" and third.is_dir()  # nothing deleted
+
+
+def test_a_run_keeps_its_settings_and_a_resume_names_those_it_changes(tmp_path: Path) -> None:
+    job = _sft_job(tmp_path)
+    run = RunDirs(tmp_path / "out").new()
+    assert changed_settings(run, load_config(job, {})) == []  # a run from before settings were kept
+    save_settings(run, load_config(job, {}))
+    assert changed_settings(run, load_config(job, {})) == []
+    # The budget, checkpoints and traces may change; what the run computes may not unnoticed.
+    again = load_config(job, {"train.steps": 50, "train.checkpoint_every": 5, "train.max_seconds": 10.0})
+    assert changed_settings(run, again) == []
+    other = load_config(job, {"seed": 99, "algorithm.policy.kl_coef": 0.1, "data.arithmetic.train_size": 30})
+    assert changed_settings(run, other) == ["algorithm.policy.kl_coef: 0.0 -> 0.1", "data.arithmetic.train_size: 40 -> 30",
+                                            "seed: 0 -> 99"]
 
 
 def test_resume_and_clean_together_are_refused(tmp_path: Path) -> None:

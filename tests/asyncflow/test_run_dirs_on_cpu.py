@@ -111,6 +111,9 @@ def test_a_full_disk_ends_the_run_in_one_line_and_resume_goes_on(tmp_path, model
     assert main(["train", str(config), "--resume", "--no-progress", "--set", f"reward.function={PLAIN}"]) == 0
     out = capsys.readouterr().out
     assert "--resume: version_1 ended before its first checkpoint; continuing version_0" in out
+    # The run kept its settings: a resume with another reward function is told it changed them.
+    warned = f"warning: --resume with other settings than version_0 started with (reward.function: '{reward}' -> "
+    assert (warned in out) == (reward != PLAIN), out
     assert f"resuming from {kept} (step {CheckpointDir.state(kept)['step']})" in out
     assert os.readlink(tmp_path / "run" / "latest") == "version_0"
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
