@@ -17,37 +17,31 @@ from channels import ConfigError
 from support_hf import save_tiny_hf_llama
 from workers.models import TinyModelConfig, save_tiny_model
 
-ARITHMETIC = """
-output_dir = "{out}"
+RUN = """
+output_dir = "{{out}}"
 [model]
-path = "{model}"
-[data.arithmetic]
-digits = 1
-train_size = 12
-eval_size = 4
+path = "{{model}}"
 [train]
 steps = 1
 prompts_per_step = 4
 [algorithm]
 name = "grpo"
-sampling = {{ n = 2, max_new_tokens = 3 }}
+sampling = {{{{ n = 2, max_new_tokens = {new} }}}}
 """
 
-FILES = """
-output_dir = "{out}"
-[model]
-path = "{model}"
+ARITHMETIC = RUN.format(new=3) + """
+[data.arithmetic]
+digits = 1
+train_size = 12
+eval_size = 4
+"""
+
+FILES = RUN.format(new=4) + """
 [data]
 train = "{train}"
 eval = "{train}"
 [reward]
 function = "workers.rewards:exact_match"
-[train]
-steps = 1
-prompts_per_step = 4
-[algorithm]
-name = "grpo"
-sampling = {{ n = 2, max_new_tokens = 4 }}
 """
 
 
