@@ -18,7 +18,8 @@ _EXPORTS = {
     "channels._batch": ("Batch", "dtype_name"),
     "channels._channel": ("ChannelStatistics", "ReceiveChannel", "SendChannel", "open_channel"),
     "channels._errors": ("AsyncflowError", "BrokenResourceError", "ChannelError", "ClosedResourceError", "ConfigError",
-        "EndOfStream", "MissingFieldError", "SchemaError", "SenderDiedError", "TransportError", "WouldBlock"),
+        "EndOfStream", "MissingFieldError", "SchemaError", "SenderDiedError", "TransportError", "USER_CODE_ERRORS",
+        "WouldBlock"),
     "channels._layout": ("Coords", "GenCoords", "GenerationLayout", "Grouping", "Layout"),
     "channels._metrics": ("Metrics", "reduce_metrics"),
     "channels._pack": ("Packed", "pack", "unpack"),
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
         open_channel,
     )
     from channels._errors import (
+        USER_CODE_ERRORS,
         AsyncflowError,
         BrokenResourceError,
         ChannelError,

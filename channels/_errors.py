@@ -54,3 +54,9 @@ class WouldBlock(ChannelError):
 class SenderDiedError(BrokenResourceError):
     """The process that owns a remote channel's buffer (its sending side) died; the
     message carries Ray's account of the death."""
+
+
+USER_CODE_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit, KeyboardInterrupt)
+"""What user code (a role method, a reward function, an environment) may raise that
+ends the call it runs in, not the process: ``sys.exit()`` or a ``KeyboardInterrupt``
+raised in a worker's compute thread is the user's error, reported like any other."""

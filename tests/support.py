@@ -229,8 +229,12 @@ class Faulty(Role):
     """Raises on one rank."""
 
     @register(protocol=DP(), reads=("x",), writes=("x",))
-    def boom(self, batch: Batch, *, on_rank: int) -> dict[str, torch.Tensor]:
+    def boom(self, batch: Batch, *, on_rank: int, how: str = "raise") -> dict[str, torch.Tensor]:
         if self.ctx.rank == on_rank:
+            if how == "exit":
+                sys.exit(3)  # the user's code ending "the program": here, its call
+            if how == "interrupt":
+                raise KeyboardInterrupt
             raise ValueError(f"bad row block on rank {self.ctx.rank}")
         return {"x": batch["x"]}
 

@@ -137,6 +137,23 @@ def test_a_call_whose_arguments_do_not_load_leaves_no_send_waiting(env) -> None:
     assert torch.equal(out["idx"], torch.arange(12))
 
 
+@pytest.mark.parametrize(("how", "raised"), [("exit", "SystemExit: 3"), ("interrupt", "KeyboardInterrupt")])
+def test_a_method_that_exits_fails_its_call_and_the_rank_goes_on(env, how: str, raised: str) -> None:
+    lt, session, roles = env
+
+    async def main():
+        src = await session.put({"idx": torch.arange(9)}, pool=P4)
+        made = roles.producer.produce(src, width=4)
+        with pytest.raises(af.RemoteStageError) as info:  # not a call left unanswered
+            await asyncio.wait_for(roles.faulty.boom(made, on_rank=1, how=how), 120)
+        return info.value, await asyncio.wait_for(roles.faulty.boom(made, on_rank=-1), 120)
+
+    err, after = lt.run(main())
+    assert (err.role, err.method, err.rank) == ("faulty", "boom", 1)
+    assert raised in str(err), str(err)
+    assert after.num_rows == 9  # the rank's compute thread lives on
+
+
 def test_token_balanced_split_keeps_groups_and_returns_rows_in_order(env) -> None:
     lt, session, roles = env
 

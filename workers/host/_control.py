@@ -41,6 +41,8 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+from workers.host._call import RankError
+
 logger = logging.getLogger(__name__)
 
 ACCEPT_S = 120.0
@@ -164,6 +166,8 @@ class ControlServer:
                 result = self._execute(call, *fetched)
             except Exception as e:
                 self._answer(request, False, e)
+            except BaseException as e:  # never end the thread unanswered: the call would wait forever
+                self._answer(request, False, RankError.from_exception(e, peer_failure=False))
             else:
                 self._answer(request, True, result)
 

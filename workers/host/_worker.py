@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from channels import (
     CHANNEL_CONCURRENCY_GROUPS,
+    USER_CODE_ERRORS,
     Batch,
     ChannelHost,
     Layout,
@@ -328,8 +329,8 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
             pieces = ungroup([p for plan in plans for p in plan.pieces], self.index,
                              [unpack(layout, buffers) for layout, buffers in received])
             result = self._execute(spec, kwargs, transforms, pieces, traced)
-        except Exception as e:
-            peer = _groups.is_peer_failure(e)
+        except USER_CODE_ERRORS as e:  # sys.exit() in a method is its error, not this thread's end
+            peer = isinstance(e, Exception) and _groups.is_peer_failure(e)
             _meshes.poison_all()
             raise RankError.from_exception(e, peer_failure=peer) from None
         if traced is None:

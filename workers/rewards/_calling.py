@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from channels import AsyncflowError, SchemaError
+from channels import USER_CODE_ERRORS, AsyncflowError, SchemaError
 
 RewardFn = Callable[..., "Sequence[float] | Awaitable[Sequence[float]]"]
 """A batched rule reward: ``fn(prompts=..., completions=..., **columns)`` or
@@ -191,17 +191,17 @@ class RewardFunction:
         self.check_columns(list(batch.columns))
         try:
             out = self._invoke(batch)
-        except Exception as e:
+        except USER_CODE_ERRORS as e:  # sys.exit() included: the function's error
             raise self._locate_failure(batch, e) from e
         return self._check_scores(out, len(batch.prompts))
 
-    def _locate_failure(self, batch: RewardBatch, batch_error: Exception) -> RewardFunctionError:
+    def _locate_failure(self, batch: RewardBatch, batch_error: BaseException) -> RewardFunctionError:
         """Call the function one sample at a time; the first failure names the sample."""
         n = len(batch.prompts)
         for i in range(n):
             try:
                 self._invoke(batch.row(i))
-            except Exception as e:
+            except USER_CODE_ERRORS as e:
                 uid = None if batch.uids is None else batch.uids[i]
                 if self.style == "positional":
                     text = (f"prompt={_excerpt(batch.prompts[i])} response={_excerpt(batch.completions[i])} "

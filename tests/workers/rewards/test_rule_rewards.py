@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,19 @@ def test_fn_gets_the_documented_arguments_and_may_return_arrays(tokenizer_dir: s
 
 def _raises_on_seven(prompts, responses, answers):
     return [1.0 / (r != "7") for r in responses]
+
+
+def _exits_on_seven(prompts, responses, answers):
+    if "7" in responses:
+        sys.exit("seven")
+    return [1.0] * len(responses)
+
+
+def test_a_fn_that_exits_is_named_like_one_that_raises(tokenizer_dir: str) -> None:
+    inputs = make_inputs(["1=", "2=", "3=", "4="], ["1", "2", "7", "7"], ["1", "2", "3", "4"])
+    with pytest.raises(RewardFunctionError, match=r"_exits_on_seven raised on sample 2 of the 4 on this rank \(uid 102\): "
+                                                  r"SystemExit: seven; "):
+        _scorer(_exits_on_seven, tokenizer_dir)(inputs)
 
 
 def test_a_raising_fn_names_itself_and_the_first_failing_sample(tokenizer_dir: str) -> None:
