@@ -249,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0, 2 for a configuration error, 1 for any other asyncflow error.
+        The exit code: 0, 2 for a configuration error, 1 for any other asyncflow error,
+        130 for a Ctrl-C outside the RL steps (whose own handling keeps a checkpoint).
     """
     args = _parser().parse_args(argv)
     # One progress bar (ours): none from the Hugging Face libraries here, whose
@@ -266,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except AsyncflowError as e:
         return _report(e, debug=args.debug)
+    except KeyboardInterrupt:  # before or after the RL steps: nothing of a run's is lost here
+        if args.debug:
+            raise
+        print(f"asyncflow: interrupted (Ctrl-C) during `asyncflow {args.command}`", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -123,6 +123,19 @@ def test_a_run_keeps_its_settings_and_a_resume_names_those_it_changes(tmp_path: 
                                             "seed: 0 -> 99"]
 
 
+def test_a_ctrl_c_outside_the_rl_steps_ends_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    import asyncflow.cli as cli
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt  # as Ctrl-C during the start-up, an SFT warm start or the last evaluation
+
+    monkeypatch.setattr(cli, "_sft", interrupted)
+    assert main(["sft", str(_sft_job(tmp_path))]) == 130
+    assert capsys.readouterr().err == "asyncflow: interrupted (Ctrl-C) during `asyncflow sft`\n"
+    with pytest.raises(KeyboardInterrupt):  # --debug shows where
+        main(["sft", str(_sft_job(tmp_path)), "--debug"])
+
+
 def test_resume_and_clean_together_are_refused(tmp_path: Path) -> None:
     config = load_config(_sft_job(tmp_path), {})
     with pytest.raises(ConfigError, match="--clean would delete the run --resume continues"):
