@@ -14,6 +14,7 @@ of what made it, so that runs with other settings never overwrite it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -121,10 +122,68 @@ class RunDirs:
             The deleted directories.
         """
         runs = self.versions()
+        self.refuse_busy()
         (self.root / LATEST).unlink(missing_ok=True)
         for path in runs:
             shutil.rmtree(path)
         return runs
+
+    def refuse_busy(self) -> None:
+        """Raise :class:`ConfigError` when a run under ``output_dir`` is in use by
+        another process (:class:`RunLock`): ``--clean`` would delete it under it."""
+        for run in self.versions():
+            if (holder := RunLock.holder(run)) is not None:
+                raise ConfigError(f"--clean: {run} is in use by another asyncflow run (process {holder}); "
+                                  "wait for it to end or stop it")
+
+
+class RunLock:
+    """The lock a run holds on its directory while it writes there, so that a second
+    ``--resume`` of it, or a ``--clean`` of its ``output_dir``, is refused instead of
+    writing or deleting under it. An advisory ``flock`` on ``<run>/.lock`` (which
+    holds the holder's process id): the system drops it when the process ends, however
+    it ends."""
+
+    FILE = ".lock"
+
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock.
+
+        Raises:
+            ConfigError: another process holds it.
+        """
+        fd = os.open(self.run / self.FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"{self.run} is in use by another asyncflow run (process {holder}); "
+                              "wait for it to end or stop it") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let the lock go (the run is over)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @classmethod
+    def holder(cls, run: Path) -> str | None:
+        """The process id holding ``run``'s lock, or None when no process does."""
+        lock = cls(run)
+        try:
+            lock.acquire()
+        except ConfigError:
+            return (run / cls.FILE).read_text().strip() or "?"
+        lock.release()
+        return None
 
 
 SETTINGS = "run_config.json"

@@ -46,7 +46,13 @@ from asyncflow.train._prompts import RunPrompts, TrainBatches, response_key, run
 from asyncflow.train._quiet import RunLog
 from asyncflow.train._ray_ahead import ray_started_ahead
 from asyncflow.train._roles import role_specs
-from asyncflow.train._rundir import RunDirs, changed_settings, make_output_dir, save_settings
+from asyncflow.train._rundir import (
+    RunDirs,
+    RunLock,
+    changed_settings,
+    make_output_dir,
+    save_settings,
+)
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from asyncflow.train._start_model import starting_model
 from asyncflow.train._user_modules import importable, worker_python_path
@@ -121,6 +127,7 @@ class Trainer:
         self.runs = RunDirs(self.output_dir)
         self._run_dir: Path | None = None
         self._resumed: Path | None = None  # the checkpoint a resumed run continues from
+        self._lock: RunLock | None = None  # held on the run directory while the run writes there
         self._ahead: SamplesAhead | None = None
 
     # ----- set-up -----
@@ -149,6 +156,8 @@ class Trainer:
         if self.clean and (gone := self.runs.clean()):
             self.say(f"--clean: deleted {len(gone)} earlier run(s) under {self.output_dir}")
         self._run_dir = self.runs.new()
+        self._lock = RunLock(self._run_dir)
+        self._lock.acquire()
         save_settings(self._run_dir, self.config)
         if self._log is not None:
             self._log.move_into(self._run_dir)
@@ -167,28 +176,36 @@ class Trainer:
             RunInterruptedError: see its docstring.
         """
         check_answers(self.address)  # before minutes of SFT, not after
-        if self.resume:  # likewise
-            latest = self.runs.latest()
-            self._run_dir, self._resumed = self.runs.to_resume(steps=self.config.train.steps)
-            if latest is not None and latest.name != self._run_dir.name:
-                self.say(f"--resume: {latest.name} ended before its first checkpoint; continuing {self._run_dir.name}")
-            if changed := changed_settings(self._run_dir, self.config):
-                self.say(f"warning: --resume with other settings than {self._run_dir.name} started with "
-                         f"({'; '.join(changed)}): the run will not repeat the uninterrupted one")
-        c = self.config
-        if c.sft is not None:  # likewise, and before Ray starts
-            splits = generate_splits(c.data.arithmetic)
-            check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
-                               max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings,
-                               fix=f"raise sft.model.max_position_embeddings, or lower {response_key(c)} or "
-                                   "data.arithmetic.digits")
-        make_output_dir(self.output_dir)
-        with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
-              importable(self.module_dirs)):
-            worker_env = self._log.worker_env() | worker_python_path(self.module_dirs)
-            # Ray and the workers start while the driver prepares the model and the data.
-            with ray_started_ahead(c, address=self.address, worker_env=worker_env):
-                return await self._run(worker_env)
+        try:
+            if self.clean:  # likewise
+                self.runs.refuse_busy()
+            if self.resume:  # likewise
+                latest = self.runs.latest()
+                self._run_dir, self._resumed = self.runs.to_resume(steps=self.config.train.steps)
+                self._lock = RunLock(self._run_dir)
+                self._lock.acquire()
+                if latest is not None and latest.name != self._run_dir.name:
+                    self.say(f"--resume: {latest.name} ended before its first checkpoint; continuing {self._run_dir.name}")
+                if changed := changed_settings(self._run_dir, self.config):
+                    self.say(f"warning: --resume with other settings than {self._run_dir.name} started with "
+                             f"({'; '.join(changed)}): the run will not repeat the uninterrupted one")
+            c = self.config
+            if c.sft is not None:  # likewise, and before Ray starts
+                splits = generate_splits(c.data.arithmetic)
+                check_fits_context(list(splits.train) + list(splits.eval), CharTokenizer(c.sft.model.tokenizer),
+                                   max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings,
+                                   fix=f"raise sft.model.max_position_embeddings, or lower {response_key(c)} or "
+                                       "data.arithmetic.digits")
+            make_output_dir(self.output_dir)
+            with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
+                  importable(self.module_dirs)):
+                worker_env = self._log.worker_env() | worker_python_path(self.module_dirs)
+                # Ray and the workers start while the driver prepares the model and the data.
+                with ray_started_ahead(c, address=self.address, worker_env=worker_env):
+                    return await self._run(worker_env)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     async def _run(self, worker_env: dict[str, str]) -> RunResult:
         c = self.config

@@ -18,7 +18,7 @@ from asyncflow import RemoteStageError
 from asyncflow.cli import main
 from asyncflow.train import CheckpointDir, CheckpointError, RunDirs, Trainer, load_config
 from asyncflow.train._checkpoint import staged
-from asyncflow.train._rundir import changed_settings, save_settings
+from asyncflow.train._rundir import RunLock, changed_settings, save_settings
 from channels import ConfigError
 from disk_faults import enospc, state_json_on_a_full_disk
 
@@ -134,6 +134,31 @@ def test_a_ctrl_c_outside_the_rl_steps_ends_in_one_line(tmp_path: Path, capsys, 
     assert capsys.readouterr().err == "asyncflow: interrupted (Ctrl-C) during `asyncflow sft`\n"
     with pytest.raises(KeyboardInterrupt):  # --debug shows where
         main(["sft", str(_sft_job(tmp_path)), "--debug"])
+
+
+def test_a_run_in_use_is_neither_resumed_nor_cleaned_by_another(tmp_path: Path, capsys, no_sft) -> None:
+    job = _sft_job(tmp_path)
+    run = RunDirs(tmp_path / "out").new()
+    _checkpoint(run, 2)
+    lock = RunLock(run)
+    assert RunLock.holder(run) is None
+    lock.acquire()  # as the run that writes there holds it (another open file: refused here as well)
+    try:
+        assert RunLock.holder(run) == str(os.getpid())
+        assert main(["train", str(job), "--resume"]) == 2
+        assert capsys.readouterr().err == (f"asyncflow: configuration error: {run} is in use by another asyncflow "
+                                           f"run (process {os.getpid()}); wait for it to end or stop it\n")
+        assert main(["train", str(job), "--clean"]) == 2
+        assert capsys.readouterr().err == (f"asyncflow: configuration error: --clean: {run} is in use by another "
+                                           f"asyncflow run (process {os.getpid()}); wait for it to end or stop it\n")
+        assert run.is_dir()
+    finally:
+        lock.release()
+    assert RunLock.holder(run) is None
+    # Released: the resume goes on to the next check (here the refused SFT warm start).
+    with pytest.raises(AssertionError, match="refused too late"):
+        main(["train", str(job), "--resume"])
+    assert RunLock.holder(run) is None  # a run that ended by an error let it go too
 
 
 def test_resume_and_clean_together_are_refused(tmp_path: Path) -> None:
