@@ -15,6 +15,7 @@ import logging
 import os
 from pathlib import Path
 
+from asyncflow.train._rundir import make_output_dir
 from workers import EngineLogs, engine_log_env
 
 LOG_NAME = "engines.log"
@@ -33,7 +34,7 @@ class RunLog:
 
     def __init__(self, output_dir: Path, *, terminal_level: int = logging.WARNING,
                  run_dir: Path | None = None) -> None:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        make_output_dir(output_dir)  # a ConfigError naming output_dir where it cannot be one
         self.path = run_dir / LOG_NAME if run_dir is not None else output_dir / f".engines-{os.getpid()}.log"
         """Where the file is now."""
         self.terminal_level = terminal_level

@@ -177,6 +177,8 @@ class RunLock:
     @classmethod
     def holder(cls, run: Path) -> str | None:
         """The process id holding ``run``'s lock, or None when no process does."""
+        if not (run / cls.FILE).exists():  # never held (a run from before locks): nothing to make
+            return None
         lock = cls(run)
         try:
             lock.acquire()
@@ -213,9 +215,7 @@ def changed_settings(run: Path, config: object) -> list[str]:
             if old.get(key) != new.get(key) and not key.startswith(FREE_ON_RESUME)]
 
 
-def _flat(table: object, prefix: str = "") -> dict[str, object]:
-    if not isinstance(table, dict):
-        return {prefix: table}
+def _flat(table: dict[str, object], prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in table.items():
         out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value else {f"{prefix}{key}": value}

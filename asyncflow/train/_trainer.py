@@ -196,7 +196,6 @@ class Trainer:
                                    max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings,
                                    fix=f"raise sft.model.max_position_embeddings, or lower {response_key(c)} or "
                                        "data.arithmetic.digits")
-            make_output_dir(self.output_dir)
             with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
                   importable(self.module_dirs)):
                 worker_env = self._log.worker_env() | worker_python_path(self.module_dirs)
