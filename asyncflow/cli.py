@@ -185,7 +185,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _report(error: AsyncflowError, *, debug: bool) -> int:
-    """One line on stderr (with ``debug``, the traceback first); returns the exit code."""
+    """One line on stderr, and one per note the error carries (where a failed run can
+    continue); with ``debug``, the traceback first. Returns the exit code."""
     from channels import ConfigError
 
     if debug:
@@ -193,6 +194,8 @@ def _report(error: AsyncflowError, *, debug: bool) -> int:
     lines = str(error).splitlines()
     what = "configuration error" if isinstance(error, ConfigError) else type(error).__name__
     print(f"asyncflow: {what}: {lines[0] if lines else ''}", file=sys.stderr, flush=True)
+    for note in getattr(error, "__notes__", ()):  # what the error's catcher added: where a run can continue
+        print(f"asyncflow: {note}", file=sys.stderr, flush=True)
     return 2 if isinstance(error, ConfigError) else 1
 
 

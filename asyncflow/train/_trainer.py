@@ -30,7 +30,7 @@ from asyncflow.runtime import (
     check_answers,
 )
 from asyncflow.train._ahead import Sampled, SamplesAhead
-from asyncflow.train._checkpoint import CheckpointDir, staged
+from asyncflow.train._checkpoint import CheckpointDir, CheckpointError, staged
 from asyncflow.train._config import RunConfig, algorithm_in, response_width, sampling_of
 from asyncflow.train._evaluation import evaluate
 from asyncflow.train._memory import check_memory
@@ -129,6 +129,7 @@ class Trainer:
         self._resumed: Path | None = None  # the checkpoint a resumed run continues from
         self._lock: RunLock | None = None  # held on the run directory while the run writes there
         self._ahead: SamplesAhead | None = None
+        self._logged = 0  # the last step whose metrics were written
 
     # ----- set-up -----
 
@@ -174,6 +175,9 @@ class Trainer:
                 start or a GGUF conversion starts).
             CheckpointError: a checkpoint or the export could not be written.
             RunInterruptedError: see its docstring.
+            AsyncflowError: any other error of the RL steps (a reward function's, a role
+                method's), with a note (``__notes__``) naming the last step logged and
+                the checkpoint to continue from.
         """
         check_answers(self.address)  # before minutes of SFT, not after
         try:
@@ -218,7 +222,7 @@ class Trainer:
         start, state = 0, {}
         if self._resumed is not None:
             state = CheckpointDir.state(self._resumed)
-            start = int(state["step"])
+            start = self._logged = int(state["step"])
         async with Session(address=self.address, worker_nice=c.worker_nice, worker_env=worker_env) as session:
             roles = await session.spawn(role_specs(c, _for_workers(model_dir), context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
@@ -247,6 +251,11 @@ class Trainer:
                                           state=state | {"accuracy_before": before}, stop=stop)
             except (WorkerDiedError, CallTimeoutError, PoolBrokenError) as e:
                 raise self._interrupted(e, session) from e
+            except (RunInterruptedError, CheckpointError):  # their messages say where to continue
+                raise
+            except AsyncflowError as e:  # a reward function, a role method, the data: what failed is e's
+                e.add_note(f"the run stopped after step {self._logged}; {self._where_to_go_on()}")
+                raise
             except asyncio.CancelledError:
                 if not stop.now:
                     raise
@@ -348,6 +357,7 @@ class Trainer:
                         evaluated = step, await self._evaluate(session, roles, prompts, max_new, version=step)
                         metrics |= evaluated[1]
                     log.write(step, metrics)
+                    self._logged = step
                     advance_bar(bar, metrics)
                     if saves(step) or (stop.signal is not None and in_flight is None):
                         await self._save(roles, step, state | _saved(algo_state, source))

@@ -142,6 +142,34 @@ def test_raising_reward_function_is_named_with_the_sample(tmp_path, model_dir, c
     assert "on none of them alone" not in err, err
 
 
+BREAKS_AFTER_A_CHECKPOINT = """
+from pathlib import Path
+
+def reward(prompts, completions, answer):
+    if Path({checkpoint!r}).exists():
+        raise ValueError("broke after the first checkpoint")
+    return [float(c == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_step_that_fails_names_the_checkpoint_to_continue_from(tmp_path, model_dir, capsys) -> None:
+    """A reward function that raises from step 3 on (once step 2's checkpoint is
+    written): its error's line, then the last step logged and the checkpoint that
+    ``--resume`` continues from, once it is fixed."""
+    checkpoints = tmp_path / "breaking" / "version_0" / "checkpoints"
+    (tmp_path / "breaks_later.py").write_text(BREAKS_AFTER_A_CHECKPOINT.format(checkpoint=str(checkpoints / "latest")))
+    cfg = tmp_path / "breaking.toml"  # beside its module: the workers import it from the config's directory
+    cfg.write_text(CONFIG.format(out=tmp_path / "breaking", model=model_dir, steps=6)
+                   + '\n[reward]\nfunction = "breaks_later:reward"\n')
+    assert main(["train", str(cfg), "--no-progress"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "reward function breaks_later:reward raised on sample 0" in lines[-2], lines
+    assert "ValueError: broke after the first checkpoint" in lines[-2], lines
+    assert lines[-1] == (f"asyncflow: the run stopped after step 2; last checkpoint: {checkpoints / 'step_000002'} "
+                         "(continue with --resume)"), lines
+    assert [r["step"] for r in read_metrics(tmp_path / "breaking" / "latest" / "metrics.jsonl")] == [0, 1, 2]
+
+
 def _start(tmp_path: Path, run: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
     """``asyncflow train run`` in a subprocess, its stderr in ``<name>.stderr``."""
     paths = [str(Path(__file__).parents[2]), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
