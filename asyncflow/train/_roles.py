@@ -64,10 +64,12 @@ def _scorer(s: ScoreSection, model_dir: str, precision: Literal["auto", "fp32", 
     if s.model_dir:  # a reward or cost model infers in the policy's precision
         return ScoreConfig(scorer=ModelRewardConfig(model_dir=s.model_dir, precision=precision))
     weighted = s.weighted
+    timeout_s = s.timeout_s or None
     if len(weighted) == 1 and weighted[0].weight == 1.0:
-        return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=weighted[0].function))
+        return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=weighted[0].function,
+                                                   timeout_s=timeout_s))
     return ScoreConfig(scorer=RuleRewardConfig(tokenizer_dir=model_dir, fn=[w.function for w in weighted],
-                                               weights=[w.weight for w in weighted]))
+                                               weights=[w.weight for w in weighted], timeout_s=timeout_s))
 
 
 def role_specs(config: RunConfig, model_dir: str, *, context: int = 0) -> dict[str, RoleSpec]:

@@ -15,7 +15,7 @@ import msgspec
 from asyncflow.algos._checks import above, at_least
 from channels import ConfigError
 from workers.data import ArithmeticTaskConfig
-from workers.rewards import split_function_spec
+from workers.rewards import DEFAULT_TIMEOUT_S, split_function_spec
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
 
@@ -290,8 +290,13 @@ class ScoreSection(msgspec.Struct, **_CFG):
     """Several weighted functions; when given, they score instead of ``function``."""
     model_dir: str = ""
     """A reward/value model directory; when set, it scores instead of ``function``."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Seconds one call of a reward function may take on a rank's samples; past it the
+    run stops with an error naming the function and the samples (one that hangs: code
+    it runs that never ends, a request never answered). 0 means no limit."""
 
     def __post_init__(self) -> None:
+        at_least("ScoreSection.timeout_s", self.timeout_s, 0, "0 means no limit")
         if self.function:  # imported by validate, for the roles the run needs
             split_function_spec(self.function, key="ScoreSection.function")
         if self.functions and self.function not in ("", self.DEFAULT_FUNCTION):

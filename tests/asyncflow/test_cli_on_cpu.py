@@ -143,28 +143,38 @@ def test_raising_reward_function_is_named_with_the_sample(tmp_path, model_dir, c
 
 
 BREAKS_AFTER_A_CHECKPOINT = """
+import time
 from pathlib import Path
 
 def reward(prompts, completions, answer):
     if Path({checkpoint!r}).exists():
-        raise ValueError("broke after the first checkpoint")
+        {breaks}
     return [float(c == a) for c, a in zip(completions, answer)]
 """
 
+BREAKS = {"raises": ('raise ValueError("broke after the first checkpoint")',
+                     r"reward function breaks_later:reward raised on sample 0 of the 8 on this rank \(uid \d+\): "
+                     r"ValueError: broke after the first checkpoint; "),
+          "hangs": ("time.sleep(30)",  # past [reward] timeout_s; the worker's thread ends on its own later
+                    r"reward function breaks_later:reward did not return within its timeout_s of 1 s on the 8 "
+                    r"samples on this rank \(uids \d+, ")}
 
-def test_a_step_that_fails_names_the_checkpoint_to_continue_from(tmp_path, model_dir, capsys) -> None:
-    """A reward function that raises from step 3 on (once step 2's checkpoint is
-    written): its error's line, then the last step logged and the checkpoint that
-    ``--resume`` continues from, once it is fixed."""
+
+@pytest.mark.parametrize("breaks", BREAKS)
+def test_a_step_that_fails_names_the_checkpoint_to_continue_from(tmp_path, model_dir, capsys, breaks: str) -> None:
+    """A reward function that raises, or hangs past its timeout, from step 3 on
+    (once step 2's checkpoint is written): its error's line, then the last step
+    logged and the checkpoint that ``--resume`` continues from, once it is fixed."""
+    code, message = BREAKS[breaks]
     checkpoints = tmp_path / "breaking" / "version_0" / "checkpoints"
-    (tmp_path / "breaks_later.py").write_text(BREAKS_AFTER_A_CHECKPOINT.format(checkpoint=str(checkpoints / "latest")))
+    (tmp_path / "breaks_later.py").write_text(
+        BREAKS_AFTER_A_CHECKPOINT.format(checkpoint=str(checkpoints / "latest"), breaks=code))
     cfg = tmp_path / "breaking.toml"  # beside its module: the workers import it from the config's directory
     cfg.write_text(CONFIG.format(out=tmp_path / "breaking", model=model_dir, steps=6)
-                   + '\n[reward]\nfunction = "breaks_later:reward"\n')
+                   + '\n[reward]\nfunction = "breaks_later:reward"\ntimeout_s = 1\n')
     assert main(["train", str(cfg), "--no-progress"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
-    assert "reward function breaks_later:reward raised on sample 0" in lines[-2], lines
-    assert "ValueError: broke after the first checkpoint" in lines[-2], lines
+    assert re.search(message, lines[-2]), lines
     assert lines[-1] == (f"asyncflow: the run stopped after step 2; last checkpoint: {checkpoints / 'step_000002'} "
                          "(continue with --resume)"), lines
     assert [r["step"] for r in read_metrics(tmp_path / "breaking" / "latest" / "metrics.jsonl")] == [0, 1, 2]

@@ -5,7 +5,8 @@
   usual form is TRL's ``fn(prompts=[...], completions=[...], **columns) ->
   list[float]`` (``columns``: the rows' own columns, :func:`row_columns`); the
   first form ``fn(prompts, responses, answers)`` still works (:func:`call_style`
-  tells them apart; contract in ``workers.rewards._rule``). Sync or async.
+  tells them apart; contract in ``workers.rewards._rule``). Sync or async; a call
+  past ``timeout_s`` (ten minutes by default) fails with :class:`RewardTimeoutError`.
 - Built-in verifiers: :func:`exact_match`, :func:`numeric_match`,
   :data:`format_check` (:class:`FormatCheck` for other patterns);
   :func:`arithmetic_reward` is the verifier of the arithmetic prompt source
@@ -27,6 +28,7 @@ from workers.rewards._calling import (
     RewardFn,
     RewardFunction,
     RewardFunctionError,
+    RewardTimeoutError,
 )
 from workers.rewards._columns import row_columns, text_column
 from workers.rewards._decode import (
@@ -36,6 +38,7 @@ from workers.rewards._inputs import ScoreInputs, Scorer, masked_token_lists
 from workers.rewards._model import ModelRewardConfig, ModelScorer
 from workers.rewards._rule import (
     DEFAULT_REWARD_FN,
+    DEFAULT_TIMEOUT_S,
     RuleRewardConfig,
     RuleScorer,
     load_reward_fn,
@@ -50,6 +53,7 @@ from workers.rewards._verifiers import (
 
 __all__ = [
     "DEFAULT_REWARD_FN",
+    "DEFAULT_TIMEOUT_S",
     "CallStyle",
     "Decoder",
     "FormatCheck",
@@ -59,6 +63,7 @@ __all__ = [
     "RewardFn",
     "RewardFunction",
     "RewardFunctionError",
+    "RewardTimeoutError",
     "RuleRewardConfig",
     "RuleScorer",
     "ScoreInputs",

@@ -10,7 +10,9 @@ Two call forms, told apart by the function's signature (:func:`call_style`):
 - positional (asyncflow's first form): ``fn(prompts, responses, answers)``, for
   any other signature; it needs the ``answer`` column.
 
-Either may be ``async def``: the scorer awaits the result on the worker.
+Either may be ``async def``: the scorer awaits the result on the worker. A call
+that runs past the function's ``timeout_s`` fails with :class:`RewardTimeoutError`
+(the function's thread cannot be stopped: it runs on, its result unused).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import inspect
 import math
 import numbers
 import re
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +44,43 @@ ANSWER = "answer"
 class RewardFunctionError(AsyncflowError):
     """A rule reward function raised, or returned something other than one finite
     number per sample. The message names the function and the sample."""
+
+
+class RewardTimeoutError(RewardFunctionError):
+    """A rule reward function did not return within its ``timeout_s``. The message
+    names the function, the samples and the limit."""
+
+
+class _Overran(Exception):
+    """A call ran past its timeout (raised by :func:`_within`)."""
+
+
+def _within(timeout_s: float | None, call: Callable[[], Any]) -> Any:
+    """``call()``, on a thread of its own when ``timeout_s`` is set.
+
+    Raises:
+        _Overran: it did not return within ``timeout_s`` (it runs on: a thread
+            cannot be stopped); whatever ``call`` raised otherwise.
+    """
+    if timeout_s is None:
+        return call()
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as e:  # handed to the waiting thread, which raises it
+            outcome.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, name="reward-fn", daemon=True).start()  # daemon: one that hangs ends with us
+    if not done.wait(timeout_s):
+        raise _Overran
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def reward_fn_name(fn: Callable[..., Any]) -> str:
@@ -128,10 +168,13 @@ class RewardFunction:
     Args:
         fn: the function (either call form, sync or async).
         label: its short name in metrics.
+        timeout_s: seconds a call may take (each of the one-sample calls that look for
+            a failing sample too); None: no limit.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, label: str | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], *, label: str | None = None, timeout_s: float | None = None) -> None:
         self.fn = fn
+        self.timeout_s = timeout_s
         self.name = reward_fn_name(fn)
         self.label = label if label is not None else function_label(fn)
         self.style: CallStyle = call_style(fn)
@@ -167,6 +210,9 @@ class RewardFunction:
         )
 
     def _invoke(self, batch: RewardBatch) -> Any:
+        return _within(self.timeout_s, lambda: self._invoke_here(batch))
+
+    def _invoke_here(self, batch: RewardBatch) -> Any:
         if self.style == "positional":
             out = self.fn(batch.prompts, batch.completions, batch.columns[ANSWER])
         else:
@@ -187,31 +233,53 @@ class RewardFunction:
             RewardFunctionError: the function raised (naming the first failing sample,
                 its uid and an excerpt of its text) or returned a wrong count, a
                 non-number or a NaN/inf.
+            RewardTimeoutError: the function did not return within ``timeout_s``.
         """
         self.check_columns(list(batch.columns))
         try:
             out = self._invoke(batch)
+        except _Overran:
+            raise self._overran(batch, None) from None
         except USER_CODE_ERRORS as e:  # sys.exit() included: the function's error
             raise self._locate_failure(batch, e) from e
         return self._check_scores(out, len(batch.prompts))
 
+    def _overran(self, batch: RewardBatch, sample: int | None) -> RewardTimeoutError:
+        n = len(batch.prompts)
+        if sample is None:
+            uids = "" if not batch.uids else f" (uids {', '.join(map(str, batch.uids[:4]))}{', ...' if n > 4 else ''})"
+            what = f"the {n} samples on this rank{uids}"
+        else:
+            uid = "" if batch.uids is None else f" (uid {batch.uids[sample]})"
+            what = f"sample {sample} of the {n} on this rank{uid}, alone: {self._describe(batch, sample)}"
+        return RewardTimeoutError(
+            f"reward function {self.name} did not return within its timeout_s of {self.timeout_s:g} s on {what}; "
+            "it may hang, or need longer: bound its own waits (a timeout per sample for code it runs or a "
+            "request it makes), or raise timeout_s ([reward] timeout_s in a run's config; 0: no limit)"
+        )
+
+    def _describe(self, batch: RewardBatch, i: int) -> str:
+        """Sample ``i``'s text, as errors quote it."""
+        if self.style == "positional":
+            return (f"prompt={_excerpt(batch.prompts[i])} response={_excerpt(batch.completions[i])} "
+                    f"answer={_excerpt(str(batch.columns[ANSWER][i]))}")
+        return f"prompt={_excerpt(batch.prompts[i])} completion={_excerpt(batch.completions[i])}"
+
     def _locate_failure(self, batch: RewardBatch, batch_error: BaseException) -> RewardFunctionError:
-        """Call the function one sample at a time; the first failure names the sample."""
+        """Call the function one sample at a time; the first failure (or a call past
+        the timeout) names the sample."""
         n = len(batch.prompts)
         for i in range(n):
             try:
                 self._invoke(batch.row(i))
+            except _Overran:
+                return self._overran(batch, i)
             except USER_CODE_ERRORS as e:
-                uid = None if batch.uids is None else batch.uids[i]
-                if self.style == "positional":
-                    text = (f"prompt={_excerpt(batch.prompts[i])} response={_excerpt(batch.completions[i])} "
-                            f"answer={_excerpt(str(batch.columns[ANSWER][i]))}")
-                else:
-                    text = f"prompt={_excerpt(batch.prompts[i])} completion={_excerpt(batch.completions[i])}"
+                uid = "" if batch.uids is None else f" (uid {batch.uids[i]})"
                 return RewardFunctionError(
-                    f"reward function {self.name} raised on sample {i} of the {n} on this rank"
-                    f"{'' if uid is None else f' (uid {uid})'}: {type(e).__name__}: {e}; {text}; "
-                    "fix the function so that it scores this sample"
+                    f"reward function {self.name} raised on sample {i} of the {n} on this rank{uid}: "
+                    f"{type(e).__name__}: {e}; {self._describe(batch, i)}; fix the function so that it scores "
+                    "this sample"
                 )
         return RewardFunctionError(
             f"reward function {self.name} raised on a batch of {n} samples "

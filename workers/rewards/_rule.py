@@ -65,6 +65,11 @@ from workers.rewards._inputs import ScoreInputs, masked_token_lists
 DEFAULT_REWARD_FN = "workers.rewards:arithmetic_reward"
 """The rule of the arithmetic task: exact match with the answer."""
 
+DEFAULT_TIMEOUT_S = 600.0
+"""How long one call of a reward function may take by default: a function that
+hangs (code it runs that loops, a request never answered) fails its run after ten
+minutes instead of holding it for ever."""
+
 
 def split_function_spec(spec: object, *, key: str = "RuleRewardConfig.fn") -> tuple[str, str]:
     """``"module:function"`` as ``(module, function)``.
@@ -155,6 +160,10 @@ class RuleRewardConfig:
     weights: Sequence[float] | None = None
     """One weight per function in ``fn`` (None: 1.0 each); the score is
     ``sum(weights[k] * fn[k](...))``."""
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    """Seconds one call of a function may take on a rank's samples; past it the call
+    fails with :class:`~workers.rewards.RewardTimeoutError` (the function runs on
+    in its thread, its result unused). None: no limit."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokenizer_dir, str) or not self.tokenizer_dir:
@@ -180,6 +189,10 @@ class RuleRewardConfig:
                                   f"function in fn, got {self.weights!r}")
             object.__setattr__(self, "weights", tuple(
                 _check_weight(f"RuleRewardConfig.weights[{k}]", w) for k, w in enumerate(self.weights)))
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
+                                           or not self.timeout_s > 0):
+            raise ConfigError(f"RuleRewardConfig.timeout_s must be a number of seconds > 0 or None (no limit), "
+                              f"got {self.timeout_s!r}")
 
     @property
     def functions(self) -> tuple[str | RewardFn, ...]:
@@ -207,7 +220,8 @@ class RuleRewardConfig:
         fns = self.functions
         loaded = [load_reward_fn(f, key="RuleRewardConfig.fn" if len(fns) == 1 else f"RuleRewardConfig.fn[{k}]")
                   for k, f in enumerate(fns)]
-        return RuleScorer(loaded, load_decoder(self.tokenizer_dir), weights=self.weights, labels=self.labels)
+        return RuleScorer(loaded, load_decoder(self.tokenizer_dir), weights=self.weights, labels=self.labels,
+                          timeout_s=self.timeout_s)
 
 
 class RuleScorer:
@@ -219,13 +233,16 @@ class RuleScorer:
         decoder: the tokenizer that decodes prompts, responses and token columns.
         weights: one per function (None: 1.0 each).
         labels: each function's short name (None: from the functions' names).
+        timeout_s: seconds one call of a function may take (None: no limit).
     """
 
     def __init__(self, fn: RewardFn | Sequence[RewardFn], decoder: Decoder, *,
-                 weights: Sequence[float] | None = None, labels: Sequence[str] | None = None) -> None:
+                 weights: Sequence[float] | None = None, labels: Sequence[str] | None = None,
+                 timeout_s: float | None = None) -> None:
         fns: list[RewardFn] = [fn] if callable(fn) else list(fn)
         names = function_labels(fns) if labels is None else tuple(labels)
-        self.functions = tuple(RewardFunction(f, label=n) for f, n in zip(fns, names, strict=True))
+        self.timeout_s = timeout_s
+        self.functions = tuple(RewardFunction(f, label=n, timeout_s=timeout_s) for f, n in zip(fns, names, strict=True))
         self.weights = tuple(1.0 for _ in fns) if weights is None else tuple(float(w) for w in weights)
         if len(self.weights) != len(fns):
             raise ConfigError(f"RuleScorer: {len(self.weights)} weights for {len(fns)} functions; give one each")
@@ -239,7 +256,7 @@ class RuleScorer:
 
     @fn.setter
     def fn(self, fn: RewardFn) -> None:
-        self.functions = (RewardFunction(fn),)
+        self.functions = (RewardFunction(fn, timeout_s=self.timeout_s),)
         self.weights = (1.0,)
 
     @property
@@ -289,7 +306,8 @@ class RuleScorer:
         Raises:
             RewardFunctionError: a function raised (naming it, the first failing
                 sample, its uid and text) or returned a wrong count, a non-number or
-                a NaN/inf.
+                a NaN/inf; :class:`~workers.rewards.RewardTimeoutError` when it did
+                not return within ``timeout_s``.
             SchemaError: a function needs a column the rows lack.
         """
         if inputs.num_rows == 0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from workers.models import CharTokenizer
 from workers.rewards import (
     FormatCheck,
     RewardFunctionError,
+    RewardTimeoutError,
     RuleRewardConfig,
     RuleScorer,
     ScoreInputs,
@@ -239,6 +242,70 @@ def test_an_async_fn_that_raises_is_located_too(tokenizer_dir: str) -> None:
 
     with pytest.raises(RewardFunctionError, match=r"picky raised on sample 1 of the 2 .*ValueError: no twos"):
         _scorer(picky, tokenizer_dir)(make_inputs(["1=", "2="], ["1", "2"]))
+
+
+# ----- timeouts
+
+
+@pytest.fixture
+def release():
+    """Set at the end of the test: what a stuck function waits for (its thread runs
+    on past its timeout, and ends then)."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def _timed(fn, tokenizer_dir: str, timeout_s: float | None) -> RuleScorer:
+    return RuleRewardConfig(fn=fn, tokenizer_dir=tokenizer_dir, timeout_s=timeout_s).build(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("form", ["sync", "async"])
+def test_a_fn_past_its_timeout_fails_naming_it_and_the_samples(tokenizer_dir: str, release, form: str) -> None:
+    def stuck(prompts, completions, **kw):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    async def stuck_async(prompts, completions, **kw):
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        return [0.0] * len(completions)
+
+    began = time.monotonic()
+    with pytest.raises(RewardTimeoutError) as info:
+        _timed(stuck if form == "sync" else stuck_async, tokenizer_dir, 0.3)(make_inputs(["1=", "2="], ["1", "2"]))
+    assert time.monotonic() - began < 30  # failed at its timeout, not when the function gave up
+    name = "stuck" if form == "sync" else "stuck_async"
+    assert re.search(rf"reward function \S+{name} did not return within its timeout_s of 0.3 s on the 2 samples on "
+                     r"this rank \(uids 100, 101\); .*raise timeout_s \(\[reward\] timeout_s", str(info.value)), info.value
+    assert isinstance(info.value, RewardFunctionError)  # caught as any reward function's error
+
+
+def test_a_sample_that_hangs_alone_is_named_when_the_batch_raised(tokenizer_dir: str, release) -> None:
+    def odd(prompts, completions, **kw):
+        if len(completions) > 1:
+            raise ValueError("a batch")
+        if completions[0] == "2":
+            release.wait(60)
+        return [0.0]
+
+    with pytest.raises(RewardTimeoutError, match=r"odd did not return within its timeout_s of 0.3 s on sample 1 of "
+                                                 r"the 3 on this rank \(uid 101\), alone: prompt='2=' completion='2'"):
+        _timed(odd, tokenizer_dir, 0.3)(make_inputs(["1=", "2=", "3="], ["1", "2", "3"]))
+
+
+def test_a_fn_within_its_timeout_scores_as_without_one(tokenizer_dir: str) -> None:
+    inputs = make_inputs(["1=", "2="], ["1", "3"], ["1", "2"])
+    for timeout_s in (None, 60.0):
+        assert _timed(exact_match, tokenizer_dir, timeout_s)(inputs).tolist() == [1.0, 0.0]
+    with pytest.raises(RewardFunctionError, match=r"_raises_on_seven raised on sample 0 of the 1"):
+        _timed(_raises_on_seven, tokenizer_dir, 60.0)(make_inputs(["7="], ["7"]))
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, True, "60"])
+def test_a_bad_timeout_is_refused(timeout_s) -> None:
+    with pytest.raises(ConfigError, match=r"RuleRewardConfig.timeout_s must be a number of seconds > 0 or None"):
+        RuleRewardConfig(tokenizer_dir="t", fn="a:b", timeout_s=timeout_s)
 
 
 # ----- built-in verifiers
