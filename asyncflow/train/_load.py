@@ -8,8 +8,12 @@ all before any Ray or SFT work.
 
 from __future__ import annotations
 
+import difflib
+import enum
 import json
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -118,29 +122,59 @@ def _check_switched_algorithm(data: dict[str, object], before: object) -> None:
                           f"set for {before!r}; remove them, or switch the algorithm in the file")
 
 
-_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)` - at `\$(?P<path>[\w.\[\]'\"-]*)`")
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[\w.\[\]'\"-]*)`)?")
+_BAD_CHOICE = re.compile(r"Invalid enum value (?P<value>.+) - at `\$(?P<path>[\w.]+)`")
 
 
 def _with_valid_keys(message: str, data: dict[str, object]) -> str:
-    """An unknown key's message, with the keys that section accepts."""
-    m = _UNKNOWN_FIELD.fullmatch(message)
-    if m is None:
-        return message
-    section: Any = RunConfig
-    if m["path"].startswith(".algorithm"):
+    """An unknown key's message with the keys its section accepts, and a refused
+    choice's with the values the key takes; either with the closest one first, when
+    one is close (a typo)."""
+    if (m := _UNKNOWN_FIELD.fullmatch(message)) is not None:
+        section = _type_at(m["path"] or "", data)
+        if not _is_struct(section):
+            return message
+        keys = [f.name for f in msgspec.structs.fields(section)]
+        where = "there" if m["path"] else "at the top level (sections and keys)"
+        return f"{message}{_did_you_mean(m['field'], keys)}; valid keys {where}: {keys}"
+    if (m := _BAD_CHOICE.fullmatch(message)) is not None:
+        choices = _choices(_type_at(m["path"], data))
+        if not choices:
+            return message
+        given = m["value"].strip("'\"")
+        return f"{message}{_did_you_mean(given, [str(c) for c in choices])}; valid values: {choices}"
+    return message
+
+
+def _type_at(path: str, data: dict[str, object]) -> Any:
+    """The type of the value at msgspec's ``path`` (``".actor.lr"``; ``""``: the
+    whole configuration); None where it cannot be told (an entry of a table)."""
+    t: Any = RunConfig
+    if path.startswith(".algorithm"):
         algo = data.get("algorithm")
-        section = get_algorithm(str(algo.get("name"))).config if isinstance(algo, dict) else None
-        rest = m["path"][len(".algorithm"):]
-    else:
-        rest = m["path"]
-    for part in filter(None, rest.split(".")):
-        hints = msgspec.structs.fields(section) if _is_struct(section) else ()
-        field = next((f for f in hints if f.name == part), None)
-        section = field.type if field is not None else None
-    if not _is_struct(section):
-        return message
-    keys = [f.name for f in msgspec.structs.fields(section)]
-    return f"{message}; valid keys there: {keys}"
+        t = get_algorithm(str(algo.get("name"))).config if isinstance(algo, dict) else None
+        path = path[len(".algorithm"):]
+    for part in filter(None, path.split(".")):
+        fields = msgspec.structs.fields(t) if _is_struct(t) else ()
+        field = next((f for f in fields if f.name == part), None)
+        t = field.type if field is not None else None
+    return t
+
+
+def _choices(t: Any) -> list[Any]:
+    """The values a ``Literal`` (or an optional one) or an ``Enum`` type takes."""
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return [m.value for m in t]
+    if typing.get_origin(t) is typing.Literal:
+        return list(typing.get_args(t))
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return [c for arg in typing.get_args(t) for c in _choices(arg)]
+    return []
+
+
+def _did_you_mean(given: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(given, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _is_struct(t: object) -> bool:
