@@ -20,11 +20,12 @@ _EXPORTS = {
     "asyncflow.train._ahead": ("Sampled", "SamplesAhead"),
     "asyncflow.train._checkpoint": ("CheckpointDir", "CheckpointError"),
     "asyncflow.train._config": ("RunConfig", "algorithm_in", "needed_roles", "run_config_type"),
+    "asyncflow.train._failures": ("RunInterruptedError",),
     "asyncflow.train._file": ("read_config_file",),
     "asyncflow.train._load": ("load_config",),
     "asyncflow.train._metrics": ("MetricsLog", "plot_curves", "read_metrics"),
     "asyncflow.train._rundir": ("RunDirs",),
-    "asyncflow.train._trainer": ("RunInterruptedError", "RunResult", "Trainer"),
+    "asyncflow.train._trainer": ("RunResult", "Trainer"),
     "asyncflow.train._user_modules": ("module_dirs",),
     "asyncflow.train._validate": ("validate",),
 }
@@ -34,10 +35,11 @@ if TYPE_CHECKING:
     from asyncflow.train._ahead import Sampled, SamplesAhead
     from asyncflow.train._checkpoint import CheckpointDir, CheckpointError
     from asyncflow.train._config import RunConfig, algorithm_in, needed_roles, run_config_type
+    from asyncflow.train._failures import RunInterruptedError
     from asyncflow.train._file import read_config_file
     from asyncflow.train._load import load_config
     from asyncflow.train._metrics import MetricsLog, plot_curves, read_metrics
     from asyncflow.train._rundir import RunDirs
-    from asyncflow.train._trainer import RunInterruptedError, RunResult, Trainer
+    from asyncflow.train._trainer import RunResult, Trainer
     from asyncflow.train._user_modules import module_dirs
     from asyncflow.train._validate import validate

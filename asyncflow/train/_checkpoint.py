@@ -1,5 +1,6 @@
 """Checkpoint directories of a run: ``checkpoints/step_000010/`` with one folder per
-role and the driver's ``state.json``; ``latest`` names the newest complete one.
+trained role (:func:`save_roles`, :func:`load_roles`) and the driver's
+``state.json``; ``latest`` names the newest complete one.
 
 A checkpoint is written into a staging directory (``.tmp_step_000010``), finished
 by its ``state.json`` and only then renamed into place; ``latest`` is replaced
@@ -19,8 +20,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncflow.runtime import RemoteStageError
+from asyncflow.runtime import RemoteStageError, Roles
 from channels import AsyncflowError, ConfigError
+
+TRAINED_ROLES = ("actor", "critic", "cost_critic")
+"""The roles a checkpoint keeps: those that train (weights and optimizer state)."""
 
 STATE_FILE = "state.json"
 """The driver's state of a checkpoint, written last: a directory with it is complete."""
@@ -31,6 +35,37 @@ class CheckpointError(AsyncflowError):
     full disk, a permission), on the driver or in a role's worker. The message names
     what was written, the directory and the errno; the checkpoint before it stays
     complete, and the failed one's staging directory is removed."""
+
+
+async def save_roles(roles: Roles, into: Path, *, policy: bool = False) -> None:
+    """Each trained role's checkpoint into ``into/<role>`` (its ranks write their
+    parts), and with ``policy`` the actor's Hugging Face export into ``into/policy``."""
+    for role in TRAINED_ROLES:
+        if role in roles:
+            await roles[role].save_checkpoint(for_workers(into / role))
+    if policy:
+        await roles.actor.export_hf(for_workers(into / "policy"))
+
+
+async def load_roles(roles: Roles, checkpoint: Path) -> None:
+    """Each trained role's state from ``checkpoint`` (:func:`save_roles`'s).
+
+    Raises:
+        ConfigError: the checkpoint lacks one of the run's trained roles (the
+            placement changed).
+    """
+    for role in TRAINED_ROLES:
+        if role in roles:
+            if not (checkpoint / role).exists():
+                raise ConfigError(f"--resume: checkpoint {checkpoint} has no {role} (placement changed?)")
+            await roles[role].load_checkpoint(for_workers(checkpoint / role))
+
+
+def for_workers(path: str | os.PathLike[str]) -> str:
+    """``path`` as the workers are told it: absolute, since a worker's working
+    directory is where its Ray node started (a cluster's, or a Ray instance started
+    before this run), not necessarily the driver's."""
+    return os.path.abspath(path)
 
 
 @contextlib.contextmanager

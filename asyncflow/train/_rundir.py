@@ -19,12 +19,17 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from asyncflow.train._checkpoint import CheckpointDir
 from channels import ConfigError
+
+if TYPE_CHECKING:
+    from asyncflow.train._config import RunConfig
 
 VERSION_PREFIX = "version_"
 """A run's directory is ``version_<n>``, n = 0, 1, 2, ..."""
@@ -135,6 +140,68 @@ class RunDirs:
             if (holder := RunLock.holder(run)) is not None:
                 raise ConfigError(f"--clean: {run} is in use by another asyncflow run (process {holder}); "
                                   "wait for it to end or stop it")
+
+
+class RunDir:
+    """The directory one run writes into, held while it does: a new run's
+    (:meth:`new`) or the run ``--resume`` continues (:meth:`resume`), locked against
+    a second run (:class:`RunLock`) until :meth:`close`.
+
+    Args:
+        path: the run's directory.
+        keep: how many checkpoints it keeps (``train.keep_checkpoints``).
+        resumed: the checkpoint a resumed run continues from; None for a new run.
+
+    Raises:
+        ConfigError: another process holds the directory.
+    """
+
+    def __init__(self, path: Path, *, keep: int, resumed: Path | None = None) -> None:
+        self.path = path
+        self.resumed = resumed
+        self.checkpoints = CheckpointDir(path / "checkpoints", keep=keep)
+        """The run's checkpoints."""
+        self._lock = RunLock(path)
+        self._lock.acquire()
+
+    @classmethod
+    def new(cls, runs: RunDirs, config: RunConfig, *, clean: bool, say: Callable[[str], None]) -> RunDir:
+        """The next run's directory under ``runs``, with ``config`` kept in it (with
+        ``clean``, the earlier runs deleted first)."""
+        if clean and (gone := runs.clean()):
+            say(f"--clean: deleted {len(gone)} earlier run(s) under {runs.root}")
+        run = cls(runs.new(), keep=config.train.keep_checkpoints)
+        save_settings(run.path, config)
+        return run
+
+    @classmethod
+    def resume(cls, runs: RunDirs, config: RunConfig, *, say: Callable[[str], None]) -> RunDir:
+        """The run ``--resume`` continues (:meth:`RunDirs.to_resume`); says which when
+        newer runs ended before their first checkpoint, and warns of settings other
+        than those the run started with.
+
+        Raises:
+            ConfigError: nothing to resume, or the run is in use by another process.
+        """
+        latest = runs.latest()
+        path, checkpoint = runs.to_resume(steps=config.train.steps)
+        run = cls(path, keep=config.train.keep_checkpoints, resumed=checkpoint)
+        if latest is not None and latest.name != path.name:
+            say(f"--resume: {latest.name} ended before its first checkpoint; continuing {path.name}")
+        if changed := changed_settings(path, config):
+            say(f"warning: --resume with other settings than {path.name} started with "
+                f"({'; '.join(changed)}): the run will not repeat the uninterrupted one")
+        return run
+
+    def where_to_go_on(self) -> str:
+        """Where a run stopped now continues from, for messages."""
+        done = self.checkpoints.complete()
+        return (f"last checkpoint: {done[-1]} (continue with --resume)" if done
+                else "no checkpoint was written yet (rerun from the start)")
+
+    def close(self) -> None:
+        """Let the directory go (the run is over)."""
+        self._lock.release()
 
 
 class RunLock:

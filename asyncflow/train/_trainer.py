@@ -30,9 +30,17 @@ from asyncflow.runtime import (
     check_answers,
 )
 from asyncflow.train._ahead import Sampled, SamplesAhead
-from asyncflow.train._checkpoint import CheckpointDir, CheckpointError, staged
+from asyncflow.train._checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    for_workers,
+    load_roles,
+    save_roles,
+    staged,
+)
 from asyncflow.train._config import RunConfig, algorithm_in, response_width, sampling_of
 from asyncflow.train._evaluation import evaluate
+from asyncflow.train._failures import RunInterruptedError, interrupted
 from asyncflow.train._memory import check_memory
 from asyncflow.train._metrics import (
     MetricsLog,
@@ -46,13 +54,7 @@ from asyncflow.train._prompts import RunPrompts, TrainBatches, response_key, run
 from asyncflow.train._quiet import RunLog
 from asyncflow.train._ray_ahead import ray_started_ahead
 from asyncflow.train._roles import role_specs
-from asyncflow.train._rundir import (
-    RunDirs,
-    RunLock,
-    changed_settings,
-    make_output_dir,
-    save_settings,
-)
+from asyncflow.train._rundir import RunDir, RunDirs, make_output_dir
 from asyncflow.train._signals import Say, StopRequest, TracedSteps
 from asyncflow.train._start_model import starting_model
 from asyncflow.train._user_modules import importable, worker_python_path
@@ -65,13 +67,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CURVES = ("reward/mean", "actor/kl_to_ref", "eval/accuracy", "actor/logprob_mismatch")
-
-
-class RunInterruptedError(AsyncflowError):
-    """A run stopped because a worker process died, a call on it stalled past its
-    timeout (a weight pull), or SIGTERM / SIGINT asked it to (see
-    :class:`~asyncflow.train._signals.StopRequest`); the message names why and the
-    checkpoint to continue from."""
 
 
 @dataclass
@@ -125,9 +120,7 @@ class Trainer:
         self._log: RunLog | None = None
         self.output_dir = Path(config.output_dir)
         self.runs = RunDirs(self.output_dir)
-        self._run_dir: Path | None = None
-        self._resumed: Path | None = None  # the checkpoint a resumed run continues from
-        self._lock: RunLock | None = None  # held on the run directory while the run writes there
+        self._dir: RunDir | None = None  # chosen by run(): held while the run writes there
         self._ahead: SamplesAhead | None = None
         self._logged = 0  # the last step whose metrics were written
 
@@ -136,13 +129,14 @@ class Trainer:
     @property
     def run_dir(self) -> Path:
         """This run's directory (``<output_dir>/version_<n>``), chosen by :meth:`run`."""
-        assert self._run_dir is not None, "run() chooses the run directory first"
-        return self._run_dir
+        assert self._dir is not None, "run() chooses the run directory first"
+        return self._dir.path
 
     @property
     def checkpoints(self) -> CheckpointDir:
         """This run's checkpoints."""
-        return CheckpointDir(self.run_dir / "checkpoints", keep=self.config.train.keep_checkpoints)
+        assert self._dir is not None, "run() chooses the run directory first"
+        return self._dir.checkpoints
 
     def model_dir(self) -> str:
         """The policy's starting directory: ``[model]``'s, a GGUF file's conversion or
@@ -154,14 +148,9 @@ class Trainer:
 
     def _new_run(self) -> None:
         """A new run directory (with ``clean``, the earlier runs deleted first)."""
-        if self.clean and (gone := self.runs.clean()):
-            self.say(f"--clean: deleted {len(gone)} earlier run(s) under {self.output_dir}")
-        self._run_dir = self.runs.new()
-        self._lock = RunLock(self._run_dir)
-        self._lock.acquire()
-        save_settings(self._run_dir, self.config)
+        self._dir = RunDir.new(self.runs, self.config, clean=self.clean, say=self.say)
         if self._log is not None:
-            self._log.move_into(self._run_dir)
+            self._log.move_into(self._dir.path)
         self.say(f"run directory: {self.run_dir}")
 
     # ----- the run -----
@@ -184,15 +173,7 @@ class Trainer:
             if self.clean:  # likewise
                 self.runs.refuse_busy()
             if self.resume:  # likewise
-                latest = self.runs.latest()
-                self._run_dir, self._resumed = self.runs.to_resume(steps=self.config.train.steps)
-                self._lock = RunLock(self._run_dir)
-                self._lock.acquire()
-                if latest is not None and latest.name != self._run_dir.name:
-                    self.say(f"--resume: {latest.name} ended before its first checkpoint; continuing {self._run_dir.name}")
-                if changed := changed_settings(self._run_dir, self.config):
-                    self.say(f"warning: --resume with other settings than {self._run_dir.name} started with "
-                             f"({'; '.join(changed)}): the run will not repeat the uninterrupted one")
+                self._dir = RunDir.resume(self.runs, self.config, say=self.say)
             c = self.config
             if c.sft is not None:  # likewise, and before Ray starts
                 splits = generate_splits(c.data.arithmetic)
@@ -200,15 +181,16 @@ class Trainer:
                                    max_new_tokens=response_width(c), max_positions=c.sft.model.max_position_embeddings,
                                    fix=f"raise sft.model.max_position_embeddings, or lower {response_key(c)} or "
                                        "data.arithmetic.digits")
-            with (RunLog(self.output_dir, terminal_level=self.terminal_level, run_dir=self._run_dir) as self._log,
+            with (RunLog(self.output_dir, terminal_level=self.terminal_level,
+                         run_dir=None if self._dir is None else self._dir.path) as self._log,
                   importable(self.module_dirs)):
                 worker_env = self._log.worker_env() | worker_python_path(self.module_dirs)
                 # Ray and the workers start while the driver prepares the model and the data.
                 with ray_started_ahead(c, address=self.address, worker_env=worker_env):
                     return await self._run(worker_env)
         finally:
-            if self._lock is not None:
-                self._lock.release()
+            if self._dir is not None:
+                self._dir.close()
 
     async def _run(self, worker_env: dict[str, str]) -> RunResult:
         c = self.config
@@ -219,23 +201,24 @@ class Trainer:
             self.say(line)
         for line in check_memory(c, model_dir, context=prompts.context):  # before the workers load models
             self.say(f"warning: {line}")
+        resumed = None if self._dir is None else self._dir.resumed
         start, state = 0, {}
-        if self._resumed is not None:
-            state = CheckpointDir.state(self._resumed)
+        if resumed is not None:
+            state = CheckpointDir.state(resumed)
             start = self._logged = int(state["step"])
         async with Session(address=self.address, worker_nice=c.worker_nice, worker_env=worker_env) as session:
-            roles = await session.spawn(role_specs(c, _for_workers(model_dir), context=prompts.context))
+            roles = await session.spawn(role_specs(c, for_workers(model_dir), context=prompts.context))
             self.say(f"roles up: {', '.join(f'{n}@{g.pool.name}({g.layout})' for n, g in roles.items())}; "
                      f"rows move by {session.transport}")
             self.say("pools on nodes: " + "; ".join(
                 f"{pool} on {', '.join(dict.fromkeys(n.describe() for n in nodes))}"
                 for pool, nodes in session.placement().items()))
-            if self._resumed is None:  # made once the workers are up: a run that never started leaves none
+            if resumed is None:  # made once the workers are up: a run that never started leaves none
                 self._new_run()
             else:
-                await self._load(roles, self._resumed)
+                await load_roles(roles, resumed)
                 truncate_after(self.run_dir / "metrics.jsonl", start)
-                self.say(f"resuming from {self._resumed} (step {start})")
+                self.say(f"resuming from {resumed} (step {start})")
             before = state.get("accuracy_before")
             if before is None:
                 scores = await self._evaluate(session, roles, prompts, max_new)
@@ -250,7 +233,7 @@ class Trainer:
                 result = await self._loop(session, roles, prompts, max_new, start=start,
                                           state=state | {"accuracy_before": before}, stop=stop)
             except (WorkerDiedError, CallTimeoutError, PoolBrokenError) as e:
-                raise self._interrupted(e, session) from e
+                raise interrupted(e, session, self._where_to_go_on()) from e
             except (RunInterruptedError, CheckpointError):  # their messages say where to continue
                 raise
             except AsyncflowError as e:  # a reward function, a role method, the data: what failed is e's
@@ -265,32 +248,9 @@ class Trainer:
                 stop.remove()
         return result
 
-    def _interrupted(self, error: WorkerDiedError | CallTimeoutError | PoolBrokenError,
-                     session: Session) -> RunInterruptedError:
-        """One line: which process died (or stalled) on which node, and where the run
-        can continue from."""
-        died = error.cause if isinstance(error, PoolBrokenError) else error
-        assert isinstance(died, WorkerDiedError | CallTimeoutError)
-        who = f"{died.role} " if died.role else ""
-        doing = f" during {died.role}.{died.method}" if died.role else ""
-        where = self._where_to_go_on()
-        if isinstance(died, CallTimeoutError):
-            return RunInterruptedError(f"{died.role}.{died.method} stalled on rank {died.rank} of pool {died.pool!r}: "
-                                       f"{died.cause}; {where}")
-        process = f"the {who}worker process of rank {died.rank} in pool {died.pool!r}"
-        try:
-            node = session.where(died.pool, died.rank)
-            if session.has_left(node):
-                return RunInterruptedError(f"{node.describe()} left the Ray cluster: {process} died{doing}; {where}")
-            process += f" on {node.describe()}"
-        except KeyError:  # not a rank of a pool (a producer's label)
-            pass
-        return RunInterruptedError(f"{process} died{doing}; {where}")
-
     def _where_to_go_on(self) -> str:
-        done = self.checkpoints.complete()
-        return (f"last checkpoint: {done[-1]} (continue with --resume)" if done
-                else "no checkpoint was written yet (rerun from the start)")
+        assert self._dir is not None, "run() chooses the run directory first"
+        return self._dir.where_to_go_on()
 
     async def _loop(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int, *, start: int,
                     state: dict[str, Any], stop: StopRequest) -> RunResult:
@@ -313,8 +273,8 @@ class Trainer:
             self._ahead = SamplesAhead(session, roles, sampling_of(c), max_staleness=c.train.max_staleness,
                                        last_step=c.train.steps, seed_of=self._seed, next_prompts=source.next,
                                        start=start, sync=sync, partial=partial)
-            if self._resumed is not None:
-                await self._ahead.restore(self._resumed, state.get("in_flight", []))
+            if self._dir is not None and self._dir.resumed is not None:
+                await self._ahead.restore(self._dir.resumed, state.get("in_flight", []))
         bar = progress_bar(self.progress_bar, start, c.train.steps)
         began, step = time.monotonic(), start
         evaluated: tuple[int, dict[str, float]] = (-1, {})
@@ -423,13 +383,9 @@ class Trainer:
         return await evaluate(session, roles, prompts, self.config, self._generate(roles, version), max_new=max_new)
 
     async def _save(self, roles: Roles, step: int, state: dict[str, Any]) -> None:
-        trained = [r for r in ("actor", "critic", "cost_critic") if r in roles]
         with staged(f"writing checkpoint step {step}", self.checkpoints.staging(step),
                     then=self._where_to_go_on) as tmp:
-            for role in trained:
-                await roles[role].save_checkpoint(_for_workers(tmp / role))
-            if self.config.train.export_hf == "checkpoints":
-                await roles.actor.export_hf(_for_workers(tmp / "policy"))
+            await save_roles(roles, tmp, policy=self.config.train.export_hf == "checkpoints")
             if self._ahead is not None:  # the batches generated ahead, by versions this checkpoint no longer holds
                 state = state | {"in_flight": await self._ahead.save(tmp)}
             final = self.checkpoints.commit(tmp, step, state | {"step": step, "seed": self.config.seed})
@@ -440,24 +396,11 @@ class Trainer:
         place once complete."""
         policy = self.run_dir / "policy"
         with staged("exporting the policy", self.run_dir / ".tmp_policy", then=self._where_to_go_on) as tmp:
-            await roles.actor.export_hf(_for_workers(tmp))
+            await roles.actor.export_hf(for_workers(tmp))
             shutil.rmtree(policy, ignore_errors=True)  # a resumed run's own earlier export
             os.replace(tmp, policy)
         self.say(f"trained policy: {policy} (AutoModelForCausalLM.from_pretrained or vLLM)")
 
-    async def _load(self, roles: Roles, ckpt: Path) -> None:
-        for role in ("actor", "critic", "cost_critic"):
-            if role in roles:
-                if not (ckpt / role).exists():
-                    raise ConfigError(f"--resume: checkpoint {ckpt} has no {role} (placement changed?)")
-                await roles[role].load_checkpoint(_for_workers(ckpt / role))
-
-
-def _for_workers(path: str | os.PathLike[str]) -> str:
-    """``path`` as the workers are told it: absolute, since a worker's working
-    directory is where its Ray node started (a cluster's, or a Ray instance started
-    before this run), not necessarily the driver's."""
-    return os.path.abspath(path)
 
 
 async def _one_by_one(first: int, last: int, run: Callable[[int], Awaitable[T]]) -> AsyncGenerator[tuple[int, T], None]:

@@ -1,0 +1,36 @@
+"""How a run that stopped early says so: which process died or stalled on which
+node, or which signal stopped it, and the checkpoint to continue from."""
+
+from __future__ import annotations
+
+from asyncflow.runtime import CallTimeoutError, PoolBrokenError, Session, WorkerDiedError
+from channels import AsyncflowError
+
+
+class RunInterruptedError(AsyncflowError):
+    """A run stopped because a worker process died, a call on it stalled past its
+    timeout (a weight pull), or SIGTERM / SIGINT asked it to (see
+    :class:`~asyncflow.train._signals.StopRequest`); the message names why and the
+    checkpoint to continue from."""
+
+
+def interrupted(error: WorkerDiedError | CallTimeoutError | PoolBrokenError, session: Session,
+                where: str) -> RunInterruptedError:
+    """One line: which process died (or stalled) on which node, then ``where`` (the
+    checkpoint to continue from)."""
+    died = error.cause if isinstance(error, PoolBrokenError) else error
+    assert isinstance(died, WorkerDiedError | CallTimeoutError)
+    who = f"{died.role} " if died.role else ""
+    doing = f" during {died.role}.{died.method}" if died.role else ""
+    if isinstance(died, CallTimeoutError):
+        return RunInterruptedError(f"{died.role}.{died.method} stalled on rank {died.rank} of pool {died.pool!r}: "
+                                   f"{died.cause}; {where}")
+    process = f"the {who}worker process of rank {died.rank} in pool {died.pool!r}"
+    try:
+        node = session.where(died.pool, died.rank)
+        if session.has_left(node):
+            return RunInterruptedError(f"{node.describe()} left the Ray cluster: {process} died{doing}; {where}")
+        process += f" on {node.describe()}"
+    except KeyError:  # not a rank of a pool (a producer's label)
+        pass
+    return RunInterruptedError(f"{process} died{doing}; {where}")
