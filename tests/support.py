@@ -235,6 +235,8 @@ class Faulty(Role):
                 sys.exit(3)  # the user's code ending "the program": here, its call
             if how == "interrupt":
                 raise KeyboardInterrupt
+            if how == "none":  # a return forgotten
+                return None  # type: ignore[return-value]
             raise ValueError(f"bad row block on rank {self.ctx.rank}")
         return {"x": batch["x"]}
 

@@ -11,13 +11,14 @@ import asyncio
 import difflib
 import inspect
 import itertools
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from asyncflow.runtime._future import DataFuture
 from asyncflow.runtime._resolved import Resolved
-from channels import AsyncflowError, Layout, MissingFieldError
+from channels import AsyncflowError, Batch, Layout, MissingFieldError
 from workers import CallInfo, Endpoint, FieldContract
 
 _call_ids = itertools.count(1)
@@ -93,6 +94,7 @@ def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: L
         raise CallArgumentError(_argument_error(role, endpoint, kwargs, e)) from None
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(spec.signature.parameters)))  # self
+    _check_data_arguments(role, endpoint, arguments)
     data = {k: v for k, v in arguments.items() if isinstance(v, DataFuture)}
     plain = {k: v for k, v in arguments.items() if k not in data}
     contract = spec.contract(CallInfo(config=config, arguments=arguments), data)
@@ -100,6 +102,36 @@ def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: L
                 data_args=data, kwargs=plain, result=loop.create_future(), rank_local=rank_local)
     _check_known_fields(call)
     return call
+
+
+_BATCH_SOURCE = re.compile(r"(channels\.)?Batch(\s*\|\s*None)?|None\s*\|\s*(channels\.)?Batch|Optional\[(channels\.)?Batch\]")
+
+
+def _is_data_parameter(annotation: Any) -> bool:
+    """Whether a parameter is a data argument: annotated ``Batch`` or ``Batch | None``
+    (as the mypy plugin reads it), in source text or as the types."""
+    if isinstance(annotation, str):
+        return _BATCH_SOURCE.fullmatch(annotation.strip()) is not None
+    return annotation is Batch or annotation == Batch | None or annotation == Optional[Batch]  # noqa: UP045
+
+
+def _check_data_arguments(role: str, endpoint: Endpoint[Any, Any], arguments: Mapping[str, Any]) -> None:
+    """Refuse rows, tensors or anything else but a future (or None) for a data
+    argument: its rows reach the ranks from where they were made, never through the
+    driver.
+
+    Raises:
+        CallArgumentError: naming the argument, what was passed and how to make a future.
+    """
+    for name, param in endpoint.spec.signature.parameters.items():
+        value = arguments.get(name)
+        if value is None or isinstance(value, DataFuture) or not _is_data_parameter(param.annotation):
+            continue
+        raise CallArgumentError(
+            f"{role}.{endpoint.spec.name}: {name} is a data argument (annotated Batch), so it takes a DataFuture "
+            f"(a call's result, or `await session.put(rows, pool=...)` for rows the driver has) or a DataStream, "
+            f"not a {type(value).__name__}"
+        )
 
 
 def _argument_error(role: str, endpoint: Endpoint[Any, Any], kwargs: Mapping[str, Any], e: TypeError) -> str:

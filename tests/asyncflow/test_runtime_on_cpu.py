@@ -20,7 +20,7 @@ from ray.util.state import list_objects
 
 import asyncflow as af
 from asyncflow import Layout, ResourcePool, RoleSpec
-from asyncflow.runtime import start_fork_server
+from asyncflow.runtime import CallArgumentError, start_fork_server
 from support import (
     Collective,
     Consumer,
@@ -154,6 +154,20 @@ def test_a_method_that_exits_fails_its_call_and_the_rank_goes_on(env, how: str, 
     assert after.num_rows == 9  # the rank's compute thread lives on
 
 
+def test_a_method_that_returns_no_rows_for_its_writes_fails_naming_them(env) -> None:
+    lt, session, roles = env
+
+    async def main():
+        src = await session.put({"idx": torch.arange(9)}, pool=P4)
+        with pytest.raises(af.RemoteStageError) as info:  # not a future of no rows
+            await asyncio.wait_for(roles.faulty.boom(roles.producer.produce(src, width=4), on_rank=1, how="none"), 120)
+        return info.value
+
+    err = lt.run(main())
+    assert (err.role, err.method, err.rank) == ("faulty", "boom", 1)
+    assert "faulty.boom declares writes=['x'] but returned None, not rows; return a Batch" in str(err), str(err)
+
+
 def test_token_balanced_split_keeps_groups_and_returns_rows_in_order(env) -> None:
     lt, session, roles = env
 
@@ -213,6 +227,10 @@ def test_bad_arguments_fail_at_call_time(env) -> None:
         roles.producer.produce(None, widht=3)
     with pytest.raises(AttributeError, match="has no registered method"):
         roles.producer.nope()
+    for rows in (torch.arange(3), {"idx": torch.arange(3)}):  # rows never go through the driver in a call
+        with pytest.raises(CallArgumentError, match=rf"consumer3\.echo: batch is a data argument \(annotated "
+                                                      rf"Batch\), so it takes a DataFuture .* not a {type(rows).__name__}"):
+            roles.consumer3.echo(rows)
 
 
 def test_roles_on_different_pools_overlap_and_on_one_pool_never(env) -> None:

@@ -131,6 +131,19 @@ def as_rows(out: Any) -> Batch | None:
     return None
 
 
+def check_returned_rows(where: str, endpoint: Endpoint[Any, Any], out: Any) -> None:
+    """Raise :class:`MissingFieldError` (naming ``where``, ``role.method``) when a
+    method that declares ``writes`` returned something other than rows (``None``: a
+    ``return`` forgotten), which would give its consumers no rows."""
+    if endpoint.spec.writes is None:
+        return
+    declared = endpoint.spec.writes
+    fields = f"writes={list(declared)}" if isinstance(declared, tuple) else "writes"
+    got = "None" if out is None else f"a {type(out).__name__}" + (" (empty)" if isinstance(out, Mapping) else "")
+    raise MissingFieldError(f"{where} declares {fields} but returned {got}, not rows; return a Batch or a "
+                            "dict of tensors with one row per input row")
+
+
 def check_writes(where: str, endpoint: Endpoint[Any, Any], rows: Batch) -> None:
     """Raise :class:`MissingFieldError` (naming ``where``, ``role.method``) when
     ``rows`` lacks a field the method declares in ``writes``."""

@@ -67,6 +67,7 @@ from workers.host._rows import (
     Traced,
     apply_transforms,
     as_rows,
+    check_returned_rows,
     check_writes,
     for_store,
     gather,
@@ -402,6 +403,7 @@ class WorkerProcess(RowServer, StreamEnds, ChannelHost, ControlHost):
     def _result(self, spec: CallSpec, endpoint: Endpoint[Any, Any], out: Any) -> RankResult:
         rows = as_rows(out)
         if rows is None:
+            check_returned_rows(f"{spec.role}.{spec.method}", endpoint, out)
             return RankResult(rank=self.rank, worker=self.index, value=out)
         check_writes(f"{spec.role}.{spec.method}", endpoint, rows)
         rows = for_store(rows, self.store_device)
