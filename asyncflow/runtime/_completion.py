@@ -9,6 +9,15 @@ reports the death: a call whose ranks failed only that way waits up to
 :data:`DEATH_REPORT_GRACE_S` for a death, and fails with the death
 (:class:`WorkerDiedError`, naming the process that died) when one comes.
 
+A death is blamed on the call the process was serving: the first call holding
+its rank when the death is reported, unless the process's own connection to the
+driver closed while no call written on it waited for an answer
+(``Transport.on_disconnect``, read before Ray reports the death): then it died
+between calls, and a call holding the rank was sent to it after. Every call the
+death fails names that call (or none) and says what became of it. Where workers
+have no such connection, a call sent in the moment between a death and Ray's
+report of it is taken for the one the process served.
+
 The scheduler (``_scheduler``) decides which call runs where and when; once a
 call's ranks run, it hands them to :class:`CallCompletion`, which owns everything
 after: results, failures, timeouts and deaths.
@@ -75,6 +84,12 @@ class CallCompletion:
         """Each pool's death, in the order they were reported."""
         self._death_reported = asyncio.Event()
         """Set (and replaced) at each death: what a wait for the next one waits on."""
+        self._met: dict[str, int | None] = {}
+        """Per pool broken by a death, the call (id) that met it: the one its process
+        was serving, or the one that found it dead after it died between calls."""
+        self._closed_idle: set[int] = set()
+        """Workers whose connection closed while no call sent on it waited."""
+        transport.on_disconnect(self._disconnected)
 
     # ----- deaths -----
 
@@ -89,25 +104,46 @@ class CallCompletion:
         except Exception:  # the transport is going away
             logger.debug("watch of worker %d ended", worker, exc_info=True)
 
+    def _disconnected(self, worker: int, busy: bool) -> None:
+        if not busy:  # its process ended serving no call: one sent to it later never ran there
+            self._closed_idle.add(worker)
+
     def worker_died(self, worker: int, detail: str) -> None:
-        """Break the pool of ``worker``; fail its running and queued calls."""
+        """Break the pool of ``worker``, naming the call its process was serving
+        (see the module docstring); fail its running and queued calls."""
         if worker not in self._where or self.closed:
             return
         pool, rank = self._where[worker]
         if pool.died.done():
             return
-        running = next(iter(sorted(pool.running.values(), key=lambda c: c.rank_local)), None)
-        err = WorkerDiedError(role=running.role if running else "", method=running.method if running else "",
-                              rank=rank, pool=pool.name, cause="its worker process died", detail=detail)
+        held = [pool.running[i] for i in pool.holders.get(rank, ()) if i in pool.running]
+        served = held[0] if held and worker not in self._closed_idle else None
+        if served is not None:
+            err = WorkerDiedError(role=served.role, method=served.method, rank=rank, pool=pool.name,
+                                  cause="its worker process died", detail=detail)
+        else:
+            found = f"; {held[0].label} found it dead" if held else ""
+            err = WorkerDiedError(role="", method="", rank=rank, pool=pool.name,
+                                  cause=f"its worker process died between calls{found}", detail=detail)
+        self._met[pool.name] = held[0].call_id if held else None
         pool.died.set_result(err)
         self._deaths.append(err)
         self._death_reported.set()
         self._death_reported = asyncio.Event()
         for call in pool.calls():
-            settle(call, WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
-                                          cause=f"rank {rank}'s worker process died before the call ran",
-                                          detail=detail))
+            settle(call, self._death_seen_by(pool, call, err))
         pool.wake.set()
+
+    def _death_seen_by(self, pool: PoolState, call: Call, death: WorkerDiedError) -> WorkerDiedError:
+        """The error of ``call``, failed by ``death`` of a process of its pool: the
+        death itself for the call that met it, else the death and what became of
+        ``call``."""
+        if call.call_id == self._met.get(pool.name):
+            return WorkerDiedError(role=death.role, method=death.method, rank=death.rank, pool=death.pool,
+                                   cause=death.cause, detail=death.detail)
+        fate = "did not finish" if call.call_id in pool.running else "was not run"
+        return WorkerDiedError(role=death.role, method=death.method, rank=death.rank, pool=death.pool,
+                               cause=f"{death.cause}; {call.label} {fate}", detail=death.detail)
 
     # ----- waiting for the ranks -----
 
@@ -211,6 +247,9 @@ class CallCompletion:
 
     def _gone(self, pool: PoolState, call: Call, rank: int, exc: WorkerGone) -> WorkerDiedError:
         self.worker_died(exc.worker, exc.detail)
+        death = pool.broken
+        if exc.worker == pool.workers[rank] and isinstance(death, WorkerDiedError) and death.rank == rank:
+            return self._death_seen_by(pool, call, death)
         if exc.worker == pool.workers[rank] or exc.worker not in self._where:
             return WorkerDiedError(role=call.role, method=call.method, rank=rank, pool=pool.name,
                                    cause="its worker process died", detail=exc.detail)
@@ -234,8 +273,7 @@ class CallCompletion:
             return CallTimeoutError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,
                                     cause=f"rank {d.rank} is stuck in {d.role}.{d.method} ({d.cause})",
                                     timeout_s=d.timeout_s)
-        return WorkerDiedError(role=call.role, method=call.method, rank=d.rank, pool=pool.name,
-                               cause=d.cause, detail=d.detail)
+        return self._death_seen_by(pool, call, d)
 
     def _timed_out(self, pool: PoolState, call: Call, stuck: Sequence[int]) -> None:
         """``call`` ran past its ``timeout_s`` on ranks ``stuck``: fail it, naming the

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -46,9 +46,14 @@ class Control(asyncio.Protocol):
         self._outgoing: list[bytes] = []
         """Frames of this turn of the event loop, written together at its end."""
         self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._unwritten: set[int] = set()
+        """Requests among ``_outgoing``'s frames: the worker cannot have seen them."""
         self._numbers = itertools.count()
         self.lost = False
         self._closing = False
+        self.on_lost: Callable[[bool], None] | None = None
+        """Called once, as soon as the driver reads that the worker's end closed (its
+        process ended), with whether a call written to it had not answered then."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -77,13 +82,25 @@ class Control(asyncio.Protocol):
             else:
                 fut.set_exception(value)
 
+    def eof_received(self) -> None:
+        # Told here rather than in connection_lost, which comes a turn of the loop
+        # later: a call started in between must not look sent before the end.
+        self._ended()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
+        self._ended()
         waiting, self._waiting = self._waiting, {}
         if self._closing:  # the session's end: nothing waits for these any more
             _fail(list(waiting.values()))
         elif waiting:
             asyncio.get_running_loop().call_later(GONE_GRACE_S, _fail, list(waiting.values()))
+
+    def _ended(self) -> None:
+        if self.lost:
+            return
+        self.lost = True
+        if not self._closing and self.on_lost is not None:
+            self.on_lost(any(r not in self._unwritten for r in self._waiting))
 
     def execute(self, call: Any, fetched: Sequence[Any]) -> asyncio.Future[Any]:
         """Run ``execute(call, *fetched)`` on the worker; a future of its result
@@ -96,6 +113,7 @@ class Control(asyncio.Protocol):
         request = next(self._numbers)
         data = ControlWire.frame(ControlWire.EXECUTE, request, (call, tuple(fetched)))  # raises for an unpicklable argument
         self._waiting[request] = fut
+        self._unwritten.add(request)
         self._post(data)
         return fut
 
@@ -117,6 +135,7 @@ class Control(asyncio.Protocol):
 
     def _flush(self) -> None:
         frames, self._outgoing = self._outgoing, []
+        self._unwritten.clear()
         if frames and self._transport is not None and not self._transport.is_closing():
             self._transport.write(b"".join(frames))
 

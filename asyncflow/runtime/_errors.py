@@ -32,8 +32,11 @@ class RemoteStageError(AsyncflowError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        what = f"{self.role}.{self.method}" if self.role else (self.method or "a call")
-        head = f"{what} failed on rank {self.rank} of pool {self.pool!r}: {self.cause}"
+        if self.role or self.method:
+            what = f"{self.role}.{self.method}" if self.role else self.method
+            head = f"{what} failed on rank {self.rank} of pool {self.pool!r}: {self.cause}"
+        else:  # no call to name (a process that died between calls)
+            head = f"rank {self.rank} of pool {self.pool!r}: {self.cause}"
         if not self.remote_traceback:
             return head
         return f"{head}\nwhere the remote call failed:\n{self.remote_traceback}"
@@ -54,7 +57,11 @@ class WorkerDiedError(RemoteStageError):
     crashed), or a worker whose rows the method pulled died.
 
     ``role``, ``method``, ``rank`` and ``pool`` name the process that died and the
-    call it was serving (for a producer: the call that made the rows).
+    call it was serving (for a producer: the call that made the rows), for every
+    call the death fails: a call queued behind that one, or running on the pool's
+    other ranks, says so in ``cause``. ``role`` and ``method`` are empty when the
+    process served no call (it died between calls); ``cause`` then names the call
+    that found it dead, if one did.
 
     Attributes:
         detail: Ray's report of the death, for debugging.

@@ -104,6 +104,9 @@ class LocalTransport:
         await self._dead[worker].wait()
         raise WorkerGone(worker, "killed")
 
+    def on_disconnect(self, fn: Callable[[int, bool], None]) -> None:
+        """In-process workers have no connection of their own: ``fn`` is never called."""
+
     async def stats(self, worker: int) -> StoreStats:
         return self.workers[worker].stats()
 

@@ -23,8 +23,10 @@ Failures are decided from facts, never from how long a rank takes:
 - A worker process's death is known from Ray (a call to it, or its ``watch``
   sentinel, fails with an actor-death error). Its pool is broken: its running and
   queued calls fail with :class:`WorkerDiedError`, later ones with
-  :class:`PoolBrokenError`. A producer that dies while a consumer pulls from it is
-  reported as the producer's death; the consumer's pool heals and goes on.
+  :class:`PoolBrokenError`, all naming the call the process was serving (none
+  when it died between calls; see ``_completion``). A producer that dies while a
+  consumer pulls from it is reported as the producer's death; the consumer's pool
+  heals and goes on.
 
 Every call settles: with its result, its error, a dependency's error, cancelled
 (:meth:`Scheduler.cancel`), or :class:`SessionClosedError` at close.

@@ -19,8 +19,9 @@ callee, or a producer the callee pulled rows from).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import ray
@@ -88,6 +89,14 @@ class Transport(Protocol):
 
     async def watch(self, worker: int) -> None:
         """Return never while ``worker`` lives; raise :class:`WorkerGone` when it dies."""
+        ...
+
+    def on_disconnect(self, fn: Callable[[int, bool], None]) -> None:
+        """Have ``fn(worker, busy)`` called as soon as ``worker``'s own connection to
+        the driver closes, which only its process's end does: ``busy`` says whether
+        a call sent to it had not answered then. The earliest sign of a death (the
+        death itself is known from :meth:`watch` or a failed call); never called
+        where the workers have no such connection."""
         ...
 
     async def stats(self, worker: int) -> StoreStats:
@@ -252,6 +261,10 @@ class RayTransport:
 
     async def watch(self, worker: int) -> None:
         await self._call(worker, self._actors[worker].watch.remote())
+
+    def on_disconnect(self, fn: Callable[[int, bool], None]) -> None:
+        for worker, control in enumerate(self._controls):
+            control.on_lost = functools.partial(fn, worker)
 
     async def stats(self, worker: int) -> StoreStats:
         result: StoreStats = await self._call(worker, self._actors[worker].stats.remote())

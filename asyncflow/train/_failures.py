@@ -21,7 +21,8 @@ def interrupted(error: WorkerDiedError | CallTimeoutError | PoolBrokenError, ses
     died = error.cause if isinstance(error, PoolBrokenError) else error
     assert isinstance(died, WorkerDiedError | CallTimeoutError)
     who = f"{died.role} " if died.role else ""
-    doing = f" during {died.role}.{died.method}" if died.role else ""
+    doing = (f" during {died.role}.{died.method}" if died.role
+             else " between calls" if "between calls" in died.cause else "")
     if isinstance(died, CallTimeoutError):
         return RunInterruptedError(f"{died.role}.{died.method} stalled on rank {died.rank} of pool {died.pool!r}: "
                                    f"{died.cause}; {where}")

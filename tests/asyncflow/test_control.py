@@ -187,6 +187,40 @@ def test_a_lost_connection_fails_the_calls_waiting_on_it(monkeypatch: pytest.Mon
     assert waited < 10
 
 
+def test_the_end_of_the_workers_side_is_told_at_once_with_whether_a_call_waited_on_it() -> None:
+    """``on_lost`` hears of the worker's end as soon as the driver reads it (the
+    sign that its process died, and whether it died serving a call); never of
+    the driver's own close."""
+    idle_worker, busy_worker, closed_worker = Worker(), Worker(), Worker()
+    servers = [_server(w) for w in (idle_worker, busy_worker, closed_worker)]
+
+    async def main() -> list[list[bool]]:
+        controls = [await _connect(s) for s in servers]
+        told: list[list[bool]] = [[], [], []]
+        ended = asyncio.Event()
+        for heard, control in zip(told, controls, strict=True):
+            control.on_lost = lambda busy, heard=heard: (heard.append(busy), ended.set())
+        assert (await controls[0].execute("answered", []))["echo"] == "answered"
+        busy_worker.gate.clear()
+        controls[1].execute("stuck", [])
+        await asyncio.sleep(0.2)  # written: the worker runs it
+        controls[2].close()
+        for server in servers[:2]:
+            server.close()  # the worker's end goes (as when its process dies)
+        while not (told[0] and told[1]):
+            await ended.wait()
+            ended.clear()
+        return told
+
+    try:
+        told = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        busy_worker.gate.set()
+        for server in servers:
+            server.close()
+    assert told == [[False], [True], []]
+
+
 def test_connect_falls_back_to_ray_calls_when_a_worker_cannot_be_reached(caplog: pytest.LogCaptureFixture) -> None:
     """One worker listening, one whose address answers nothing: no connection is
     kept (calls go by Ray for every worker), and a warning says why."""
