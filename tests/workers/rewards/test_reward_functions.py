@@ -294,6 +294,21 @@ def test_a_sample_that_hangs_alone_is_named_when_the_batch_raised(tokenizer_dir:
         _timed(odd, tokenizer_dir, 0.3)(make_inputs(["1=", "2=", "3="], ["1", "2", "3"]))
 
 
+def test_after_a_call_past_its_timeout_the_next_one_is_served(tokenizer_dir: str, release) -> None:
+    calls = []
+
+    def stuck_once(prompts, completions, **kw):
+        calls.append(len(completions))
+        if len(calls) == 1:
+            release.wait(60)  # the first call's thread stays here: the next call needs another
+        return [1.0] * len(completions)
+
+    scorer, inputs = _timed(stuck_once, tokenizer_dir, 0.3), make_inputs(["1=", "2="], ["1", "2"])
+    with pytest.raises(RewardTimeoutError):
+        scorer(inputs)
+    assert scorer(inputs).tolist() == [1.0, 1.0] and calls == [2, 2]
+
+
 def test_a_fn_within_its_timeout_scores_as_without_one(tokenizer_dir: str) -> None:
     inputs = make_inputs(["1=", "2="], ["1", "3"], ["1", "2"])
     for timeout_s in (None, 60.0):
