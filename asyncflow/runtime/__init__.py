@@ -38,7 +38,7 @@ _EXPORTS = {
     "asyncflow.runtime._ops": ("concat", "merge"),
     "asyncflow.runtime._pool": ("ResourcePool", "RoleSpec"),
     "asyncflow.runtime._proxy": ("RoleGroup", "Roles", "Stage", "Submit"),
-    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "cluster_address", "start_ray",
+    "asyncflow.runtime._ray_start": ("CPU_SLOT", "check_answers", "cluster_address", "head_answers", "start_ray",
                                      "starts_own_instance"),
     "asyncflow.runtime._session": ("Session", "shutdown_ray"),
     "asyncflow.runtime._transform": ("transform",),
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
         CPU_SLOT,
         check_answers,
         cluster_address,
+        head_answers,
         start_ray,
         starts_own_instance,
     )

@@ -36,7 +36,7 @@ from asyncflow.runtime._pool import (
     world_size,
 )
 from asyncflow.runtime._proxy import Roles
-from asyncflow.runtime._ray_start import claim_started_instance, init_ray
+from asyncflow.runtime._ray_start import claim_started_instance, head_answers, init_ray
 from asyncflow.runtime._runtime import Runtime
 from asyncflow.runtime._transport import RayTransport
 from asyncflow.runtime._workers import Workers
@@ -143,6 +143,11 @@ class Session(Runtime):
         for control in self._controls:
             control.close()
         clean = not (broken or running or self._started_ray)
+        if not head_answers():  # Ray's own processes are gone: nothing to free there, and asking would hang
+            logger.info("the Ray cluster's head does not answer: its workers end with it")
+            if self._started_ray:
+                shutdown_ray()
+            return
         if self._rdt_group is not None and not broken:
             try:
                 from ray.experimental.collective import destroy_collective_group
@@ -227,6 +232,8 @@ class Session(Runtime):
     def has_left(node: Node) -> bool:
         """Whether ``node`` is known to be no longer a live node of the cluster
         (False when the cluster does not answer)."""
+        if not head_answers():  # Ray's own processes are gone (a signal to the whole process group)
+            return False
         try:
             nodes = ray.nodes()
         except ray.exceptions.RayError:

@@ -3,7 +3,13 @@ node, or which signal stopped it, and the checkpoint to continue from."""
 
 from __future__ import annotations
 
-from asyncflow.runtime import CallTimeoutError, PoolBrokenError, Session, WorkerDiedError
+from asyncflow.runtime import (
+    CallTimeoutError,
+    PoolBrokenError,
+    Session,
+    WorkerDiedError,
+    head_answers,
+)
 from channels import AsyncflowError
 
 
@@ -15,9 +21,13 @@ class RunInterruptedError(AsyncflowError):
 
 
 def interrupted(error: WorkerDiedError | CallTimeoutError | PoolBrokenError, session: Session,
-                where: str) -> RunInterruptedError:
+                where: str, *, signal: str | None = None) -> RunInterruptedError:
     """One line: which process died (or stalled) on which node, then ``where`` (the
-    checkpoint to continue from)."""
+    checkpoint to continue from); first, when a stop ``signal`` came before and
+    Ray's own processes are gone, that the signal ended them too."""
+    if signal is not None and not head_answers():
+        return RunInterruptedError(f"stopped by {signal}, which ended Ray's own processes too (it was sent to the "
+                                   f"whole process group), and with them the step under way; {where}")
     died = error.cause if isinstance(error, PoolBrokenError) else error
     assert isinstance(died, WorkerDiedError | CallTimeoutError)
     who = f"{died.role} " if died.role else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,11 +16,17 @@ Say = Callable[[str], None]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+ONE_REQUEST_S = 0.5
+"""A signal again within this many seconds of the first is the same request:
+``timeout`` sends its signal to the command and then to the command's whole
+process group, so the command gets it twice at once."""
+
 
 class StopRequest:
     """SIGTERM or SIGINT (Ctrl-C) during a run. The first ends the run at the next
     step boundary, after a checkpoint of that step, so that a preempted job loses
-    no step it finished; a second one ends it at once (the last checkpoint stays).
+    no step it finished; a second one ends it at once (the last checkpoint stays),
+    unless it is the same signal within :data:`ONE_REQUEST_S` of the first.
 
     Installed on the running loop for the run's duration, after Ray started (its
     driver installs its own SIGTERM handler, which prints a native stack trace);
@@ -33,6 +40,7 @@ class StopRequest:
         self.now = False
         """A second signal came: the run was cancelled where it stood."""
         self._task: asyncio.Task[object] | None = None
+        self._first_at = 0.0
 
     def install(self) -> None:
         """Catch the stop signals on the running loop (its current task is the run)."""
@@ -49,10 +57,12 @@ class StopRequest:
 
     def _received(self, sig: signal.Signals) -> None:
         if self.signal is None:
-            self.signal = sig.name
+            self.signal, self._first_at = sig.name, time.monotonic()
             self.say(f"{sig.name}: stopping after this step, once its checkpoint is written "
                      f"({sig.name} again stops at once)")
             return
+        if sig.name == self.signal and time.monotonic() - self._first_at < ONE_REQUEST_S:
+            return  # the first one, delivered again (to the process and to its group)
         if not self.now and self._task is not None:
             self.now = True
             self._task.cancel()

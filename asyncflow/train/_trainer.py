@@ -233,7 +233,7 @@ class Trainer:
                 result = await self._loop(session, roles, prompts, max_new, start=start,
                                           state=state | {"accuracy_before": before}, stop=stop)
             except (WorkerDiedError, CallTimeoutError, PoolBrokenError) as e:
-                raise interrupted(e, session, self._where_to_go_on()) from e
+                raise interrupted(e, session, self._where_to_go_on(), signal=stop.signal) from e
             except (RunInterruptedError, CheckpointError):  # their messages say where to continue
                 raise
             except AsyncflowError as e:  # a reward function, a role method, the data: what failed is e's

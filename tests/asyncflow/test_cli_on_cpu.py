@@ -17,6 +17,7 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.train import load_config, read_metrics
+from asyncflow.train._signals import ONE_REQUEST_S
 from channels import ConfigError
 from support import config_file, wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
@@ -180,14 +181,15 @@ def test_a_step_that_fails_names_the_checkpoint_to_continue_from(tmp_path, model
     assert [r["step"] for r in read_metrics(tmp_path / "breaking" / "latest" / "metrics.jsonl")] == [0, 1, 2]
 
 
-def _start(tmp_path: Path, run: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
-    """``asyncflow train run`` in a subprocess, its stderr in ``<name>.stderr``."""
+def _start(tmp_path: Path, run: Path, name: str, *, group: bool = False) -> tuple[subprocess.Popen[str], Path]:
+    """``asyncflow train run`` in a subprocess, its stderr in ``<name>.stderr``; with
+    ``group``, leading a process group of its own (as a shell's job, or ``timeout``'s)."""
     paths = [str(Path(__file__).parents[2]), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # the package, and support's rewards
     err = tmp_path / f"{name}.stderr"
     with (tmp_path / f"{name}.stdout").open("w") as out_file, err.open("w") as err_file:
         proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(run), "--no-progress"],
-                                stdout=out_file, stderr=err_file, text=True, env=env)
+                                stdout=out_file, stderr=err_file, text=True, env=env, start_new_session=group)
     return proc, err
 
 
@@ -239,9 +241,29 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at
     while "SIGINT: stopping after this step" not in out_path.read_text() + err_path.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
         time.sleep(0.01)
+    time.sleep(ONE_REQUEST_S)  # a second Ctrl-C, not the first delivered twice
     proc.send_signal(signal.SIGINT)
     last = _ended_in_one_line(proc, err_path, workers, never="KeyboardInterrupt")
     assert last.startswith("asyncflow: RunInterruptedError: stopped by SIGINT twice, during a step; last checkpoint: ")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_ends_the_run_in_one_line_at_once(tmp_path, model_dir) -> None:
+    """``timeout``, a shell's job control or a process manager signal the command's
+    whole process group: Ray's own processes (started by the run, in its group) end
+    at once, and the step under way with them. The run still ends within seconds
+    (asking the gone cluster would wait a minute and abort), in one line naming the
+    checkpoint, and leaves no process behind."""
+    run = _config(tmp_path, model_dir, steps=10_000, name="run")
+    proc, err_path = _start(tmp_path, run, "run", group=True)
+    wait_for_a_checkpoint(proc, tmp_path / "run" / "latest" / "checkpoints", err_path)
+    spawned = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGTERM)
+    last = _ended_in_one_line(proc, err_path, spawned, never="Failed to connect to GCS")
+    checkpoint = tmp_path / "run" / "version_0" / "checkpoints"
+    latest = checkpoint / (checkpoint / "latest").read_text().strip()
+    assert last.startswith("asyncflow: RunInterruptedError: stopped by SIGTERM"), last
+    assert last.endswith(f"last checkpoint: {latest} (continue with --resume)"), last
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from asyncflow.train._signals import StopRequest
+from asyncflow.train._signals import ONE_REQUEST_S, StopRequest
 
 
 def test_the_first_signal_asks_for_a_stop_and_a_second_cancels_the_run() -> None:
@@ -33,5 +33,31 @@ def test_the_first_signal_asks_for_a_stop_and_a_second_cancels_the_run() -> None
 
     asyncio.run(run())
     assert len(said) == 1 and said[0].startswith("SIGTERM: stopping after this step")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_one_signal_delivered_twice_at_once_is_one_request() -> None:
+    """As ``timeout`` sends it: to the command, then to its process group. The same
+    signal again later stops the run at once."""
+    async def run() -> StopRequest:
+        stop = StopRequest(lambda line: None)
+        stop.install()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.05)  # the loop runs both handlers
+            assert stop.signal == "SIGTERM" and not stop.now
+            await asyncio.sleep(ONE_REQUEST_S)
+            os.kill(os.getpid(), signal.SIGTERM)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.sleep(10)
+            assert stop.now
+        finally:
+            stop.remove()
+        return stop
+
+    asyncio.run(run())
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
