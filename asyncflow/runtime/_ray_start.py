@@ -223,10 +223,12 @@ def check_answers(address: str | None) -> None:
 
 
 def head_answers(timeout_s: float = 2.0) -> bool:
-    """Whether the connected Ray cluster's head (its GCS) accepts a connection within
+    """Whether this process's Ray cluster's head (its GCS) accepts a connection within
     ``timeout_s``: where it does not (its processes ended, as a signal to the whole
     process group ends those of an embedded instance), a call that asks it (a node
     list, killing an actor) would wait a minute and then end this process."""
+    if not ray.is_initialized():
+        return False
     host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
