@@ -13,6 +13,7 @@ read, not learnt).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import inspect
 from collections.abc import Mapping, Sequence
@@ -127,7 +128,11 @@ async def _episode(env: Any, row: Mapping[str, Any], actions: Sequence[str]) -> 
 
 
 async def _call(method: Any, arg: Any) -> Any:
-    out = method(arg)
+    """``method(arg)``; a plain method on the loop's threads, so that one that blocks
+    holds up only its own episode and its timeout still fires."""
+    if inspect.iscoroutinefunction(method):
+        return await method(arg)
+    out = await asyncio.get_running_loop().run_in_executor(None, method, arg)
     return await out if inspect.isawaitable(out) else out
 
 

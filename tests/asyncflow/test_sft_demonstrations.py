@@ -6,6 +6,8 @@ configuration errors that name the key. No Ray is started here."""
 from __future__ import annotations
 
 import string
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -140,6 +142,25 @@ class EndsAtOnce:
 class Raises(EndsAtOnce):
     def step(self, action: str) -> tuple[str, float, bool]:
         raise RuntimeError("the calculator is broken")
+
+
+class Hangs(EndsAtOnce):
+    release = threading.Event()  # set at the test's end: the stuck call's thread ends then
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        self.release.wait(60)
+        return "", 1.0, True
+
+
+def test_an_environment_that_hangs_in_a_demonstration_times_out() -> None:
+    began = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"the environment took more than \[env\] timeout_s = 0.2 s per call"):
+            demonstrate(generate_splits(TASK).train[:2], TOKENIZER, TURNS, episodes(env=Hangs, settings={},
+                                                                                     timeout_s=0.2))
+        assert time.monotonic() - began < 30  # at its timeout, not when the step gave up
+    finally:
+        Hangs.release.set()
 
 
 def test_a_demonstration_the_environment_does_not_play_along_is_a_config_error() -> None:
