@@ -4,9 +4,10 @@ SIGINT) and trace its first steps."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from asyncflow.runtime import Session
@@ -28,9 +29,14 @@ class StopRequest:
     no step it finished; a second one ends it at once (the last checkpoint stays),
     unless it is the same signal within :data:`ONE_REQUEST_S` of the first.
 
-    Installed on the running loop for the run's duration, after Ray started (its
+    Before the steps (:meth:`begin_steps`: start-up, a warm start, the first
+    evaluation) there is no step to finish: the first signal ends the run at once.
+
+    Installed on the running loop for the run's duration, once Ray started (its
     driver installs its own SIGTERM handler, which prints a native stack trace);
-    :meth:`remove` gives the default handlers back.
+    :meth:`remove` gives the default handlers back. Synchronous work on the loop's
+    thread (an SFT warm start) runs under :meth:`blocking`, where the loop's
+    handlers would run only at its end.
     """
 
     def __init__(self, say: Say) -> None:
@@ -41,6 +47,8 @@ class StopRequest:
         """A second signal came: the run was cancelled where it stood."""
         self._task: asyncio.Task[object] | None = None
         self._first_at = 0.0
+        self.stepping = False
+        """The RL steps began (:meth:`begin_steps`)."""
 
     def install(self) -> None:
         """Catch the stop signals on the running loop (its current task is the run)."""
@@ -49,6 +57,27 @@ class StopRequest:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self._received, sig)
 
+    def begin_steps(self) -> None:
+        """From now on the first signal waits for the step under way."""
+        self.stepping = True
+
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Synchronous work on the loop's thread: a stop signal ends it where it
+        stands (``asyncio.CancelledError`` raised in it, as the run's cancellation)."""
+        def cancel(signum: int, _frame: object) -> None:
+            self.signal, self.now = self.signal or signal.Signals(signum).name, True
+            raise asyncio.CancelledError
+
+        before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, cancel)
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
     def remove(self) -> None:
         """Give the stop signals their default handlers back."""
         loop = asyncio.get_running_loop()
@@ -56,6 +85,11 @@ class StopRequest:
             loop.remove_signal_handler(sig)  # SIGINT gets default_int_handler back, SIGTERM SIG_DFL
 
     def _received(self, sig: signal.Signals) -> None:
+        if self.signal is None and not self.stepping:  # nothing to finish: stop where the run stands
+            self.signal, self.now = sig.name, True
+            if self._task is not None:
+                self._task.cancel()
+            return
         if self.signal is None:
             self.signal, self._first_at = sig.name, time.monotonic()
             self.say(f"{sig.name}: stopping after this step, once its checkpoint is written "

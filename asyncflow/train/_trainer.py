@@ -193,10 +193,30 @@ class Trainer:
                 self._dir.close()
 
     async def _run(self, worker_env: dict[str, str]) -> RunResult:
+        """The run with SIGTERM / SIGINT caught from Ray's start to its end (see
+        :class:`~asyncflow.train._signals.StopRequest`)."""
+        stop = StopRequest(self.say)
+        stop.install()
+        try:
+            return await self._stages(worker_env, stop)
+        except asyncio.CancelledError:
+            if not stop.now:
+                raise
+            if stop.stepping:
+                raise RunInterruptedError(f"stopped by {stop.signal} twice, during a step; "
+                                          f"{self._where_to_go_on()}") from None
+            if stop.signal == "SIGINT":  # a Ctrl-C outside the steps: the command's own line (cli)
+                raise KeyboardInterrupt from None
+            raise RunInterruptedError(f"stopped by {stop.signal} before the RL steps; {self._where_to_go_on()}") from None
+        finally:
+            stop.remove()
+
+    async def _stages(self, worker_env: dict[str, str], stop: StopRequest) -> RunResult:
         c = self.config
         max_new = sampling_of(c).max_new_tokens
-        model_dir = self.model_dir()
-        prompts = run_prompts(c, model_dir, response_width(c))
+        with stop.blocking():  # an SFT warm start runs here, for minutes
+            model_dir = self.model_dir()
+            prompts = run_prompts(c, model_dir, response_width(c))
         for line in prompts.summary():
             self.say(line)
         for line in check_memory(c, model_dir, context=prompts.context):  # before the workers load models
@@ -227,11 +247,10 @@ class Trainer:
                 log = MetricsLog(self.run_dir, tensorboard=False)
                 log.write(0, scores)
                 log.close()
-            stop = StopRequest(self.say)
-            stop.install()
+            stop.begin_steps()
             try:
-                result = await self._loop(session, roles, prompts, max_new, start=start,
-                                          state=state | {"accuracy_before": before}, stop=stop)
+                return await self._loop(session, roles, prompts, max_new, start=start,
+                                        state=state | {"accuracy_before": before}, stop=stop)
             except (WorkerDiedError, CallTimeoutError, PoolBrokenError) as e:
                 raise interrupted(e, session, self._where_to_go_on(), signal=stop.signal) from e
             except (RunInterruptedError, CheckpointError):  # their messages say where to continue
@@ -239,17 +258,10 @@ class Trainer:
             except AsyncflowError as e:  # a reward function, a role method, the data: what failed is e's
                 e.add_note(f"the run stopped after step {self._logged}; {self._where_to_go_on()}")
                 raise
-            except asyncio.CancelledError:
-                if not stop.now:
-                    raise
-                raise RunInterruptedError(f"stopped by {stop.signal} twice, during a step; "
-                                          f"{self._where_to_go_on()}") from None
-            finally:
-                stop.remove()
-        return result
 
     def _where_to_go_on(self) -> str:
-        assert self._dir is not None, "run() chooses the run directory first"
+        if self._dir is None:  # stopped before the run's directory was made
+            return "nothing of the run was written yet (rerun from the start)"
         return self._dir.where_to_go_on()
 
     async def _loop(self, session: Session, roles: Roles, prompts: RunPrompts, max_new: int, *, start: int,

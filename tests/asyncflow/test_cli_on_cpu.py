@@ -22,6 +22,8 @@ from channels import ConfigError
 from support import config_file, wait_for_a_checkpoint
 from workers.models import TinyModelConfig, save_tiny_model
 
+EXAMPLE = Path(__file__).parents[2] / "examples" / "arith_grpo.toml"
+
 TINY = TinyModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=1,
                        num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
 
@@ -245,6 +247,40 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_a_second_signal_at
     proc.send_signal(signal.SIGINT)
     last = _ended_in_one_line(proc, err_path, workers, never="KeyboardInterrupt")
     assert last.startswith("asyncflow: RunInterruptedError: stopped by SIGINT twice, during a step; last checkpoint: ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "line"), [
+    (signal.SIGINT, "asyncflow: interrupted (Ctrl-C) during `asyncflow train`"),
+    (signal.SIGTERM, "asyncflow: RunInterruptedError: stopped by SIGTERM before the RL steps; nothing of the run was "
+                     "written yet (rerun from the start)"),
+])
+def test_a_signal_during_the_warm_start_ends_the_run_at_once(tmp_path, sig: signal.Signals, line: str) -> None:
+    """The SFT warm start runs on the driver's event loop, where the loop's signal
+    handlers would run only at its end (a Ctrl-C waited for the whole warm start,
+    a SIGTERM met Ray's handler: native stack dumps, exit 134)."""
+    run = tmp_path / "sft.toml"
+    run.write_text(EXAMPLE.read_text().replace('output_dir = "runs/arith-grpo"', f'output_dir = "{tmp_path / "out"}"')
+                   .replace("steps = 2000", "steps = 1000000").replace("max_seconds = 150", "max_seconds = 3600"))
+    proc, err_path = _start(tmp_path, run, "sft")
+    out_path = tmp_path / "sft.stdout"
+    deadline = time.monotonic() + 120
+    while "SFT warm start: up to" not in out_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+        time.sleep(0.05)
+    time.sleep(1)  # inside the warm start's steps
+    spawned = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=60)  # not the warm start's hour
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = err_path.read_text()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 1), err
+    assert err.strip().splitlines()[-1] == line and "Traceback" not in err and "SIGTERM received" not in err, err
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, [p.name() for p in alive]
 
 
 @pytest.mark.slow
