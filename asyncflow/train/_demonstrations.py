@@ -25,7 +25,15 @@ from torch import Tensor
 
 from channels import ConfigError
 from workers.data import ArithmeticProblem
-from workers.episodes import EnvLoop, EpisodeConfig, EpisodeRun, ObservationCodec, load_env_class
+from workers.episodes import (
+    EnvLoop,
+    EnvProtocolError,
+    EpisodeConfig,
+    EpisodeRun,
+    ObservationCodec,
+    checked_step,
+    load_env_class,
+)
 from workers.models import CharTokenizer, PromptTokenizer
 from workers.rollout import NativeRolloutEngine, SamplingParams
 
@@ -148,16 +156,14 @@ def _answered(future: concurrent.futures.Future[Any], problem: ArithmeticProblem
         raise ConfigError(f"{where}: the environment raised {type(e).__name__}: {e}") from e
     checked = []
     for k, answer in enumerate(steps):
-        if not (isinstance(answer, tuple | list) and len(answer) == 3):
-            raise ConfigError(f"{where}: step returned {answer!r}, not (observation, reward, done)")
-        observation, reward, done = answer
+        try:
+            observation, reward, done = checked_step(answer, "step")
+        except EnvProtocolError as e:
+            raise ConfigError(f"{where}: {e}") from None
         if done != (k == len(steps) - 1):
             raise ConfigError(f"{where}: the environment {'ended' if done else 'did not end'} the episode after "
                               f"turn {k + 1} of {len(steps)} (the last is the answer)")
-        if observation is not None and not isinstance(observation, str):
-            raise ConfigError(f"{where}: step returned an observation of type {type(observation).__name__}; "
-                              "return text (str) or None")
-        checked.append((observation or "", float(reward), bool(done)))
+        checked.append((observation, reward, done))
     if not checked[-1][1] > 0:
         raise ConfigError(f"{where}: the environment gave the answer {problem.answer!r} reward {checked[-1][1]:g}; "
                           "a demonstration teaches answers the environment rewards")

@@ -16,7 +16,14 @@
 
 from workers.episodes._codec import ObservationCodec
 from workers.episodes._config import MAX_TURNS_LIMIT, OUTCOMES, EpisodeConfig, outcome_code
-from workers.episodes._env import Environment, EnvLoop, build_env, load_env_class
+from workers.episodes._env import (
+    Environment,
+    EnvLoop,
+    EnvProtocolError,
+    build_env,
+    checked_step,
+    load_env_class,
+)
 from workers.episodes._rows import (
     EPISODE_COLUMNS,
     EPISODE_METRIC_FIELDS,
@@ -28,8 +35,8 @@ from workers.episodes._runner import Episode, EpisodeError, EpisodeRun
 from workers.episodes._tools import ToolEnv, exact_answer, numeric_answer, parse_tool_calls
 
 __all__ = [
-    "EPISODE_COLUMNS", "EPISODE_METRIC_FIELDS", "MAX_TURNS_LIMIT", "OUTCOMES", "EnvLoop", "Environment", "Episode",
-    "EpisodeConfig", "EpisodeError", "EpisodeRun", "ObservationCodec", "ToolEnv", "build_env", "empty_episode_rows",
+    "EPISODE_COLUMNS", "EPISODE_METRIC_FIELDS", "MAX_TURNS_LIMIT", "OUTCOMES", "EnvLoop", "EnvProtocolError", "Environment", "Episode",
+    "EpisodeConfig", "EpisodeError", "EpisodeRun", "ObservationCodec", "ToolEnv", "build_env", "checked_step", "empty_episode_rows",
     "episode_metrics", "episode_reward", "episode_rows", "exact_answer", "load_env_class", "numeric_answer",
     "outcome_code", "parse_tool_calls",
 ]

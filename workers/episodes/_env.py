@@ -118,6 +118,8 @@ def checked_step(value: Any, where: str) -> StepResult:
     observation, reward, done = value
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
         raise EnvProtocolError(f"{where} returned reward {reward!r}; return a finite number")
+    if not (isinstance(done, bool) or type(done).__name__ in ("bool", "bool_") or (isinstance(done, int) and done in (0, 1))):
+        raise EnvProtocolError(f"{where} returned done {done!r} ({type(done).__name__}); return True or False")
     return checked_observation(observation, where), float(reward), bool(done)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -279,3 +280,17 @@ def test_turn_and_token_budgets_end_episodes(model: PreTrainedModel, tokenizer: 
         assert len(e.tokens) <= max_tokens
         if outcome == "max_turns":
             assert e.turns == max_turns and e.reward == 0.25 * max_turns
+
+
+@pytest.mark.parametrize("done", ["false", None, 2, 0.0])
+def test_done_that_is_not_a_bool_breaks_the_protocol(done: Any) -> None:
+    """``"false"`` would read as True and ``None`` as False: neither is taken."""
+    from workers.episodes._env import EnvProtocolError, checked_step
+
+    with pytest.raises(EnvProtocolError, match=rf"Env\.step returned done {re.escape(repr(done))} \(\w+\); "
+                                               r"return True or False"):
+        checked_step(("ok", 1.0, done), "Env.step")
+    import numpy as np
+
+    for ok in (True, False, 1, 0, np.bool_(True)):
+        assert checked_step(("ok", 1.0, ok), "Env.step") == ("ok", 1.0, bool(ok))
