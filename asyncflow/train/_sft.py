@@ -11,6 +11,7 @@ tokenizer) that the actor, the reference and the rollout engines load.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -106,8 +107,8 @@ class SFTConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"SFTConfig.{name} must be an int >= 0, got {value!r}")
-        if not self.lr > 0:
-            raise ConfigError(f"SFTConfig.lr must be > 0, got {self.lr!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"SFTConfig.lr must be a finite number > 0, got {self.lr!r}")
         target = self.stop_at_train_accuracy
         if target is not None and not 0 <= target <= 1:
             raise ConfigError(
@@ -253,6 +254,9 @@ def _train(
         problems = next(batches)
         batch = sft_rows(problems, tokenizer, shown) if shown else sft_batch(problems, tokenizer)
         losses.append(engine.train_step(batch)["loss"])
+        if not math.isfinite(losses[-1]):  # the weights are no longer numbers: nothing worth saving
+            raise ConfigError(f"the SFT warm start diverged: loss {losses[-1]} at step {step} (the loss was "
+                              f"{losses[0]:.3g} at step 1); lower sft.lr ({config.lr:g})")
         if config.max_seconds is not None and time.perf_counter() - start >= config.max_seconds:
             break
         if config.stop_at_train_accuracy and step % config.probe_every == 0:

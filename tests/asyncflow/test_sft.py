@@ -77,6 +77,15 @@ def test_a_prompt_longer_than_the_context_is_a_config_error(tmp_path: Path) -> N
     assert not (tmp_path / "sft").exists()
 
 
+def test_a_warm_start_that_diverges_saves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"SFTConfig\.lr must be a finite number > 0, got inf"):
+        SFTConfig(lr=float("inf"))
+    with pytest.raises(ConfigError, match=r"the SFT warm start diverged: loss nan at step \d+ .*lower sft\.lr \(1e\+30\)"):
+        sft_warm_start(tmp_path / "sft", SFTConfig(model=MODEL, lr=1e30, steps=20, warmup_steps=0,
+                                                   stop_at_train_accuracy=None), TASK)
+    assert not (tmp_path / "sft").exists()  # no NaN model for a later run to take up
+
+
 def test_empty_data_and_bad_settings_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="train_size"):
         ArithmeticTaskConfig(train_size=0)
