@@ -15,6 +15,7 @@ import msgspec
 from asyncflow.algos._checks import above, at_least
 from channels import ConfigError
 from workers.data import ArithmeticTaskConfig
+from workers.episodes import MAX_TURNS_LIMIT
 from workers.rewards import DEFAULT_TIMEOUT_S, split_function_spec
 
 _CFG = {"frozen": True, "kw_only": True, "forbid_unknown_fields": True}
@@ -396,7 +397,9 @@ class EnvSection(msgspec.Struct, **_CFG):
 
     def __post_init__(self) -> None:
         if self.cls:  # required: validate says so when it is missing
-            split_function_spec(self.cls, key="[env] class")
+            split_function_spec(self.cls, key="[env] class", form="module:Class", example="workers.episodes:ToolEnv")
         at_least("[env] max_turns", self.max_turns, 1)
+        if self.max_turns > MAX_TURNS_LIMIT:
+            raise ConfigError(f"[env] max_turns must be at most {MAX_TURNS_LIMIT}, got {self.max_turns}")
         at_least("[env] max_tokens", self.max_tokens, 1)
         above("[env] timeout_s", self.timeout_s, 0)

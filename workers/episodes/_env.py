@@ -62,7 +62,9 @@ def load_env_class(spec: str | type, *, key: str = "[env] class") -> type:
         ConfigError: the module cannot be imported, has no such class, or the
             class lacks ``reset`` or ``step``.
     """
-    cls = spec if isinstance(spec, type) else load_reward_fn(spec, key=key)
+    cls = spec if isinstance(spec, type) else load_reward_fn(spec, key=key, form="module:Class",
+                                                             example="workers.episodes:ToolEnv",
+                                                             expected="a class with reset(row) and step(action)")
     if not isinstance(cls, type):
         raise ConfigError(f"{key} = {spec!r} names a {type(cls).__name__}, not a class with reset and step")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]

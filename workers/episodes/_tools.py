@@ -94,7 +94,8 @@ def _text_call(text: str) -> ToolCall:
 
 def _load(spec: str | Callable[..., Any], key: str) -> Callable[..., Any]:
     """The function ``"module:function"`` names (or ``spec`` itself)."""
-    fn: Callable[..., Any] = load_reward_fn(cast(Any, spec), key=key)
+    fn: Callable[..., Any] = load_reward_fn(cast(Any, spec), key=key, example="my_tools:add",
+                                            expected="a function (a tool, or the answer's reward(answer, row))")
     return fn
 
 
@@ -136,18 +137,21 @@ class ToolEnv:
     def __init__(self, tools: Sequence[str | Callable[..., Any]] = (), format: str = "text",
                  reward: str | Callable[..., float] = exact_answer, call_reward: float = 0.0) -> None:
         if format not in ("chat", "text"):
-            raise ConfigError(f"[env] format = {format!r}: the tool-call format is 'chat' or 'text'")
+            raise ConfigError(f"[env] settings.format = {format!r}: the tool-call format is 'chat' or 'text'")
         self.format: Literal["chat", "text"] = "chat" if format == "chat" else "text"
+        if isinstance(tools, str) or not isinstance(tools, Sequence):
+            hint = f"; e.g. [{tools!r}]" if isinstance(tools, str) else ""
+            raise ConfigError(f"[env] settings.tools must be a list of 'module:function' strings, got {tools!r}{hint}")
         self.tools: dict[str, Callable[..., Any]] = {}
         for i, spec in enumerate(tools):
-            fn = _load(spec, f"[env] tools[{i}]")
+            fn = _load(spec, f"[env] settings.tools[{i}]")
             name = getattr(fn, "__name__", str(spec))
             if name in self.tools:
-                raise ConfigError(f"[env] tools: two tools are named {name!r}")
+                raise ConfigError(f"[env] settings.tools: two tools are named {name!r}")
             self.tools[name] = fn
-        self.reward = _load(reward, "[env] reward")
+        self.reward = _load(reward, "[env] settings.reward")
         if isinstance(call_reward, bool) or not isinstance(call_reward, int | float):
-            raise ConfigError(f"[env] call_reward must be a number, got {call_reward!r}")
+            raise ConfigError(f"[env] settings.call_reward must be a number, got {call_reward!r}")
         self.call_reward = float(call_reward)
         self.row: Mapping[str, Any] = {}
 

@@ -71,30 +71,40 @@ hangs (code it runs that loops, a request never answered) fails its run after te
 minutes instead of holding it for ever."""
 
 
-def split_function_spec(spec: object, *, key: str = "RuleRewardConfig.fn") -> tuple[str, str]:
+def split_function_spec(spec: object, *, key: str = "RuleRewardConfig.fn", form: str = "module:function",
+                        example: str = DEFAULT_REWARD_FN) -> tuple[str, str]:
     """``"module:function"`` as ``(module, function)``.
 
     Args:
         spec: the string.
         key: how the caller names the setting in messages (a config key).
+        form: the form messages ask for (``"module:Class"`` for a class).
+        example: a right value, shown in messages.
 
     Raises:
         ConfigError: ``spec`` is not a ``module:function`` string.
     """
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(f"{key} must be a 'module:function' string, got {spec!r}; e.g. {DEFAULT_REWARD_FN!r}")
+        raise ConfigError(f"{key} must be a {form!r} string, got {spec!r}; e.g. {example!r}")
     module_name, attr_path = spec.split(":")
     return module_name, attr_path
 
 
-def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") -> RewardFn:
+def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn", form: str = "module:function",
+                   example: str = DEFAULT_REWARD_FN,
+                   expected: str = "a function fn(prompts, completions, **columns) -> list[float]") -> RewardFn:
     """Resolve a reward function given as ``"module:function"`` (or return a callable).
 
-    ``function`` may be dotted (``"pkg.mod:Class.method"``).
+    ``function`` may be dotted (``"pkg.mod:Class.method"``). Other callables
+    (environment classes, tools) load through it too, named in messages by ``form``,
+    ``example`` and ``expected``.
 
     Args:
         spec: the import path, or the function itself.
         key: how the caller names the setting in messages (a config key).
+        form: the form messages ask for (``"module:Class"`` for a class).
+        example: a right value, shown in messages.
+        expected: what ``spec`` must name, for messages.
 
     Returns:
         The callable.
@@ -105,7 +115,7 @@ def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") ->
     """
     if callable(spec):
         return spec
-    module_name, attr_path = split_function_spec(spec, key=key)
+    module_name, attr_path = split_function_spec(spec, key=key, form=form, example=example)
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as e:  # the module's own code failing is the user's error too
@@ -120,10 +130,13 @@ def load_reward_fn(spec: str | RewardFn, *, key: str = "RuleRewardConfig.fn") ->
                               f"attribute {part!r}; check the name after ':'")
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"{key} = {spec!r} names a {type(target).__name__}, not a function "
-                          "fn(prompts, completions, **columns) -> list[float]")
+        raise ConfigError(f"{key} = {spec!r} names {_a(type(target).__name__)}, not {expected}")
     return target
 
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _import_fix(error: Exception, module_name: str) -> str:
