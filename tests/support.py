@@ -305,6 +305,13 @@ class DigitsEnv:
         return f"{len(action)}=", share / self.turns, self.seen >= self.turns
 
 
+class StepWithoutAction(DigitsEnv):
+    """``step`` written without its argument (a mistake the config check names)."""
+
+    async def step(self) -> tuple[str, float, bool]:  # type: ignore[override]
+        return "", 0.0, True
+
+
 def wait_for_a_checkpoint(proc: subprocess.Popen[str], checkpoints: Path, stderr: Path,
                           *, timeout_s: float = 200) -> None:
     """Wait until the ``asyncflow train`` run ``proc`` has a complete checkpoint

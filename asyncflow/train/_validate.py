@@ -7,6 +7,7 @@ starts), the environment and its demonstrations, then the algorithms' settings.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,15 @@ def _check_env(config: RunConfig) -> None:
     if not config.env.cls:
         raise ConfigError("[env] needs class = 'module:Class' (e.g. 'workers.episodes:ToolEnv')")
     # One is built, so that settings it refuses (a tool that does not import) fail now.
-    build_env(load_env_class(config.env.cls, key="[env] class"), config.env.settings)
+    env = build_env(load_env_class(config.env.cls, key="[env] class"), config.env.settings)
+    for method, argument in (("reset", "row"), ("step", "action")):  # else every episode would end in an error
+        try:
+            inspect.signature(getattr(env, method)).bind(None)
+        except TypeError as e:
+            raise ConfigError(f"[env] class = {config.env.cls!r}: {type(env).__name__}.{method} must take one "
+                              f"argument, the {argument} ({method}(self, {argument})): {e}") from None
+        except ValueError:  # no signature to read (a builtin): its calls will tell
+            pass
     if sampling_of(config).max_new_tokens > config.env.max_tokens:
         raise ConfigError(f"algorithm.sampling.max_new_tokens ({sampling_of(config).max_new_tokens}, a turn's "
                           f"budget) is more than [env] max_tokens ({config.env.max_tokens}, the episode's); "

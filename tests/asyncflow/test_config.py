@@ -151,6 +151,8 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("[env] settings.format = 'json'", "'chat' or 'text'")),
     ("env-class-not-a-class", {"env": {"class": "support:POLICY_NAMES"}},
      ("names a", "not a class with reset(row) and step(action)")),
+    ("env-step-signature", {"env": {"class": "support:StepWithoutAction"}},
+     ("[env] class = 'support:StepWithoutAction': StepWithoutAction.step must take one argument, the action",)),
     ("env-max-turns-huge", {"env": {"class": "support:DigitsEnv", "max_turns": 1_000_000}},
      ("[env] max_turns must be at most",)),
     ("data-max-prompt-tokens", {"data.max_prompt_tokens": -1}, ("data.max_prompt_tokens", ">= 0")),
