@@ -103,12 +103,10 @@ def demonstrate(problems: Sequence[ArithmeticProblem], tokenizer: CharTokenizer,
     timeout = episodes.timeout_s * (len(turns) + 2)
     futures = [loop.submit(_episode, _env(cls, episodes), {"prompt": p.prompt, "answer": p.answer},
                            [text for _, text in acts], timeout_s=timeout) for p, acts in zip(problems, actions, strict=True)]
-    try:
-        return [_tokens(p, acts, _answered(f, p, episodes), codec, episodes)
-                for p, acts, f in zip(problems, actions, futures, strict=True)]
-    finally:
-        for f in futures:
-            f.cancel()
+    # Not cancelled when one fails: each ends at its timeout, and a future cancelled
+    # as its episode failed would leave that error unread (asyncio logs it).
+    return [_tokens(p, acts, _answered(f, p, episodes), codec, episodes)
+            for p, acts, f in zip(problems, actions, futures, strict=True)]
 
 
 def _actions(problem: ArithmeticProblem, tokenizer: CharTokenizer, turns: Sequence[str]) -> list[tuple[list[int], str]]:
