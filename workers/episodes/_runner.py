@@ -131,6 +131,8 @@ class EpisodeRun:
                          for k in range(len(prompts) * n)]
         self.unfinished = len(self.episodes)
         self._calls: dict[concurrent.futures.Future[Any], _Call] = {}
+        self._unsaid: dict[str, int] = {}
+        """Per outcome, the episodes ended so after the first (which was logged)."""
         for k, episode in enumerate(self.episodes):
             self._submit(episode, "reset", dict(rows[k // n]))
 
@@ -152,7 +154,12 @@ class EpisodeRun:
         return ended
 
     def close(self) -> None:
-        """Stop the engine's run; calls still in flight finish unseen."""
+        """Stop the engine's run; calls still in flight finish unseen. Says how many
+        more episodes ended like the first of each kind that was logged."""
+        for outcome, count in self._unsaid.items():
+            if count:
+                log.warning("%s: %d more episode(s) ended (%s), as the one above", self.where, count, outcome)
+        self._unsaid.clear()
         self.run.close()
         for future in self._calls:
             future.cancel()
@@ -205,9 +212,17 @@ class EpisodeRun:
         if self.config.on_error == "fail":
             raise EpisodeError(f"{self.where}: {uid}: {reason} ([env] on_error = 'fail'; 'end' ends the "
                                "episode with reward 0 instead)")
-        log.warning("%s: %s ended (%s): %s", self.where, uid, outcome, reason)
+        self._say(outcome, f"{uid} ended ({outcome}): {reason}")
         episode.reason = reason
         self._end(episode, outcome, ended)
+
+    def _say(self, kind: str, line: str) -> None:
+        """Log ``line``, the first of its ``kind`` in this run; count the others."""
+        if kind in self._unsaid:
+            self._unsaid[kind] += 1
+        else:
+            self._unsaid[kind] = 0
+            log.warning("%s: %s", self.where, line)
 
     # ----- turns
 
@@ -215,6 +230,11 @@ class EpisodeRun:
         """Append ``observation`` and admit the next turn, unless the budget is spent."""
         left = self.config.max_tokens - len(episode.tokens) - len(observation)
         if left < 1:
+            if not episode.turns:  # no turn at all: every episode like it teaches nothing
+                episode.reason = (f"reset's observation is {len(observation)} tokens, which leaves no turn within "
+                                  f"[env] max_tokens = {self.config.max_tokens}")
+                self._say("budget before a turn", f"episode {episode.index} ended (budget) before its first "
+                                                  f"turn: {episode.reason}; raise max_tokens or shorten it")
             self._end(episode, "budget", ended)
             return
         episode.observe(observation)

@@ -294,3 +294,38 @@ def test_done_that_is_not_a_bool_breaks_the_protocol(done: Any) -> None:
 
     for ok in (True, False, 1, 0, np.bool_(True)):
         assert checked_step(("ok", 1.0, ok), "Env.step") == ("ok", 1.0, bool(ok))
+
+
+class AlwaysRaises(Broken):
+    async def step(self, action: str) -> Any:
+        raise RuntimeError("the tool server is down")
+
+
+class LongReset(Broken):
+    def reset(self, row: Mapping[str, Any]) -> str:
+        return "9" * 80
+
+
+def test_episodes_that_end_alike_are_logged_once_with_their_count(
+        model: PreTrainedModel, tokenizer: PromptTokenizer, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="workers.episodes"):
+        episodes = _run(Recording(model, tokenizer), tokenizer, EpisodeConfig(env=AlwaysRaises, max_turns=3,
+                                                                              max_tokens=64), prompts=4, n=2)
+    assert [e.outcome for e in episodes] == ["error"] * 8
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"test: episode \d ended \(error\): \S*AlwaysRaises\.step raised RuntimeError: the tool "
+                        r"server is down", lines[0]), lines
+    assert lines[1] == "test: 7 more episode(s) ended (error), as the one above"
+
+
+def test_a_first_observation_that_leaves_no_turn_is_said(
+        model: PreTrainedModel, tokenizer: PromptTokenizer, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="workers.episodes"):
+        episodes = _run(Recording(model, tokenizer), tokenizer, EpisodeConfig(env=LongReset, max_turns=3,
+                                                                              max_tokens=64), prompts=2, n=1)
+    assert [(e.outcome, e.turns) for e in episodes] == [("budget", 0)] * 2
+    assert "reset's observation is" in episodes[0].reason and "[env] max_tokens = 64" in episodes[0].reason
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "ended (budget) before its first turn" in lines[0], lines
+    assert lines[1] == "test: 1 more episode(s) ended (budget before a turn), as the one above"
