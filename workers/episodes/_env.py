@@ -125,6 +125,10 @@ def checked_step(value: Any, where: str) -> StepResult:
     return checked_observation(observation, where), float(reward), bool(done)
 
 
+ENV_THREADS = 64
+"""Threads the environment loop runs plain (synchronous) methods on."""
+
+
 class EnvLoop:
     """An event loop on a thread of its own, where environment calls run.
 
@@ -138,7 +142,8 @@ class EnvLoop:
     _shared: EnvLoop | None = None
     _lock = threading.Lock()
 
-    def __init__(self, *, threads: int = 64) -> None:
+    def __init__(self, *, threads: int = ENV_THREADS) -> None:
+        self.threads = threads
         self.loop = asyncio.new_event_loop()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env")
         self.loop.set_default_executor(self._pool)
@@ -156,19 +161,36 @@ class EnvLoop:
     def submit(self, method: Callable[..., Any], *args: Any, timeout_s: float) -> concurrent.futures.Future[Any]:
         """Call ``method(*args)`` on the loop, giving up after ``timeout_s``
         (the future then holds ``TimeoutError``)."""
-        return asyncio.run_coroutine_threadsafe(_call(method, args, timeout_s), self.loop)
+        return asyncio.run_coroutine_threadsafe(_call(method, args, timeout_s, self.threads), self.loop)
 
 
-async def _call(method: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
+class EnvThreadsBusy(TimeoutError):
+    """A plain method's call did not start within its timeout: every thread of the
+    environment loop was running a call that hangs."""
+
+
+async def _call(method: Callable[..., Any], args: tuple[Any, ...], timeout_s: float, threads: int) -> Any:
+    started = threading.Event()
+
+    def call() -> Any:
+        started.set()
+        return method(*args)
+
     async def run() -> Any:
         if inspect.iscoroutinefunction(method):
             return await method(*args)
-        out = await asyncio.get_running_loop().run_in_executor(None, lambda: method(*args))
+        out = await asyncio.get_running_loop().run_in_executor(None, call)
         if inspect.isawaitable(out):  # a plain function that returned a coroutine
             return await _awaited(out)
         return out
 
-    return await asyncio.wait_for(run(), timeout_s)
+    try:
+        return await asyncio.wait_for(run(), timeout_s)
+    except TimeoutError:
+        if inspect.iscoroutinefunction(method) or started.is_set():
+            raise
+        raise EnvThreadsBusy(f"did not start within {timeout_s:g} s: all {threads} threads of the "
+                             "environment loop run calls that hang") from None
 
 
 async def _awaited(value: Awaitable[Any]) -> Any:

@@ -29,6 +29,7 @@ from workers.episodes._codec import ObservationCodec
 from workers.episodes._config import MAX_TURNS_LIMIT, EpisodeConfig
 from workers.episodes._env import (
     EnvLoop,
+    EnvThreadsBusy,
     build_env,
     checked_observation,
     checked_step,
@@ -186,6 +187,8 @@ class EpisodeRun:
                     self._next_turn(episode, tokens, ended)
                 else:
                     self._stepped(episode, *checked_step(value, self._name("step")), ended)
+            except EnvThreadsBusy as e:  # not its own fault: the calls before it hang
+                self._failed(episode, "timeout", f"{self._name(call.method)} {e}", ended)
             except (TimeoutError, concurrent.futures.TimeoutError):
                 self._failed(episode, "timeout", f"{self._name(call.method)} took more than "
                              f"{self.config.timeout_s:g} s", ended)

@@ -329,3 +329,21 @@ def test_a_first_observation_that_leaves_no_turn_is_said(
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "ended (budget) before its first turn" in lines[0], lines
     assert lines[1] == "test: 1 more episode(s) ended (budget before a turn), as the one above"
+
+
+def test_a_call_that_cannot_start_for_calls_that_hang_is_not_blamed_for_hanging() -> None:
+    from workers.episodes._env import EnvLoop, EnvThreadsBusy
+
+    release = threading.Event()
+    loop = EnvLoop(threads=1)
+    try:
+        stuck = loop.submit(lambda: release.wait(60), timeout_s=0.2)
+        queued = loop.submit(lambda: "answered", timeout_s=0.2)
+        with pytest.raises(TimeoutError) as hung:
+            stuck.result(timeout=30)
+        assert not isinstance(hung.value, EnvThreadsBusy)  # it ran, and took too long
+        with pytest.raises(EnvThreadsBusy, match=r"did not start within 0.2 s: all 1 threads of the environment "
+                                                 r"loop run calls that hang"):
+            queued.result(timeout=30)
+    finally:
+        release.set()
