@@ -399,6 +399,8 @@ class EnvSection(msgspec.Struct, **_CFG):
         if self.cls:  # required: validate says so when it is missing
             split_function_spec(self.cls, key="[env] class", form="module:Class", example="workers.episodes:ToolEnv")
         at_least("[env] max_turns", self.max_turns, 1)
+        if "{observation}" not in self.text_template:  # else the workers find it, once they are up
+            raise ConfigError(f"[env] text_template = {self.text_template!r} has no '{{observation}}' to fill in")
         if self.max_turns > MAX_TURNS_LIMIT:
             raise ConfigError(f"[env] max_turns must be at most {MAX_TURNS_LIMIT}, got {self.max_turns}")
         at_least("[env] max_tokens", self.max_tokens, 1)

@@ -153,6 +153,8 @@ BAD: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
      ("names a", "not a class with reset(row) and step(action)")),
     ("env-step-signature", {"env": {"class": "support:StepWithoutAction"}},
      ("[env] class = 'support:StepWithoutAction': StepWithoutAction.step must take one argument, the action",)),
+    ("env-text-template", {"env": {"class": "support:DigitsEnv", "text_template": "=[{obs}];"}},
+     ("[env] text_template = '=[{obs}];' has no '{observation}'",)),
     ("env-max-turns-huge", {"env": {"class": "support:DigitsEnv", "max_turns": 1_000_000}},
      ("[env] max_turns must be at most",)),
     ("data-max-prompt-tokens", {"data.max_prompt_tokens": -1}, ("data.max_prompt_tokens", ">= 0")),
