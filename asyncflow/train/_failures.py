@@ -16,7 +16,8 @@ from channels import AsyncflowError
 class RunInterruptedError(AsyncflowError):
     """A run stopped because a worker process died, a call on it stalled past its
     timeout (a weight pull), or SIGTERM / SIGINT asked it to (see
-    :class:`~asyncflow.train._signals.StopRequest`); the message names why and the
+    :class:`~asyncflow.train._signals.StopRequest`: after the step under way, or at
+    once before the first step or at a second signal); the message names why and the
     checkpoint to continue from."""
 
 
