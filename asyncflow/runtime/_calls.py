@@ -11,14 +11,13 @@ import asyncio
 import difflib
 import inspect
 import itertools
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from asyncflow.runtime._future import DataFuture
 from asyncflow.runtime._resolved import Resolved
-from channels import AsyncflowError, Batch, Layout, MissingFieldError
+from channels import AsyncflowError, Layout, MissingFieldError
 from workers import CallInfo, Endpoint, FieldContract
 
 _call_ids = itertools.count(1)
@@ -104,17 +103,6 @@ def bind_call(*, role: str, config: Any, endpoint: Endpoint[Any, Any], layout: L
     return call
 
 
-_BATCH_SOURCE = re.compile(r"(channels\.)?Batch(\s*\|\s*None)?|None\s*\|\s*(channels\.)?Batch|Optional\[(channels\.)?Batch\]")
-
-
-def _is_data_parameter(annotation: Any) -> bool:
-    """Whether a parameter is a data argument: annotated ``Batch`` or ``Batch | None``
-    (as the mypy plugin reads it), in source text or as the types."""
-    if isinstance(annotation, str):
-        return _BATCH_SOURCE.fullmatch(annotation.strip()) is not None
-    return annotation is Batch or annotation == Batch | None or annotation == Optional[Batch]  # noqa: UP045
-
-
 def _check_data_arguments(role: str, endpoint: Endpoint[Any, Any], arguments: Mapping[str, Any]) -> None:
     """Refuse rows, tensors or anything else but a future (or None) for a data
     argument: its rows reach the ranks from where they were made, never through the
@@ -123,9 +111,9 @@ def _check_data_arguments(role: str, endpoint: Endpoint[Any, Any], arguments: Ma
     Raises:
         CallArgumentError: naming the argument, what was passed and how to make a future.
     """
-    for name, param in endpoint.spec.signature.parameters.items():
+    for name in endpoint.spec.data_parameters:
         value = arguments.get(name)
-        if value is None or isinstance(value, DataFuture) or not _is_data_parameter(param.annotation):
+        if value is None or isinstance(value, DataFuture):
             continue
         raise CallArgumentError(
             f"{role}.{endpoint.spec.name}: {name} is a data argument (annotated Batch), so it takes a DataFuture "

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Generic, Optional, ParamSpec, TypeVar, overload
 
-from channels import DP, ConfigError, TransferProtocol
+from channels import DP, Batch, ConfigError, TransferProtocol
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -92,6 +93,9 @@ class MethodSpec:
     (used by ``DP(balance="tokens")``)."""
     signature: inspect.Signature
     """The method's signature, for argument checks at call time."""
+    data_parameters: frozenset[str] = frozenset()
+    """Its data arguments: the parameters annotated ``Batch`` or ``Batch | None`` (as
+    the mypy plugin reads them); a call gives them futures, never rows."""
     streams: bool = False
     """Whether the method is a generator that reports rows as they finish (see
     ``workers.host._streaming``): it can then be called with ``stream=...``."""
@@ -116,6 +120,16 @@ class MethodSpec:
             writes=None if writes is None else _names(self.name, "writes", writes),
             carries=self.carries,
         )
+
+
+_BATCH_SOURCE = re.compile(r"(channels\.)?Batch(\s*\|\s*None)?|None\s*\|\s*(channels\.)?Batch|Optional\[(channels\.)?Batch\]")
+
+
+def _is_batch(annotation: Any) -> bool:
+    """Annotated ``Batch`` or ``Batch | None``, in source text or as the types."""
+    if isinstance(annotation, str):
+        return _BATCH_SOURCE.fullmatch(annotation.strip()) is not None
+    return annotation is Batch or annotation == Batch | None or annotation == Optional[Batch]  # noqa: UP045
 
 
 def _evaluate(decl: Any, info: CallInfo) -> Any:
@@ -224,6 +238,7 @@ def register(
             name=fn.__name__, protocol=proto, reads=_frozen(reads), optional=_frozen(optional),
             writes=writes if writes is None or callable(writes) else tuple(writes),
             carries=carries, row_lengths=row_lengths, signature=sig,
+            data_parameters=frozenset(n for n, p in sig.parameters.items() if _is_batch(p.annotation)),
             streams=inspect.isgeneratorfunction(fn),
         )
         return Endpoint(fn, spec)

@@ -139,7 +139,10 @@ def check_returned_rows(where: str, endpoint: Endpoint[Any, Any], out: Any) -> N
         return
     declared = endpoint.spec.writes
     fields = f"writes={list(declared)}" if isinstance(declared, tuple) else "writes"
-    got = "None" if out is None else f"a {type(out).__name__}" + (" (empty)" if isinstance(out, Mapping) else "")
+    got = "None" if out is None else f"a {type(out).__name__}"
+    if isinstance(out, Mapping):  # as_rows takes a non-empty one of tensors only
+        odd = next(((k, v) for k, v in out.items() if not isinstance(v, torch.Tensor)), None)
+        got += " (empty)" if odd is None else f" whose {odd[0]!r} is a {type(odd[1]).__name__}, not a tensor"
     raise MissingFieldError(f"{where} declares {fields} but returned {got}, not rows; return a Batch or a "
                             "dict of tensors with one row per input row")
 
